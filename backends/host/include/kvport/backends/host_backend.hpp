@@ -1,0 +1,43 @@
+// The host (CPU) backend: kvport's embedded default, and a memory checker.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "kvport/platform/backend.hpp"
+
+namespace kvport {
+
+struct HostBackendOptions {
+  /// Capacity reported by mem_info and enforced by alloc. Unset: the
+  /// `KVPORT_HOST_MEMORY` environment variable (a byte size such as "8GiB"),
+  /// else the machine's physical RAM.
+  std::optional<std::size_t> capacity_bytes;
+};
+
+/// Creates a host backend.
+///
+/// - Streams are real: each one is a worker thread running a FIFO queue, so
+///   `*_async` calls return before the work is done, exactly as on a GPU.
+/// - Every operation is checked against the live allocations: the range must
+///   lie inside ONE allocation. A bad pointer, an out-of-bounds range or a use
+///   after free throws InvalidArgument when the call is made; if the memory is
+///   freed between the call and its execution, the error is deferred to the
+///   stream's next `synchronize`.
+/// - Allocations are 256-byte aligned; `free` waits for operations that are
+///   executing (not merely queued) on that memory, as cudaFree synchronizes.
+///
+/// Throws InvalidArgument when KVPORT_HOST_MEMORY is set but unparsable.
+std::unique_ptr<Backend> make_host_backend(HostBackendOptions options = {});
+
+/// Registry hooks: a host backend with default options, and its device probe
+/// (always available: returns an empty reason).
+std::unique_ptr<Backend> make_default_host_backend();
+std::string probe_host_backend();
+
+/// Physical RAM of this machine in bytes.
+std::size_t host_physical_memory() noexcept;
+
+}  // namespace kvport

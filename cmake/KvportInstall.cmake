@@ -1,0 +1,27 @@
+# `cmake --install` produces a CMake package: find_package(kvport) gives
+# kvport::core, kvport::host, kvport::backends and kvport::platform.
+include(GNUInstallDirs)
+include(CMakePackageConfigHelpers)
+
+set(KVPORT_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/kvport)
+
+install(TARGETS kvport_platform kvport_core kvport_backends ${KVPORT_BACKEND_TARGETS}
+        EXPORT kvportTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(DIRECTORY platform/include/ core/include/ backends/host/include/
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT kvportTargets NAMESPACE kvport:: DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
+
+configure_package_config_file(cmake/kvportConfig.cmake.in
+  ${PROJECT_BINARY_DIR}/kvportConfig.cmake
+  INSTALL_DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/kvportConfigVersion.cmake
+  COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/kvportConfig.cmake
+              ${PROJECT_BINARY_DIR}/kvportConfigVersion.cmake
+        DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
+if(TARGET kvport)
+  install(TARGETS kvport RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()

@@ -1,0 +1,220 @@
+// PagedKvCache: per-layer K/V block pools, refcounts and a LIFO free list over
+// any kvport backend.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <source_location>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvport/core/block_trace.hpp"
+#include "kvport/core/kv_cache_config.hpp"
+#include "kvport/platform/backend.hpp"
+
+namespace kvport {
+
+using BlockId = std::uint32_t;
+
+/// Monotonic counters since construction.
+struct KvCacheCounters {
+  std::uint64_t allocs = 0;               ///< successful alloc_block / try_alloc_block
+  std::uint64_t frees = 0;                ///< blocks returned to the free list
+  std::uint64_t ignored_double_frees = 0; ///< dec_ref / return_evicted_block at refcount 0
+  std::uint64_t exhaustion_events = 0;    ///< allocations that found no free block
+  std::size_t peak_blocks_in_use = 0;
+};
+
+/// The result of check_invariants().
+struct InvariantReport {
+  bool ok = true;
+  std::size_t blocks_checked = 0;
+  std::size_t free_blocks = 0;
+  std::size_t blocks_in_use = 0;
+  /// One human-readable line per violation (capped at 32, then a count).
+  std::vector<std::string> violations;
+
+  /// "ok: N blocks, F free, U in use" or the violations, one per line.
+  std::string to_string() const;
+};
+
+struct PagedKvCacheOptions {
+  /// Per-block refcount history. Unset: `KVPORT_KV_TRACE` decides.
+  std::optional<bool> trace;
+  std::size_t trace_depth = BlockTrace::kDefaultDepth;
+};
+
+/// A paged KV cache: `num_blocks` blocks, each holding block_size tokens of K
+/// and V for every layer.
+///
+/// Not thread-safe: one scheduler thread owns it (as in vLLM and the
+/// reference). Device work goes to the stream passed in; host-side state
+/// changes are immediate.
+class PagedKvCache {
+ public:
+  /// Validates `config` and allocates the pools on `backend`: 2 * num_layers
+  /// allocations in layer-major layout, 1 in block-major. If an allocation
+  /// fails midway, everything allocated so far is freed before the exception
+  /// (OutOfMemory, BackendError) propagates. Throws InvalidArgument for a bad
+  /// config, num_blocks == 0 or num_blocks > 2^32 - 1. `backend` must outlive
+  /// the cache. Pool contents are unspecified until zeroed.
+  PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
+               PagedKvCacheOptions options = {});
+  ~PagedKvCache();
+  PagedKvCache(const PagedKvCache&) = delete;
+  PagedKvCache& operator=(const PagedKvCache&) = delete;
+  PagedKvCache(PagedKvCache&&) noexcept;
+  PagedKvCache& operator=(PagedKvCache&&) = delete;
+
+  /// How many blocks of `config` fit in `available_bytes`. Throws
+  /// InvalidArgument when the config is invalid (including a zero block size).
+  static std::size_t compute_num_blocks(const KvCacheConfig& config, std::size_t available_bytes);
+
+  // ---- allocation and refcounts (O(1), no device work) ----------------------
+
+  /// Pops the free list (LIFO: a fresh cache yields 0, 1, 2, ...; a freed block
+  /// is reused first) and sets its refcount to 1. Throws CacheExhausted
+  /// ("KV cache exhausted: no free blocks").
+  BlockId alloc_block(std::source_location where = std::source_location::current());
+
+  /// As alloc_block, but returns nullopt when no block is free.
+  std::optional<BlockId> try_alloc_block(
+      std::source_location where = std::source_location::current());
+
+  /// Adds a reference (prefix sharing). Throws InvalidArgument when the block
+  /// is out of range or free (refcount 0): sharing a free block would alias
+  /// it with its next owner.
+  void inc_ref(BlockId block, std::source_location where = std::source_location::current());
+
+  /// Drops a reference; returns true when the block went back to the free
+  /// list. At refcount 0 the call is a caller bug: it is logged (with the
+  /// block's trace history when tracing is on), counted in
+  /// ignored_double_frees, and ignored. Throws InvalidArgument out of range.
+  bool dec_ref(BlockId block, std::source_location where = std::source_location::current());
+
+  /// Same as dec_ref, for call sites that mean "I am done with this block".
+  bool free_block(BlockId block, std::source_location where = std::source_location::current());
+
+  /// dec_ref on every id of a block table, in order. Validates every id first,
+  /// so an out-of-range id throws before any refcount changes.
+  void free_blocks(std::span<const BlockId> table,
+                   std::source_location where = std::source_location::current());
+
+  /// The prefix cache hands back a block it held a reference on (after
+  /// evicting it). Like dec_ref; at refcount 0 it warns, counts, and ignores
+  /// the call rather than push the block onto the free list twice.
+  void return_evicted_block(BlockId block,
+                            std::source_location where = std::source_location::current());
+
+  std::uint32_t ref_count(BlockId block) const;
+  std::size_t num_free_blocks() const noexcept { return free_list_.size(); }
+  std::size_t num_blocks() const noexcept { return num_blocks_; }
+  std::size_t num_blocks_in_use() const noexcept { return num_blocks_ - free_list_.size(); }
+
+  // ---- pointers and strides --------------------------------------------------
+
+  /// Address of `block`'s K (V) data for `layer`. Throws InvalidArgument for an
+  /// out-of-range layer or block.
+  DevicePtr k_cache_ptr(std::size_t layer, BlockId block) const;
+  DevicePtr v_cache_ptr(std::size_t layer, BlockId block) const;
+
+  /// Address of block 0's K (V) data for `layer`; block b lives at
+  /// pool + b * stride.
+  DevicePtr k_pool_ptr(std::size_t layer) const;
+  DevicePtr v_pool_ptr(std::size_t layer) const;
+
+  /// Bytes between consecutive blocks of `layer`'s K (V) data: the region size
+  /// in layer-major layout, the whole block (all layers) in block-major.
+  std::size_t k_block_stride(std::size_t layer) const;
+  std::size_t v_block_stride(std::size_t layer) const;
+
+  /// Bytes of `layer`'s K (V) region in one block (what read_block returns).
+  std::size_t k_block_bytes(std::size_t layer) const;
+  std::size_t v_block_bytes(std::size_t layer) const;
+
+  KvCacheDtype dtype_for_layer(std::size_t layer) const;
+  const KvCacheConfig& config() const noexcept { return config_; }
+  std::size_t num_layers() const noexcept { return config_.num_layers; }
+  /// Bytes of all pools together.
+  std::size_t total_bytes() const noexcept { return total_bytes_; }
+  Backend& backend() const noexcept { return *backend_; }
+
+  // ---- device work -------------------------------------------------------------
+
+  /// Sets every layer's K and V bytes of the given blocks to 0 (0xFF for
+  /// poison), queued on `stream`. ONE backend fill_async call per batch,
+  /// whatever the batch size: ids are sorted and deduplicated, contiguous runs
+  /// coalesce into one region per pool (one region in block-major layout).
+  /// Throws InvalidArgument (before any device work) for an out-of-range id.
+  /// An empty batch queues nothing.
+  void zero_blocks(std::span<const BlockId> blocks, StreamView stream);
+  void poison_blocks(std::span<const BlockId> blocks, StreamView stream);
+  void zero_block(BlockId block, StreamView stream) { zero_blocks({&block, 1}, stream); }
+  void poison_block(BlockId block, StreamView stream) { poison_blocks({&block, 1}, stream); }
+
+  /// Number of fill regions the last zero/poison batch used (for tests and
+  /// benchmarks that check coalescing).
+  std::size_t last_fill_regions() const noexcept { return scratch_regions_.size(); }
+
+  /// Copies `layer`'s K and V bytes of `block` to the host, synchronizing
+  /// `stream` (work queued before on it is ordered first).
+  struct HostBlock {
+    std::vector<std::uint8_t> k;
+    std::vector<std::uint8_t> v;
+  };
+  HostBlock read_block(std::size_t layer, BlockId block, StreamView stream) const;
+
+  /// Copies host bytes into `layer`'s K and V of `block` and synchronizes.
+  /// The spans must be exactly k_block_bytes(layer) / v_block_bytes(layer)
+  /// long (InvalidArgument otherwise).
+  void write_block(std::size_t layer, BlockId block, std::span<const std::uint8_t> k,
+                   std::span<const std::uint8_t> v, StreamView stream);
+
+  // ---- diagnostics -------------------------------------------------------------
+
+  /// Checks: every block is on the free list exactly once with refcount 0, or
+  /// off it with refcount > 0. O(num_blocks).
+  InvariantReport check_invariants() const;
+
+  const KvCacheCounters& counters() const noexcept { return counters_; }
+  const BlockTrace& trace() const noexcept { return trace_; }
+
+ private:
+  struct Pool {
+    DevicePtr k_base;       // block 0 of this layer's K
+    DevicePtr v_base;
+    std::size_t k_bytes;    // region size
+    std::size_t v_bytes;
+    std::size_t k_stride;   // distance between blocks
+    std::size_t v_stride;
+    KvCacheDtype dtype;
+  };
+
+  void check_block(BlockId block, const char* op) const;
+  void check_layer(std::size_t layer, const char* op) const;
+  BlockId take_free(BlockOp op, const std::source_location& where);
+  bool release(BlockId block, BlockOp op, const std::source_location& where);
+  void fill_blocks(std::span<const BlockId> blocks, std::uint8_t value, StreamView stream,
+                   const char* op);
+  void release_pools() noexcept;
+
+  KvCacheConfig config_;
+  std::size_t num_blocks_ = 0;
+  Backend* backend_ = nullptr;
+  std::vector<DevicePtr> allocations_;
+  std::vector<Pool> pools_;
+  std::size_t block_major_stride_ = 0;  // 0 in layer-major layout
+  std::size_t total_bytes_ = 0;
+
+  std::vector<BlockId> free_list_;  // top of the stack at the back
+  std::vector<std::uint32_t> ref_counts_;
+  KvCacheCounters counters_;
+  BlockTrace trace_;
+
+  std::vector<BlockId> scratch_ids_;
+  std::vector<FillRegion> scratch_regions_;
+};
+
+}  // namespace kvport

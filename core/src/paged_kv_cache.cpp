@@ -1,0 +1,425 @@
+#include "kvport/core/paged_kv_cache.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport {
+namespace {
+
+constexpr std::uint8_t kPoisonByte = 0xFF;
+
+std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, const char* what) {
+  if (block_bytes != 0 && num_blocks > std::numeric_limits<std::size_t>::max() / block_bytes) {
+    throw InvalidArgument(fmt::format("PagedKvCache: {} pool of {} blocks x {} bytes overflows size_t",
+                                      what, num_blocks, block_bytes));
+  }
+  return num_blocks * block_bytes;
+}
+
+}  // namespace
+
+std::string InvariantReport::to_string() const {
+  if (ok) {
+    return fmt::format("ok: {} blocks, {} free, {} in use", blocks_checked, free_blocks,
+                       blocks_in_use);
+  }
+  std::string out = fmt::format("FAILED: {} violation(s) in {} blocks", violations.size(),
+                                blocks_checked);
+  for (const std::string& v : violations) out += "\n  " + v;
+  return out;
+}
+
+PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
+                           PagedKvCacheOptions options)
+    : config_(std::move(config)),
+      num_blocks_(num_blocks),
+      backend_(&backend),
+      trace_(0, false) {
+  config_.validate();
+  if (num_blocks == 0) throw InvalidArgument("PagedKvCache: num_blocks must be > 0");
+  if (num_blocks > std::numeric_limits<BlockId>::max()) {
+    throw InvalidArgument(fmt::format("PagedKvCache: num_blocks = {} exceeds the 32-bit block id range",
+                                      num_blocks));
+  }
+  const std::size_t per_block = config_.bytes_per_block();
+  total_bytes_ = checked_pool_bytes(num_blocks, per_block, "total");
+
+  pools_.reserve(config_.num_layers);
+  try {
+    if (config_.layout == KvCacheLayout::layer_major) {
+      allocations_.reserve(2 * config_.num_layers);
+      for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
+        const std::size_t k = config_.k_block_bytes(layer);
+        const std::size_t v = config_.v_block_bytes(layer);
+        DevicePtr k_pool = backend.alloc(checked_pool_bytes(num_blocks, k, "K"));
+        allocations_.push_back(k_pool);
+        DevicePtr v_pool = backend.alloc(checked_pool_bytes(num_blocks, v, "V"));
+        allocations_.push_back(v_pool);
+        pools_.push_back(Pool{k_pool, v_pool, k, v, k, v, config_.dtype_for_layer(layer)});
+      }
+    } else {
+      block_major_stride_ = per_block;
+      DevicePtr base = backend.alloc(total_bytes_);
+      allocations_.push_back(base);
+      std::size_t offset = 0;
+      for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
+        const std::size_t k = config_.k_block_bytes(layer);
+        const std::size_t v = config_.v_block_bytes(layer);
+        pools_.push_back(Pool{base.offset(offset), base.offset(offset + k), k, v, per_block,
+                              per_block, config_.dtype_for_layer(layer)});
+        offset += k + v;
+      }
+    }
+  } catch (...) {
+    release_pools();
+    throw;
+  }
+
+  free_list_.resize(num_blocks);
+  for (std::size_t i = 0; i < num_blocks; ++i) {
+    free_list_[i] = static_cast<BlockId>(num_blocks - 1 - i);  // pop_back yields 0, 1, 2, ...
+  }
+  ref_counts_.assign(num_blocks, 0);
+  trace_ = BlockTrace(num_blocks, options.trace.value_or(BlockTrace::enabled_by_env()),
+                      options.trace_depth);
+
+  const double gib = static_cast<double>(total_bytes_) / (1024.0 * 1024.0 * 1024.0);
+  if (const std::size_t hp = config_.num_override_layers(); hp > 0) {
+    log::info(fmt::format(
+        "KV cache on {}: {} blocks x {} layers ({} high-precision) = {:.2f} GiB total (mixed "
+        "dtype, {})",
+        backend.name(), num_blocks, config_.num_layers, hp, gib, kvport::to_string(config_.layout)));
+  } else {
+    log::info(fmt::format("KV cache on {}: {} blocks x {} layers x {} bytes/block = {:.2f} GiB total "
+                          "({}, {})",
+                          backend.name(), num_blocks, config_.num_layers,
+                          per_block / config_.num_layers, gib, kvport::to_string(config_.dtype),
+                          kvport::to_string(config_.layout)));
+  }
+}
+
+PagedKvCache::~PagedKvCache() { release_pools(); }
+
+PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
+    : config_(std::move(other.config_)),
+      num_blocks_(other.num_blocks_),
+      backend_(other.backend_),
+      allocations_(std::exchange(other.allocations_, {})),
+      pools_(std::move(other.pools_)),
+      block_major_stride_(other.block_major_stride_),
+      total_bytes_(other.total_bytes_),
+      free_list_(std::move(other.free_list_)),
+      ref_counts_(std::move(other.ref_counts_)),
+      counters_(other.counters_),
+      trace_(std::move(other.trace_)),
+      scratch_ids_(std::move(other.scratch_ids_)),
+      scratch_regions_(std::move(other.scratch_regions_)) {
+  other.num_blocks_ = 0;
+  other.pools_.clear();
+  other.free_list_.clear();
+  other.ref_counts_.clear();
+}
+
+void PagedKvCache::release_pools() noexcept {
+  for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it) backend_->free(*it);
+  allocations_.clear();
+}
+
+std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
+                                             std::size_t available_bytes) {
+  config.validate();
+  const std::size_t per_block = config.bytes_per_block();
+  if (per_block == 0) throw InvalidArgument("PagedKvCache: KV cache block size is zero");
+  return available_bytes / per_block;
+}
+
+// ---- checks -------------------------------------------------------------------------
+
+void PagedKvCache::check_block(BlockId block, const char* op) const {
+  if (block >= num_blocks_) {
+    throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
+                                      block, num_blocks_));
+  }
+}
+
+void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
+  if (layer >= pools_.size()) {
+    throw InvalidArgument(fmt::format("PagedKvCache::{}: layer {} out of range (num_layers = {})",
+                                      op, layer, pools_.size()));
+  }
+}
+
+// ---- allocation and refcounts ----------------------------------------------------------
+
+BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& where) {
+  const BlockId block = free_list_.back();
+  free_list_.pop_back();
+  ref_counts_[block] = 1;
+  ++counters_.allocs;
+  const std::size_t in_use = num_blocks_ - free_list_.size();
+  if (in_use > counters_.peak_blocks_in_use) counters_.peak_blocks_in_use = in_use;
+  if (trace_.is_on()) trace_.record(block, op, 1, where);
+  return block;
+}
+
+BlockId PagedKvCache::alloc_block(std::source_location where) {
+  if (free_list_.empty()) {
+    ++counters_.exhaustion_events;
+    throw CacheExhausted();
+  }
+  return take_free(BlockOp::alloc, where);
+}
+
+std::optional<BlockId> PagedKvCache::try_alloc_block(std::source_location where) {
+  if (free_list_.empty()) {
+    ++counters_.exhaustion_events;
+    return std::nullopt;
+  }
+  return take_free(BlockOp::try_alloc, where);
+}
+
+void PagedKvCache::inc_ref(BlockId block, std::source_location where) {
+  check_block(block, "inc_ref");
+  std::uint32_t& rc = ref_counts_[block];
+  if (rc == 0) {
+    throw InvalidArgument(fmt::format(
+        "PagedKvCache::inc_ref: block {} is free (refcount 0) at {}:{}; sharing it would alias it "
+        "with its next owner\n{}",
+        block, where.file_name(), where.line(), trace_.dump(block)));
+  }
+  if (rc == std::numeric_limits<std::uint32_t>::max()) {
+    throw InvalidArgument(fmt::format("PagedKvCache::inc_ref: block {} refcount would overflow", block));
+  }
+  ++rc;
+  if (trace_.is_on()) trace_.record(block, BlockOp::inc, rc, where);
+}
+
+bool PagedKvCache::release(BlockId block, BlockOp op, const std::source_location& where) {
+  std::uint32_t& rc = ref_counts_[block];
+  if (rc == 0) {
+    ++counters_.ignored_double_frees;
+    if (trace_.is_on()) trace_.record(block, BlockOp::ignored_dec, 0, where);
+    const bool evict = op == BlockOp::evict_return;
+    const std::string message = fmt::format(
+        "PagedKvCache::{} on block {} with 0 refs (from {}:{} in {}) - {}; ignored{}",
+        evict ? "return_evicted_block" : "dec_ref", block, where.file_name(), where.line(),
+        where.function_name(),
+        evict ? "the prefix cache returned a block it holds no reference on"
+              : "refcount bug (a double free); it would otherwise wrap the count and pin the block",
+        trace_.is_on() ? "\n  history:\n" + trace_.dump(block)
+                       : std::string(" [set KVPORT_KV_TRACE=1 for this block's history]"));
+    if (evict) {
+      log::warn(message);
+    } else {
+      log::error(message);
+    }
+    return false;
+  }
+  --rc;
+  if (trace_.is_on()) trace_.record(block, op, rc, where);
+  if (rc != 0) return false;
+  free_list_.push_back(block);
+  ++counters_.frees;
+  return true;
+}
+
+bool PagedKvCache::dec_ref(BlockId block, std::source_location where) {
+  check_block(block, "dec_ref");
+  return release(block, BlockOp::dec, where);
+}
+
+bool PagedKvCache::free_block(BlockId block, std::source_location where) {
+  check_block(block, "free_block");
+  return release(block, BlockOp::dec, where);
+}
+
+void PagedKvCache::free_blocks(std::span<const BlockId> table, std::source_location where) {
+  for (BlockId block : table) check_block(block, "free_blocks");
+  for (BlockId block : table) release(block, BlockOp::dec, where);
+}
+
+void PagedKvCache::return_evicted_block(BlockId block, std::source_location where) {
+  check_block(block, "return_evicted_block");
+  release(block, BlockOp::evict_return, where);
+}
+
+std::uint32_t PagedKvCache::ref_count(BlockId block) const {
+  check_block(block, "ref_count");
+  return ref_counts_[block];
+}
+
+// ---- pointers ----------------------------------------------------------------------------
+
+DevicePtr PagedKvCache::k_cache_ptr(std::size_t layer, BlockId block) const {
+  check_layer(layer, "k_cache_ptr");
+  check_block(block, "k_cache_ptr");
+  return pools_[layer].k_base.offset(block * pools_[layer].k_stride);
+}
+
+DevicePtr PagedKvCache::v_cache_ptr(std::size_t layer, BlockId block) const {
+  check_layer(layer, "v_cache_ptr");
+  check_block(block, "v_cache_ptr");
+  return pools_[layer].v_base.offset(block * pools_[layer].v_stride);
+}
+
+DevicePtr PagedKvCache::k_pool_ptr(std::size_t layer) const {
+  check_layer(layer, "k_pool_ptr");
+  return pools_[layer].k_base;
+}
+
+DevicePtr PagedKvCache::v_pool_ptr(std::size_t layer) const {
+  check_layer(layer, "v_pool_ptr");
+  return pools_[layer].v_base;
+}
+
+std::size_t PagedKvCache::k_block_stride(std::size_t layer) const {
+  check_layer(layer, "k_block_stride");
+  return pools_[layer].k_stride;
+}
+
+std::size_t PagedKvCache::v_block_stride(std::size_t layer) const {
+  check_layer(layer, "v_block_stride");
+  return pools_[layer].v_stride;
+}
+
+std::size_t PagedKvCache::k_block_bytes(std::size_t layer) const {
+  check_layer(layer, "k_block_bytes");
+  return pools_[layer].k_bytes;
+}
+
+std::size_t PagedKvCache::v_block_bytes(std::size_t layer) const {
+  check_layer(layer, "v_block_bytes");
+  return pools_[layer].v_bytes;
+}
+
+KvCacheDtype PagedKvCache::dtype_for_layer(std::size_t layer) const {
+  check_layer(layer, "dtype_for_layer");
+  return pools_[layer].dtype;
+}
+
+// ---- device work --------------------------------------------------------------------------
+
+void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t value,
+                               StreamView stream, const char* op) {
+  for (BlockId block : blocks) check_block(block, op);
+  scratch_regions_.clear();
+  if (blocks.empty()) return;
+  scratch_ids_.assign(blocks.begin(), blocks.end());
+  if (!std::is_sorted(scratch_ids_.begin(), scratch_ids_.end())) {
+    std::sort(scratch_ids_.begin(), scratch_ids_.end());
+  }
+  scratch_ids_.erase(std::unique(scratch_ids_.begin(), scratch_ids_.end()), scratch_ids_.end());
+
+  // Runs of consecutive ids: [first, first + length).
+  auto for_each_run = [&](auto&& emit) {
+    std::size_t i = 0;
+    while (i < scratch_ids_.size()) {
+      std::size_t j = i + 1;
+      while (j < scratch_ids_.size() && scratch_ids_[j] == scratch_ids_[j - 1] + 1) ++j;
+      emit(static_cast<std::size_t>(scratch_ids_[i]), j - i);
+      i = j;
+    }
+  };
+
+  if (block_major_stride_ != 0) {
+    const DevicePtr base = pools_.front().k_base;
+    for_each_run([&](std::size_t first, std::size_t length) {
+      scratch_regions_.push_back(
+          FillRegion{base.offset(first * block_major_stride_), length * block_major_stride_});
+    });
+  } else {
+    for (const Pool& pool : pools_) {
+      for_each_run([&](std::size_t first, std::size_t length) {
+        scratch_regions_.push_back(
+            FillRegion{pool.k_base.offset(first * pool.k_stride), length * pool.k_bytes});
+        scratch_regions_.push_back(
+            FillRegion{pool.v_base.offset(first * pool.v_stride), length * pool.v_bytes});
+      });
+    }
+  }
+  backend_->fill_async(scratch_regions_, value, stream);
+}
+
+void PagedKvCache::zero_blocks(std::span<const BlockId> blocks, StreamView stream) {
+  fill_blocks(blocks, 0, stream, "zero_blocks");
+}
+
+void PagedKvCache::poison_blocks(std::span<const BlockId> blocks, StreamView stream) {
+  fill_blocks(blocks, kPoisonByte, stream, "poison_blocks");
+}
+
+PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId block,
+                                                 StreamView stream) const {
+  check_layer(layer, "read_block");
+  check_block(block, "read_block");
+  HostBlock out;
+  out.k.resize(pools_[layer].k_bytes);
+  out.v.resize(pools_[layer].v_bytes);
+  backend_->copy_d2h_async(out.k.data(), k_cache_ptr(layer, block), out.k.size(), stream);
+  backend_->copy_d2h_async(out.v.data(), v_cache_ptr(layer, block), out.v.size(), stream);
+  backend_->synchronize(stream);
+  return out;
+}
+
+void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const std::uint8_t> k,
+                               std::span<const std::uint8_t> v, StreamView stream) {
+  check_layer(layer, "write_block");
+  check_block(block, "write_block");
+  const Pool& pool = pools_[layer];
+  if (k.size() != pool.k_bytes || v.size() != pool.v_bytes) {
+    throw InvalidArgument(fmt::format(
+        "PagedKvCache::write_block: layer {} expects {} K bytes and {} V bytes, got {} and {}", layer,
+        pool.k_bytes, pool.v_bytes, k.size(), v.size()));
+  }
+  backend_->copy_h2d_async(k_cache_ptr(layer, block), k.data(), k.size(), stream);
+  backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
+  backend_->synchronize(stream);
+}
+
+// ---- diagnostics ---------------------------------------------------------------------------
+
+InvariantReport PagedKvCache::check_invariants() const {
+  constexpr std::size_t kMaxViolations = 32;
+  InvariantReport report;
+  report.blocks_checked = num_blocks_;
+  std::size_t suppressed = 0;
+  auto violation = [&](std::string text) {
+    report.ok = false;
+    if (report.violations.size() < kMaxViolations) {
+      report.violations.push_back(std::move(text));
+    } else {
+      ++suppressed;
+    }
+  };
+  std::vector<std::uint32_t> on_free_list(num_blocks_, 0);
+  for (std::size_t i = 0; i < free_list_.size(); ++i) {
+    const BlockId b = free_list_[i];
+    if (b >= num_blocks_) {
+      violation(fmt::format("free list slot {} holds out-of-range block {}", i, b));
+      continue;
+    }
+    ++on_free_list[b];
+  }
+  for (std::size_t b = 0; b < num_blocks_; ++b) {
+    const std::uint32_t rc = ref_counts_[b];
+    const std::uint32_t n = on_free_list[b];
+    if (n > 1) violation(fmt::format("block {} is on the free list {} times", b, n));
+    if (n >= 1 && rc != 0) violation(fmt::format("block {} is on the free list with refcount {}", b, rc));
+    if (n == 0 && rc == 0) violation(fmt::format("block {} has refcount 0 but is not on the free list (leaked)", b));
+    if (n == 0) {
+      ++report.blocks_in_use;
+    } else {
+      ++report.free_blocks;
+    }
+  }
+  if (suppressed > 0) report.violations.push_back(fmt::format("... and {} more", suppressed));
+  return report;
+}
+
+}  // namespace kvport

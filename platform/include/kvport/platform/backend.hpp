@@ -1,0 +1,220 @@
+// The Backend contract: what every device plugin (host, CUDA, HIP) provides.
+//
+// Public calls are non-virtual: they validate arguments that every backend
+// validates the same way (null pointers, a stream of another backend,
+// overlapping copies), count the call, then forward to a private `do_*`
+// virtual that the plugin implements. All sizes are in bytes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "kvport/platform/device_ptr.hpp"
+#include "kvport/platform/stream.hpp"
+
+namespace kvport {
+
+/// Free and total device memory, for capacity planning.
+struct MemInfo {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+/// One region of a batched fill: `bytes` bytes starting at `ptr`.
+struct FillRegion {
+  DevicePtr ptr;
+  std::size_t bytes = 0;
+};
+
+/// One region of a batched device-to-device copy.
+struct CopyRegion {
+  DevicePtr dst;
+  DevicePtr src;
+  std::size_t bytes = 0;
+};
+
+/// How many contract calls a backend has served. Each public call counts once,
+/// whatever it costs inside: a `fill_async` of 40 000 regions is one fill call.
+/// Used by benchmarks and tests to prove that batching happens.
+struct CallCounts {
+  std::uint64_t alloc = 0;
+  std::uint64_t free = 0;
+  std::uint64_t memset = 0;
+  std::uint64_t fill = 0;
+  std::uint64_t copy = 0;  ///< single copies in any direction
+  std::uint64_t copy_batch = 0;
+  std::uint64_t synchronize = 0;
+
+  /// Calls that queue device work: memset + fill + copy + copy_batch.
+  std::uint64_t device_ops() const noexcept { return memset + fill + copy + copy_batch; }
+};
+
+/// Alignment of every allocation, on every backend.
+inline constexpr std::size_t kAllocAlignment = 256;
+
+class Backend {
+ public:
+  virtual ~Backend();
+  Backend(const Backend&) = delete;
+  Backend& operator=(const Backend&) = delete;
+
+  /// "host", "cuda", "hip", or a decorator's name.
+  const std::string& name() const noexcept { return name_; }
+
+  /// Devices this backend can see (host: 1). 0 means every device call throws.
+  int device_count() const { return do_device_count(); }
+
+  /// Free and total bytes of the selected device.
+  MemInfo mem_info() const { return do_mem_info(); }
+
+  // ---- memory -------------------------------------------------------------
+
+  /// Allocates `bytes` (> 0), aligned to kAllocAlignment. Contents are
+  /// unspecified. Throws InvalidArgument for 0 bytes, OutOfMemory when the
+  /// device cannot satisfy the request.
+  DevicePtr alloc(std::size_t bytes);
+
+  /// Releases an allocation made by `alloc`. Returns false, logs an error and
+  /// changes nothing when `ptr` is not a live allocation of this backend (a
+  /// foreign pointer, an interior pointer, a double free). Null is a no-op
+  /// that returns true. Never throws.
+  bool free(DevicePtr ptr) noexcept;
+
+  // ---- streams and events ---------------------------------------------------
+
+  /// Creates an independent in-order work queue.
+  Stream create_stream();
+
+  /// The backend's own stream, alive as long as the backend.
+  StreamView default_stream();
+
+  /// Waits for every operation queued on `stream`; rethrows the first error an
+  /// asynchronous operation on it raised since the last synchronize.
+  void synchronize(StreamView stream);
+
+  Event create_event();
+  /// See Event::record / Event::wait / Event::synchronize.
+  void record_event(const Event& event, StreamView stream);
+  void wait_event(StreamView stream, const Event& event);
+  void synchronize_event(const Event& event);
+
+  // ---- fills -----------------------------------------------------------------
+
+  /// Sets `bytes` bytes at `ptr` to `value`, in stream order. 0 bytes is a
+  /// no-op (still validated).
+  void memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes, StreamView stream);
+
+  /// Sets every region to `value` as ONE device operation (one kernel launch
+  /// over a descriptor table on GPUs), whatever the number of regions. The
+  /// span is consumed before the call returns. Regions may overlap (they all
+  /// receive the same value). An empty span is a no-op.
+  void fill_async(std::span<const FillRegion> regions, std::uint8_t value, StreamView stream);
+
+  // ---- copies ----------------------------------------------------------------
+
+  /// Host memory passed to an async copy must stay valid until the stream is
+  /// synchronized (as with cudaMemcpyAsync).
+  void copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream);
+  void copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, StreamView stream);
+
+  /// Device-to-device copy. Overlapping source and destination ranges are
+  /// rejected with InvalidArgument (use a staging buffer to move data within
+  /// one range).
+  void copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, StreamView stream);
+
+  /// Many device-to-device copies as ONE device operation. Regions run in an
+  /// unspecified order, so no destination may overlap another destination or
+  /// any source (InvalidArgument). The span is consumed before the call
+  /// returns.
+  void copy_batch_async(std::span<const CopyRegion> regions, StreamView stream);
+
+  /// Blocking helpers: queue the copy on `stream`, then synchronize it.
+  void copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream);
+  void copy_d2h(void* dst, DevicePtr src, std::size_t bytes, StreamView stream);
+
+  // ---- instrumentation -------------------------------------------------------
+
+  CallCounts call_counts() const noexcept;
+  void reset_call_counts() noexcept;
+
+ protected:
+  explicit Backend(std::string name);
+
+  /// Wraps a native handle of this backend into a view / owning object.
+  StreamView make_stream_view(void* native) noexcept { return StreamView(this, native); }
+
+ private:
+  friend class Stream;
+  friend class Event;
+
+  virtual int do_device_count() const = 0;
+  virtual MemInfo do_mem_info() const = 0;
+  virtual DevicePtr do_alloc(std::size_t bytes) = 0;
+  virtual bool do_free(DevicePtr ptr) noexcept = 0;
+  virtual void* do_create_stream() = 0;
+  virtual void do_destroy_stream(void* native) noexcept = 0;
+  virtual void* do_default_stream() = 0;
+  virtual void do_synchronize(void* stream) = 0;
+  virtual void* do_create_event() = 0;
+  virtual void do_destroy_event(void* native) noexcept = 0;
+  virtual void do_record_event(void* event, void* stream) = 0;
+  virtual void do_wait_event(void* stream, void* event) = 0;
+  virtual void do_synchronize_event(void* event) = 0;
+  virtual void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
+                               void* stream) = 0;
+  virtual void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,
+                             void* stream) = 0;
+  virtual void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes,
+                                 void* stream) = 0;
+  virtual void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) = 0;
+  virtual void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes,
+                                 void* stream) = 0;
+  virtual void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) = 0;
+
+  void* check_stream(StreamView stream, const char* op) const;
+  void* check_event(const Event& event, const char* op) const;
+
+  std::string name_;
+  struct Counters;
+  std::unique_ptr<Counters> counters_;
+};
+
+/// RAII ownership of one allocation. Move-only; frees in the destructor.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() noexcept = default;
+  /// Allocates `bytes` on `backend` (see Backend::alloc for errors).
+  DeviceBuffer(Backend& backend, std::size_t bytes)
+      : backend_(&backend), ptr_(backend.alloc(bytes)), bytes_(bytes) {}
+  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    DeviceBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (backend_ != nullptr) backend_->free(ptr_);
+  }
+
+  DevicePtr ptr() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return bytes_; }
+  Backend* backend() const noexcept { return backend_; }
+
+  void swap(DeviceBuffer& other) noexcept {
+    std::swap(backend_, other.backend_);
+    std::swap(ptr_, other.ptr_);
+    std::swap(bytes_, other.bytes_);
+  }
+
+ private:
+  Backend* backend_ = nullptr;
+  DevicePtr ptr_;
+  std::size_t bytes_ = 0;
+};
+
+}  // namespace kvport

@@ -1,0 +1,315 @@
+#include "kvport/platform/backend.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport {
+
+struct Backend::Counters {
+  std::atomic<std::uint64_t> alloc{0};
+  std::atomic<std::uint64_t> free{0};
+  std::atomic<std::uint64_t> memset{0};
+  std::atomic<std::uint64_t> fill{0};
+  std::atomic<std::uint64_t> copy{0};
+  std::atomic<std::uint64_t> copy_batch{0};
+  std::atomic<std::uint64_t> synchronize{0};
+};
+
+namespace {
+
+void bump(std::atomic<std::uint64_t>& counter) noexcept {
+  counter.fetch_add(1, std::memory_order_relaxed);
+}
+
+void require_device_ptr(const std::string& backend, const char* op, const char* what, DevicePtr p) {
+  if (p.is_null()) throw InvalidArgument(fmt::format("{}: {}: {} is a null pointer", backend, op, what));
+}
+
+void require_host_ptr(const std::string& backend, const char* op, const char* what, const void* p) {
+  if (p == nullptr) {
+    throw InvalidArgument(fmt::format("{}: {}: {} is a null host pointer", backend, op, what));
+  }
+}
+
+// End of [p, p + bytes); throws when the range wraps the address space.
+std::uintptr_t range_end(const std::string& backend, const char* op, DevicePtr p, std::size_t bytes) {
+  if (bytes > UINTPTR_MAX - p.address()) {
+    throw InvalidArgument(fmt::format("{}: {}: range {:#x} + {} bytes overflows the address space",
+                                      backend, op, p.address(), bytes));
+  }
+  return p.address() + bytes;
+}
+
+bool overlaps(std::uintptr_t a, std::uintptr_t a_end, std::uintptr_t b, std::uintptr_t b_end) {
+  return a < b_end && b < a_end;
+}
+
+}  // namespace
+
+Backend::Backend(std::string name) : name_(std::move(name)), counters_(std::make_unique<Counters>()) {}
+
+Backend::~Backend() = default;
+
+DevicePtr Backend::alloc(std::size_t bytes) {
+  if (bytes == 0) throw InvalidArgument(fmt::format("{}: alloc: size must be > 0", name_));
+  bump(counters_->alloc);
+  return do_alloc(bytes);
+}
+
+bool Backend::free(DevicePtr ptr) noexcept {
+  if (ptr.is_null()) return true;
+  bump(counters_->free);
+  if (do_free(ptr)) return true;
+  try {
+    log::error(fmt::format("{}: free({:#x}) rejected: not a live allocation of this backend "
+                           "(foreign pointer, interior pointer or double free)",
+                           name_, ptr.address()));
+  } catch (...) {  // free never throws
+  }
+  return false;
+}
+
+void* Backend::check_stream(StreamView stream, const char* op) const {
+  if (stream.backend() != this) {
+    throw InvalidArgument(fmt::format("{}: {}: the stream belongs to backend '{}'", name_, op,
+                                      stream.backend() ? stream.backend()->name() : "<none>"));
+  }
+  return stream.native();
+}
+
+void* Backend::check_event(const Event& event, const char* op) const {
+  if (event.backend() != this || event.native() == nullptr) {
+    throw InvalidArgument(fmt::format("{}: {}: the event is empty or belongs to another backend",
+                                      name_, op));
+  }
+  return event.native();
+}
+
+Stream Backend::create_stream() { return Stream(this, do_create_stream()); }
+
+StreamView Backend::default_stream() { return StreamView(this, do_default_stream()); }
+
+void Backend::synchronize(StreamView stream) {
+  void* native = check_stream(stream, "synchronize");
+  bump(counters_->synchronize);
+  do_synchronize(native);
+}
+
+Event Backend::create_event() { return Event(this, do_create_event()); }
+
+void Backend::record_event(const Event& event, StreamView stream) {
+  do_record_event(check_event(event, "record_event"), check_stream(stream, "record_event"));
+}
+
+void Backend::wait_event(StreamView stream, const Event& event) {
+  do_wait_event(check_stream(stream, "wait_event"), check_event(event, "wait_event"));
+}
+
+void Backend::synchronize_event(const Event& event) {
+  do_synchronize_event(check_event(event, "synchronize_event"));
+}
+
+void Backend::memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes, StreamView stream) {
+  void* native = check_stream(stream, "memset_async");
+  require_device_ptr(name_, "memset_async", "destination", ptr);
+  range_end(name_, "memset_async", ptr, bytes);
+  bump(counters_->memset);
+  do_memset_async(ptr, value, bytes, native);
+}
+
+void Backend::fill_async(std::span<const FillRegion> regions, std::uint8_t value, StreamView stream) {
+  void* native = check_stream(stream, "fill_async");
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    if (regions[i].ptr.is_null()) {
+      throw InvalidArgument(
+          fmt::format("{}: fill_async: region {} of {} has a null pointer", name_, i, regions.size()));
+    }
+    range_end(name_, "fill_async", regions[i].ptr, regions[i].bytes);
+  }
+  if (regions.empty()) return;
+  bump(counters_->fill);
+  do_fill_async(regions, value, native);
+}
+
+void Backend::copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream) {
+  void* native = check_stream(stream, "copy_h2d_async");
+  require_device_ptr(name_, "copy_h2d_async", "destination", dst);
+  require_host_ptr(name_, "copy_h2d_async", "source", src);
+  range_end(name_, "copy_h2d_async", dst, bytes);
+  bump(counters_->copy);
+  do_copy_h2d_async(dst, src, bytes, native);
+}
+
+void Backend::copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, StreamView stream) {
+  void* native = check_stream(stream, "copy_d2h_async");
+  require_host_ptr(name_, "copy_d2h_async", "destination", dst);
+  require_device_ptr(name_, "copy_d2h_async", "source", src);
+  range_end(name_, "copy_d2h_async", src, bytes);
+  bump(counters_->copy);
+  do_copy_d2h_async(dst, src, bytes, native);
+}
+
+void Backend::copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, StreamView stream) {
+  void* native = check_stream(stream, "copy_d2d_async");
+  require_device_ptr(name_, "copy_d2d_async", "destination", dst);
+  require_device_ptr(name_, "copy_d2d_async", "source", src);
+  const auto dst_end = range_end(name_, "copy_d2d_async", dst, bytes);
+  const auto src_end = range_end(name_, "copy_d2d_async", src, bytes);
+  if (bytes != 0 && overlaps(dst.address(), dst_end, src.address(), src_end)) {
+    throw InvalidArgument(fmt::format(
+        "{}: copy_d2d_async: source [{:#x}, +{}) and destination [{:#x}, +{}) overlap", name_,
+        src.address(), bytes, dst.address(), bytes));
+  }
+  bump(counters_->copy);
+  do_copy_d2d_async(dst, src, bytes, native);
+}
+
+void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView stream) {
+  void* native = check_stream(stream, "copy_batch_async");
+  struct Range {
+    std::uintptr_t begin, end;
+    std::size_t index;
+  };
+  std::vector<Range> dsts, srcs;
+  dsts.reserve(regions.size());
+  srcs.reserve(regions.size());
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    const CopyRegion& r = regions[i];
+    if (r.dst.is_null() || r.src.is_null()) {
+      throw InvalidArgument(fmt::format("{}: copy_batch_async: region {} of {} has a null pointer",
+                                        name_, i, regions.size()));
+    }
+    const auto dst_end = range_end(name_, "copy_batch_async", r.dst, r.bytes);
+    const auto src_end = range_end(name_, "copy_batch_async", r.src, r.bytes);
+    if (r.bytes == 0) continue;
+    dsts.push_back({r.dst.address(), dst_end, i});
+    srcs.push_back({r.src.address(), src_end, i});
+  }
+  auto by_begin = [](const Range& a, const Range& b) { return a.begin < b.begin; };
+  std::sort(dsts.begin(), dsts.end(), by_begin);
+  std::sort(srcs.begin(), srcs.end(), by_begin);
+  for (std::size_t i = 1; i < dsts.size(); ++i) {
+    if (dsts[i].begin < dsts[i - 1].end) {
+      throw InvalidArgument(fmt::format(
+          "{}: copy_batch_async: destinations of regions {} and {} overlap", name_,
+          dsts[i - 1].index, dsts[i].index));
+    }
+  }
+  // Sources may overlap each other, so track the furthest end seen so far.
+  std::uintptr_t src_reach = 0;
+  std::size_t src_reach_index = 0;
+  std::size_t s = 0;
+  for (const Range& d : dsts) {
+    while (s < srcs.size() && srcs[s].begin < d.end) {
+      if (srcs[s].end > src_reach) {
+        src_reach = srcs[s].end;
+        src_reach_index = srcs[s].index;
+      }
+      ++s;
+    }
+    if (src_reach > d.begin) {
+      throw InvalidArgument(fmt::format(
+          "{}: copy_batch_async: destination of region {} overlaps the source of region {}", name_,
+          d.index, src_reach_index));
+    }
+  }
+  if (regions.empty()) return;
+  bump(counters_->copy_batch);
+  do_copy_batch_async(regions, native);
+}
+
+void Backend::copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream) {
+  copy_h2d_async(dst, src, bytes, stream);
+  synchronize(stream);
+}
+
+void Backend::copy_d2h(void* dst, DevicePtr src, std::size_t bytes, StreamView stream) {
+  copy_d2h_async(dst, src, bytes, stream);
+  synchronize(stream);
+}
+
+CallCounts Backend::call_counts() const noexcept {
+  auto get = [](const std::atomic<std::uint64_t>& c) { return c.load(std::memory_order_relaxed); };
+  CallCounts out;
+  out.alloc = get(counters_->alloc);
+  out.free = get(counters_->free);
+  out.memset = get(counters_->memset);
+  out.fill = get(counters_->fill);
+  out.copy = get(counters_->copy);
+  out.copy_batch = get(counters_->copy_batch);
+  out.synchronize = get(counters_->synchronize);
+  return out;
+}
+
+void Backend::reset_call_counts() noexcept {
+  for (auto* c : {&counters_->alloc, &counters_->free, &counters_->memset, &counters_->fill,
+                  &counters_->copy, &counters_->copy_batch, &counters_->synchronize}) {
+    c->store(0, std::memory_order_relaxed);
+  }
+}
+
+// ---- Stream / Event -----------------------------------------------------------
+
+Stream& Stream::operator=(Stream&& other) noexcept {
+  if (this != &other) {
+    reset();
+    backend_ = std::exchange(other.backend_, nullptr);
+    native_ = std::exchange(other.native_, nullptr);
+  }
+  return *this;
+}
+
+Stream::~Stream() { reset(); }
+
+void Stream::reset() noexcept {
+  if (backend_ != nullptr && native_ != nullptr) backend_->do_destroy_stream(native_);
+  backend_ = nullptr;
+  native_ = nullptr;
+}
+
+StreamView Stream::view() const noexcept { return StreamView(backend_, native_); }
+
+void Stream::synchronize() const {
+  if (backend_ == nullptr) throw InvalidArgument("Stream::synchronize on a moved-from stream");
+  backend_->synchronize(view());
+}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    reset();
+    backend_ = std::exchange(other.backend_, nullptr);
+    native_ = std::exchange(other.native_, nullptr);
+  }
+  return *this;
+}
+
+Event::~Event() { reset(); }
+
+void Event::reset() noexcept {
+  if (backend_ != nullptr && native_ != nullptr) backend_->do_destroy_event(native_);
+  backend_ = nullptr;
+  native_ = nullptr;
+}
+
+void Event::record(StreamView stream) {
+  if (backend_ == nullptr) throw InvalidArgument("Event::record on a moved-from event");
+  backend_->record_event(*this, stream);
+}
+
+void Event::wait(StreamView stream) const {
+  if (backend_ == nullptr) throw InvalidArgument("Event::wait on a moved-from event");
+  backend_->wait_event(stream, *this);
+}
+
+void Event::synchronize() const {
+  if (backend_ == nullptr) throw InvalidArgument("Event::synchronize on a moved-from event");
+  backend_->synchronize_event(*this);
+}
+
+}  // namespace kvport
