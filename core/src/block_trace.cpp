@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <limits>
 #include <string_view>
+
+#include "kvport/platform/error.hpp"
 
 namespace kvport {
 
@@ -22,6 +25,12 @@ const char* to_string(BlockOp op) noexcept {
 BlockTrace::BlockTrace(std::size_t num_blocks, bool enabled, std::size_t depth)
     : enabled_(enabled && depth > 0 && num_blocks > 0), depth_(depth) {
   if (enabled_) {
+    // An unchecked num_blocks * depth could wrap to a small ring that record()
+    // then writes past.
+    if (depth_ > std::numeric_limits<std::size_t>::max() / num_blocks) {
+      throw InvalidArgument(fmt::format(
+          "BlockTrace: trace depth {} x {} blocks overflows size_t", depth_, num_blocks));
+    }
     entries_.resize(num_blocks * depth_, BlockTraceEntry{BlockOp::alloc, 0, {}});
     written_.assign(num_blocks, 0);
   }
@@ -37,7 +46,7 @@ bool BlockTrace::enabled_by_env() noexcept {
 void BlockTrace::record(std::uint32_t block, BlockOp op, std::uint32_t refcount_after,
                         const std::source_location& where) {
   if (!enabled_ || block >= written_.size()) return;
-  const std::uint32_t n = written_[block]++;
+  const std::uint64_t n = written_[block]++;
   entries_[block * depth_ + n % depth_] = BlockTraceEntry{op, refcount_after, where};
 }
 

@@ -76,18 +76,20 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
         offset += k + v;
       }
     }
+
+    // Host-side state is built inside the try as well: a bad_alloc or a bad
+    // trace depth here must not leak the pools (the destructor will not run).
+    free_list_.resize(num_blocks);
+    for (std::size_t i = 0; i < num_blocks; ++i) {
+      free_list_[i] = static_cast<BlockId>(num_blocks - 1 - i);  // pop_back yields 0, 1, 2, ...
+    }
+    ref_counts_.assign(num_blocks, 0);
+    trace_ = BlockTrace(num_blocks, options.trace.value_or(BlockTrace::enabled_by_env()),
+                        options.trace_depth);
   } catch (...) {
     release_pools();
     throw;
   }
-
-  free_list_.resize(num_blocks);
-  for (std::size_t i = 0; i < num_blocks; ++i) {
-    free_list_[i] = static_cast<BlockId>(num_blocks - 1 - i);  // pop_back yields 0, 1, 2, ...
-  }
-  ref_counts_.assign(num_blocks, 0);
-  trace_ = BlockTrace(num_blocks, options.trace.value_or(BlockTrace::enabled_by_env()),
-                      options.trace_depth);
 
   const double gib = static_cast<double>(total_bytes_) / (1024.0 * 1024.0 * 1024.0);
   if (const std::size_t hp = config_.num_override_layers(); hp > 0) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "kvport/platform/error.hpp"
@@ -28,7 +29,9 @@ void bump(std::atomic<std::uint64_t>& counter) noexcept {
 }
 
 void require_device_ptr(const std::string& backend, const char* op, const char* what, DevicePtr p) {
-  if (p.is_null()) throw InvalidArgument(fmt::format("{}: {}: {} is a null pointer", backend, op, what));
+  if (p.is_null()) {
+    throw InvalidArgument(fmt::format("{}: {}: {} is a null pointer", backend, op, what));
+  }
 }
 
 void require_host_ptr(const std::string& backend, const char* op, const char* what, const void* p) {
@@ -38,7 +41,8 @@ void require_host_ptr(const std::string& backend, const char* op, const char* wh
 }
 
 // End of [p, p + bytes); throws when the range wraps the address space.
-std::uintptr_t range_end(const std::string& backend, const char* op, DevicePtr p, std::size_t bytes) {
+std::uintptr_t range_end(const std::string& backend, const char* op, DevicePtr p,
+                         std::size_t bytes) {
   if (bytes > UINTPTR_MAX - p.address()) {
     throw InvalidArgument(fmt::format("{}: {}: range {:#x} + {} bytes overflows the address space",
                                       backend, op, p.address(), bytes));
@@ -52,7 +56,8 @@ bool overlaps(std::uintptr_t a, std::uintptr_t a_end, std::uintptr_t b, std::uin
 
 }  // namespace
 
-Backend::Backend(std::string name) : name_(std::move(name)), counters_(std::make_unique<Counters>()) {}
+Backend::Backend(std::string name)
+    : name_(std::move(name)), counters_(std::make_unique<Counters>()) {}
 
 Backend::~Backend() = default;
 
@@ -67,9 +72,10 @@ bool Backend::free(DevicePtr ptr) noexcept {
   bump(counters_->free);
   if (do_free(ptr)) return true;
   try {
-    log::error(fmt::format("{}: free({:#x}) rejected: not a live allocation of this backend "
-                           "(foreign pointer, interior pointer or double free)",
-                           name_, ptr.address()));
+    log::error(
+        fmt::format("{}: free({:#x}) rejected: not a live allocation of this backend "
+                    "(foreign pointer, interior pointer or double free)",
+                    name_, ptr.address()));
   } catch (...) {  // free never throws
   }
   return false;
@@ -77,23 +83,31 @@ bool Backend::free(DevicePtr ptr) noexcept {
 
 void* Backend::check_stream(StreamView stream, const char* op) const {
   if (stream.backend() != this) {
-    throw InvalidArgument(fmt::format("{}: {}: the stream belongs to backend '{}'", name_, op,
-                                      stream.backend() ? stream.backend()->name() : "<none>"));
+    // Both sides are often "host": say "another", or the message reads as if
+    // the stream were fine.
+    throw InvalidArgument(fmt::format(
+        "{}: {}: the stream is not one of this backend's (it belongs to {})", name_, op,
+        stream.backend() ? fmt::format("another backend, '{}'", stream.backend()->name())
+                         : std::string("no backend: a moved-from stream")));
   }
   return stream.native();
 }
 
 void* Backend::check_event(const Event& event, const char* op) const {
   if (event.backend() != this || event.native() == nullptr) {
-    throw InvalidArgument(fmt::format("{}: {}: the event is empty or belongs to another backend",
-                                      name_, op));
+    throw InvalidArgument(
+        fmt::format("{}: {}: the event is empty or belongs to another backend", name_, op));
   }
   return event.native();
 }
 
-Stream Backend::create_stream() { return Stream(this, do_create_stream()); }
+Stream Backend::create_stream() {
+  return Stream(this, do_create_stream());
+}
 
-StreamView Backend::default_stream() { return StreamView(this, do_default_stream()); }
+StreamView Backend::default_stream() {
+  return StreamView(this, do_default_stream());
+}
 
 void Backend::synchronize(StreamView stream) {
   void* native = check_stream(stream, "synchronize");
@@ -101,7 +115,9 @@ void Backend::synchronize(StreamView stream) {
   do_synchronize(native);
 }
 
-Event Backend::create_event() { return Event(this, do_create_event()); }
+Event Backend::create_event() {
+  return Event(this, do_create_event());
+}
 
 void Backend::record_event(const Event& event, StreamView stream) {
   do_record_event(check_event(event, "record_event"), check_stream(stream, "record_event"));
@@ -115,7 +131,8 @@ void Backend::synchronize_event(const Event& event) {
   do_synchronize_event(check_event(event, "synchronize_event"));
 }
 
-void Backend::memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes, StreamView stream) {
+void Backend::memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
+                           StreamView stream) {
   void* native = check_stream(stream, "memset_async");
   require_device_ptr(name_, "memset_async", "destination", ptr);
   range_end(name_, "memset_async", ptr, bytes);
@@ -123,12 +140,13 @@ void Backend::memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
   do_memset_async(ptr, value, bytes, native);
 }
 
-void Backend::fill_async(std::span<const FillRegion> regions, std::uint8_t value, StreamView stream) {
+void Backend::fill_async(std::span<const FillRegion> regions, std::uint8_t value,
+                         StreamView stream) {
   void* native = check_stream(stream, "fill_async");
   for (std::size_t i = 0; i < regions.size(); ++i) {
     if (regions[i].ptr.is_null()) {
-      throw InvalidArgument(
-          fmt::format("{}: fill_async: region {} of {} has a null pointer", name_, i, regions.size()));
+      throw InvalidArgument(fmt::format("{}: fill_async: region {} of {} has a null pointer", name_,
+                                        i, regions.size()));
     }
     range_end(name_, "fill_async", regions[i].ptr, regions[i].bytes);
   }
@@ -162,9 +180,9 @@ void Backend::copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, St
   const auto dst_end = range_end(name_, "copy_d2d_async", dst, bytes);
   const auto src_end = range_end(name_, "copy_d2d_async", src, bytes);
   if (bytes != 0 && overlaps(dst.address(), dst_end, src.address(), src_end)) {
-    throw InvalidArgument(fmt::format(
-        "{}: copy_d2d_async: source [{:#x}, +{}) and destination [{:#x}, +{}) overlap", name_,
-        src.address(), bytes, dst.address(), bytes));
+    throw InvalidArgument(
+        fmt::format("{}: copy_d2d_async: source [{:#x}, +{}) and destination [{:#x}, +{}) overlap",
+                    name_, src.address(), bytes, dst.address(), bytes));
   }
   bump(counters_->copy);
   do_copy_d2d_async(dst, src, bytes, native);
@@ -196,9 +214,9 @@ void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView s
   std::sort(srcs.begin(), srcs.end(), by_begin);
   for (std::size_t i = 1; i < dsts.size(); ++i) {
     if (dsts[i].begin < dsts[i - 1].end) {
-      throw InvalidArgument(fmt::format(
-          "{}: copy_batch_async: destinations of regions {} and {} overlap", name_,
-          dsts[i - 1].index, dsts[i].index));
+      throw InvalidArgument(
+          fmt::format("{}: copy_batch_async: destinations of regions {} and {} overlap", name_,
+                      dsts[i - 1].index, dsts[i].index));
     }
   }
   // Sources may overlap each other, so track the furthest end seen so far.
@@ -265,7 +283,9 @@ Stream& Stream::operator=(Stream&& other) noexcept {
   return *this;
 }
 
-Stream::~Stream() { reset(); }
+Stream::~Stream() {
+  reset();
+}
 
 void Stream::reset() noexcept {
   if (backend_ != nullptr && native_ != nullptr) backend_->do_destroy_stream(native_);
@@ -273,7 +293,9 @@ void Stream::reset() noexcept {
   native_ = nullptr;
 }
 
-StreamView Stream::view() const noexcept { return StreamView(backend_, native_); }
+StreamView Stream::view() const noexcept {
+  return StreamView(backend_, native_);
+}
 
 void Stream::synchronize() const {
   if (backend_ == nullptr) throw InvalidArgument("Stream::synchronize on a moved-from stream");
@@ -289,7 +311,9 @@ Event& Event::operator=(Event&& other) noexcept {
   return *this;
 }
 
-Event::~Event() { reset(); }
+Event::~Event() {
+  reset();
+}
 
 void Event::reset() noexcept {
   if (backend_ != nullptr && native_ != nullptr) backend_->do_destroy_event(native_);

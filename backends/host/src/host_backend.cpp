@@ -3,20 +3,21 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <functional>
-#include <map>
+#include <optional>
 #include <mutex>
-#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "kvport/platform/allocation_tracker.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
@@ -25,9 +26,6 @@ namespace kvport {
 namespace {
 
 constexpr const char* kName = "host";
-// How many freed ranges to remember, to say "use after free" rather than
-// "bad pointer" when a stale pointer comes back.
-constexpr std::size_t kFreedHistory = 4096;
 
 // ---- one stream: a worker thread draining a FIFO queue -------------------------
 
@@ -48,12 +46,16 @@ class HostStream {
       try {
         std::rethrow_exception(first_error_);
       } catch (const std::exception& e) {
-        log::error(fmt::format("host: stream destroyed with an unsynchronized error: {}", e.what()));
+        log::error(
+            fmt::format("host: stream destroyed with an unsynchronized error: {}", e.what()));
       } catch (...) {
         log::error("host: stream destroyed with an unsynchronized unknown error");
       }
     }
   }
+
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
 
   void enqueue(Op op) {
     {
@@ -115,17 +117,39 @@ class HostStream {
   std::thread worker_;  // last: starts after every other member exists
 };
 
-// ---- events: a monotonic record counter --------------------------------------------
+// ---- events ------------------------------------------------------------------------
 
+// One `record`: signalled when its stream reaches it.
+class Completion {
+ public:
+  void signal() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool done_ = false;
+};
+
+// An event is its latest record. A wait captures that record when the wait
+// is made (CUDA's semantics): re-recording the event later, on another
+// stream, neither releases nor extends a wait already queued.
 struct HostEvent {
   std::mutex mutex;
-  std::condition_variable done;
-  std::uint64_t recorded = 0;   // records issued (at call time)
-  std::uint64_t completed = 0;  // records whose stream reached them
+  std::shared_ptr<Completion> latest;  // null: never recorded
 
-  void wait_for(std::uint64_t target) {
-    std::unique_lock lock(mutex);
-    done.wait(lock, [&] { return completed >= target; });
+  std::shared_ptr<Completion> current() {
+    std::lock_guard lock(mutex);
+    return latest;
   }
 };
 
@@ -134,91 +158,89 @@ struct HostEvent {
 class HostBackend final : public Backend {
  public:
   explicit HostBackend(std::size_t capacity) : Backend(kName), capacity_(capacity) {
-    default_stream_ = std::make_unique<HostStream>();
+    streams_.emplace(handle(kDefaultStreamId), std::make_shared<HostStream>());
   }
 
   ~HostBackend() override {
-    default_stream_.reset();
+    // Drain every stream (their queued work uses the allocations), then
+    // release what the user did not free.
+    std::unordered_map<void*, std::shared_ptr<HostStream>> streams;
     {
       std::lock_guard lock(handles_mutex_);
-      streams_.clear();
+      streams.swap(streams_);
       events_.clear();
     }
-    std::unique_lock lock(memory_mutex_);
-    if (!live_.empty()) {
-      log::warn(fmt::format("host: backend destroyed with {} live allocations ({} bytes); freeing them",
-                            live_.size(), used_));
+    streams.clear();
+    const auto live = tracker_.live();
+    if (!live.empty()) {
+      log::warn(fmt::format(
+          "host: backend destroyed with {} live allocations ({} bytes); freeing them",
+          live.size(), tracker_.live_bytes()));
     }
-    for (auto& [address, bytes] : live_) std::free(reinterpret_cast<void*>(address));
+    for (const auto& [base, bytes] : live) std::free(reinterpret_cast<void*>(base));
+  }
+
+  HostBackend(const HostBackend&) = delete;
+  HostBackend& operator=(const HostBackend&) = delete;
+
+  // Backs host_enqueue_for_testing: `fn` runs in stream order, unchecked.
+  void enqueue_raw(void* stream, std::function<void()> fn) {
+    stream_of(stream, "host_enqueue_for_testing")->enqueue(std::move(fn));
   }
 
  private:
-  // ---- memory checking ----
+  // Streams are named by a serial number, never by an address: a destroyed
+  // stream's address is soon reused by a new one, and a stale StreamView
+  // must be rejected rather than silently queue work on the newcomer.
+  static constexpr std::uintptr_t kDefaultStreamId = 1;
+  static void* handle(std::uintptr_t id) noexcept { return reinterpret_cast<void*>(id); }
 
-  // Throws when [p, p + bytes) is not inside one live allocation.
-  // Caller holds memory_mutex_ (shared or exclusive).
-  void check_range_locked(DevicePtr p, std::size_t bytes, const char* op) const {
-    const std::uintptr_t a = p.address();
-    auto it = live_.upper_bound(a);
-    if (it != live_.begin()) {
-      --it;
-      const std::uintptr_t base = it->first;
-      const std::size_t size = it->second;
-      if (a < base + size) {
-        if (bytes > base + size - a) {
-          throw InvalidArgument(fmt::format(
-              "host: {}: out of bounds: [{:#x}, +{}) runs {} bytes past the end of allocation "
-              "[{:#x}, +{})",
-              op, a, bytes, bytes - (base + size - a), base, size));
-        }
-        return;
-      }
-    }
-    for (auto f = freed_.rbegin(); f != freed_.rend(); ++f) {
-      if (a >= f->first && a < f->first + f->second) {
-        throw InvalidArgument(
-            fmt::format("host: {}: use after free: {:#x} lies in allocation [{:#x}, +{}) which "
-                        "was freed",
-                        op, a, f->first, f->second));
-      }
-    }
-    throw InvalidArgument(
-        fmt::format("host: {}: bad pointer: {:#x} is not inside any live allocation", op, a));
+  using Use = AllocationTracker::Use;
+
+  static std::size_t rounded(std::size_t bytes) noexcept {
+    return (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
   }
 
-  void check_range(DevicePtr p, std::size_t bytes, const char* op) const {
-    std::shared_lock lock(memory_mutex_);
-    check_range_locked(p, bytes, op);
-  }
-
-  // Runs `body` on the worker with the memory lock held shared, so that a
-  // concurrent free waits; re-checks the ranges only if something was freed
-  // since the call was made.
-  template <class Check, class Body>
-  void enqueue_checked(void* stream, Check check, Body body) {
-    const std::uint64_t generation = free_generation_.load(std::memory_order_acquire);
-    stream_of(stream).enqueue([this, generation, check = std::move(check), body = std::move(body)] {
-      std::shared_lock lock(memory_mutex_);
-      if (free_generation_.load(std::memory_order_acquire) != generation) check();
-      body();
+  // Checks `uses` now (throwing InvalidArgument at call time), then queues
+  // `body(uses)` on the stream. The body runs with the memory lock held
+  // shared, so a concurrent free waits for it; if anything was freed since
+  // the call, the ranges are checked again first and a failure becomes the
+  // stream's error at its next synchronize.
+  template <class Body>
+  void enqueue_checked(void* stream, const char* op, std::vector<Use> uses, Body body) {
+    std::shared_ptr<HostStream> s = stream_of(stream, op);
+    std::uint64_t generation = 0;
+    {
+      auto lock = tracker_.read_lock();
+      for (Use& u : uses) u.serial = tracker_.check_locked(u.ptr, u.bytes, u.what);
+      // Read under the same lock as the check: a free landing between the
+      // two would otherwise go unnoticed at execution time.
+      generation = tracker_.generation_locked();
+    }
+    s->enqueue([this, generation, uses = std::move(uses), body = std::move(body)] {
+      auto lock = tracker_.read_lock();
+      if (tracker_.generation_locked() != generation) {
+        for (const Use& u : uses) tracker_.recheck_locked(u);
+      }
+      body(uses);
     });
   }
 
-  HostStream& stream_of(void* native) const {
-    if (native == default_stream_.get()) return *default_stream_;
+  std::shared_ptr<HostStream> stream_of(void* native, const char* op) const {
     std::lock_guard lock(handles_mutex_);
     auto it = streams_.find(native);
     if (it == streams_.end()) {
-      throw InvalidArgument(fmt::format("host: stream {} is not a live stream", native));
+      throw InvalidArgument(
+          fmt::format("host: {}: stream {} is not a live stream (destroyed?)", op, native));
     }
-    return *it->second;
+    return it->second;
   }
 
-  std::shared_ptr<HostEvent> event_of(void* native) const {
+  std::shared_ptr<HostEvent> event_of(void* native, const char* op) const {
     std::lock_guard lock(handles_mutex_);
     auto it = events_.find(native);
     if (it == events_.end()) {
-      throw InvalidArgument(fmt::format("host: event {} is not a live event", native));
+      throw InvalidArgument(fmt::format("host: {}: event {} is not a live event", op, native));
     }
     return it->second;
   }
@@ -228,49 +250,49 @@ class HostBackend final : public Backend {
   int do_device_count() const override { return 1; }
 
   MemInfo do_mem_info() const override {
-    std::shared_lock lock(memory_mutex_);
+    std::lock_guard lock(capacity_mutex_);
     return MemInfo{capacity_ - used_, capacity_};
   }
 
   DevicePtr do_alloc(std::size_t bytes) override {
     if (bytes > SIZE_MAX - (kAllocAlignment - 1)) throw OutOfMemory(kName, bytes, 0);
-    const std::size_t rounded = (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
-    std::unique_lock lock(memory_mutex_);
-    if (rounded > capacity_ - used_) throw OutOfMemory(kName, bytes, capacity_ - used_);
-    void* p = std::aligned_alloc(kAllocAlignment, rounded);
+    const std::size_t size = rounded(bytes);
+    std::lock_guard lock(capacity_mutex_);
+    if (size > capacity_ - used_) throw OutOfMemory(kName, bytes, capacity_ - used_);
+    void* p = std::aligned_alloc(kAllocAlignment, size);
     if (p == nullptr) throw OutOfMemory(kName, bytes, capacity_ - used_);
-    live_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
-    used_ += rounded;
+    try {
+      tracker_.add(DevicePtr::from(p), bytes);
+    } catch (...) {
+      std::free(p);
+      throw;
+    }
+    used_ += size;
     return DevicePtr::from(p);
   }
 
   bool do_free(DevicePtr ptr) noexcept override {
-    std::unique_lock lock(memory_mutex_);
-    auto it = live_.find(ptr.address());
-    if (it == live_.end()) return false;
-    const std::size_t bytes = it->second;
-    used_ -= (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
-    live_.erase(it);
-    try {
-      if (freed_.size() == kFreedHistory) freed_.pop_front();
-      freed_.emplace_back(ptr.address(), bytes);
-    } catch (...) {  // the history only improves messages
-    }
-    free_generation_.fetch_add(1, std::memory_order_acq_rel);
+    // remove() waits for operations executing on the memory (they hold the
+    // tracker's read lock); queued ones will find it gone and fail.
+    const std::optional<std::size_t> bytes = tracker_.remove(ptr);
+    if (!bytes) return false;
     std::free(ptr.get());
+    std::lock_guard lock(capacity_mutex_);
+    used_ -= rounded(*bytes);
     return true;
   }
 
   void* do_create_stream() override {
-    auto stream = std::make_unique<HostStream>();
-    void* native = stream.get();
+    auto stream = std::make_shared<HostStream>();
     std::lock_guard lock(handles_mutex_);
+    void* native = handle(++last_stream_id_);
     streams_.emplace(native, std::move(stream));
     return native;
   }
 
   void do_destroy_stream(void* native) noexcept override {
-    std::unique_ptr<HostStream> doomed;
+    if (native == handle(kDefaultStreamId)) return;
+    std::shared_ptr<HostStream> doomed;
     {
       std::lock_guard lock(handles_mutex_);
       auto it = streams_.find(native);
@@ -278,12 +300,13 @@ class HostBackend final : public Backend {
       doomed = std::move(it->second);
       streams_.erase(it);
     }
-    // `doomed` drains its queue and joins its worker here, outside the lock.
+    // `doomed` drains its queue and joins its worker here, outside the lock
+    // (or in a thread still using it, when that one lets go).
   }
 
-  void* do_default_stream() override { return default_stream_.get(); }
+  void* do_default_stream() override { return handle(kDefaultStreamId); }
 
-  void do_synchronize(void* stream) override { stream_of(stream).synchronize(); }
+  void do_synchronize(void* stream) override { stream_of(stream, "synchronize")->synchronize(); }
 
   void* do_create_event() override {
     auto event = std::make_shared<HostEvent>();
@@ -299,126 +322,91 @@ class HostBackend final : public Backend {
   }
 
   void do_record_event(void* event_native, void* stream) override {
-    auto event = event_of(event_native);
-    HostStream& s = stream_of(stream);
-    std::uint64_t seq;
-    {
-      std::lock_guard lock(event->mutex);
-      seq = ++event->recorded;
-    }
-    s.enqueue([event, seq] {
-      {
-        std::lock_guard lock(event->mutex);
-        if (seq > event->completed) event->completed = seq;
-      }
-      event->done.notify_all();
-    });
+    auto event = event_of(event_native, "record_event");
+    auto s = stream_of(stream, "record_event");
+    auto completion = std::make_shared<Completion>();
+    s->enqueue([completion] { completion->signal(); });
+    std::lock_guard lock(event->mutex);
+    event->latest = std::move(completion);
   }
 
   void do_wait_event(void* stream, void* event_native) override {
-    auto event = event_of(event_native);
-    HostStream& s = stream_of(stream);
-    std::uint64_t target;
-    {
-      std::lock_guard lock(event->mutex);
-      target = event->recorded;
-    }
-    if (target == 0) return;  // never recorded: nothing to wait for
-    s.enqueue([event, target] { event->wait_for(target); });
+    auto event = event_of(event_native, "wait_event");
+    auto s = stream_of(stream, "wait_event");
+    auto completion = event->current();
+    if (!completion) return;  // never recorded: nothing to wait for
+    s->enqueue([completion] { completion->wait(); });
   }
 
   void do_synchronize_event(void* event_native) override {
-    auto event = event_of(event_native);
-    std::uint64_t target;
-    {
-      std::lock_guard lock(event->mutex);
-      target = event->recorded;
-    }
-    event->wait_for(target);
+    auto completion = event_of(event_native, "synchronize_event")->current();
+    if (completion) completion->wait();
   }
 
   void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                        void* stream) override {
-    check_range(ptr, bytes, "memset_async");
     enqueue_checked(
-        stream, [this, ptr, bytes] { check_range_locked(ptr, bytes, "memset_async"); },
-        [ptr, value, bytes] { std::memset(ptr.get(), value, bytes); });
+        stream, "memset_async", {{ptr, bytes, "memset_async"}},
+        [value](const std::vector<Use>& u) { std::memset(u[0].ptr.get(), value, u[0].bytes); });
   }
 
   void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,
                      void* stream) override {
-    {
-      std::shared_lock lock(memory_mutex_);
-      for (const FillRegion& r : regions) check_range_locked(r.ptr, r.bytes, "fill_async");
-    }
-    auto copy = std::make_shared<std::vector<FillRegion>>(regions.begin(), regions.end());
-    enqueue_checked(
-        stream,
-        [this, copy] {
-          for (const FillRegion& r : *copy) check_range_locked(r.ptr, r.bytes, "fill_async");
-        },
-        [copy, value] {
-          for (const FillRegion& r : *copy) std::memset(r.ptr.get(), value, r.bytes);
-        });
+    std::vector<Use> uses;
+    uses.reserve(regions.size());
+    for (const FillRegion& r : regions)
+      uses.push_back({r.ptr, r.bytes, "fill_async"});
+    enqueue_checked(stream, "fill_async", std::move(uses), [value](const std::vector<Use>& u) {
+      for (const Use& r : u)
+        std::memset(r.ptr.get(), value, r.bytes);
+    });
   }
 
-  void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes,
-                         void* stream) override {
-    check_range(dst, bytes, "copy_h2d_async");
+  void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes, void* stream) override {
     enqueue_checked(
-        stream, [this, dst, bytes] { check_range_locked(dst, bytes, "copy_h2d_async"); },
-        [dst, src, bytes] { std::memcpy(dst.get(), src, bytes); });
+        stream, "copy_h2d_async", {{dst, bytes, "copy_h2d_async"}},
+        [src](const std::vector<Use>& u) { std::memcpy(u[0].ptr.get(), src, u[0].bytes); });
   }
 
   void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) override {
-    check_range(src, bytes, "copy_d2h_async");
     enqueue_checked(
-        stream, [this, src, bytes] { check_range_locked(src, bytes, "copy_d2h_async"); },
-        [dst, src, bytes] { std::memcpy(dst, src.get(), bytes); });
+        stream, "copy_d2h_async", {{src, bytes, "copy_d2h_async"}},
+        [dst](const std::vector<Use>& u) { std::memcpy(dst, u[0].ptr.get(), u[0].bytes); });
   }
 
-  void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes,
-                         void* stream) override {
-    auto check = [this, dst, src, bytes] {
-      check_range_locked(src, bytes, "copy_d2d_async (source)");
-      check_range_locked(dst, bytes, "copy_d2d_async (destination)");
-    };
-    {
-      std::shared_lock lock(memory_mutex_);
-      check();
-    }
-    enqueue_checked(stream, check, [dst, src, bytes] { std::memcpy(dst.get(), src.get(), bytes); });
+  void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) override {
+    // uses[0] is the source, uses[1] the destination.
+    enqueue_checked(
+        stream, "copy_d2d_async",
+        {{src, bytes, "copy_d2d_async (source)"}, {dst, bytes, "copy_d2d_async (destination)"}},
+        [](const std::vector<Use>& u) { std::memcpy(u[1].ptr.get(), u[0].ptr.get(), u[0].bytes); });
   }
 
   void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) override {
-    auto copy = std::make_shared<std::vector<CopyRegion>>(regions.begin(), regions.end());
-    auto check = [this, copy] {
-      for (const CopyRegion& r : *copy) {
-        check_range_locked(r.src, r.bytes, "copy_batch_async (source)");
-        check_range_locked(r.dst, r.bytes, "copy_batch_async (destination)");
-      }
-    };
-    {
-      std::shared_lock lock(memory_mutex_);
-      check();
+    // Two uses per region: source, then destination.
+    std::vector<Use> uses;
+    uses.reserve(2 * regions.size());
+    for (const CopyRegion& r : regions) {
+      uses.push_back({r.src, r.bytes, "copy_batch_async (source)"});
+      uses.push_back({r.dst, r.bytes, "copy_batch_async (destination)"});
     }
-    enqueue_checked(stream, check, [copy] {
-      for (const CopyRegion& r : *copy) std::memcpy(r.dst.get(), r.src.get(), r.bytes);
+    enqueue_checked(stream, "copy_batch_async", std::move(uses), [](const std::vector<Use>& u) {
+      for (std::size_t i = 0; i + 1 < u.size(); i += 2) {
+        std::memcpy(u[i + 1].ptr.get(), u[i].ptr.get(), u[i].bytes);
+      }
     });
   }
 
   const std::size_t capacity_;
 
-  mutable std::shared_mutex memory_mutex_;
-  std::map<std::uintptr_t, std::size_t> live_;  // base -> requested bytes
-  std::deque<std::pair<std::uintptr_t, std::size_t>> freed_;
-  std::size_t used_ = 0;  // rounded bytes
-  std::atomic<std::uint64_t> free_generation_{0};
+  AllocationTracker tracker_{kName};
+  mutable std::mutex capacity_mutex_;
+  std::size_t used_ = 0;  // bytes rounded up to kAllocAlignment
 
   mutable std::mutex handles_mutex_;
-  std::unordered_map<void*, std::unique_ptr<HostStream>> streams_;
+  std::uintptr_t last_stream_id_ = kDefaultStreamId;
+  std::unordered_map<void*, std::shared_ptr<HostStream>> streams_;
   std::unordered_map<void*, std::shared_ptr<HostEvent>> events_;
-  std::unique_ptr<HostStream> default_stream_;
 };
 
 }  // namespace
@@ -446,8 +434,25 @@ std::unique_ptr<Backend> make_host_backend(HostBackendOptions options) {
   return std::make_unique<HostBackend>(capacity);
 }
 
-std::unique_ptr<Backend> make_default_host_backend() { return make_host_backend(); }
+std::unique_ptr<Backend> make_default_host_backend() {
+  return make_host_backend();
+}
 
-std::string probe_host_backend() { return {}; }
+std::string probe_host_backend() {
+  return {};
+}
+
+void host_enqueue_for_testing(Backend& backend, StreamView stream, std::function<void()> fn) {
+  auto* host = dynamic_cast<HostBackend*>(&backend);
+  if (host == nullptr) {
+    throw InvalidArgument(fmt::format(
+        "host_enqueue_for_testing: backend '{}' is not a host backend", backend.name()));
+  }
+  if (stream.backend() != &backend) {
+    throw InvalidArgument("host_enqueue_for_testing: the stream belongs to another backend");
+  }
+  if (!fn) throw InvalidArgument("host_enqueue_for_testing: empty function");
+  host->enqueue_raw(stream.native(), std::move(fn));
+}
 
 }  // namespace kvport

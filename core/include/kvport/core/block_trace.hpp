@@ -27,7 +27,8 @@ class BlockTrace {
  public:
   static constexpr std::size_t kDefaultDepth = 16;
 
-  /// `enabled` false: every call is a no-op.
+  /// `enabled` false: every call is a no-op. Throws InvalidArgument when
+  /// enabled and num_blocks * depth overflows size_t.
   BlockTrace(std::size_t num_blocks, bool enabled, std::size_t depth = kDefaultDepth);
 
   /// True when `KVPORT_KV_TRACE` is set to 1/true/on/yes.
@@ -49,7 +50,7 @@ class BlockTrace {
   bool enabled_;
   std::size_t depth_;
   std::vector<BlockTraceEntry> entries_;   // num_blocks * depth_
-  std::vector<std::uint32_t> written_;     // entries ever written per block
+  std::vector<std::uint64_t> written_;     // entries ever written per block (never wraps)
 };
 
 }  // namespace kvport

@@ -56,10 +56,12 @@ class PagedKvCache {
  public:
   /// Validates `config` and allocates the pools on `backend`: 2 * num_layers
   /// allocations in layer-major layout, 1 in block-major. If an allocation
-  /// fails midway, everything allocated so far is freed before the exception
-  /// (OutOfMemory, BackendError) propagates. Throws InvalidArgument for a bad
-  /// config, num_blocks == 0 or num_blocks > 2^32 - 1. `backend` must outlive
-  /// the cache. Pool contents are unspecified until zeroed.
+  /// fails midway (device or host), everything allocated so far is freed
+  /// before the exception (OutOfMemory, BackendError, std::bad_alloc)
+  /// propagates. Throws InvalidArgument for a bad config, num_blocks == 0,
+  /// num_blocks > 2^32 - 1 or a trace ring (num_blocks * options.trace_depth)
+  /// that overflows size_t. `backend` must outlive the cache. Pool contents
+  /// are unspecified until zeroed.
   PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                PagedKvCacheOptions options = {});
   ~PagedKvCache();

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -39,5 +40,16 @@ std::string probe_host_backend();
 
 /// Physical RAM of this machine in bytes.
 std::size_t host_physical_memory() noexcept;
+
+/// Test hook: queues `fn` on `stream` as if it were device work, unchecked.
+/// Lets a test hold a stream at a known point (say, until a std::promise is
+/// set) to build orderings that are deterministic without timing, such as
+/// "free the buffer while the memset that uses it is still queued". `fn`
+/// runs on the stream's worker and must eventually return (a stream that
+/// never drains blocks its destruction); an exception it throws becomes the
+/// stream's error at its next synchronize. Throws InvalidArgument when
+/// `backend` is not a host backend or `stream` is not one of its live
+/// streams. Not for production code: other backends have no equivalent.
+void host_enqueue_for_testing(Backend& backend, StreamView stream, std::function<void()> fn);
 
 }  // namespace kvport

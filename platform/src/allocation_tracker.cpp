@@ -1,0 +1,108 @@
+#include "kvport/platform/allocation_tracker.hpp"
+
+#include <fmt/format.h>
+
+#include "kvport/platform/error.hpp"
+
+namespace kvport {
+namespace {
+// How many freed ranges to remember, to say "use after free" rather than
+// "bad pointer" when a stale pointer comes back.
+constexpr std::size_t kFreedHistory = 4096;
+}  // namespace
+
+AllocationTracker::AllocationTracker(std::string backend) : backend_(std::move(backend)) {}
+
+std::uint64_t AllocationTracker::add(DevicePtr base, std::size_t bytes) {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t serial = ++next_serial_;
+  live_.emplace(base.address(), Allocation{bytes, serial});
+  live_bytes_ += bytes;
+  return serial;
+}
+
+std::optional<std::size_t> AllocationTracker::remove(DevicePtr base) noexcept {
+  std::unique_lock lock(mutex_);
+  auto it = live_.find(base.address());
+  if (it == live_.end()) return std::nullopt;
+  const std::size_t bytes = it->second.bytes;
+  live_bytes_ -= bytes;
+  live_.erase(it);
+  try {
+    if (freed_.size() == kFreedHistory) freed_.pop_front();
+    freed_.emplace_back(base.address(), bytes);
+  } catch (...) {  // the history only improves messages
+  }
+  ++generation_;
+  return bytes;
+}
+
+void AllocationTracker::check(DevicePtr p, std::size_t bytes, const char* op) const {
+  std::shared_lock lock(mutex_);
+  check_locked(p, bytes, op);
+}
+
+std::uint64_t AllocationTracker::check_locked(DevicePtr p, std::size_t bytes,
+                                              const char* op) const {
+  const std::uintptr_t a = p.address();
+  auto it = live_.upper_bound(a);
+  if (it != live_.begin()) {
+    --it;
+    const std::uintptr_t base = it->first;
+    const std::size_t size = it->second.bytes;
+    if (a < base + size) {
+      if (bytes > base + size - a) {
+        throw InvalidArgument(fmt::format(
+            "{}: {}: out of bounds: [{:#x}, +{}) runs {} bytes past the end of allocation "
+            "[{:#x}, +{})",
+            backend_, op, a, bytes, bytes - (base + size - a), base, size));
+      }
+      return it->second.serial;
+    }
+  }
+  for (auto f = freed_.rbegin(); f != freed_.rend(); ++f) {
+    if (a >= f->first && a < f->first + f->second) {
+      throw InvalidArgument(fmt::format(
+          "{}: {}: use after free: {:#x} lies in allocation [{:#x}, +{}) which was freed", backend_,
+          op, a, f->first, f->second));
+    }
+  }
+  throw InvalidArgument(
+      fmt::format("{}: {}: bad pointer: {:#x} is not inside any live allocation", backend_, op, a));
+}
+
+void AllocationTracker::recheck_locked(const Use& use) const {
+  const std::uintptr_t a = use.ptr.address();
+  auto it = live_.upper_bound(a);
+  bool reused = false;
+  if (it != live_.begin()) {
+    --it;
+    if (a < it->first + it->second.bytes) {
+      if (it->second.serial == use.serial) return;
+      reused = true;
+    }
+  }
+  throw InvalidArgument(fmt::format(
+      "{}: {}: use after free: [{:#x}, +{}) was freed after the operation was queued{}", backend_,
+      use.what, a, use.bytes, reused ? " (the address now belongs to a newer allocation)" : ""));
+}
+
+std::size_t AllocationTracker::live_count() const {
+  std::shared_lock lock(mutex_);
+  return live_.size();
+}
+
+std::size_t AllocationTracker::live_bytes() const {
+  std::shared_lock lock(mutex_);
+  return live_bytes_;
+}
+
+std::vector<std::pair<std::uintptr_t, std::size_t>> AllocationTracker::live() const {
+  std::shared_lock lock(mutex_);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+  out.reserve(live_.size());
+  for (const auto& [base, a] : live_) out.emplace_back(base, a.bytes);
+  return out;
+}
+
+}  // namespace kvport

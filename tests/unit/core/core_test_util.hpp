@@ -1,0 +1,192 @@
+// Helpers shared by the core unit tests: configs with hand-computed sizes, a
+// host backend of known capacity, log capture with levels, host patterns.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/kv_cache_config.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport::test {
+
+inline constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+/// A host backend whose capacity does not depend on KVPORT_HOST_MEMORY or RAM.
+inline std::unique_ptr<Backend> host_backend(std::size_t capacity = 256 * kMiB) {
+  return make_host_backend(HostBackendOptions{capacity});
+}
+
+/// llama-3-8b's KV shape: 32 layers, 8 KV heads, head_dim 128, bf16, block 16.
+/// K (and V) of one block of one layer: 16 * 8 * 128 * 2 = 32768 bytes.
+inline KvCacheConfig llama3_8b_config() {
+  KvCacheConfig c;
+  c.num_layers = 32;
+  c.block_size = 16;
+  c.num_kv_heads = 8;
+  c.head_dim_k = 128;
+  c.head_dim_v = 128;
+  c.dtype = KvCacheDtype::bf16;
+  return c;
+}
+
+/// A small config: 3 layers, block 4, 2 heads, head_dim 8, bf16.
+/// K (and V) of one block of one layer: 4 * 2 * 8 * 2 = 128 bytes.
+inline KvCacheConfig small_config(KvCacheLayout layout = KvCacheLayout::layer_major) {
+  KvCacheConfig c;
+  c.num_layers = 3;
+  c.block_size = 4;
+  c.num_kv_heads = 2;
+  c.head_dim_k = 8;
+  c.head_dim_v = 8;
+  c.dtype = KvCacheDtype::bf16;
+  c.layout = layout;
+  return c;
+}
+
+/// A mixed-precision config with head_dim_k != head_dim_v:
+/// 3 layers, block 4, 2 heads, head_dim_k 32, head_dim_v 16,
+/// layer dtypes {bf16, turbo3, fp8_e4m3}. Sizes (by hand, E = 4*2*hd):
+///   layer 0 bf16:   K = 2*256 = 512          V = 2*128 = 256
+///   layer 1 turbo3: K = 96 data + 0 pad + 16 scales + 0 pad = 112
+///                   V = 48 data + 0 pad + 16 scales + 0 pad = 64
+///   layer 2 fp8:    K = 256                  V = 128
+/// bytes_per_block = 768 + 176 + 384 = 1328.
+inline KvCacheConfig mixed_config(KvCacheLayout layout = KvCacheLayout::layer_major) {
+  KvCacheConfig c;
+  c.num_layers = 3;
+  c.block_size = 4;
+  c.num_kv_heads = 2;
+  c.head_dim_k = 32;
+  c.head_dim_v = 16;
+  c.dtype = KvCacheDtype::bf16;
+  c.layer_dtypes = {KvCacheDtype::bf16, KvCacheDtype::turbo3, KvCacheDtype::fp8_e4m3};
+  c.layout = layout;
+  return c;
+}
+inline constexpr std::size_t kMixedK[] = {512, 112, 256};
+inline constexpr std::size_t kMixedV[] = {256, 64, 128};
+inline constexpr std::size_t kMixedBytesPerBlock = 1328;
+
+/// Expects `fn` to throw InvalidArgument whose message contains `needle`.
+template <class Fn>
+void expect_invalid_argument(Fn&& fn, std::string_view needle) {
+  try {
+    std::forward<Fn>(fn)();
+    ADD_FAILURE() << "expected InvalidArgument mentioning '" << needle << "', nothing thrown";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string_view(e.what()).find(needle), std::string_view::npos)
+        << "message '" << e.what() << "' does not mention '" << needle << "'";
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected InvalidArgument, got another exception: " << e.what();
+  }
+}
+
+/// Captures log messages with their level; restores the previous sink and
+/// log level on destruction. Sets the level to `level` so that captured
+/// messages do not depend on KVPORT_LOG_LEVEL.
+class LogRecorder {
+ public:
+  struct Message {
+    log::Level level;
+    std::string text;
+  };
+
+  explicit LogRecorder(log::Level level = log::Level::info) : saved_level_(log::level()) {
+    log::set_level(level);
+    previous_ = log::set_sink([this](log::Level lvl, std::string_view text) {
+      messages_.push_back(Message{lvl, std::string(text)});
+    });
+  }
+  ~LogRecorder() {
+    log::set_sink(std::move(previous_));
+    log::set_level(saved_level_);
+  }
+  LogRecorder(const LogRecorder&) = delete;
+  LogRecorder& operator=(const LogRecorder&) = delete;
+
+  const std::vector<Message>& messages() const { return messages_; }
+
+  /// Messages at `level` containing `needle`.
+  std::vector<std::string> find(log::Level level, std::string_view needle) const {
+    std::vector<std::string> out;
+    for (const Message& m : messages_) {
+      if (m.level == level && m.text.find(needle) != std::string::npos) out.push_back(m.text);
+    }
+    return out;
+  }
+
+ private:
+  log::Level saved_level_;
+  log::Sink previous_;
+  std::vector<Message> messages_;
+};
+
+/// Silences kvport's log for a scope (model tests provoke thousands of
+/// deliberate double frees).
+class QuietLog {
+ public:
+  QuietLog() : saved_(log::level()) { log::set_level(log::Level::off); }
+  ~QuietLog() { log::set_level(saved_); }
+  QuietLog(const QuietLog&) = delete;
+  QuietLog& operator=(const QuietLog&) = delete;
+
+ private:
+  log::Level saved_;
+};
+
+/// Sets (or unsets, with nullopt) an environment variable for a scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) saved_ = std::string(old);
+    if (value) {
+      ::setenv(name, value->c_str(), 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (saved_) {
+      ::setenv(name_, saved_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
+
+/// A byte pattern unique to (block, layer, K/V, offset), never 0x00 or 0xFF,
+/// so that zeroing or poisoning the wrong bytes shows up.
+inline std::uint8_t pattern_byte(std::size_t block, std::size_t layer, bool is_v,
+                                 std::size_t offset) {
+  const std::size_t h = block * 131 + layer * 31 + (is_v ? 17 : 0) + offset * 7;
+  return static_cast<std::uint8_t>(1 + h % 253);
+}
+
+inline std::vector<std::uint8_t> pattern(std::size_t bytes, std::size_t block, std::size_t layer,
+                                         bool is_v) {
+  std::vector<std::uint8_t> out(bytes);
+  for (std::size_t i = 0; i < bytes; ++i)
+    out[i] = pattern_byte(block, layer, is_v, i);
+  return out;
+}
+
+}  // namespace kvport::test

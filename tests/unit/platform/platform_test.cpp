@@ -1,0 +1,502 @@
+// The platform layer: DevicePtr arithmetic, byte sizes, the exception
+// hierarchy and the vendor TRY macros, the logging facade and the registry.
+#include <fmt/format.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/device_ptr.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+#include "kvport/platform/registry.hpp"
+
+namespace kvport {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// The message of the E that `f` throws; a failure when it throws nothing or
+// another type.
+template <class E, class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw another exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "did not throw";
+  return {};
+}
+
+// Sets (or unsets, with nullopt) an environment variable for one scope.
+class EnvGuard {
+ public:
+  EnvGuard(const char* name, std::optional<std::string> value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    if (value) {
+      ::setenv(name, value->c_str(), 1);
+    } else {
+      ::unsetenv(name);
+    }
+  }
+  ~EnvGuard() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  EnvGuard(const EnvGuard&) = delete;
+  EnvGuard& operator=(const EnvGuard&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
+constexpr std::uintptr_t kMaxAddress = std::numeric_limits<std::uintptr_t>::max();
+
+// ---- DevicePtr -------------------------------------------------------------------
+
+TEST(DevicePtr, DefaultIsNull) {
+  constexpr DevicePtr p;
+  static_assert(p.is_null());
+  EXPECT_TRUE(p.is_null());
+  EXPECT_FALSE(static_cast<bool>(p));
+  EXPECT_EQ(p.address(), 0u);
+  EXPECT_EQ(p.get(), nullptr);
+}
+
+TEST(DevicePtr, FromRawPointerRoundTrips) {
+  int x = 0;
+  const DevicePtr p = DevicePtr::from(&x);
+  EXPECT_FALSE(p.is_null());
+  EXPECT_TRUE(static_cast<bool>(p));
+  EXPECT_EQ(p.get(), static_cast<void*>(&x));
+  EXPECT_EQ(p.address(), reinterpret_cast<std::uintptr_t>(&x));
+}
+
+TEST(DevicePtr, OffsetAddsBytes) {
+  const DevicePtr p(0x1000);
+  EXPECT_EQ(p.offset(0), p);
+  EXPECT_EQ(p.offset(0x234).address(), 0x1234u);
+  EXPECT_EQ(p.offset(1).offset(2).address(), 0x1003u);
+  // Up to the very last address is fine.
+  EXPECT_EQ(DevicePtr(kMaxAddress - 10).offset(10).address(), kMaxAddress);
+}
+
+TEST(DevicePtr, OffsetThatWrapsThrows) {
+  const DevicePtr p(kMaxAddress - 10);
+  const std::string msg = message_of<InvalidArgument>([&] { (void)p.offset(11); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("DevicePtr::offset"), HasSubstr("overflows"), HasSubstr("11")));
+  EXPECT_THROW((void)DevicePtr(1).offset(kMaxAddress), InvalidArgument);
+}
+
+TEST(DevicePtr, OffsetOfNullThrows) {
+  const std::string msg = message_of<InvalidArgument>([] { (void)DevicePtr().offset(64); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("offset(64)"), HasSubstr("null")));
+  // Even a zero offset: a null base is never a valid device address.
+  EXPECT_THROW((void)DevicePtr().offset(0), InvalidArgument);
+}
+
+TEST(DevicePtr, DistanceFrom) {
+  const DevicePtr base(0x4000);
+  EXPECT_EQ(base.offset(300).distance_from(base), 300u);
+  EXPECT_EQ(base.distance_from(base), 0u);
+  EXPECT_EQ(DevicePtr(kMaxAddress).distance_from(DevicePtr()), kMaxAddress);
+}
+
+TEST(DevicePtr, DistanceFromAHigherBaseThrows) {
+  const std::string msg =
+      message_of<InvalidArgument>([] { (void)DevicePtr(0x1000).distance_from(DevicePtr(0x2000)); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("distance_from"), HasSubstr("0x1000"), HasSubstr("0x2000")));
+}
+
+TEST(DevicePtr, Comparison) {
+  const DevicePtr a(0x100), b(0x200), a2(0x100);
+  EXPECT_EQ(a, a2);
+  EXPECT_NE(a, b);
+  EXPECT_LT(a, b);
+  EXPECT_LE(a, a2);
+  EXPECT_GT(b, a);
+  EXPECT_GE(b, a);
+  EXPECT_LT(DevicePtr(), a);
+  static_assert(DevicePtr(1) < DevicePtr(2));
+}
+
+// ---- byte sizes --------------------------------------------------------------------
+
+TEST(ParseByteSize, UnitsAndSpacing) {
+  constexpr std::size_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024, TiB = GiB * 1024;
+  EXPECT_EQ(parse_byte_size("80GiB"), 80 * GiB);
+  EXPECT_EQ(parse_byte_size("512 MiB"), 512 * MiB);
+  EXPECT_EQ(parse_byte_size("1.5GB"), 1'500'000'000u);
+  EXPECT_EQ(parse_byte_size("4096"), 4096u);
+  EXPECT_EQ(parse_byte_size("0"), 0u);
+  EXPECT_EQ(parse_byte_size("4096B"), 4096u);
+  EXPECT_EQ(parse_byte_size("4096 b"), 4096u);
+  EXPECT_EQ(parse_byte_size("1kb"), 1000u);
+  EXPECT_EQ(parse_byte_size("1KiB"), KiB);
+  EXPECT_EQ(parse_byte_size("3 MB"), 3'000'000u);
+  EXPECT_EQ(parse_byte_size("2tb"), 2'000'000'000'000u);
+  EXPECT_EQ(parse_byte_size("1TiB"), TiB);
+  EXPECT_EQ(parse_byte_size("  16 kib  "), 16 * KiB);
+  EXPECT_EQ(parse_byte_size("0.5KiB"), 512u);
+  EXPECT_EQ(parse_byte_size(".25 KiB"), 256u);
+  EXPECT_EQ(parse_byte_size("1.0"), 1u);  // a whole number written with a point
+}
+
+TEST(ParseByteSize, DecimalFractionsAreExact) {
+  // Binary floating point would give 29 999 999 for "0.03GB".
+  EXPECT_EQ(parse_byte_size("0.03GB"), 30'000'000u);
+  EXPECT_EQ(parse_byte_size("0.29GB"), 290'000'000u);
+  EXPECT_EQ(parse_byte_size("2.49GB"), 2'490'000'000u);
+  EXPECT_EQ(parse_byte_size("0.001KB"), 1u);
+  EXPECT_EQ(parse_byte_size("0.999KB"), 999u);
+  for (int i = 0; i < 1000; ++i) {
+    const std::string text = fmt::format("0.{:03d}KB", i);
+    EXPECT_EQ(parse_byte_size(text), static_cast<std::size_t>(i)) << text;
+  }
+  // A part of a byte that the unit leaves over is dropped.
+  EXPECT_EQ(parse_byte_size("0.0015KB"), 1u);
+  EXPECT_EQ(parse_byte_size("1.1KiB"), 1126u);  // 1126.4
+  // 2^-40 TiB is exactly one byte, however many digits it takes to write.
+  EXPECT_EQ(parse_byte_size("0.0000000000009094947017729282379150390625TiB"), 1u);
+}
+
+TEST(ParseByteSize, LargestValues) {
+  EXPECT_EQ(parse_byte_size("18446744073709551615"), std::numeric_limits<std::size_t>::max());
+  EXPECT_EQ(parse_byte_size("16777215TiB"), std::size_t{16777215} << 40);
+  EXPECT_THAT(message_of<InvalidArgument>([] { parse_byte_size("16777216TiB"); }),
+              HasSubstr("too large"));
+  EXPECT_THAT(message_of<InvalidArgument>([] { parse_byte_size("18446744073709551616"); }),
+              HasSubstr("too large"));
+}
+
+struct BadSize {
+  const char* text;
+  const char* why;
+};
+
+class ParseByteSizeRejects : public ::testing::TestWithParam<BadSize> {};
+
+TEST_P(ParseByteSizeRejects, NamesTheTextAndTheReason) {
+  const BadSize& bad = GetParam();
+  const std::string msg = message_of<InvalidArgument>([&] { parse_byte_size(bad.text); });
+  EXPECT_THAT(msg, HasSubstr(fmt::format("invalid byte size '{}'", bad.text)));
+  EXPECT_THAT(msg, HasSubstr(bad.why));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Inputs, ParseByteSizeRejects,
+    ::testing::Values(BadSize{"", "empty"}, BadSize{"   ", "empty"}, BadSize{"-1", "negative"},
+                      BadSize{" -5GiB", "negative"}, BadSize{"abc", "expected a number"},
+                      BadSize{"GiB", "expected a number"}, BadSize{".", "expected a number"},
+                      BadSize{"+1", "expected a number"}, BadSize{"10XB", "unknown unit 'xb'"},
+                      BadSize{"1.5", "whole"}, BadSize{"1.5B", "whole"},
+                      BadSize{"99999999999999999999", "too large"},
+                      BadSize{"1e3", "unknown unit 'e3'"},
+                      BadSize{"10 MiB extra", "trailing characters"},
+                      BadSize{"1.2.3MiB", "unknown unit '.3mib'"}));
+
+TEST(FormatBytes, PicksABinaryUnitWithTwoDecimals) {
+  EXPECT_EQ(format_bytes(0), "0 B");
+  EXPECT_EQ(format_bytes(1023), "1023 B");
+  EXPECT_EQ(format_bytes(1024), "1.00 KiB");
+  EXPECT_EQ(format_bytes(1536), "1.50 KiB");
+  EXPECT_EQ(format_bytes(std::size_t{80} << 30), "80.00 GiB");
+  EXPECT_EQ(format_bytes((std::size_t{3} << 40) / 2), "1.50 TiB");
+  // Past the largest unit the number just grows.
+  EXPECT_EQ(format_bytes(std::size_t{2048} << 40), "2048.00 TiB");
+}
+
+TEST(FormatBytes, RoundingUpMovesToTheNextUnit) {
+  EXPECT_EQ(format_bytes((std::size_t{1} << 20) - 1), "1.00 MiB");  // not "1024.00 KiB"
+  EXPECT_EQ(format_bytes((std::size_t{1} << 30) - 1), "1.00 GiB");
+  EXPECT_EQ(format_bytes(1023 * 1024 + 1000), "1023.98 KiB");
+}
+
+TEST(FormatBytes, ParsesBack) {
+  for (const std::size_t bytes : {std::size_t{0}, std::size_t{1536}, std::size_t{80} << 30}) {
+    EXPECT_EQ(parse_byte_size(format_bytes(bytes)), bytes) << format_bytes(bytes);
+  }
+}
+
+// ---- errors ------------------------------------------------------------------------
+
+TEST(Errors, HierarchyDerivesFromKvportError) {
+  static_assert(std::is_base_of_v<std::runtime_error, Error>);
+  static_assert(std::is_base_of_v<Error, InvalidArgument>);
+  static_assert(std::is_base_of_v<Error, CacheExhausted>);
+  static_assert(std::is_base_of_v<Error, OutOfMemory>);
+  static_assert(std::is_base_of_v<Error, BackendError>);
+  // One catch clause handles every kvport failure.
+  auto caught_as_error = [](auto thrower) {
+    try {
+      thrower();
+    } catch (const Error&) {
+      return true;
+    } catch (...) {
+    }
+    return false;
+  };
+  EXPECT_TRUE(caught_as_error([] { throw InvalidArgument("x"); }));
+  EXPECT_TRUE(caught_as_error([] { throw CacheExhausted(); }));
+  EXPECT_TRUE(caught_as_error([] { throw OutOfMemory("host", 1, 0); }));
+  EXPECT_TRUE(caught_as_error([] { throw BackendError("cuda", "f()", 1, "e"); }));
+}
+
+TEST(Errors, CacheExhaustedMessage) {
+  EXPECT_STREQ(CacheExhausted().what(), "KV cache exhausted: no free blocks");
+}
+
+TEST(Errors, OutOfMemoryCarriesSizes) {
+  const OutOfMemory e("host", 123456, 789);
+  EXPECT_EQ(e.requested_bytes(), 123456u);
+  EXPECT_EQ(e.free_bytes(), 789u);
+  EXPECT_THAT(std::string(e.what()), AllOf(HasSubstr("host"), HasSubstr("out of memory"),
+                                           HasSubstr("123456"), HasSubstr("789")));
+}
+
+TEST(Errors, BackendErrorCarriesCallAndNativeError) {
+  const BackendError e("cuda", "cudaMalloc(&p, bytes)", 2, "out of memory");
+  EXPECT_EQ(e.backend(), "cuda");
+  EXPECT_EQ(e.call(), "cudaMalloc(&p, bytes)");
+  EXPECT_EQ(e.native_code(), 2);
+  EXPECT_EQ(e.native_string(), "out of memory");
+  EXPECT_THAT(std::string(e.what()), AllOf(HasSubstr("cuda"), HasSubstr("cudaMalloc(&p, bytes)"),
+                                           HasSubstr("2"), HasSubstr("out of memory")));
+}
+
+// A vendor API mapping as a CUDA/HIP backend writes one.
+enum class FakeStatus { ok = 0, invalid_value = 11 };
+
+struct FakeApi {
+  using Status = FakeStatus;
+  static constexpr Status success = FakeStatus::ok;
+  static constexpr const char* name = "fakert";
+  static const char* error_string(Status s) {
+    return s == FakeStatus::ok ? "no error" : "invalid argument";
+  }
+  static void clear_error() noexcept { ++clears; }
+  static inline int clears = 0;
+  static inline int calls = 0;
+};
+
+FakeStatus fake_set_device(int device) {
+  ++FakeApi::calls;
+  return device < 0 ? FakeStatus::invalid_value : FakeStatus::ok;
+}
+
+class VendorTry : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    FakeApi::clears = 0;
+    FakeApi::calls = 0;
+    log::set_level(log::Level::info);
+  }
+  void TearDown() override { log::set_level(saved_); }
+  log::Level saved_ = log::level();
+};
+
+TEST_F(VendorTry, SuccessDoesNothing) {
+  EXPECT_NO_THROW(KVPORT_TRY(FakeApi, fake_set_device(0)));
+  EXPECT_EQ(FakeApi::calls, 1);
+  EXPECT_EQ(FakeApi::clears, 0);
+}
+
+TEST_F(VendorTry, FailureThrowsBackendErrorNamingTheCall) {
+  try {
+    KVPORT_TRY(FakeApi, fake_set_device(-1));
+    FAIL() << "KVPORT_TRY did not throw";
+  } catch (const BackendError& e) {
+    EXPECT_EQ(e.backend(), "fakert");
+    EXPECT_EQ(e.call(), "fake_set_device(-1)");
+    EXPECT_EQ(e.native_code(), 11);
+    EXPECT_EQ(e.native_string(), "invalid argument");
+    EXPECT_THAT(std::string(e.what()), AllOf(HasSubstr("fakert"), HasSubstr("fake_set_device(-1)"),
+                                             HasSubstr("11"), HasSubstr("invalid argument")));
+  }
+  EXPECT_EQ(FakeApi::calls, 1);   // the call is evaluated once
+  EXPECT_EQ(FakeApi::clears, 1);  // and the non-sticky error is dropped
+}
+
+TEST_F(VendorTry, NothrowReturnsTrueOnSuccess) {
+  log::ScopedCapture capture;
+  EXPECT_TRUE(KVPORT_TRY_NOTHROW(FakeApi, fake_set_device(3)));
+  EXPECT_EQ(FakeApi::clears, 0);
+  EXPECT_EQ(capture.text(), "");
+}
+
+TEST_F(VendorTry, NothrowLogsAndReturnsFalse) {
+  log::ScopedCapture capture;
+  const int line = __LINE__ + 1;
+  const bool ok = KVPORT_TRY_NOTHROW(FakeApi, fake_set_device(-7));
+  EXPECT_FALSE(ok);
+  EXPECT_EQ(FakeApi::calls, 1);
+  EXPECT_EQ(FakeApi::clears, 1);
+  EXPECT_THAT(capture.text(), AllOf(HasSubstr("fakert"), HasSubstr("fake_set_device(-7)"),
+                                    HasSubstr("11"), HasSubstr("invalid argument"),
+                                    HasSubstr(fmt::format("platform_test.cpp:{}", line))));
+}
+
+// ---- logging -----------------------------------------------------------------------
+
+TEST(LogParseLevel, EveryName) {
+  using log::Level;
+  EXPECT_EQ(log::parse_level("trace"), Level::trace);
+  EXPECT_EQ(log::parse_level("debug"), Level::debug);
+  EXPECT_EQ(log::parse_level("info"), Level::info);
+  EXPECT_EQ(log::parse_level("warn"), Level::warn);
+  EXPECT_EQ(log::parse_level("warning"), Level::warn);
+  EXPECT_EQ(log::parse_level("error"), Level::error);
+  EXPECT_EQ(log::parse_level("critical"), Level::critical);
+  EXPECT_EQ(log::parse_level("off"), Level::off);
+  EXPECT_EQ(log::parse_level("DEBUG"), Level::debug);
+  EXPECT_EQ(log::parse_level("Warning"), Level::warn);
+}
+
+TEST(LogParseLevel, UnknownNameThrowsNamingIt) {
+  const std::string msg = message_of<InvalidArgument>([] { log::parse_level("verbose"); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("'verbose'"), HasSubstr("trace"), HasSubstr("off")));
+  EXPECT_THROW(log::parse_level(""), InvalidArgument);
+}
+
+class LogLevels : public ::testing::Test {
+ protected:
+  void TearDown() override { log::set_level(saved_); }
+  log::Level saved_ = log::level();
+};
+
+TEST_F(LogLevels, MessagesBelowTheLevelAreDropped) {
+  log::set_level(log::Level::warn);
+  EXPECT_EQ(log::level(), log::Level::warn);
+  log::ScopedCapture capture;
+  log::debug("d");
+  log::info("i");
+  log::warn("w");
+  log::error("e");
+  log::write(log::Level::critical, "c");
+  EXPECT_EQ(capture.text(), "w\ne\nc\n");
+}
+
+TEST_F(LogLevels, TraceLetsEverythingThroughButOff) {
+  log::set_level(log::Level::trace);
+  EXPECT_TRUE(log::enabled(log::Level::trace));
+  EXPECT_TRUE(log::enabled(log::Level::critical));
+  EXPECT_FALSE(log::enabled(log::Level::off));
+  log::ScopedCapture capture;
+  log::write(log::Level::trace, "t");
+  log::debug("d");
+  log::write(log::Level::off, "never");
+  EXPECT_EQ(capture.text(), "t\nd\n");
+}
+
+TEST_F(LogLevels, OffSilencesEverything) {
+  log::set_level(log::Level::off);
+  EXPECT_FALSE(log::enabled(log::Level::critical));
+  log::ScopedCapture capture;
+  log::error("e");
+  log::write(log::Level::critical, "c");
+  EXPECT_EQ(capture.text(), "");
+}
+
+TEST_F(LogLevels, SinkReceivesLevelAndMessage) {
+  log::set_level(log::Level::info);
+  std::vector<std::pair<log::Level, std::string>> got;
+  log::Sink previous = log::set_sink(
+      [&](log::Level lvl, std::string_view m) { got.emplace_back(lvl, std::string(m)); });
+  log::warn("hello");
+  log::debug("dropped");
+  log::set_sink(std::move(previous));
+  log::warn("after removal");
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].first, log::Level::warn);
+  EXPECT_EQ(got[0].second, "hello");
+}
+
+TEST_F(LogLevels, NestedCaptureRestoresTheOuterOne) {
+  log::set_level(log::Level::info);
+  log::ScopedCapture outer;
+  log::info("one");
+  {
+    log::ScopedCapture inner;
+    log::info("two");
+    EXPECT_EQ(inner.text(), "two\n");
+  }
+  log::info("three");
+  EXPECT_EQ(outer.text(), "one\nthree\n");
+}
+
+// ---- registry ----------------------------------------------------------------------
+
+TEST(Registry, HostIsCompiledFirstAndAvailable) {
+  const std::vector<BackendInfo> backends = compiled_backends();
+  ASSERT_FALSE(backends.empty());
+  EXPECT_EQ(backends[0].name, "host");
+  EXPECT_FALSE(backends[0].is_gpu);
+  EXPECT_TRUE(backends[0].available);
+  EXPECT_EQ(backends[0].unavailable_reason, "");
+  for (const BackendInfo& info : backends) {
+    // An unavailable backend always says why.
+    EXPECT_EQ(info.available, info.unavailable_reason.empty()) << info.name;
+  }
+}
+
+TEST(Registry, MakeHostBackend) {
+  std::unique_ptr<Backend> backend = make_backend("host");
+  ASSERT_NE(backend, nullptr);
+  EXPECT_EQ(backend->name(), "host");
+  EXPECT_EQ(backend->device_count(), 1);
+  EXPECT_GT(backend->mem_info().total_bytes, 0u);
+}
+
+TEST(Registry, UnknownNameListsCompiledBackends) {
+  const std::string msg = message_of<InvalidArgument>([] { make_backend("nope"); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("'nope'"), HasSubstr("compiled backends: host")));
+}
+
+// What default_backend picks without $KVPORT_BACKEND.
+std::string expected_default_name() {
+  for (const BackendInfo& info : compiled_backends()) {
+    if (info.is_gpu && info.available) return info.name;
+  }
+  return "host";
+}
+
+TEST(Registry, DefaultBackendWithoutEnvironment) {
+  EnvGuard env("KVPORT_BACKEND", std::nullopt);
+  EXPECT_EQ(default_backend()->name(), expected_default_name());
+}
+
+TEST(Registry, DefaultBackendWithEmptyEnvironmentIsAsUnset) {
+  EnvGuard env("KVPORT_BACKEND", "");
+  EXPECT_EQ(default_backend()->name(), expected_default_name());
+}
+
+TEST(Registry, DefaultBackendHonoursEnvironment) {
+  EnvGuard env("KVPORT_BACKEND", "host");
+  EXPECT_EQ(default_backend()->name(), "host");
+}
+
+TEST(Registry, DefaultBackendWithUnknownEnvironmentThrows) {
+  EnvGuard env("KVPORT_BACKEND", "nope");
+  const std::string msg = message_of<InvalidArgument>([] { default_backend(); });
+  EXPECT_THAT(msg, AllOf(HasSubstr("KVPORT_BACKEND"), HasSubstr("'nope'"), HasSubstr("host")));
+}
+
+}  // namespace
+}  // namespace kvport
