@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <string_view>
 
 #include "kvport/platform/error.hpp"
@@ -12,12 +14,18 @@ namespace kvport {
 
 const char* to_string(BlockOp op) noexcept {
   switch (op) {
-    case BlockOp::alloc: return "alloc";
-    case BlockOp::try_alloc: return "try_alloc";
-    case BlockOp::inc: return "inc";
-    case BlockOp::dec: return "dec";
-    case BlockOp::evict_return: return "evict_return";
-    case BlockOp::ignored_dec: return "ignored_dec";
+    case BlockOp::alloc:
+      return "alloc";
+    case BlockOp::try_alloc:
+      return "try_alloc";
+    case BlockOp::inc:
+      return "inc";
+    case BlockOp::dec:
+      return "dec";
+    case BlockOp::evict_return:
+      return "evict_return";
+    case BlockOp::ignored_dec:
+      return "ignored_dec";
   }
   return "unknown";
 }
@@ -28,8 +36,8 @@ BlockTrace::BlockTrace(std::size_t num_blocks, bool enabled, std::size_t depth)
     // An unchecked num_blocks * depth could wrap to a small ring that record()
     // then writes past.
     if (depth_ > std::numeric_limits<std::size_t>::max() / num_blocks) {
-      throw InvalidArgument(fmt::format(
-          "BlockTrace: trace depth {} x {} blocks overflows size_t", depth_, num_blocks));
+      throw InvalidArgument(fmt::format("BlockTrace: trace depth {} x {} blocks overflows size_t",
+                                        depth_, num_blocks));
     }
     entries_.resize(num_blocks * depth_, BlockTraceEntry{BlockOp::alloc, 0, {}});
     written_.assign(num_blocks, 0);
@@ -39,8 +47,10 @@ BlockTrace::BlockTrace(std::size_t num_blocks, bool enabled, std::size_t depth)
 bool BlockTrace::enabled_by_env() noexcept {
   const char* env = std::getenv("KVPORT_KV_TRACE");
   if (env == nullptr) return false;
-  const std::string_view v(env);
-  return v == "1" || v == "true" || v == "on" || v == "yes" || v == "TRUE" || v == "ON";
+  std::string v(env);
+  for (char& c : v)
+    c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return v == "1" || v == "true" || v == "on" || v == "yes";
 }
 
 void BlockTrace::record(std::uint32_t block, BlockOp op, std::uint32_t refcount_after,
@@ -56,7 +66,8 @@ std::vector<BlockTraceEntry> BlockTrace::history(std::uint32_t block) const {
   const std::size_t n = written_[block];
   const std::size_t count = n < depth_ ? n : depth_;
   out.reserve(count);
-  for (std::size_t i = n - count; i < n; ++i) out.push_back(entries_[block * depth_ + i % depth_]);
+  for (std::size_t i = n - count; i < n; ++i)
+    out.push_back(entries_[block * depth_ + i % depth_]);
   return out;
 }
 

@@ -16,8 +16,9 @@ constexpr std::uint8_t kPoisonByte = 0xFF;
 
 std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, const char* what) {
   if (block_bytes != 0 && num_blocks > std::numeric_limits<std::size_t>::max() / block_bytes) {
-    throw InvalidArgument(fmt::format("PagedKvCache: {} pool of {} blocks x {} bytes overflows size_t",
-                                      what, num_blocks, block_bytes));
+    throw InvalidArgument(
+        fmt::format("PagedKvCache: {} pool of {} blocks x {} bytes overflows size_t", what,
+                    num_blocks, block_bytes));
   }
   return num_blocks * block_bytes;
 }
@@ -29,23 +30,21 @@ std::string InvariantReport::to_string() const {
     return fmt::format("ok: {} blocks, {} free, {} in use", blocks_checked, free_blocks,
                        blocks_in_use);
   }
-  std::string out = fmt::format("FAILED: {} violation(s) in {} blocks", violations.size(),
-                                blocks_checked);
-  for (const std::string& v : violations) out += "\n  " + v;
+  std::string out =
+      fmt::format("FAILED: {} violation(s) in {} blocks", violations.size(), blocks_checked);
+  for (const std::string& v : violations)
+    out += "\n  " + v;
   return out;
 }
 
 PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                            PagedKvCacheOptions options)
-    : config_(std::move(config)),
-      num_blocks_(num_blocks),
-      backend_(&backend),
-      trace_(0, false) {
+    : config_(std::move(config)), num_blocks_(num_blocks), backend_(&backend), trace_(0, false) {
   config_.validate();
   if (num_blocks == 0) throw InvalidArgument("PagedKvCache: num_blocks must be > 0");
   if (num_blocks > std::numeric_limits<BlockId>::max()) {
-    throw InvalidArgument(fmt::format("PagedKvCache: num_blocks = {} exceeds the 32-bit block id range",
-                                      num_blocks));
+    throw InvalidArgument(
+        fmt::format("PagedKvCache: num_blocks = {} exceeds the 32-bit block id range", num_blocks));
   }
   const std::size_t per_block = config_.bytes_per_block();
   total_bytes_ = checked_pool_bytes(num_blocks, per_block, "total");
@@ -96,17 +95,20 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
     log::info(fmt::format(
         "KV cache on {}: {} blocks x {} layers ({} high-precision) = {:.2f} GiB total (mixed "
         "dtype, {})",
-        backend.name(), num_blocks, config_.num_layers, hp, gib, kvport::to_string(config_.layout)));
+        backend.name(), num_blocks, config_.num_layers, hp, gib,
+        kvport::to_string(config_.layout)));
   } else {
-    log::info(fmt::format("KV cache on {}: {} blocks x {} layers x {} bytes/block = {:.2f} GiB total "
-                          "({}, {})",
-                          backend.name(), num_blocks, config_.num_layers,
-                          per_block / config_.num_layers, gib, kvport::to_string(config_.dtype),
-                          kvport::to_string(config_.layout)));
+    log::info(
+        fmt::format("KV cache on {}: {} blocks x {} layers x {} bytes/block = {:.2f} GiB total "
+                    "({}, {})",
+                    backend.name(), num_blocks, config_.num_layers, per_block / config_.num_layers,
+                    gib, kvport::to_string(config_.dtype), kvport::to_string(config_.layout)));
   }
 }
 
-PagedKvCache::~PagedKvCache() { release_pools(); }
+PagedKvCache::~PagedKvCache() {
+  release_pools();
+}
 
 PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
     : config_(std::move(other.config_)),
@@ -129,7 +131,8 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
 }
 
 void PagedKvCache::release_pools() noexcept {
-  for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it) backend_->free(*it);
+  for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
+    backend_->free(*it);
   allocations_.clear();
 }
 
@@ -138,15 +141,39 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
   config.validate();
   const std::size_t per_block = config.bytes_per_block();
   if (per_block == 0) throw InvalidArgument("PagedKvCache: KV cache block size is zero");
-  return available_bytes / per_block;
+  // Each pool allocation is rounded up to kAllocAlignment: count that too, so
+  // that the result always fits. At most 2 * num_layers * 255 bytes of
+  // rounding, so the loop runs a few times at most for realistic blocks.
+  auto pools_bytes = [&](std::size_t n) {
+    auto round = [](std::size_t b) {
+      return (b + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
+    };
+    if (config.layout == KvCacheLayout::block_major) return round(n * per_block);
+    std::size_t total = 0;
+    for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+      total += round(n * config.k_block_bytes(layer)) + round(n * config.v_block_bytes(layer));
+    }
+    return total;
+  };
+  // No device has 8 EiB; clamping keeps the rounding below from overflowing.
+  available_bytes = std::min(available_bytes, std::numeric_limits<std::size_t>::max() / 2);
+  std::size_t n =
+      std::min<std::size_t>(available_bytes / per_block, std::numeric_limits<BlockId>::max());
+  // n * per_block <= available_bytes, so the products below cannot overflow
+  // until rounding, which adds less than kAllocAlignment per pool.
+  while (n > 0 && (available_bytes - n * per_block < 2 * config.num_layers * kAllocAlignment) &&
+         pools_bytes(n) > available_bytes) {
+    --n;
+  }
+  return n;
 }
 
 // ---- checks -------------------------------------------------------------------------
 
 void PagedKvCache::check_block(BlockId block, const char* op) const {
   if (block >= num_blocks_) {
-    throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
-                                      block, num_blocks_));
+    throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})",
+                                      op, block, num_blocks_));
   }
 }
 
@@ -196,7 +223,8 @@ void PagedKvCache::inc_ref(BlockId block, std::source_location where) {
         block, where.file_name(), where.line(), trace_.dump(block)));
   }
   if (rc == std::numeric_limits<std::uint32_t>::max()) {
-    throw InvalidArgument(fmt::format("PagedKvCache::inc_ref: block {} refcount would overflow", block));
+    throw InvalidArgument(
+        fmt::format("PagedKvCache::inc_ref: block {} refcount would overflow", block));
   }
   ++rc;
   if (trace_.is_on()) trace_.record(block, BlockOp::inc, rc, where);
@@ -242,8 +270,10 @@ bool PagedKvCache::free_block(BlockId block, std::source_location where) {
 }
 
 void PagedKvCache::free_blocks(std::span<const BlockId> table, std::source_location where) {
-  for (BlockId block : table) check_block(block, "free_blocks");
-  for (BlockId block : table) release(block, BlockOp::dec, where);
+  for (BlockId block : table)
+    check_block(block, "free_blocks");
+  for (BlockId block : table)
+    release(block, BlockOp::dec, where);
 }
 
 void PagedKvCache::return_evicted_block(BlockId block, std::source_location where) {
@@ -309,7 +339,8 @@ KvCacheDtype PagedKvCache::dtype_for_layer(std::size_t layer) const {
 
 void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t value,
                                StreamView stream, const char* op) {
-  for (BlockId block : blocks) check_block(block, op);
+  for (BlockId block : blocks)
+    check_block(block, op);
   scratch_regions_.clear();
   if (blocks.empty()) return;
   scratch_ids_.assign(blocks.begin(), blocks.end());
@@ -323,7 +354,8 @@ void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t val
     std::size_t i = 0;
     while (i < scratch_ids_.size()) {
       std::size_t j = i + 1;
-      while (j < scratch_ids_.size() && scratch_ids_[j] == scratch_ids_[j - 1] + 1) ++j;
+      while (j < scratch_ids_.size() && scratch_ids_[j] == scratch_ids_[j - 1] + 1)
+        ++j;
       emit(static_cast<std::size_t>(scratch_ids_[i]), j - i);
       i = j;
     }
@@ -376,8 +408,8 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
   const Pool& pool = pools_[layer];
   if (k.size() != pool.k_bytes || v.size() != pool.v_bytes) {
     throw InvalidArgument(fmt::format(
-        "PagedKvCache::write_block: layer {} expects {} K bytes and {} V bytes, got {} and {}", layer,
-        pool.k_bytes, pool.v_bytes, k.size(), v.size()));
+        "PagedKvCache::write_block: layer {} expects {} K bytes and {} V bytes, got {} and {}",
+        layer, pool.k_bytes, pool.v_bytes, k.size(), v.size()));
   }
   backend_->copy_h2d_async(k_cache_ptr(layer, block), k.data(), k.size(), stream);
   backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
@@ -412,8 +444,10 @@ InvariantReport PagedKvCache::check_invariants() const {
     const std::uint32_t rc = ref_counts_[b];
     const std::uint32_t n = on_free_list[b];
     if (n > 1) violation(fmt::format("block {} is on the free list {} times", b, n));
-    if (n >= 1 && rc != 0) violation(fmt::format("block {} is on the free list with refcount {}", b, rc));
-    if (n == 0 && rc == 0) violation(fmt::format("block {} has refcount 0 but is not on the free list (leaked)", b));
+    if (n >= 1 && rc != 0)
+      violation(fmt::format("block {} is on the free list with refcount {}", b, rc));
+    if (n == 0 && rc == 0)
+      violation(fmt::format("block {} has refcount 0 but is not on the free list (leaked)", b));
     if (n == 0) {
       ++report.blocks_in_use;
     } else {

@@ -567,8 +567,11 @@ TEST(ComputeNumBlocks, DividesTheBudgetByBytesPerBlock) {
   EXPECT_EQ(
       PagedKvCache::compute_num_blocks(test::mixed_config(), 10 * test::kMixedBytesPerBlock + 1327),
       10u);
+  // Block-major: one pool of 3 * 1328 = 3984 bytes, which rounds up to 4096.
   EXPECT_EQ(PagedKvCache::compute_num_blocks(test::mixed_config(KvCacheLayout::block_major),
                                              3 * test::kMixedBytesPerBlock),
+            2u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(test::mixed_config(KvCacheLayout::block_major), 4096),
             3u);
 }
 
@@ -588,6 +591,35 @@ TEST(ComputeNumBlocks, TheComputedCountFitsWhenPoolsAreGranuleSized) {
   ASSERT_EQ(n, 64u);
   auto backend = test::host_backend(budget);
   EXPECT_NO_THROW(PagedKvCache(test::small_config(), n, *backend, no_trace()));
+}
+
+TEST(ComputeNumBlocks, CountsThePoolRoundingSoTheResultAlwaysFits) {
+  // 1 layer, 1 token, 1 head, head_dim 8, fp8: K and V are 8 data bytes + 8
+  // padding = 16 bytes each, 32 per block. 544 / 32 = 17, but two pools of
+  // 17 * 16 = 272 bytes round up to 512 each (1024 > 544). 16 blocks: two
+  // 256-byte pools.
+  KvCacheConfig config;
+  config.num_layers = 1;
+  config.block_size = 1;
+  config.num_kv_heads = 1;
+  config.head_dim_k = config.head_dim_v = 8;
+  config.dtype = KvCacheDtype::fp8_e4m3;
+  const std::size_t budget = 544;
+  const std::size_t n = PagedKvCache::compute_num_blocks(config, budget);
+  EXPECT_EQ(n, 16u);
+  auto backend = test::host_backend(budget);
+  EXPECT_NO_THROW(PagedKvCache(config, n, *backend, no_trace()));
+  EXPECT_THROW(PagedKvCache(config, n + 1, *backend, no_trace()), OutOfMemory);
+  // Block-major: one pool of n * 32 bytes, rounded once.
+  config.layout = KvCacheLayout::block_major;
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(config, budget), 16u);  // 17 * 32 = 544 -> 768
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(config, 768), 24u);
+}
+
+TEST(ComputeNumBlocks, CapsAtTheBlockIdRange) {
+  KvCacheConfig config = test::small_config();
+  const std::size_t huge = std::size_t{1} << 60;
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(config, huge), std::numeric_limits<BlockId>::max());
 }
 
 // ---- pointers and strides ----------------------------------------------------------------------

@@ -70,8 +70,11 @@ class PagedKvCache {
   PagedKvCache(PagedKvCache&&) noexcept;
   PagedKvCache& operator=(PagedKvCache&&) = delete;
 
-  /// How many blocks of `config` fit in `available_bytes`. Throws
-  /// InvalidArgument when the config is invalid (including a zero block size).
+  /// How many blocks of `config` fit in `available_bytes`: bytes_per_block()
+  /// per block, plus the rounding of each pool allocation to kAllocAlignment,
+  /// capped at the 32-bit block id range. A cache of that many blocks fits a
+  /// backend with that much free memory. Throws InvalidArgument when the config
+  /// is invalid (including a zero block size).
   static std::size_t compute_num_blocks(const KvCacheConfig& config, std::size_t available_bytes);
 
   // ---- allocation and refcounts (O(1), no device work) ----------------------
