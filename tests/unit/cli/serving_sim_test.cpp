@@ -1,0 +1,75 @@
+// The simulated serving loop, driven directly on a host-backend cache.
+#include "kvport/cli/serving_sim.hpp"
+
+#include <gtest/gtest.h>
+
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/cli/capacity_plan.hpp"
+#include "kvport/platform/error.hpp"
+
+namespace kvport::cli {
+namespace {
+
+KvCacheConfig small_config() {
+  KvCacheConfig c;
+  c.num_layers = 2;
+  c.num_kv_heads = 1;
+  c.head_dim_k = c.head_dim_v = 16;
+  c.block_size = 16;
+  return c;
+}
+
+TEST(cli_serving_sim, ServesEveryRequestAndLeavesTheCacheEmpty) {
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
+  PagedKvCache cache(small_config(), 64, *backend, PagedKvCacheOptions{.trace = true});
+  const Stream stream = backend->create_stream();
+  backend->reset_call_counts();
+  ServingSimOptions options;
+  options.requests = 100;
+  options.max_running = 16;
+  options.seed = 11;
+  const ServingSimResult r = run_serving_simulation(cache, stream, options);
+  EXPECT_EQ(r.completed, 100u);
+  EXPECT_TRUE(r.discrepancies.empty()) << r.discrepancies.front();
+  EXPECT_GT(r.preemptions, 0u);
+  EXPECT_GT(r.alloc_failures, 0u);
+  EXPECT_GT(r.inc_refs, 0u);
+  EXPECT_EQ(r.peak_blocks_in_use, 64u);
+  EXPECT_EQ(cache.num_blocks_in_use(), 0u);
+  EXPECT_TRUE(cache.check_invariants().ok);
+  EXPECT_EQ(backend->call_counts().fill, r.zero_batches);
+  EXPECT_EQ(cache.counters().allocs, r.allocs);
+  EXPECT_EQ(cache.counters().exhaustion_events, r.alloc_failures);
+}
+
+TEST(cli_serving_sim, RejectsAUsedCacheAndZeroRequests) {
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
+  PagedKvCache cache(small_config(), 8, *backend);
+  const Stream stream = backend->create_stream();
+  EXPECT_THROW(run_serving_simulation(cache, stream, ServingSimOptions{.requests = 0}),
+               InvalidArgument);
+  const BlockId held = cache.alloc_block();
+  EXPECT_THROW(run_serving_simulation(cache, stream, ServingSimOptions{}), InvalidArgument);
+  cache.free_block(held);
+}
+
+TEST(cli_capacity_plan, CollapsesRunsOfIdenticalLayers) {
+  KvCacheConfig c = small_config();
+  c.num_layers = 5;
+  c.layer_dtypes = {KvCacheDtype::bf16, KvCacheDtype::fp8_e4m3, KvCacheDtype::fp8_e4m3,
+                    KvCacheDtype::bf16, KvCacheDtype::bf16};
+  const CapacityPlan plan = make_capacity_plan(c, std::size_t{1} << 20);
+  const auto ranges = collapse_layers(plan.layers);
+  ASSERT_EQ(ranges.size(), 3u);
+  EXPECT_EQ(ranges[0].first, 0u);
+  EXPECT_EQ(ranges[0].last, 0u);
+  EXPECT_EQ(ranges[1].first, 1u);
+  EXPECT_EQ(ranges[1].last, 2u);
+  EXPECT_EQ(ranges[1].bytes.dtype, KvCacheDtype::fp8_e4m3);
+  EXPECT_EQ(ranges[2].count(), 2u);
+  EXPECT_EQ(plan.bytes_per_block, c.bytes_per_block());
+  EXPECT_EQ(plan.num_blocks, (std::size_t{1} << 20) / c.bytes_per_block());
+}
+
+}  // namespace
+}  // namespace kvport::cli

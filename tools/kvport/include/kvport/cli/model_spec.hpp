@@ -1,0 +1,81 @@
+// The attention shape of a model, as the KV cache sees it: built-in presets,
+// Hugging Face config.json files, and command-line overrides.
+#pragma once
+
+#include <cstddef>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace kvport::cli {
+
+/// What a KV cache needs to know about a model. Every count is > 0 once a
+/// spec has been resolved (`resolve_model_spec`).
+struct ModelSpec {
+  std::string name;    ///< "llama-3-8b", a config's model_type, or "custom"
+  std::string source;  ///< "preset", "hf-config" or "flags"
+  std::size_t num_layers = 0;
+  std::size_t num_kv_heads = 0;
+  std::size_t head_dim_k = 0;
+  std::size_t head_dim_v = 0;
+};
+
+/// One built-in model.
+struct ModelPreset {
+  std::string_view name;
+  std::size_t num_layers;
+  std::size_t num_kv_heads;
+  std::size_t head_dim;
+};
+
+/// The built-in presets, sorted by name.
+std::span<const ModelPreset> model_presets() noexcept;
+
+/// The preset called `name` (case-insensitive). Throws InvalidArgument naming
+/// the unknown name and listing the known ones.
+ModelSpec find_model_preset(std::string_view name);
+
+/// What a Hugging Face config.json contributes. A field is empty when the
+/// config does not give it (the command line may still supply it).
+struct HfConfigFields {
+  std::string name;  ///< model_type, else "hf-config"
+  std::optional<std::size_t> num_layers;
+  std::optional<std::size_t> num_kv_heads;
+  std::optional<std::size_t> head_dim;
+};
+
+/// Reads the KV-cache shape out of config.json text:
+///   num_hidden_layers; num_key_value_heads (default num_attention_heads);
+///   head_dim, else hidden_size / num_attention_heads.
+/// A multimodal config that nests its language model under "text_config" is
+/// read from there. Fields that are absent or null stay empty. Throws
+/// InvalidArgument naming `source` when the text is not JSON, is not an
+/// object, or a field has the wrong type or a value <= 0, or hidden_size is not
+/// a multiple of num_attention_heads.
+HfConfigFields parse_hf_config(std::string_view json_text, std::string_view source);
+
+/// Reads and parses the file at `path` (see parse_hf_config). Throws
+/// InvalidArgument when the file cannot be read.
+HfConfigFields load_hf_config(const std::filesystem::path& path);
+
+/// Model values given as flags; each one overrides the preset or config.
+struct ModelOverrides {
+  std::optional<std::string> preset;               ///< --model
+  std::optional<std::filesystem::path> hf_config;  ///< --hf-config
+  std::optional<std::size_t> num_layers;           ///< --layers
+  std::optional<std::size_t> num_kv_heads;         ///< --kv-heads
+  std::optional<std::size_t> head_dim;             ///< --head-dim (K and V)
+  std::optional<std::size_t> head_dim_k;           ///< --head-dim-k
+  std::optional<std::size_t> head_dim_v;           ///< --head-dim-v
+};
+
+/// Combines a preset or an HF config with the flag overrides. With neither a
+/// preset nor a config, `default_preset` (when not empty) is the base. Throws
+/// InvalidArgument when both a preset and a config are given, when --head-dim
+/// is combined with --head-dim-k/--head-dim-v, or when a value is still missing
+/// (the message lists the missing flags).
+ModelSpec resolve_model_spec(const ModelOverrides& overrides, std::string_view default_preset = {});
+
+}  // namespace kvport::cli

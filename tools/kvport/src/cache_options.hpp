@@ -1,0 +1,75 @@
+// The model, cache-shape and memory-budget flags that several subcommands
+// share (plan, demo; later bench and conformance).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "kvport/cli/memory_budget.hpp"
+#include "kvport/cli/model_spec.hpp"
+#include "kvport/core/kv_cache_config.hpp"
+#include "kvport/platform/backend.hpp"
+
+namespace CLI {
+class App;
+class Option;
+}  // namespace CLI
+
+namespace kvport::cli {
+
+/// A flag kept as text and parsed by kvport (flag_values.hpp), so that every
+/// bad value gets the same kind of message; `given()` after the parse.
+struct TextFlag {
+  std::string value;
+  CLI::Option* option = nullptr;
+
+  bool given() const;
+};
+
+/// --model, --hf-config, --layers, --kv-heads, --head-dim[-k|-v], --dtype,
+/// --layer-dtypes, --block-size, --layout.
+class CacheShapeOptions {
+ public:
+  void add_to(CLI::App& app, std::string_view default_model);
+
+  /// The model (a preset, a config, flags) and the validated cache config.
+  /// Throws InvalidArgument naming the bad flag or field.
+  struct Resolved {
+    ModelSpec model;
+    KvCacheConfig config;
+  };
+  Resolved resolve() const;
+
+ private:
+  std::string default_model_;
+  TextFlag model_, hf_config_, layers_, kv_heads_, head_dim_, head_dim_k_, head_dim_v_;
+  TextFlag dtype_, layer_dtypes_, block_size_, layout_;
+};
+
+/// --memory, --utilization, --backend.
+class BudgetOptions {
+ public:
+  void add_to(CLI::App& app, std::string_view default_memory);
+
+  /// The backend named by --backend, else kvport::default_backend().
+  /// Throws InvalidArgument for an unknown name, BackendError without a device.
+  std::unique_ptr<Backend> make_backend() const;
+  bool backend_given() const { return backend_.given(); }
+
+  /// The parsed --memory value (InvalidArgument when malformed or zero, or
+  /// when --utilization is given with a byte size).
+  MemoryBudgetSpec memory_spec() const;
+
+  /// Bytes of the budget; `backend` is used (and must be non-null) for
+  /// "--memory device".
+  MemoryBudget resolve(const Backend* backend) const;
+
+  const std::string& memory_text() const { return memory_.value; }
+
+ private:
+  TextFlag memory_, utilization_, backend_;
+};
+
+}  // namespace kvport::cli

@@ -1,0 +1,38 @@
+// One `kvport` subcommand. Each lives in its own file (plan_command.cpp,
+// demo_command.cpp, ...) and is listed once in cli.cpp's command table.
+#pragma once
+
+#include <iosfwd>
+#include <memory>
+
+namespace CLI {
+class App;
+}
+
+namespace kvport::cli {
+
+class Command {
+ public:
+  virtual ~Command() = default;
+
+  /// Declares the subcommand's options on `app` (the subcommand's own
+  /// CLI::App, already named and described), bound to members of this object.
+  virtual void add_options(CLI::App& app) = 0;
+
+  /// Runs after a successful parse; returns the exit code (0 success, 1 a
+  /// check failed). Bad input is reported by throwing kvport::InvalidArgument:
+  /// run() prints it as one "kvport: error: " line and exits 2.
+  virtual int execute(std::ostream& out, std::ostream& err) = 0;
+};
+
+/// A subcommand's entry in the command table.
+struct CommandInfo {
+  const char* name;
+  const char* description;
+  std::unique_ptr<Command> (*make)();
+};
+
+std::unique_ptr<Command> make_plan_command();
+std::unique_ptr<Command> make_demo_command();
+
+}  // namespace kvport::cli
