@@ -77,6 +77,9 @@ INSTANTIATE_TEST_SUITE_P(
         LayoutCase{KvCacheDtype::bf16, 1, 1, 4, {8, 8, 16, 0, 0, 16}},
         LayoutCase{KvCacheDtype::fp8_e4m3, 1, 1, 8, {8, 8, 16, 0, 0, 16}},
         LayoutCase{KvCacheDtype::fp8_e5m2, 1, 1, 3, {3, 13, 16, 0, 0, 16}},
+        // The rows of docs/formats.md's padding table.
+        LayoutCase{KvCacheDtype::fp8_e5m2, 1, 1, 4, {4, 12, 16, 0, 0, 16}},
+        LayoutCase{KvCacheDtype::bf16, 1, 1, 8, {16, 0, 16, 0, 0, 16}},
         LayoutCase{KvCacheDtype::turbo2, 1, 1, 8, {2, 14, 16, 2, 14, 32}},
         LayoutCase{KvCacheDtype::turbo3, 1, 1, 8, {3, 13, 16, 2, 14, 32}},
         LayoutCase{KvCacheDtype::turbo4, 1, 1, 8, {4, 12, 16, 2, 14, 32}},

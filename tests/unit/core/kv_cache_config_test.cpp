@@ -199,6 +199,19 @@ TEST(KvCacheConfig, BytesPerBlockMixed) {
   }
 }
 
+TEST(KvCacheConfig, MixedLlama70bExampleOfFormatsDoc) {
+  // docs/formats.md: 80 layers, fp8 with bf16 first and last layers.
+  KvCacheConfig config = llama3_8b_config();
+  config.num_layers = 80;
+  EXPECT_EQ(config.bytes_per_block(), 5242880u);  // 80 x 65536, all bf16
+  config.dtype = KvCacheDtype::fp8_e4m3;
+  config.layer_dtypes.assign(80, KvCacheDtype::fp8_e4m3);
+  config.layer_dtypes.front() = config.layer_dtypes.back() = KvCacheDtype::bf16;
+  EXPECT_EQ(config.bytes_per_block(), 2u * 65536 + 78u * 32768);
+  EXPECT_EQ(config.bytes_per_block(), 2686976u);
+  EXPECT_EQ(config.num_override_layers(), 2u);
+}
+
 TEST(KvCacheConfig, BytesPerBlockDoesNotDependOnLayout) {
   EXPECT_EQ(test::mixed_config(KvCacheLayout::block_major).bytes_per_block(),
             test::kMixedBytesPerBlock);
