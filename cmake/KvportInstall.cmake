@@ -12,6 +12,12 @@ install(TARGETS kvport_platform kvport_core kvport_backends ${KVPORT_BACKEND_TAR
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY platform/include/ core/include/ backends/host/include/
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+if(KVPORT_HAVE_CUDA)
+  install(DIRECTORY backends/cuda/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endif()
+if(KVPORT_HAVE_HIP)
+  install(DIRECTORY backends/hip/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+endif()
 install(EXPORT kvportTargets NAMESPACE kvport:: DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
 
 configure_package_config_file(cmake/kvportConfig.cmake.in

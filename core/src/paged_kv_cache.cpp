@@ -76,6 +76,18 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
       }
     }
 
+    // The pool table the backend fills from (device-resident on GPUs).
+    std::vector<BlockPool> table;
+    if (block_major_stride_ != 0) {
+      table.push_back(BlockPool{pools_.front().k_base, per_block, per_block});
+    } else {
+      for (const Pool& pool : pools_) {
+        table.push_back(BlockPool{pool.k_base, pool.k_bytes, pool.k_stride});
+        table.push_back(BlockPool{pool.v_base, pool.v_bytes, pool.v_stride});
+      }
+    }
+    pool_set_ = backend.register_block_pools(table, num_blocks);
+
     // Host-side state is built inside the try as well: a bad_alloc or a bad
     // trace depth here must not leak the pools (the destructor will not run).
     free_list_.resize(num_blocks);
@@ -122,8 +134,9 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       ref_counts_(std::move(other.ref_counts_)),
       counters_(other.counters_),
       trace_(std::move(other.trace_)),
+      pool_set_(std::move(other.pool_set_)),
       scratch_ids_(std::move(other.scratch_ids_)),
-      scratch_regions_(std::move(other.scratch_regions_)) {
+      last_fill_regions_(other.last_fill_regions_) {
   other.num_blocks_ = 0;
   other.pools_.clear();
   other.free_list_.clear();
@@ -131,6 +144,7 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
 }
 
 void PagedKvCache::release_pools() noexcept {
+  pool_set_ = BlockPoolSet();  // unregister before the memory it describes goes
   for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
     backend_->free(*it);
   allocations_.clear();
@@ -339,45 +353,22 @@ KvCacheDtype PagedKvCache::dtype_for_layer(std::size_t layer) const {
 
 void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t value,
                                StreamView stream, const char* op) {
-  for (BlockId block : blocks)
-    check_block(block, op);
-  scratch_regions_.clear();
+  for (BlockId block : blocks) check_block(block, op);
+  last_fill_regions_ = 0;
   if (blocks.empty()) return;
+  // Sorted and unique: runs of consecutive ids coalesce into one region per
+  // pool, and no byte is written twice.
   scratch_ids_.assign(blocks.begin(), blocks.end());
   if (!std::is_sorted(scratch_ids_.begin(), scratch_ids_.end())) {
     std::sort(scratch_ids_.begin(), scratch_ids_.end());
   }
   scratch_ids_.erase(std::unique(scratch_ids_.begin(), scratch_ids_.end()), scratch_ids_.end());
-
-  // Runs of consecutive ids: [first, first + length).
-  auto for_each_run = [&](auto&& emit) {
-    std::size_t i = 0;
-    while (i < scratch_ids_.size()) {
-      std::size_t j = i + 1;
-      while (j < scratch_ids_.size() && scratch_ids_[j] == scratch_ids_[j - 1] + 1)
-        ++j;
-      emit(static_cast<std::size_t>(scratch_ids_[i]), j - i);
-      i = j;
-    }
-  };
-
-  if (block_major_stride_ != 0) {
-    const DevicePtr base = pools_.front().k_base;
-    for_each_run([&](std::size_t first, std::size_t length) {
-      scratch_regions_.push_back(
-          FillRegion{base.offset(first * block_major_stride_), length * block_major_stride_});
-    });
-  } else {
-    for (const Pool& pool : pools_) {
-      for_each_run([&](std::size_t first, std::size_t length) {
-        scratch_regions_.push_back(
-            FillRegion{pool.k_base.offset(first * pool.k_stride), length * pool.k_bytes});
-        scratch_regions_.push_back(
-            FillRegion{pool.v_base.offset(first * pool.v_stride), length * pool.v_bytes});
-      });
-    }
+  std::size_t runs = 1;
+  for (std::size_t i = 1; i < scratch_ids_.size(); ++i) {
+    runs += scratch_ids_[i] != scratch_ids_[i - 1] + 1 ? 1 : 0;
   }
-  backend_->fill_async(scratch_regions_, value, stream);
+  backend_->fill_blocks_async(pool_set_, scratch_ids_, value, stream);
+  last_fill_regions_ = runs * pool_set_.num_pools();
 }
 
 void PagedKvCache::zero_blocks(std::span<const BlockId> blocks, StreamView stream) {

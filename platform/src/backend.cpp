@@ -242,6 +242,100 @@ void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView s
   do_copy_batch_async(regions, native);
 }
 
+// ---- block pools ----------------------------------------------------------------
+
+namespace {
+
+struct HostPoolTable {
+  std::vector<BlockPool> pools;
+};
+
+}  // namespace
+
+BlockPoolSet::~BlockPoolSet() {
+  if (backend_ != nullptr && native_ != nullptr) backend_->do_unregister_block_pools(native_);
+}
+
+BlockPoolSet Backend::register_block_pools(std::span<const BlockPool> pools,
+                                           std::size_t num_blocks) {
+  if (pools.empty()) throw InvalidArgument(fmt::format("{}: register_block_pools: no pools", name_));
+  if (num_blocks == 0) {
+    throw InvalidArgument(fmt::format("{}: register_block_pools: num_blocks must be > 0", name_));
+  }
+  bool dense = true;
+  for (std::size_t i = 0; i < pools.size(); ++i) {
+    const BlockPool& p = pools[i];
+    if (p.base.is_null() || p.bytes == 0 || p.stride < p.bytes) {
+      throw InvalidArgument(fmt::format(
+          "{}: register_block_pools: pool {} is invalid (base {:#x}, bytes {}, stride {}): "
+          "needs a non-null base, bytes > 0 and stride >= bytes",
+          name_, i, p.base.address(), p.bytes, p.stride));
+    }
+    if (num_blocks - 1 > (SIZE_MAX - p.bytes) / p.stride) {
+      throw InvalidArgument(fmt::format(
+          "{}: register_block_pools: pool {} extent of {} blocks overflows", name_, i, num_blocks));
+    }
+    range_end(name_, "register_block_pools", p.base, (num_blocks - 1) * p.stride + p.bytes);
+    dense = dense && p.stride == p.bytes;
+  }
+  BlockPoolSet set;
+  set.native_ = do_register_block_pools(pools, num_blocks);
+  set.backend_ = this;
+  set.num_blocks_ = num_blocks;
+  set.num_pools_ = pools.size();
+  set.dense_ = dense;
+  return set;
+}
+
+void Backend::fill_blocks_async(const BlockPoolSet& pools, std::span<const std::uint32_t> block_ids,
+                                std::uint8_t value, StreamView stream) {
+  void* native = check_stream(stream, "fill_blocks_async");
+  if (pools.backend_ != this || pools.native_ == nullptr) {
+    throw InvalidArgument(fmt::format(
+        "{}: fill_blocks_async: the pool set is empty or registered with another backend", name_));
+  }
+  for (std::uint32_t id : block_ids) {
+    if (id >= pools.num_blocks_) {
+      throw InvalidArgument(fmt::format("{}: fill_blocks_async: block {} out of range ({} blocks)",
+                                        name_, id, pools.num_blocks_));
+    }
+  }
+  if (block_ids.empty()) return;
+  bump(counters_->fill);
+  do_fill_blocks_async(pools.native_, block_ids, value, native);
+}
+
+void* Backend::do_register_block_pools(std::span<const BlockPool> pools, std::size_t) {
+  auto* table = new HostPoolTable;
+  table->pools.assign(pools.begin(), pools.end());
+  return table;
+}
+
+void Backend::do_unregister_block_pools(void* native) noexcept {
+  delete static_cast<HostPoolTable*>(native);
+}
+
+void Backend::do_fill_blocks_async(void* native, std::span<const std::uint32_t> ids,
+                                   std::uint8_t value, void* stream) {
+  auto* table = static_cast<HostPoolTable*>(native);
+  // A local vector, not a cached one: a set may be filled from two threads.
+  std::vector<FillRegion> regions;
+  regions.reserve(table->pools.size() * ids.size());
+  for (const BlockPool& pool : table->pools) {
+    const bool dense = pool.stride == pool.bytes;
+    std::size_t i = 0;
+    while (i < ids.size()) {
+      std::size_t j = i + 1;
+      // Runs of ascending consecutive ids are one region in a dense pool.
+      while (dense && j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
+      regions.push_back(FillRegion{pool.base.offset(std::size_t{ids[i]} * pool.stride),
+                                   (j - i) * pool.bytes});
+      i = j;
+    }
+  }
+  do_fill_async(regions, value, stream);
+}
+
 void Backend::copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream) {
   copy_h2d_async(dst, src, bytes, stream);
   synchronize(stream);
@@ -250,6 +344,10 @@ void Backend::copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, Stream
 void Backend::copy_d2h(void* dst, DevicePtr src, std::size_t bytes, StreamView stream) {
   copy_d2h_async(dst, src, bytes, stream);
   synchronize(stream);
+}
+
+void Backend::inject_async_fault(StreamView stream) {
+  do_inject_async_fault(check_stream(stream, "inject_async_fault"));
 }
 
 CallCounts Backend::call_counts() const noexcept {

@@ -343,6 +343,12 @@ class HostBackend final : public Backend {
     if (completion) completion->wait();
   }
 
+  void do_inject_async_fault(void* stream) override {
+    stream_of(stream, "inject_async_fault")->enqueue([] {
+      throw BackendError(kName, "inject_async_fault", -1, "injected asynchronous fault");
+    });
+  }
+
   void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                        void* stream) override {
     enqueue_checked(

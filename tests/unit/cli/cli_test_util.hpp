@@ -6,20 +6,21 @@
 
 #include <unistd.h>
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "kvport/cli/cli.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport::cli::testing {
+
+using kvport::testing::ScopedEnv;
 
 struct CliResult {
   int code = -1;
@@ -79,28 +80,6 @@ class TempFile {
  private:
   std::filesystem::path dir_;
   std::filesystem::path path_;
-};
-
-/// Sets an environment variable for the lifetime of the object.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) previous_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (previous_) {
-      ::setenv(name_.c_str(), previous_->c_str(), 1);
-    } else {
-      ::unsetenv(name_.c_str());
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  std::string name_;
-  std::optional<std::string> previous_;
 };
 
 }  // namespace kvport::cli::testing

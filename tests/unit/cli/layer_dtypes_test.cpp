@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport::cli {
 namespace {
 
 using D = KvCacheDtype;
+using kvport::testing::message_of;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -29,13 +31,8 @@ TEST(cli_layer_dtypes, FullList) {
 }
 
 TEST(cli_layer_dtypes, Errors) {
-  auto error = [](std::string_view spec, std::size_t layers) -> std::string {
-    try {
-      parse_layer_dtypes(spec, layers, D::bf16);
-    } catch (const InvalidArgument& e) {
-      return e.what();
-    }
-    return "(no error)";
+  auto error = [](std::string_view spec, std::size_t layers) {
+    return message_of<InvalidArgument>([&] { parse_layer_dtypes(spec, layers, D::bf16); });
   };
   EXPECT_THAT(error("4:bf16", 4), HasSubstr("layer 4 in '4:bf16' is out of range"));
   EXPECT_THAT(error("bf16,bf16", 3), HasSubstr("one dtype per layer (3), got 2"));

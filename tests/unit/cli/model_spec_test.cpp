@@ -7,21 +7,13 @@
 #include <algorithm>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport::cli {
 namespace {
 
+using kvport::testing::message_of;
 using ::testing::HasSubstr;
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const InvalidArgument& e) {
-    return e.what();
-  }
-  return "(no InvalidArgument thrown)";
-}
 
 TEST(cli_model_spec, PresetsAreSortedAndComplete) {
   const auto presets = model_presets();
@@ -38,7 +30,7 @@ TEST(cli_model_spec, PresetsAreSortedAndComplete) {
   const ModelSpec qwen = find_model_preset("qwen2.5-7b");
   EXPECT_EQ(qwen.num_layers, 28u);
   EXPECT_EQ(qwen.num_kv_heads, 4u);
-  EXPECT_THAT(error_of([] { find_model_preset("llama-4"); }),
+  EXPECT_THAT(message_of<InvalidArgument>([] { find_model_preset("llama-4"); }),
               HasSubstr("unknown model preset 'llama-4' (known: llama-3-70b, llama-3-8b"));
 }
 
@@ -86,15 +78,16 @@ TEST(cli_model_spec, HfConfigTextConfigOfMultimodalModels) {
 }
 
 TEST(cli_model_spec, HfConfigErrorsNameTheSource) {
-  EXPECT_THAT(error_of([] { parse_hf_config("{", "cfg.json"); }),
+  EXPECT_THAT(message_of<InvalidArgument>([] { parse_hf_config("{", "cfg.json"); }),
               HasSubstr("HF config 'cfg.json': not valid JSON"));
-  EXPECT_THAT(error_of([] { parse_hf_config("42", "cfg.json"); }),
+  EXPECT_THAT(message_of<InvalidArgument>([] { parse_hf_config("42", "cfg.json"); }),
               HasSubstr("expected a JSON object, got number"));
-  EXPECT_THAT(error_of([] { parse_hf_config(R"({"num_hidden_layers": 1e3})", "cfg.json"); }),
+  EXPECT_THAT(message_of<InvalidArgument>(
+                  [] { parse_hf_config(R"({"num_hidden_layers": 1e3})", "cfg.json"); }),
               HasSubstr("'num_hidden_layers' must be a positive integer, got 1000.0"));
   const std::string long_value(200, 'x');
-  const std::string message =
-      error_of([&] { parse_hf_config(R"({"head_dim": ")" + long_value + R"("})", "cfg.json"); });
+  const std::string message = message_of<InvalidArgument>(
+      [&] { parse_hf_config(R"({"head_dim": ")" + long_value + R"("})", "cfg.json"); });
   EXPECT_LT(message.size(), 120u) << "the offending value is shortened";
 }
 
@@ -118,7 +111,8 @@ TEST(cli_model_spec, ResolveUsesTheDefaultPresetOnlyWithoutAModel) {
   const ModelSpec spec = resolve_model_spec(o, "qwen2.5-7b");
   EXPECT_EQ(spec.num_layers, 3u);
   EXPECT_EQ(spec.num_kv_heads, 4u);
-  EXPECT_THAT(error_of([] { resolve_model_spec(ModelOverrides{}); }), HasSubstr("no model given"));
+  EXPECT_THAT(message_of<InvalidArgument>([] { resolve_model_spec(ModelOverrides{}); }),
+              HasSubstr("no model given"));
 }
 
 }  // namespace

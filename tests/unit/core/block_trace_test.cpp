@@ -9,7 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 

@@ -6,10 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -19,8 +17,11 @@
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport::test {
+
+using kvport::testing::ScopedEnv;
 
 inline constexpr std::size_t kMiB = std::size_t{1} << 20;
 
@@ -83,15 +84,9 @@ inline constexpr std::size_t kMixedBytesPerBlock = 1328;
 /// Expects `fn` to throw InvalidArgument whose message contains `needle`.
 template <class Fn>
 void expect_invalid_argument(Fn&& fn, std::string_view needle) {
-  try {
-    std::forward<Fn>(fn)();
-    ADD_FAILURE() << "expected InvalidArgument mentioning '" << needle << "', nothing thrown";
-  } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string_view(e.what()).find(needle), std::string_view::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected InvalidArgument, got another exception: " << e.what();
-  }
+  const std::string message = kvport::testing::message_of<InvalidArgument>(std::forward<Fn>(fn));
+  EXPECT_NE(message.find(needle), std::string::npos)
+      << "expected InvalidArgument mentioning '" << needle << "', got message '" << message << "'";
 }
 
 /// Captures log messages with their level; restores the previous sink and
@@ -145,32 +140,6 @@ class QuietLog {
 
  private:
   log::Level saved_;
-};
-
-/// Sets (or unsets, with nullopt) an environment variable for a scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) saved_ = std::string(old);
-    if (value) {
-      ::setenv(name, value->c_str(), 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (saved_) {
-      ::setenv(name_, saved_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
 };
 
 /// A byte pattern unique to (block, layer, K/V, offset), never 0x00 or 0xFF,

@@ -123,7 +123,7 @@ TEST(BlockRegionLayout, RegionsAreAlignedAndAddUp) {
     for (std::size_t bs : {1u, 2u, 7u, 16u}) {
       for (std::size_t heads : {1u, 3u, 8u}) {
         for (std::size_t hd : {16u, 48u, 64u, 128u, 256u}) {
-          SCOPED_TRACE(testing::Message()
+          SCOPED_TRACE(::testing::Message()
                        << to_string(b.dtype) << " " << bs << "x" << heads << "x" << hd);
           const BlockRegionLayout l = block_region_layout(b.dtype, bs, heads, hd);
           const std::size_t elements = bs * heads * hd;

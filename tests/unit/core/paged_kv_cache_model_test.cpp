@@ -162,7 +162,7 @@ TEST_P(PagedKvCacheModelTest, RandomOperationsMatchTheReferenceModel) {
         b = pick_block();
         all_in_range = all_in_range && model.in_range(b);
       }
-      what = "free_blocks " + testing::PrintToString(table);
+      what = "free_blocks " + ::testing::PrintToString(table);
       if (!all_in_range) {
         ASSERT_THROW(cache.free_blocks(table), InvalidArgument) << what;
       } else {
@@ -181,7 +181,7 @@ TEST_P(PagedKvCacheModelTest, RandomOperationsMatchTheReferenceModel) {
       }
     }
 
-    SCOPED_TRACE(testing::Message() << "after step " << step << ": " << what);
+    SCOPED_TRACE(::testing::Message() << "after step " << step << ": " << what);
     ASSERT_EQ(cache.num_free_blocks(), model.num_free());
     ASSERT_EQ(cache.num_blocks_in_use(), p.num_blocks - model.num_free());
     const InvariantReport report = cache.check_invariants();
@@ -204,7 +204,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ModelParam{1, 1, false, 3000}, ModelParam{2, 7, false, 5000},
                       ModelParam{3, 64, false, 5000}, ModelParam{42, 16, true, 5000},
                       ModelParam{1234, 33, false, 8000}, ModelParam{99, 3, true, 4000}),
-    [](const testing::TestParamInfo<ModelParam>& param_info) {
+    [](const ::testing::TestParamInfo<ModelParam>& param_info) {
       return "Seed" + std::to_string(param_info.param.seed) + "Blocks" +
              std::to_string(param_info.param.num_blocks) + (param_info.param.trace ? "Traced" : "");
     });

@@ -302,7 +302,7 @@ TEST_F(PagedKvCacheTest, OutOfRangeIdsThrowForEveryAccessor) {
   const StreamView s = stream_;
 
   for (BlockId bad : bad_blocks) {
-    SCOPED_TRACE(testing::Message() << "block " << bad);
+    SCOPED_TRACE(::testing::Message() << "block " << bad);
     const std::vector<BlockId> batch = {0, bad};
     const std::pair<const char*, std::function<void()>> calls[] = {
         {"ref_count", [&] { (void)cache.ref_count(bad); }},
@@ -327,7 +327,7 @@ TEST_F(PagedKvCacheTest, OutOfRangeIdsThrowForEveryAccessor) {
     }
   }
   for (std::size_t bad : bad_layers) {
-    SCOPED_TRACE(testing::Message() << "layer " << bad);
+    SCOPED_TRACE(::testing::Message() << "layer " << bad);
     const std::pair<const char*, std::function<void()>> calls[] = {
         {"k_cache_ptr", [&] { (void)cache.k_cache_ptr(bad, 0); }},
         {"v_cache_ptr", [&] { (void)cache.v_cache_ptr(bad, 0); }},
@@ -477,7 +477,7 @@ TEST(PagedKvCacheConstruction, FailureMidwayFreesEveryPool) {
   // allocation granule), allocated K0, V0, K1, V1, K2, V2. A capacity of
   // n * 2048 + 1024 bytes fits exactly n pools.
   for (std::size_t fits = 0; fits < 6; ++fits) {
-    SCOPED_TRACE(testing::Message() << fits << " pools fit");
+    SCOPED_TRACE(::testing::Message() << fits << " pools fit");
     const std::size_t capacity = fits * 2048 + 1024;
     auto backend = test::host_backend(capacity);
     EXPECT_THROW(PagedKvCache(test::small_config(), 16, *backend, no_trace()), OutOfMemory);
@@ -686,7 +686,7 @@ class PagedKvCacheLayoutTest : public ::testing::TestWithParam<LayoutParam> {
   void expect_contents(const std::set<BlockId>& filled, std::uint8_t value) {
     for (BlockId b = 0; b < kBlocks; ++b) {
       for (std::size_t l = 0; l < cache_.num_layers(); ++l) {
-        SCOPED_TRACE(testing::Message() << "block " << b << " layer " << l);
+        SCOPED_TRACE(::testing::Message() << "block " << b << " layer " << l);
         const PagedKvCache::HostBlock got = cache_.read_block(l, b, stream_);
         ASSERT_EQ(got.k.size(), GetParam().k_bytes[l]);
         ASSERT_EQ(got.v.size(), GetParam().v_bytes[l]);
@@ -782,7 +782,7 @@ TEST_P(BlockMajorLayoutTest, BlocksAreContiguous) {
     const std::uintptr_t hi = lo + per_block;
     std::size_t covered = 0;
     for (std::size_t l = 0; l < cache_.num_layers(); ++l) {
-      SCOPED_TRACE(testing::Message() << "block " << b << " layer " << l);
+      SCOPED_TRACE(::testing::Message() << "block " << b << " layer " << l);
       const std::uintptr_t k = cache_.k_cache_ptr(l, b).address();
       const std::uintptr_t v = cache_.v_cache_ptr(l, b).address();
       EXPECT_GE(k, lo);
@@ -908,7 +908,7 @@ TEST_P(PagedKvCacheLayoutTest, CoalescesRunsOfBlocks) {
       {{7, 5, 3, 1}, 4},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(testing::PrintToString(c.ids));
+    SCOPED_TRACE(::testing::PrintToString(c.ids));
     const std::uint64_t fills = backend_->call_counts().fill;
     cache_.zero_blocks(c.ids, stream_);
     EXPECT_EQ(backend_->call_counts().fill - fills, 1u);
@@ -943,7 +943,7 @@ TEST_P(PagedKvCacheLayoutTest, DestructionReturnsAllMemory) {
   EXPECT_EQ(backend_->mem_info().free_bytes, capacity);
 }
 
-std::string layout_name(const testing::TestParamInfo<LayoutParam>& param_info) {
+std::string layout_name(const ::testing::TestParamInfo<LayoutParam>& param_info) {
   return param_info.param.name;
 }
 

@@ -29,10 +29,13 @@
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport {
 namespace {
 
+using kvport::testing::message_of;
+using kvport::testing::ScopedEnv;
 using ::testing::AllOf;
 using ::testing::Each;
 using ::testing::HasSubstr;
@@ -41,48 +44,9 @@ using ::testing::Not;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 constexpr std::size_t kCapacity = 64 * kMiB;
 
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw another exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
 std::string hex(DevicePtr p) {
   return fmt::format("{:#x}", p.address());
 }
-
-class EnvGuard {
- public:
-  EnvGuard(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value->c_str(), 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 // Holds a stream at a known point until `open()`. Declare it after the
 // streams and backend it is queued on, so that it opens (in its destructor)
@@ -219,13 +183,13 @@ TEST_F(HostBackendTest, MemInfoTracksUsedBytes) {
 }
 
 TEST(HostBackendCapacity, DefaultIsPhysicalMemory) {
-  EnvGuard env("KVPORT_HOST_MEMORY", std::nullopt);
+  ScopedEnv env("KVPORT_HOST_MEMORY", std::nullopt);
   EXPECT_GT(host_physical_memory(), 0u);
   EXPECT_EQ(make_host_backend()->mem_info().total_bytes, host_physical_memory());
 }
 
 TEST(HostBackendCapacity, FromEnvironment) {
-  EnvGuard env("KVPORT_HOST_MEMORY", "64MiB");
+  ScopedEnv env("KVPORT_HOST_MEMORY", "64MiB");
   auto backend = make_host_backend();
   EXPECT_EQ(backend->mem_info().total_bytes, 64 * kMiB);
   EXPECT_THROW(backend->alloc(64 * kMiB + 1), OutOfMemory);
@@ -234,12 +198,12 @@ TEST(HostBackendCapacity, FromEnvironment) {
 }
 
 TEST(HostBackendCapacity, OptionOverridesEnvironment) {
-  EnvGuard env("KVPORT_HOST_MEMORY", "64MiB");
+  ScopedEnv env("KVPORT_HOST_MEMORY", "64MiB");
   EXPECT_EQ(make_host_backend({.capacity_bytes = 3 * kMiB})->mem_info().total_bytes, 3 * kMiB);
 }
 
 TEST(HostBackendCapacity, BadEnvironmentThrows) {
-  EnvGuard env("KVPORT_HOST_MEMORY", "lots");
+  ScopedEnv env("KVPORT_HOST_MEMORY", "lots");
   EXPECT_THAT(message_of<InvalidArgument>([] { make_host_backend(); }),
               AllOf(HasSubstr("KVPORT_HOST_MEMORY"), HasSubstr("'lots'")));
 }

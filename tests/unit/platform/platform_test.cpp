@@ -18,54 +18,15 @@
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/platform/registry.hpp"
+#include "kvport/testing/support.hpp"
 
 namespace kvport {
 namespace {
 
+using kvport::testing::message_of;
+using kvport::testing::ScopedEnv;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
-
-// The message of the E that `f` throws; a failure when it throws nothing or
-// another type.
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw another exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-// Sets (or unsets, with nullopt) an environment variable for one scope.
-class EnvGuard {
- public:
-  EnvGuard(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value->c_str(), 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 constexpr std::uintptr_t kMaxAddress = std::numeric_limits<std::uintptr_t>::max();
 
@@ -478,22 +439,22 @@ std::string expected_default_name() {
 }
 
 TEST(Registry, DefaultBackendWithoutEnvironment) {
-  EnvGuard env("KVPORT_BACKEND", std::nullopt);
+  ScopedEnv env("KVPORT_BACKEND", std::nullopt);
   EXPECT_EQ(default_backend()->name(), expected_default_name());
 }
 
 TEST(Registry, DefaultBackendWithEmptyEnvironmentIsAsUnset) {
-  EnvGuard env("KVPORT_BACKEND", "");
+  ScopedEnv env("KVPORT_BACKEND", "");
   EXPECT_EQ(default_backend()->name(), expected_default_name());
 }
 
 TEST(Registry, DefaultBackendHonoursEnvironment) {
-  EnvGuard env("KVPORT_BACKEND", "host");
+  ScopedEnv env("KVPORT_BACKEND", "host");
   EXPECT_EQ(default_backend()->name(), "host");
 }
 
 TEST(Registry, DefaultBackendWithUnknownEnvironmentThrows) {
-  EnvGuard env("KVPORT_BACKEND", "nope");
+  ScopedEnv env("KVPORT_BACKEND", "nope");
   const std::string msg = message_of<InvalidArgument>([] { default_backend(); });
   EXPECT_THAT(msg, AllOf(HasSubstr("KVPORT_BACKEND"), HasSubstr("'nope'"), HasSubstr("host")));
 }

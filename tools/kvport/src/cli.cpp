@@ -29,6 +29,8 @@ constexpr CommandInfo kCommands[] = {
      &make_plan_command},
     {"demo", "Run a simulated serving loop on a PagedKvCache and check its invariants",
      &make_demo_command},
+    {"conformance", "Run the backend conformance suite and print a pass/skip/fail summary",
+     &make_conformance_command},
 };
 
 void print_error(std::ostream& err, std::string_view message) {

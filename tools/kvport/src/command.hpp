@@ -34,5 +34,6 @@ struct CommandInfo {
 
 std::unique_ptr<Command> make_plan_command();
 std::unique_ptr<Command> make_demo_command();
+std::unique_ptr<Command> make_conformance_command();
 
 }  // namespace kvport::cli

@@ -15,6 +15,7 @@
 #include "kvport/cli/serving_sim.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "shape_json.hpp"
 
 namespace kvport::cli {
 namespace {
@@ -151,20 +152,10 @@ class DemoCommand final : public Command {
   }
 
   static void print_json(std::ostream& out, const DemoReport& r) {
-    const ModelSpec& model = r.shape.model;
-    const KvCacheConfig& config = r.shape.config;
     const ServingSimResult& s = r.result;
     nlohmann::ordered_json j;
-    j["model"] = {{"name", model.name},
-                  {"source", model.source},
-                  {"num_layers", model.num_layers},
-                  {"num_kv_heads", model.num_kv_heads},
-                  {"head_dim_k", model.head_dim_k},
-                  {"head_dim_v", model.head_dim_v}};
+    add_shape_fields(j, r.shape);
     j["backend"] = r.backend;
-    j["dtype"] = std::string(to_string(config.dtype));
-    j["block_size"] = config.block_size;
-    j["layout"] = std::string(to_string(config.layout));
     j["memory_bytes"] = r.memory_bytes;
     j["bytes_per_block"] = r.bytes_per_block;
     j["num_blocks"] = r.num_blocks;

@@ -11,6 +11,7 @@
 #include "command.hpp"
 #include "kvport/cli/capacity_plan.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "shape_json.hpp"
 #include "text_table.hpp"
 
 namespace kvport::cli {
@@ -98,18 +99,8 @@ class PlanCommand final : public Command {
   static void print_json(std::ostream& out, const CacheShapeOptions::Resolved& shape,
                          const MemoryBudget& budget, const Backend* backend,
                          const CapacityPlan& plan) {
-    const ModelSpec& model = shape.model;
-    const KvCacheConfig& config = shape.config;
     nlohmann::ordered_json j;
-    j["model"] = {{"name", model.name},
-                  {"source", model.source},
-                  {"num_layers", model.num_layers},
-                  {"num_kv_heads", model.num_kv_heads},
-                  {"head_dim_k", model.head_dim_k},
-                  {"head_dim_v", model.head_dim_v}};
-    j["dtype"] = std::string(to_string(config.dtype));
-    j["block_size"] = config.block_size;
-    j["layout"] = std::string(to_string(config.layout));
+    add_shape_fields(j, shape);
     j["backend"] = backend != nullptr ? nlohmann::ordered_json(backend->name()) : nullptr;
     j["memory_bytes"] = budget.bytes;
     j["memory_origin"] = budget.origin;

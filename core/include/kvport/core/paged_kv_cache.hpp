@@ -149,9 +149,11 @@ class PagedKvCache {
   // ---- device work -------------------------------------------------------------
 
   /// Sets every layer's K and V bytes of the given blocks to 0 (0xFF for
-  /// poison), queued on `stream`. ONE backend fill_async call per batch,
-  /// whatever the batch size: ids are sorted and deduplicated, contiguous runs
-  /// coalesce into one region per pool (one region in block-major layout).
+  /// poison), queued on `stream`. ONE backend call (fill_blocks_async over the
+  /// cache's registered pools) per batch, whatever the batch size: ids are
+  /// sorted and deduplicated, and contiguous runs coalesce into one region
+  /// per pool (one region in block-major layout). On GPUs only the ids are
+  /// uploaded.
   /// Throws InvalidArgument (before any device work) for an out-of-range id.
   /// An empty batch queues nothing.
   void zero_blocks(std::span<const BlockId> blocks, StreamView stream);
@@ -159,9 +161,10 @@ class PagedKvCache {
   void zero_block(BlockId block, StreamView stream) { zero_blocks({&block, 1}, stream); }
   void poison_block(BlockId block, StreamView stream) { poison_blocks({&block, 1}, stream); }
 
-  /// Number of fill regions the last zero/poison batch used (for tests and
-  /// benchmarks that check coalescing).
-  std::size_t last_fill_regions() const noexcept { return scratch_regions_.size(); }
+  /// Number of contiguous regions the last zero/poison batch covered: runs of
+  /// consecutive ids x pools (2 x num_layers, or 1 in block-major layout).
+  /// For tests and benchmarks that check coalescing.
+  std::size_t last_fill_regions() const noexcept { return last_fill_regions_; }
 
   /// Copies `layer`'s K and V bytes of `block` to the host, synchronizing
   /// `stream` (work queued before on it is ordered first).
@@ -218,8 +221,9 @@ class PagedKvCache {
   KvCacheCounters counters_;
   BlockTrace trace_;
 
+  BlockPoolSet pool_set_;  // after allocations_: unregistered first
   std::vector<BlockId> scratch_ids_;
-  std::vector<FillRegion> scratch_regions_;
+  std::size_t last_fill_regions_ = 0;
 };
 
 }  // namespace kvport

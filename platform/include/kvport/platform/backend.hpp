@@ -37,6 +37,58 @@ struct CopyRegion {
   std::size_t bytes = 0;
 };
 
+/// A pool of equally spaced block regions: block b's region is
+/// [base + b * stride, + bytes). A KV cache is a few of these (one K and one V
+/// pool per layer, or one pool in block-major layout).
+struct BlockPool {
+  DevicePtr base;
+  std::size_t bytes = 0;   ///< region size, > 0
+  std::size_t stride = 0;  ///< distance between blocks, >= bytes
+};
+
+class Backend;
+
+/// Block pools registered with a backend for `fill_blocks_async`. On GPUs the
+/// pool table lives on the device, so a fill uploads only block ids. Move-only;
+/// unregisters on destruction; must not outlive its backend nor the memory its
+/// pools describe.
+class BlockPoolSet {
+ public:
+  BlockPoolSet() noexcept = default;
+  BlockPoolSet(BlockPoolSet&& other) noexcept { swap(other); }
+  BlockPoolSet& operator=(BlockPoolSet&& other) noexcept {
+    BlockPoolSet(std::move(other)).swap(*this);
+    return *this;
+  }
+  BlockPoolSet(const BlockPoolSet&) = delete;
+  BlockPoolSet& operator=(const BlockPoolSet&) = delete;
+  ~BlockPoolSet();
+
+  Backend* backend() const noexcept { return backend_; }
+  void* native() const noexcept { return native_; }
+  std::size_t num_blocks() const noexcept { return num_blocks_; }
+  std::size_t num_pools() const noexcept { return num_pools_; }
+  /// Whether every pool's stride equals its region size, so that runs of
+  /// consecutive block ids are one contiguous region per pool.
+  bool dense() const noexcept { return dense_; }
+
+  void swap(BlockPoolSet& other) noexcept {
+    std::swap(backend_, other.backend_);
+    std::swap(native_, other.native_);
+    std::swap(num_blocks_, other.num_blocks_);
+    std::swap(num_pools_, other.num_pools_);
+    std::swap(dense_, other.dense_);
+  }
+
+ private:
+  friend class Backend;
+  Backend* backend_ = nullptr;
+  void* native_ = nullptr;
+  std::size_t num_blocks_ = 0;
+  std::size_t num_pools_ = 0;
+  bool dense_ = false;
+};
+
 /// How many contract calls a backend has served. Each public call counts once,
 /// whatever it costs inside: a `fill_async` of 40 000 regions is one fill call.
 /// Used by benchmarks and tests to prove that batching happens.
@@ -44,7 +96,7 @@ struct CallCounts {
   std::uint64_t alloc = 0;
   std::uint64_t free = 0;
   std::uint64_t memset = 0;
-  std::uint64_t fill = 0;
+  std::uint64_t fill = 0;  ///< fill_async and fill_blocks_async
   std::uint64_t copy = 0;  ///< single copies in any direction
   std::uint64_t copy_batch = 0;
   std::uint64_t synchronize = 0;
@@ -114,6 +166,22 @@ class Backend {
   /// receive the same value). An empty span is a no-op.
   void fill_async(std::span<const FillRegion> regions, std::uint8_t value, StreamView stream);
 
+  /// Registers block pools for fill_blocks_async. Throws InvalidArgument for
+  /// an empty list, a null base, a zero region size, a stride smaller than the
+  /// region, num_blocks == 0 or a pool extent that overflows. The GPU
+  /// backends also require every pool to lie inside one live allocation; the
+  /// host backend checks the regions at each fill, as fill_async does.
+  BlockPoolSet register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks);
+
+  /// Sets the regions of `block_ids` in every registered pool to `value` as
+  /// ONE device operation (the cache-aware fill). Upload cost grows with the
+  /// number of ids, not with pools x ids: the GPU backends keep the pool
+  /// table on the device. Runs of consecutive ids in dense pools are
+  /// coalesced on the host backend. Throws InvalidArgument for an id
+  /// >= num_blocks or a set of another backend. An empty span is a no-op.
+  void fill_blocks_async(const BlockPoolSet& pools, std::span<const std::uint32_t> block_ids,
+                         std::uint8_t value, StreamView stream);
+
   // ---- copies ----------------------------------------------------------------
 
   /// Host memory passed to an async copy must stay valid until the stream is
@@ -136,6 +204,15 @@ class Backend {
   void copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream);
   void copy_d2h(void* dst, DevicePtr src, std::size_t bytes, StreamView stream);
 
+  // ---- testing ----------------------------------------------------------------
+
+  /// Queues work on `stream` that fails asynchronously, so that the stream's
+  /// next synchronize throws BackendError, as after a faulting kernel. For the
+  /// conformance suite. On GPUs the fault is a trapping kernel, a sticky error
+  /// that leaves the device context unusable: use it only in a process of its
+  /// own.
+  void inject_async_fault(StreamView stream);
+
   // ---- instrumentation -------------------------------------------------------
 
   CallCounts call_counts() const noexcept;
@@ -150,6 +227,7 @@ class Backend {
  private:
   friend class Stream;
   friend class Event;
+  friend class BlockPoolSet;
 
   virtual int do_device_count() const = 0;
   virtual MemInfo do_mem_info() const = 0;
@@ -174,6 +252,16 @@ class Backend {
   virtual void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes,
                                  void* stream) = 0;
   virtual void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) = 0;
+
+  virtual void do_inject_async_fault(void* stream) = 0;
+
+  // Block pools. The defaults keep the pools on the host and lower
+  // fill_blocks_async to one do_fill_async over coalesced regions; GPU
+  // backends override all three to keep the table on the device.
+  virtual void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks);
+  virtual void do_unregister_block_pools(void* native) noexcept;
+  virtual void do_fill_blocks_async(void* pools, std::span<const std::uint32_t> block_ids,
+                                    std::uint8_t value, void* stream);
 
   void* check_stream(StreamView stream, const char* op) const;
   void* check_event(const Event& event, const char* op) const;

@@ -1,0 +1,9 @@
+// HIP build of the shared kernels in backends/common/gpu_kernels.inc
+// (compiled by hipcc through a custom command; see backends/hip/CMakeLists.txt).
+#include <hip/hip_runtime.h>
+
+#define KVPORT_KERNEL_NS hip_kernels
+#define KVPORT_STREAM_T hipStream_t
+#define KVPORT_GET_LAST_ERROR hipGetLastError
+#define KVPORT_DEVICE_TRAP __builtin_trap()
+#include "gpu_kernels.inc"

@@ -1,0 +1,231 @@
+// `kvport conformance`: runs the backend conformance suite (the
+// kvport_conformance test binary beside this program) for one backend or all
+// of them, and prints a pass / skip / fail summary per backend.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "command.hpp"
+#include "kvport/cli/cli.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/registry.hpp"
+
+namespace kvport::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kSuiteBinary = "kvport_conformance";
+
+struct BackendTally {
+  int passed = 0;
+  int skipped = 0;
+  int failed = 0;
+  std::vector<std::string> failed_tests;
+  std::string skip_reason;  // why the backend has no device (the suite skips for that reason)
+};
+
+// The suite binary: --suite, else $KVPORT_CONFORMANCE, else beside this
+// executable (bin/kvport -> bin/kvport_conformance).
+fs::path find_suite(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  if (const char* env = std::getenv("KVPORT_CONFORMANCE"); env != nullptr && *env != '\0') {
+    return env;
+  }
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) throw InvalidArgument("conformance: cannot locate this executable; pass --suite PATH");
+  return self.parent_path() / kSuiteBinary;
+}
+
+// Runs `argv` with its stdout and stderr sent to `log`; returns the exit status.
+int run_process(const std::vector<std::string>& argv, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw Error("conformance: fork failed");
+  if (pid == 0) {
+    std::FILE* f = std::fopen(log.c_str(), "w");
+    if (f != nullptr) {
+      ::dup2(::fileno(f), STDOUT_FILENO);
+      ::dup2(::fileno(f), STDERR_FILENO);
+    }
+    std::vector<char*> args;
+    for (const std::string& a : argv)
+      args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execv(args[0], args.data());
+    std::_Exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// Test names look like "Backends/Conformance.MemsetSizes/host": the backend
+// is the parameter after the last '/'.
+std::map<std::string, BackendTally> tally(const nlohmann::json& report) {
+  std::map<std::string, BackendTally> out;
+  for (const auto& suite : report.at("testsuites")) {
+    for (const auto& test : suite.at("testsuite")) {
+      const std::string name = test.at("name").get<std::string>();
+      const std::string backend = name.substr(name.rfind('/') + 1);
+      BackendTally& t = out[backend];
+      const bool failed = test.contains("failures") && !test.at("failures").empty();
+      if (failed) {
+        ++t.failed;
+        t.failed_tests.push_back(suite.at("name").get<std::string>() + "." + name);
+      } else if (test.value("result", "") == "SKIPPED") {
+        ++t.skipped;
+      } else {
+        ++t.passed;
+      }
+    }
+  }
+  return out;
+}
+
+class ConformanceCommand final : public Command {
+ public:
+  void add_options(CLI::App& app) override {
+    app.footer(
+        "Examples:\n"
+        "  kvport conformance                   # every compiled backend\n"
+        "  kvport conformance --backend cuda --json\n"
+        "A backend without a device reports its tests as skipped, with the reason.");
+    app.add_option("--backend", backend_, "Backend to check (default: every compiled backend)")
+        ->type_name("NAME");
+    app.add_option("--filter", filter_, "Only tests whose name matches this gtest pattern")
+        ->type_name("PATTERN");
+    app.add_option("--suite", suite_,
+                   "Path of the kvport_conformance binary (default: $KVPORT_CONFORMANCE, else "
+                   "beside kvport)")
+        ->type_name("PATH");
+    app.add_flag("--json", json_, "Print one JSON object instead of the summary");
+  }
+
+  int execute(std::ostream& out, std::ostream& /*err*/) override {
+    std::vector<std::string> names;
+    for (const BackendInfo& info : compiled_backends())
+      names.push_back(info.name);
+    if (!backend_.empty() && std::find(names.begin(), names.end(), backend_) == names.end()) {
+      throw InvalidArgument(fmt::format("--backend: unknown backend '{}' (compiled: {})", backend_,
+                                        fmt::join(names, ", ")));
+    }
+    const fs::path suite = find_suite(suite_);
+    if (!fs::exists(suite)) {
+      throw InvalidArgument(fmt::format(
+          "conformance: suite binary '{}' not found (build the kvport_conformance target, or "
+          "pass --suite PATH)",
+          suite.string()));
+    }
+
+    const fs::path dir =
+        fs::temp_directory_path() / fmt::format("kvport-conformance-{}", ::getpid());
+    fs::create_directories(dir);
+    const fs::path report_path = dir / "report.json", log_path = dir / "suite.log";
+    const std::string filter =
+        fmt::format("Backends/Conformance.{}/{}", filter_.empty() ? "*" : filter_,
+                    backend_.empty() ? "*" : backend_);
+    const int status = run_process(
+        {suite.string(), "--gtest_filter=" + filter, "--gtest_output=json:" + report_path.string()},
+        log_path);
+    nlohmann::json report;
+    {
+      std::ifstream in(report_path);
+      if (!in) {
+        throw Error(
+            fmt::format("conformance: the suite exited with status {} and wrote no report; "
+                        "its log is {}",
+                        status, log_path.string()));
+      }
+      report = nlohmann::json::parse(in);
+    }
+    std::map<std::string, BackendTally> results = tally(report);
+    // gtest's JSON report carries no skip message; the suite skips a backend
+    // for exactly the reason its probe gives, so take that.
+    for (const BackendInfo& info : compiled_backends()) {
+      auto it = results.find(info.name);
+      if (it != results.end() && it->second.skipped > 0) {
+        it->second.skip_reason = info.unavailable_reason;
+      }
+    }
+    if (results.empty()) {
+      throw InvalidArgument(fmt::format("conformance: no test matches '{}'", filter));
+    }
+    bool any_failed = false;
+    for (const auto& [name, t] : results)
+      any_failed = any_failed || t.failed > 0;
+    if (json_) {
+      print_json(out, results, suite);
+    } else {
+      print_text(out, results, suite);
+    }
+    if (any_failed) {
+      out << "Suite log: " << log_path.string() << '\n';
+    } else {
+      fs::remove_all(dir);
+    }
+    return any_failed ? kExitCheckFailed : kExitOk;
+  }
+
+ private:
+  static void print_text(std::ostream& out, const std::map<std::string, BackendTally>& results,
+                         const fs::path& suite) {
+    out << fmt::format("kvport conformance ({})\n\n", suite.string());
+    out << fmt::format("{:<10} {:>7} {:>8} {:>7}\n", "Backend", "passed", "skipped", "failed");
+    for (const auto& [name, t] : results) {
+      out << fmt::format("{:<10} {:>7} {:>8} {:>7}\n", name, t.passed, t.skipped, t.failed);
+    }
+    for (const auto& [name, t] : results) {
+      if (t.skipped > 0 && !t.skip_reason.empty()) {
+        out << fmt::format("\n{} tests skipped: {}", t.skipped, t.skip_reason);
+      }
+      for (const std::string& test : t.failed_tests)
+        out << fmt::format("\n{}: FAILED {}", name, test);
+    }
+    out << '\n';
+  }
+
+  static void print_json(std::ostream& out, const std::map<std::string, BackendTally>& results,
+                         const fs::path& suite) {
+    nlohmann::json j;
+    j["suite"] = suite.string();
+    j["backends"] = nlohmann::json::array();
+    for (const auto& [name, t] : results) {
+      j["backends"].push_back({{"backend", name},
+                               {"passed", t.passed},
+                               {"skipped", t.skipped},
+                               {"failed", t.failed},
+                               {"failed_tests", t.failed_tests},
+                               {"skip_reason", t.skip_reason}});
+    }
+    out << j.dump(2) << '\n';
+  }
+
+  std::string backend_;
+  std::string filter_;
+  std::string suite_;
+  bool json_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> make_conformance_command() {
+  return std::make_unique<ConformanceCommand>();
+}
+
+}  // namespace kvport::cli
