@@ -14,8 +14,8 @@
 #include <fmt/format.h>
 
 #include <array>
-#include <memory>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
@@ -83,8 +83,10 @@ class GpuBackend final : public Backend {
       if (s.device != nullptr) KVPORT_TRY_NOTHROW(Api, Api::free(s.device));
       KVPORT_TRY_NOTHROW(Api, Api::event_destroy(s.done));
     }
-    for (void* stream : streams_) KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(as_stream(stream)));
-    for (void* event : events_) KVPORT_TRY_NOTHROW(Api, Api::event_destroy(as_event(event)));
+    for (void* stream : streams_)
+      KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(as_stream(stream)));
+    for (void* event : events_)
+      KVPORT_TRY_NOTHROW(Api, Api::event_destroy(as_event(event)));
     KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(default_stream_));
     for (const auto& [base, bytes] : tracker_.live()) {
       log::warn(fmt::format("{}: backend destroyed with a live allocation [{:#x}, +{}); freeing it",
@@ -120,7 +122,7 @@ class GpuBackend final : public Backend {
     void* host = nullptr;    // pinned
     void* device = nullptr;  // descriptor table the kernel reads
     std::size_t capacity = 0;
-    Event_t done{};          // recorded after the kernel that read `device`
+    Event_t done{};  // recorded after the kernel that read `device`
     bool pending = false;
   };
 
@@ -138,7 +140,8 @@ class GpuBackend final : public Backend {
     }
     if (s.capacity < bytes) {
       std::size_t capacity = s.capacity == 0 ? 64 * 1024 : s.capacity;
-      while (capacity < bytes) capacity *= 2;
+      while (capacity < bytes)
+        capacity *= 2;
       if (s.host != nullptr) KVPORT_TRY(Api, Api::host_free(s.host));
       if (s.device != nullptr) KVPORT_TRY(Api, Api::free(s.device));
       s.host = s.device = nullptr;
@@ -265,16 +268,14 @@ class GpuBackend final : public Backend {
       }
     }
     if (descriptors.empty()) return;
-    upload_and_launch(descriptors.data(), descriptors.size() * sizeof(FillDescriptor), s,
-                      [&](void* table) {
-                        return static_cast<typename Api::Status>(
-                            Api::launch_fill(static_cast<const FillDescriptor*>(table),
-                                             descriptors.size(), chunks, value, s));
-                      });
+    upload_and_launch(
+        descriptors.data(), descriptors.size() * sizeof(FillDescriptor), s, [&](void* table) {
+          return static_cast<typename Api::Status>(Api::launch_fill(
+              static_cast<const FillDescriptor*>(table), descriptors.size(), chunks, value, s));
+        });
   }
 
-  void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes,
-                         void* stream) override {
+  void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes, void* stream) override {
     tracker_.check(dst, bytes, "copy_h2d_async");
     if (bytes == 0) return;
     KVPORT_TRY(Api, Api::memcpy_async(dst.get(), src, bytes, stream_of(stream)));
@@ -286,8 +287,7 @@ class GpuBackend final : public Backend {
     KVPORT_TRY(Api, Api::memcpy_async(dst, src.get(), bytes, stream_of(stream)));
   }
 
-  void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes,
-                         void* stream) override {
+  void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) override {
     tracker_.check(src, bytes, "copy_d2d_async (source)");
     tracker_.check(dst, bytes, "copy_d2d_async (destination)");
     if (bytes == 0) return;
@@ -310,17 +310,17 @@ class GpuBackend final : public Backend {
       }
     }
     if (descriptors.empty()) return;
-    upload_and_launch(descriptors.data(), descriptors.size() * sizeof(CopyDescriptor), s,
-                      [&](void* table) {
-                        return static_cast<typename Api::Status>(
-                            Api::launch_copy(static_cast<const CopyDescriptor*>(table),
-                                             descriptors.size(), chunks, s));
-                      });
+    upload_and_launch(
+        descriptors.data(), descriptors.size() * sizeof(CopyDescriptor), s, [&](void* table) {
+          return static_cast<typename Api::Status>(Api::launch_copy(
+              static_cast<const CopyDescriptor*>(table), descriptors.size(), chunks, s));
+        });
   }
 
   void do_inject_async_fault(void* stream) override {
-    detail::check_vendor<Api>(static_cast<typename Api::Status>(Api::launch_fault(stream_of(stream))),
-                              "fault kernel launch");
+    detail::check_vendor<Api>(
+        static_cast<typename Api::Status>(Api::launch_fault(stream_of(stream))),
+        "fault kernel launch");
   }
 
   // ---- block pools: the table lives on the device --------------------------------
@@ -339,8 +339,7 @@ class GpuBackend final : public Backend {
     }
   }
 
-  void* do_register_block_pools(std::span<const BlockPool> pools,
-                                std::size_t num_blocks) override {
+  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
     auto d = std::make_unique<DevicePools>();
     d->pools.assign(pools.begin(), pools.end());
     d->num_blocks = num_blocks;
@@ -348,7 +347,8 @@ class GpuBackend final : public Backend {
     std::vector<PoolDescriptor> descriptors;
     descriptors.reserve(pools.size());
     for (const BlockPool& p : pools) {
-      descriptors.push_back(PoolDescriptor{p.base.address(), p.bytes, p.stride, d->chunks_per_block});
+      descriptors.push_back(
+          PoolDescriptor{p.base.address(), p.bytes, p.stride, d->chunks_per_block});
       d->chunks_per_block += chunks_for(p.bytes);
     }
     const std::size_t bytes = descriptors.size() * sizeof(PoolDescriptor);

@@ -49,16 +49,16 @@ inline constexpr std::uint64_t chunks_for(std::uint64_t bytes) {
 // hip_kernels): both objects link into one binary, and one kernel name in two
 // objects is a duplicate-symbol error. Launchers return the vendor's status
 // code as an int (cudaError_t / hipError_t); `stream` is the native stream.
-#define KVPORT_DECLARE_GPU_LAUNCHERS(ns)                                                         \
-  namespace kvport::ns {                                                                        \
-  int launch_fill(const gpu::FillDescriptor* descriptors, std::uint64_t count,                  \
-                  std::uint64_t total_chunks, std::uint8_t value, void* stream);                \
-  int launch_copy(const gpu::CopyDescriptor* descriptors, std::uint64_t count,                  \
-                  std::uint64_t total_chunks, void* stream);                                    \
-  int launch_fill_blocks(const gpu::PoolDescriptor* pools, std::uint64_t num_pools,             \
-                         std::uint64_t chunks_per_block, const std::uint32_t* block_ids,        \
-                         std::uint64_t num_ids, std::uint8_t value, void* stream);              \
-  int launch_fault(void* stream);                                                               \
+#define KVPORT_DECLARE_GPU_LAUNCHERS(ns)                                                 \
+  namespace kvport::ns {                                                                 \
+  int launch_fill(const gpu::FillDescriptor* descriptors, std::uint64_t count,           \
+                  std::uint64_t total_chunks, std::uint8_t value, void* stream);         \
+  int launch_copy(const gpu::CopyDescriptor* descriptors, std::uint64_t count,           \
+                  std::uint64_t total_chunks, void* stream);                             \
+  int launch_fill_blocks(const gpu::PoolDescriptor* pools, std::uint64_t num_pools,      \
+                         std::uint64_t chunks_per_block, const std::uint32_t* block_ids, \
+                         std::uint64_t num_ids, std::uint8_t value, void* stream);       \
+  int launch_fault(void* stream);                                                        \
   }
 
 KVPORT_DECLARE_GPU_LAUNCHERS(cuda_kernels)

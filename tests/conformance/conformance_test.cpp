@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "gpusim_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
@@ -32,10 +33,22 @@ using Bytes = std::vector<std::uint8_t>;
 constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * kKiB;
 
+// Test-only backends the suite also runs, beside every compiled one: gpusim is
+// the GPU backend's code over a CPU simulation of the vendor API.
+struct TestBackend {
+  const char* name;
+  std::unique_ptr<Backend> (*make)();
+};
+const TestBackend kTestBackends[] = {
+    {"gpusim", [] { return testing::make_gpusim_backend(); }},
+};
+
 std::vector<std::string> backend_names() {
   std::vector<std::string> names;
   for (const BackendInfo& info : compiled_backends())
     names.push_back(info.name);
+  for (const TestBackend& t : kTestBackends)
+    names.emplace_back(t.name);
   return names;
 }
 
@@ -43,7 +56,14 @@ BackendInfo info_of(const std::string& name) {
   for (BackendInfo& info : compiled_backends()) {
     if (info.name == name) return info;
   }
-  throw InvalidArgument("no compiled backend " + name);
+  return BackendInfo{name, false, true, ""};  // a test backend: always available
+}
+
+std::unique_ptr<Backend> make_any_backend(const std::string& name) {
+  for (const TestBackend& t : kTestBackends) {
+    if (name == t.name) return t.make();
+  }
+  return make_backend(name);
 }
 
 Bytes random_bytes(std::size_t n, std::uint32_t seed) {
@@ -59,7 +79,7 @@ class Conformance : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     info_ = info_of(GetParam());
     if (!info_.available) GTEST_SKIP() << info_.unavailable_reason;
-    backend_ = make_backend(GetParam());
+    backend_ = make_any_backend(GetParam());
   }
 
   void TearDown() override {
@@ -447,7 +467,7 @@ TEST_P(Conformance, RangesPastTheAllocationAreRejectedBeforeReachingTheDevice) {
 }
 
 TEST_P(Conformance, StreamsOfAnotherBackendAreRejected) {
-  auto other = make_backend(GetParam());
+  auto other = make_any_backend(GetParam());
   DevicePtr p = alloc(16);
   EXPECT_THAT(message_of([&] { b().memset_async(p, 0, 16, other->default_stream()); }),
               HasSubstr("another backend"));

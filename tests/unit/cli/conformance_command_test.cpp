@@ -32,7 +32,7 @@ TEST(cli_conformance, TextSummaryNamesEveryCompiledBackend) {
 
 TEST(cli_conformance, UnknownBackendIsBadInput) {
   expect_bad_input(run_cli({"conformance", "--backend", "tpu", "--suite", kSuite}),
-                   "unknown backend 'tpu'");
+                   "unknown backend 'tpu' (the suite has: host, ");
 }
 
 TEST(cli_conformance, MissingSuiteBinaryIsBadInput) {

@@ -75,6 +75,35 @@ int run_process(const std::vector<std::string>& argv, const fs::path& log) {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
+// A scratch folder for the suite's report and log, removed unless kept.
+struct ScratchDir {
+  fs::path path = fs::temp_directory_path() / fmt::format("kvport-conformance-{}", ::getpid());
+  bool keep = false;
+  ScratchDir() { fs::create_directories(path); }
+  ~ScratchDir() {
+    std::error_code ec;
+    if (!keep) fs::remove_all(path, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+};
+
+// The backends the suite is instantiated for (compiled ones plus its test
+// backends), from --gtest_list_tests: "  MemsetSizes/host  # GetParam() = ...".
+std::vector<std::string> suite_backends(const fs::path& suite, const fs::path& listing) {
+  run_process({suite.string(), "--gtest_list_tests", "--gtest_filter=Backends/Conformance.*"},
+              listing);
+  std::vector<std::string> names;
+  std::ifstream in(listing);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.starts_with("  ")) continue;
+    const std::string test = line.substr(2, line.find(' ', 2) - 2);
+    const std::string name = test.substr(test.rfind('/') + 1);
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  return names;
+}
+
 // Test names look like "Backends/Conformance.MemsetSizes/host": the backend
 // is the parameter after the last '/'.
 std::map<std::string, BackendTally> tally(const nlohmann::json& report) {
@@ -118,13 +147,6 @@ class ConformanceCommand final : public Command {
   }
 
   int execute(std::ostream& out, std::ostream& /*err*/) override {
-    std::vector<std::string> names;
-    for (const BackendInfo& info : compiled_backends())
-      names.push_back(info.name);
-    if (!backend_.empty() && std::find(names.begin(), names.end(), backend_) == names.end()) {
-      throw InvalidArgument(fmt::format("--backend: unknown backend '{}' (compiled: {})", backend_,
-                                        fmt::join(names, ", ")));
-    }
     const fs::path suite = find_suite(suite_);
     if (!fs::exists(suite)) {
       throw InvalidArgument(fmt::format(
@@ -132,10 +154,16 @@ class ConformanceCommand final : public Command {
           "pass --suite PATH)",
           suite.string()));
     }
+    ScratchDir scratch;
+    const fs::path& dir = scratch.path;
+    if (!backend_.empty()) {
+      const std::vector<std::string> names = suite_backends(suite, dir / "list.txt");
+      if (std::find(names.begin(), names.end(), backend_) == names.end()) {
+        throw InvalidArgument(fmt::format("--backend: unknown backend '{}' (the suite has: {})",
+                                          backend_, fmt::join(names, ", ")));
+      }
+    }
 
-    const fs::path dir =
-        fs::temp_directory_path() / fmt::format("kvport-conformance-{}", ::getpid());
-    fs::create_directories(dir);
     const fs::path report_path = dir / "report.json", log_path = dir / "suite.log";
     const std::string filter =
         fmt::format("Backends/Conformance.{}/{}", filter_.empty() ? "*" : filter_,
@@ -147,6 +175,7 @@ class ConformanceCommand final : public Command {
     {
       std::ifstream in(report_path);
       if (!in) {
+        scratch.keep = true;  // keep the log the message points to
         throw Error(
             fmt::format("conformance: the suite exited with status {} and wrote no report; "
                         "its log is {}",
@@ -175,9 +204,8 @@ class ConformanceCommand final : public Command {
       print_text(out, results, suite);
     }
     if (any_failed) {
+      scratch.keep = true;  // the user wants the suite's log
       out << "Suite log: " << log_path.string() << '\n';
-    } else {
-      fs::remove_all(dir);
     }
     return any_failed ? kExitCheckFailed : kExitOk;
   }
