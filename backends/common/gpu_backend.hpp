@@ -225,6 +225,24 @@ class GpuBackend final : public Backend {
     return static_cast<void*>(e);
   }
 
+  void* do_create_timing_event() override {
+    KVPORT_TRY(Api, Api::set_device(device_));
+    Event_t e{};
+    KVPORT_TRY(Api, Api::timing_event_create(&e));
+    std::lock_guard lock(handles_mutex_);
+    events_.insert(static_cast<void*>(e));
+    return static_cast<void*>(e);
+  }
+
+  double do_elapsed_seconds(void* start, void* end) override {
+    const Event_t a = event_of(start), b = event_of(end);
+    KVPORT_TRY(Api, Api::event_synchronize(a));
+    KVPORT_TRY(Api, Api::event_synchronize(b));
+    float ms = 0.0f;
+    KVPORT_TRY(Api, Api::event_elapsed_ms(&ms, a, b));
+    return static_cast<double>(ms) / 1000.0;
+  }
+
   void do_destroy_event(void* native) noexcept override {
     {
       std::lock_guard lock(handles_mutex_);

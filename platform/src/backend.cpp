@@ -119,6 +119,15 @@ Event Backend::create_event() {
   return Event(this, do_create_event());
 }
 
+Event Backend::create_timing_event() {
+  return Event(this, do_create_timing_event());
+}
+
+double Backend::elapsed_seconds(const Event& start, const Event& end) {
+  return do_elapsed_seconds(check_event(start, "elapsed_seconds"),
+                            check_event(end, "elapsed_seconds"));
+}
+
 void Backend::record_event(const Event& event, StreamView stream) {
   do_record_event(check_event(event, "record_event"), check_stream(stream, "record_event"));
 }
@@ -258,7 +267,8 @@ BlockPoolSet::~BlockPoolSet() {
 
 BlockPoolSet Backend::register_block_pools(std::span<const BlockPool> pools,
                                            std::size_t num_blocks) {
-  if (pools.empty()) throw InvalidArgument(fmt::format("{}: register_block_pools: no pools", name_));
+  if (pools.empty())
+    throw InvalidArgument(fmt::format("{}: register_block_pools: no pools", name_));
   if (num_blocks == 0) {
     throw InvalidArgument(fmt::format("{}: register_block_pools: num_blocks must be > 0", name_));
   }
@@ -327,9 +337,10 @@ void Backend::do_fill_blocks_async(void* native, std::span<const std::uint32_t> 
     while (i < ids.size()) {
       std::size_t j = i + 1;
       // Runs of ascending consecutive ids are one region in a dense pool.
-      while (dense && j < ids.size() && ids[j] == ids[j - 1] + 1) ++j;
-      regions.push_back(FillRegion{pool.base.offset(std::size_t{ids[i]} * pool.stride),
-                                   (j - i) * pool.bytes});
+      while (dense && j < ids.size() && ids[j] == ids[j - 1] + 1)
+        ++j;
+      regions.push_back(
+          FillRegion{pool.base.offset(std::size_t{ids[i]} * pool.stride), (j - i) * pool.bytes});
       i = j;
     }
   }

@@ -407,6 +407,23 @@ TEST_P(Conformance, EventOrdersWorkAcrossStreams) {
   ready.synchronize();
 }
 
+TEST_P(Conformance, TimingEventsMeasureDeviceWork) {
+  constexpr std::size_t kBytes = 64 * kMiB;
+  DevicePtr a = alloc(kBytes);
+  Stream s = b().create_stream();
+  Event start = b().create_timing_event(), stop = b().create_timing_event();
+  start.record(s);
+  b().memset_async(a, 0x5A, kBytes, s);
+  stop.record(s);
+  const double seconds = b().elapsed_seconds(start, stop);
+  EXPECT_GE(seconds, 0.0);
+  EXPECT_LT(seconds, 60.0);
+  // The memset is complete once the end event is.
+  EXPECT_EQ(download(a, 4096), Bytes(4096, 0x5A));
+  Event never = b().create_timing_event();
+  EXPECT_THROW(b().elapsed_seconds(start, never), Error);
+}
+
 TEST_P(Conformance, SynchronizeSurfacesAnAsynchronousError) {
   if (!info_.is_gpu) {
     Stream s = b().create_stream();

@@ -1,5 +1,6 @@
 #include "gpusim_backend.hpp"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -14,7 +15,10 @@ namespace {
 struct SimStream {
   bool fault = false;  // set by the fault "kernel", reported at synchronize
 };
-struct SimEvent {};
+struct SimEvent {
+  std::chrono::steady_clock::time_point recorded;  // work runs at launch, so at record
+  bool ever_recorded = false;
+};
 
 // Device memory accounting shared by every simulated backend in the process.
 struct SimMemory {
@@ -119,7 +123,17 @@ struct ApiSim {
     delete e;
     return ok;
   }
-  static Status event_record(Event, Stream) { return ok; }
+  static Status timing_event_create(Event* e) { return event_create(e); }
+  static Status event_elapsed_ms(float* ms, Event start, Event end) {
+    if (!start->ever_recorded || !end->ever_recorded) return invalid_value;
+    *ms = std::chrono::duration<float, std::milli>(end->recorded - start->recorded).count();
+    return ok;
+  }
+  static Status event_record(Event e, Stream) {
+    e->recorded = std::chrono::steady_clock::now();
+    e->ever_recorded = true;
+    return ok;
+  }
   static Status stream_wait_event(Stream, Event) { return ok; }
   static Status event_synchronize(Event) { return ok; }
   static Status memset_async(void* p, int v, std::size_t n, Stream) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -10,8 +11,8 @@
 #include <deque>
 #include <exception>
 #include <functional>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -126,6 +127,7 @@ class Completion {
     {
       std::lock_guard lock(mutex_);
       done_ = true;
+      when_ = std::chrono::steady_clock::now();
     }
     cv_.notify_all();
   }
@@ -133,11 +135,18 @@ class Completion {
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
   }
+  // When the stream reached the record; waits for it.
+  std::chrono::steady_clock::time_point when() {
+    std::unique_lock lock(mutex_);
+    cv_.wait(lock, [&] { return done_; });
+    return when_;
+  }
 
  private:
   std::mutex mutex_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::chrono::steady_clock::time_point when_;
 };
 
 // An event is its latest record. A wait captures that record when the wait
@@ -173,11 +182,12 @@ class HostBackend final : public Backend {
     streams.clear();
     const auto live = tracker_.live();
     if (!live.empty()) {
-      log::warn(fmt::format(
-          "host: backend destroyed with {} live allocations ({} bytes); freeing them",
-          live.size(), tracker_.live_bytes()));
+      log::warn(
+          fmt::format("host: backend destroyed with {} live allocations ({} bytes); freeing them",
+                      live.size(), tracker_.live_bytes()));
     }
-    for (const auto& [base, bytes] : live) std::free(reinterpret_cast<void*>(base));
+    for (const auto& [base, bytes] : live)
+      std::free(reinterpret_cast<void*>(base));
   }
 
   HostBackend(const HostBackend&) = delete;
@@ -212,7 +222,8 @@ class HostBackend final : public Backend {
     std::uint64_t generation = 0;
     {
       auto lock = tracker_.read_lock();
-      for (Use& u : uses) u.serial = tracker_.check_locked(u.ptr, u.bytes, u.what);
+      for (Use& u : uses)
+        u.serial = tracker_.check_locked(u.ptr, u.bytes, u.what);
       // Read under the same lock as the check: a free landing between the
       // two would otherwise go unnoticed at execution time.
       generation = tracker_.generation_locked();
@@ -220,7 +231,8 @@ class HostBackend final : public Backend {
     s->enqueue([this, generation, uses = std::move(uses), body = std::move(body)] {
       auto lock = tracker_.read_lock();
       if (tracker_.generation_locked() != generation) {
-        for (const Use& u : uses) tracker_.recheck_locked(u);
+        for (const Use& u : uses)
+          tracker_.recheck_locked(u);
       }
       body(uses);
     });
@@ -336,6 +348,18 @@ class HostBackend final : public Backend {
     auto completion = event->current();
     if (!completion) return;  // never recorded: nothing to wait for
     s->enqueue([completion] { completion->wait(); });
+  }
+
+  // Every host event keeps its completion time, so a timing event is a plain one.
+  void* do_create_timing_event() override { return do_create_event(); }
+
+  double do_elapsed_seconds(void* start_native, void* end_native) override {
+    auto start = event_of(start_native, "elapsed_seconds")->current();
+    auto end = event_of(end_native, "elapsed_seconds")->current();
+    if (!start || !end) {
+      throw InvalidArgument("host: elapsed_seconds: an event was never recorded");
+    }
+    return std::chrono::duration<double>(end->when() - start->when()).count();
   }
 
   void do_synchronize_event(void* event_native) override {

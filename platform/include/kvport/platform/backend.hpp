@@ -154,6 +154,15 @@ class Backend {
   void wait_event(StreamView stream, const Event& event);
   void synchronize_event(const Event& event);
 
+  /// An event that also records when its stream reached it, for measuring
+  /// device time (CUDA/HIP events without cudaEventDisableTiming).
+  Event create_timing_event();
+  /// Seconds between the last records of two timing events, measured on the
+  /// device's clock. Waits for both to complete. Throws a kvport::Error when
+  /// either was never recorded (InvalidArgument on host; the vendor's
+  /// BackendError on GPUs, as for an event made by create_event).
+  double elapsed_seconds(const Event& start, const Event& end);
+
   // ---- fills -----------------------------------------------------------------
 
   /// Sets `bytes` bytes at `ptr` to `value`, in stream order. 0 bytes is a
@@ -238,6 +247,8 @@ class Backend {
   virtual void* do_default_stream() = 0;
   virtual void do_synchronize(void* stream) = 0;
   virtual void* do_create_event() = 0;
+  virtual void* do_create_timing_event() = 0;
+  virtual double do_elapsed_seconds(void* start, void* end) = 0;
   virtual void do_destroy_event(void* native) noexcept = 0;
   virtual void do_record_event(void* event, void* stream) = 0;
   virtual void do_wait_event(void* stream, void* event) = 0;
@@ -249,8 +260,7 @@ class Backend {
   virtual void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes,
                                  void* stream) = 0;
   virtual void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) = 0;
-  virtual void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes,
-                                 void* stream) = 0;
+  virtual void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) = 0;
   virtual void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) = 0;
 
   virtual void do_inject_async_fault(void* stream) = 0;
