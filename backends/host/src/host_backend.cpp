@@ -3,6 +3,10 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -27,6 +31,90 @@ namespace kvport {
 namespace {
 
 constexpr const char* kName = "host";
+
+// ---- streaming fills -----------------------------------------------------------------
+
+// Batches of block regions larger than the last-level cache are set with
+// streaming (non-temporal) stores: the lines would not stay cached anyway, and
+// ordinary stores read every line before writing it. Measured on this
+// project's 2-core AVX-512 machine for 256 scattered llama-3-70b blocks:
+// memset 0.80x of one contiguous memset, AVX2 streaming 0.82x, AVX-512
+// streaming 0.87x (docs/performance.md). One contiguous memset stays a plain
+// memset, which glibc already does best.
+using StreamingFill = void (*)(unsigned char*, std::uint8_t, std::size_t);
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// The aligned middle of [p, p + n) for vectors of `width` bytes; the head and
+// tail around it are set with memset.
+struct Middle {
+  std::size_t head;
+  std::size_t vectors;
+};
+inline Middle split(unsigned char* p, std::uint8_t value, std::size_t n, std::size_t width) {
+  const std::size_t misalign = reinterpret_cast<std::uintptr_t>(p) % width;
+  std::size_t head = misalign == 0 ? 0 : width - misalign;
+  if (head > n) head = n;
+  const std::size_t vectors = (n - head) / width;
+  std::memset(p, value, head);
+  std::memset(p + head + vectors * width, value, n - head - vectors * width);
+  return Middle{head, vectors};
+}
+
+// (The loops are written out in each function: a target attribute does not
+// reach into a lambda.)
+__attribute__((target("avx512f"))) void streaming_fill_avx512(unsigned char* p, std::uint8_t value,
+                                                              std::size_t n) {
+  const Middle m = split(p, value, n, 64);
+  const __m512i pattern = _mm512_set1_epi32(static_cast<int>(0x01010101u * value));
+  auto* q = reinterpret_cast<__m512i*>(p + m.head);
+  for (std::size_t i = 0; i < m.vectors; ++i)
+    _mm512_stream_si512(q + i, pattern);
+}
+
+__attribute__((target("avx2"))) void streaming_fill_avx2(unsigned char* p, std::uint8_t value,
+                                                         std::size_t n) {
+  const Middle m = split(p, value, n, 32);
+  const __m256i pattern = _mm256_set1_epi8(static_cast<char>(value));
+  auto* q = reinterpret_cast<__m256i*>(p + m.head);
+  for (std::size_t i = 0; i < m.vectors; ++i)
+    _mm256_stream_si256(q + i, pattern);
+}
+
+StreamingFill streaming_fill() noexcept {
+  static const StreamingFill fill = []() -> StreamingFill {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return &streaming_fill_avx512;
+    if (__builtin_cpu_supports("avx2")) return &streaming_fill_avx2;
+    return nullptr;
+  }();
+  return fill;
+}
+
+// Streaming stores are weakly ordered: fence before the stream moves on.
+void streaming_fence() noexcept {
+  _mm_sfence();
+}
+#else
+StreamingFill streaming_fill() noexcept {
+  return nullptr;
+}
+void streaming_fence() noexcept {}
+#endif
+
+// Batch size from which fill_blocks_async streams: KVPORT_HOST_STREAMING_THRESHOLD
+// (a byte size), else 3/4 of the last-level cache (glibc's threshold for a
+// single memset), else 32 MiB.
+std::size_t streaming_threshold() {
+  if (const char* env = std::getenv("KVPORT_HOST_STREAMING_THRESHOLD"); env != nullptr && *env) {
+    try {
+      return parse_byte_size(env);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(std::string("KVPORT_HOST_STREAMING_THRESHOLD: ") + e.what());
+    }
+  }
+  const long llc = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return llc > 0 ? static_cast<std::size_t>(llc) / 4 * 3 : std::size_t{32} << 20;
+}
 
 // ---- one stream: a worker thread draining a FIFO queue -------------------------
 
@@ -166,7 +254,8 @@ struct HostEvent {
 
 class HostBackend final : public Backend {
  public:
-  explicit HostBackend(std::size_t capacity) : Backend(kName), capacity_(capacity) {
+  explicit HostBackend(std::size_t capacity)
+      : Backend(kName), capacity_(capacity), streaming_threshold_(streaming_threshold()) {
     streams_.emplace(handle(kDefaultStreamId), std::make_shared<HostStream>());
   }
 
@@ -380,6 +469,74 @@ class HostBackend final : public Backend {
         [value](const std::vector<Use>& u) { std::memset(u[0].ptr.get(), value, u[0].bytes); });
   }
 
+  // ---- block pools: checked once per pool, not once per block region ----
+
+  struct HostPools {
+    std::vector<BlockPool> pools;
+    std::size_t num_blocks = 0;
+  };
+
+  // A use covering every block region of one pool.
+  static Use pool_use(const BlockPool& p, std::size_t num_blocks) {
+    return Use{p.base, (num_blocks - 1) * p.stride + p.bytes, "fill_blocks_async"};
+  }
+
+  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
+    auto table = std::make_unique<HostPools>();
+    table->pools.assign(pools.begin(), pools.end());
+    table->num_blocks = num_blocks;
+    auto lock = tracker_.read_lock();
+    for (const BlockPool& p : pools) {
+      const Use u = pool_use(p, num_blocks);
+      tracker_.check_locked(u.ptr, u.bytes, "register_block_pools");
+    }
+    return table.release();
+  }
+
+  void do_unregister_block_pools(void* native) noexcept override {
+    delete static_cast<HostPools*>(native);
+  }
+
+  // The cache-aware fill: the ranges checked are the pools' whole extents
+  // (2 x layers of them), so the cost on the calling thread does not grow
+  // with the batch; the worker walks the ids, one memset per run of
+  // consecutive ids in a dense pool.
+  void do_fill_blocks_async(void* native, std::span<const std::uint32_t> ids, std::uint8_t value,
+                            void* stream) override {
+    const auto& table = *static_cast<const HostPools*>(native);
+    std::vector<Use> uses;
+    uses.reserve(table.pools.size());
+    for (const BlockPool& p : table.pools)
+      uses.push_back(pool_use(p, table.num_blocks));
+    std::size_t block_bytes = 0;
+    for (const BlockPool& p : table.pools)
+      block_bytes += p.bytes;
+    const StreamingFill stream_fill =
+        block_bytes * ids.size() >= streaming_threshold_ ? streaming_fill() : nullptr;
+    enqueue_checked(stream, "fill_blocks_async", std::move(uses),
+                    [pools = table.pools, ids = std::vector<std::uint32_t>(ids.begin(), ids.end()),
+                     value, stream_fill](const std::vector<Use>&) {
+                      for (const BlockPool& pool : pools) {
+                        const bool dense = pool.stride == pool.bytes;
+                        std::size_t i = 0;
+                        while (i < ids.size()) {
+                          std::size_t j = i + 1;
+                          while (dense && j < ids.size() && ids[j] == ids[j - 1] + 1)
+                            ++j;
+                          auto* p = static_cast<unsigned char*>(pool.base.get()) +
+                                    std::size_t{ids[i]} * pool.stride;
+                          if (stream_fill != nullptr) {
+                            stream_fill(p, value, (j - i) * pool.bytes);
+                          } else {
+                            std::memset(p, value, (j - i) * pool.bytes);
+                          }
+                          i = j;
+                        }
+                      }
+                      if (stream_fill != nullptr) streaming_fence();
+                    });
+  }
+
   void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,
                      void* stream) override {
     std::vector<Use> uses;
@@ -428,6 +585,7 @@ class HostBackend final : public Backend {
   }
 
   const std::size_t capacity_;
+  const std::size_t streaming_threshold_;
 
   AllocationTracker tracker_{kName};
   mutable std::mutex capacity_mutex_;

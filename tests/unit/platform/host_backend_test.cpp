@@ -1046,3 +1046,50 @@ TEST_F(HostBackendTest, ConcurrentFreesWhileStreamsWork) {
 
 }  // namespace
 }  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// Large block fills use streaming stores (AVX-512 or AVX2 where the CPU has
+// them). A threshold of 1 byte forces that path for every batch, so odd
+// alignments, runs, gaps and both pool kinds are checked byte by byte.
+TEST(HostBackendStreaming, ForcedStreamingFillsExactlyTheBlockRegions) {
+  for (const char* threshold : {"1", "1TiB"}) {  // streaming, then plain memset
+    SCOPED_TRACE(threshold);
+    kvport::testing::ScopedEnv env("KVPORT_HOST_STREAMING_THRESHOLD", threshold);
+    auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
+    constexpr std::size_t kBlocks = 40;
+    DeviceBuffer dense_buf(*backend, 3 + kBlocks * 1000), sparse_buf(*backend, kBlocks * 4096);
+    std::vector<std::uint8_t> dense(dense_buf.size()), sparse(sparse_buf.size());
+    std::mt19937 rng(7);
+    for (auto& b : dense) b = static_cast<std::uint8_t>(rng());
+    for (auto& b : sparse) b = static_cast<std::uint8_t>(rng());
+    StreamView s = backend->default_stream();
+    backend->copy_h2d(dense_buf.ptr(), dense.data(), dense.size(), s);
+    backend->copy_h2d(sparse_buf.ptr(), sparse.data(), sparse.size(), s);
+    // A dense pool at an odd address, and a sparse one with 4096-byte stride.
+    const BlockPool pools[] = {{dense_buf.ptr().offset(3), 1000, 1000},
+                               {sparse_buf.ptr().offset(64), 3001, 4096}};
+    BlockPoolSet set = backend->register_block_pools(pools, kBlocks);
+    const std::vector<std::uint32_t> ids = {0, 1, 2, 7, 8, 20, 39};
+    backend->fill_blocks_async(set, ids, 0xA7, s);
+    for (std::uint32_t id : ids) {
+      std::fill_n(dense.begin() + 3 + id * 1000, 1000, 0xA7);
+      std::fill_n(sparse.begin() + 64 + id * 4096, 3001, 0xA7);
+    }
+    std::vector<std::uint8_t> back_dense(dense.size()), back_sparse(sparse.size());
+    backend->copy_d2h(back_dense.data(), dense_buf.ptr(), dense.size(), s);
+    backend->copy_d2h(back_sparse.data(), sparse_buf.ptr(), sparse.size(), s);
+    EXPECT_EQ(back_dense, dense);
+    EXPECT_EQ(back_sparse, sparse);
+  }
+}
+
+TEST(HostBackendStreaming, BadThresholdIsRejected) {
+  kvport::testing::ScopedEnv env("KVPORT_HOST_STREAMING_THRESHOLD", "lots");
+  EXPECT_THAT(kvport::testing::message_of<InvalidArgument>([] { make_host_backend(); }),
+              ::testing::HasSubstr("KVPORT_HOST_STREAMING_THRESHOLD"));
+}
+
+}  // namespace
+}  // namespace kvport
