@@ -184,11 +184,9 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
 
 // ---- checks -------------------------------------------------------------------------
 
-void PagedKvCache::check_block(BlockId block, const char* op) const {
-  if (block >= num_blocks_) {
-    throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})",
-                                      op, block, num_blocks_));
-  }
+void PagedKvCache::throw_block_out_of_range(BlockId block, const char* op) const {
+  throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
+                                    block, num_blocks_));
 }
 
 void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
@@ -200,31 +198,9 @@ void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
 
 // ---- allocation and refcounts ----------------------------------------------------------
 
-BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& where) {
-  const BlockId block = free_list_.back();
-  free_list_.pop_back();
-  ref_counts_[block] = 1;
-  ++counters_.allocs;
-  const std::size_t in_use = num_blocks_ - free_list_.size();
-  if (in_use > counters_.peak_blocks_in_use) counters_.peak_blocks_in_use = in_use;
-  if (trace_.is_on()) trace_.record(block, op, 1, where);
-  return block;
-}
-
-BlockId PagedKvCache::alloc_block(std::source_location where) {
-  if (free_list_.empty()) {
-    ++counters_.exhaustion_events;
-    throw CacheExhausted();
-  }
-  return take_free(BlockOp::alloc, where);
-}
-
-std::optional<BlockId> PagedKvCache::try_alloc_block(std::source_location where) {
-  if (free_list_.empty()) {
-    ++counters_.exhaustion_events;
-    return std::nullopt;
-  }
-  return take_free(BlockOp::try_alloc, where);
+void PagedKvCache::throw_exhausted() {
+  ++counters_.exhaustion_events;
+  throw CacheExhausted();
 }
 
 void PagedKvCache::inc_ref(BlockId block, std::source_location where) {
@@ -244,43 +220,24 @@ void PagedKvCache::inc_ref(BlockId block, std::source_location where) {
   if (trace_.is_on()) trace_.record(block, BlockOp::inc, rc, where);
 }
 
-bool PagedKvCache::release(BlockId block, BlockOp op, const std::source_location& where) {
-  std::uint32_t& rc = ref_counts_[block];
-  if (rc == 0) {
-    ++counters_.ignored_double_frees;
-    if (trace_.is_on()) trace_.record(block, BlockOp::ignored_dec, 0, where);
-    const bool evict = op == BlockOp::evict_return;
-    const std::string message = fmt::format(
-        "PagedKvCache::{} on block {} with 0 refs (from {}:{} in {}) - {}; ignored{}",
-        evict ? "return_evicted_block" : "dec_ref", block, where.file_name(), where.line(),
-        where.function_name(),
-        evict ? "the prefix cache returned a block it holds no reference on"
-              : "refcount bug (a double free); it would otherwise wrap the count and pin the block",
-        trace_.is_on() ? "\n  history:\n" + trace_.dump(block)
-                       : std::string(" [set KVPORT_KV_TRACE=1 for this block's history]"));
-    if (evict) {
-      log::warn(message);
-    } else {
-      log::error(message);
-    }
-    return false;
+bool PagedKvCache::ignore_release(BlockId block, BlockOp op, const std::source_location& where) {
+  ++counters_.ignored_double_frees;
+  if (trace_.is_on()) trace_.record(block, BlockOp::ignored_dec, 0, where);
+  const bool evict = op == BlockOp::evict_return;
+  const std::string message = fmt::format(
+      "PagedKvCache::{} on block {} with 0 refs (from {}:{} in {}) - {}; ignored{}",
+      evict ? "return_evicted_block" : "dec_ref", block, where.file_name(), where.line(),
+      where.function_name(),
+      evict ? "the prefix cache returned a block it holds no reference on"
+            : "refcount bug (a double free); it would otherwise wrap the count and pin the block",
+      trace_.is_on() ? "\n  history:\n" + trace_.dump(block)
+                     : std::string(" [set KVPORT_KV_TRACE=1 for this block's history]"));
+  if (evict) {
+    log::warn(message);
+  } else {
+    log::error(message);
   }
-  --rc;
-  if (trace_.is_on()) trace_.record(block, op, rc, where);
-  if (rc != 0) return false;
-  free_list_.push_back(block);
-  ++counters_.frees;
-  return true;
-}
-
-bool PagedKvCache::dec_ref(BlockId block, std::source_location where) {
-  check_block(block, "dec_ref");
-  return release(block, BlockOp::dec, where);
-}
-
-bool PagedKvCache::free_block(BlockId block, std::source_location where) {
-  check_block(block, "free_block");
-  return release(block, BlockOp::dec, where);
+  return false;
 }
 
 void PagedKvCache::free_blocks(std::span<const BlockId> table, std::source_location where) {
@@ -353,7 +310,8 @@ KvCacheDtype PagedKvCache::dtype_for_layer(std::size_t layer) const {
 
 void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t value,
                                StreamView stream, const char* op) {
-  for (BlockId block : blocks) check_block(block, op);
+  for (BlockId block : blocks)
+    check_block(block, op);
   last_fill_regions_ = 0;
   if (blocks.empty()) return;
   // Sorted and unique: runs of consecutive ids coalesce into one region per

@@ -20,10 +20,10 @@ using BlockId = std::uint32_t;
 
 /// Monotonic counters since construction.
 struct KvCacheCounters {
-  std::uint64_t allocs = 0;               ///< successful alloc_block / try_alloc_block
-  std::uint64_t frees = 0;                ///< blocks returned to the free list
-  std::uint64_t ignored_double_frees = 0; ///< dec_ref / return_evicted_block at refcount 0
-  std::uint64_t exhaustion_events = 0;    ///< allocations that found no free block
+  std::uint64_t allocs = 0;                ///< successful alloc_block / try_alloc_block
+  std::uint64_t frees = 0;                 ///< blocks returned to the free list
+  std::uint64_t ignored_double_frees = 0;  ///< dec_ref / return_evicted_block at refcount 0
+  std::uint64_t exhaustion_events = 0;     ///< allocations that found no free block
   std::size_t peak_blocks_in_use = 0;
 };
 
@@ -191,19 +191,27 @@ class PagedKvCache {
 
  private:
   struct Pool {
-    DevicePtr k_base;       // block 0 of this layer's K
+    DevicePtr k_base;  // block 0 of this layer's K
     DevicePtr v_base;
-    std::size_t k_bytes;    // region size
+    std::size_t k_bytes;  // region size
     std::size_t v_bytes;
-    std::size_t k_stride;   // distance between blocks
+    std::size_t k_stride;  // distance between blocks
     std::size_t v_stride;
     KvCacheDtype dtype;
   };
 
-  void check_block(BlockId block, const char* op) const;
+  // The hot paths (alloc, free, refcounts) are inline below; their rare
+  // branches (errors, logging) stay out of line.
+  void check_block(BlockId block, const char* op) const {
+    if (block >= num_blocks_) [[unlikely]]
+      throw_block_out_of_range(block, op);
+  }
+  [[noreturn]] void throw_block_out_of_range(BlockId block, const char* op) const;
+  [[noreturn]] void throw_exhausted();
   void check_layer(std::size_t layer, const char* op) const;
   BlockId take_free(BlockOp op, const std::source_location& where);
   bool release(BlockId block, BlockOp op, const std::source_location& where);
+  bool ignore_release(BlockId block, BlockOp op, const std::source_location& where);
   void fill_blocks(std::span<const BlockId> blocks, std::uint8_t value, StreamView stream,
                    const char* op);
   void release_pools() noexcept;
@@ -225,5 +233,56 @@ class PagedKvCache {
   std::vector<BlockId> scratch_ids_;
   std::size_t last_fill_regions_ = 0;
 };
+
+// ---- hot paths --------------------------------------------------------------------
+
+inline BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& where) {
+  const BlockId block = free_list_.back();
+  free_list_.pop_back();
+  ref_counts_[block] = 1;
+  ++counters_.allocs;
+  const std::size_t in_use = num_blocks_ - free_list_.size();
+  if (in_use > counters_.peak_blocks_in_use) counters_.peak_blocks_in_use = in_use;
+  if (trace_.is_on()) [[unlikely]]
+    trace_.record(block, op, 1, where);
+  return block;
+}
+
+inline BlockId PagedKvCache::alloc_block(std::source_location where) {
+  if (free_list_.empty()) [[unlikely]]
+    throw_exhausted();
+  return take_free(BlockOp::alloc, where);
+}
+
+inline std::optional<BlockId> PagedKvCache::try_alloc_block(std::source_location where) {
+  if (free_list_.empty()) [[unlikely]] {
+    ++counters_.exhaustion_events;
+    return std::nullopt;
+  }
+  return take_free(BlockOp::try_alloc, where);
+}
+
+inline bool PagedKvCache::release(BlockId block, BlockOp op, const std::source_location& where) {
+  std::uint32_t& rc = ref_counts_[block];
+  if (rc == 0) [[unlikely]]
+    return ignore_release(block, op, where);
+  --rc;
+  if (trace_.is_on()) [[unlikely]]
+    trace_.record(block, op, rc, where);
+  if (rc != 0) return false;
+  free_list_.push_back(block);  // never reallocates: capacity is num_blocks
+  ++counters_.frees;
+  return true;
+}
+
+inline bool PagedKvCache::dec_ref(BlockId block, std::source_location where) {
+  check_block(block, "dec_ref");
+  return release(block, BlockOp::dec, where);
+}
+
+inline bool PagedKvCache::free_block(BlockId block, std::source_location where) {
+  check_block(block, "free_block");
+  return release(block, BlockOp::dec, where);
+}
 
 }  // namespace kvport
