@@ -42,7 +42,8 @@ if [ -x build/cuda/bin/kvport_bench ]; then
   step "zeroing benchmark"
   KVPORT_BACKEND=cuda timeout 300 build/cuda/bin/kvport_bench --benchmark_filter='Zero' \
     --benchmark_out="$out/bench.json" --benchmark_out_format=json > "$out/bench.log" 2>&1 || status=1
-  build/cuda/bin/kvport bench --backend cuda --quick >> "$out/summary.txt" 2>&1 || status=1
+  build/cuda/bin/kvport bench --backend cuda --quick --batches 1,256 --json > "$out/bench-quick.json" 2>> "$out/bench.log" || status=1
+  build/cuda/bin/kvport bench --backend cuda --quick --batches 1,256 >> "$out/summary.txt" 2>&1 || status=1
 fi
 
 step "done, status $status"

@@ -31,6 +31,8 @@ constexpr CommandInfo kCommands[] = {
      &make_demo_command},
     {"conformance", "Run the backend conformance suite and print a pass/skip/fail summary",
      &make_conformance_command},
+    {"bench", "Compare block-zeroing strategies on a backend and print the throughput ratios",
+     &make_bench_command},
 };
 
 void print_error(std::ostream& err, std::string_view message) {
