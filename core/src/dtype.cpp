@@ -11,22 +11,24 @@ namespace kvport {
 namespace {
 
 constexpr std::array kAllDtypes{
-    KvCacheDtype::f16,    KvCacheDtype::bf16,   KvCacheDtype::fp8_e4m3,
-    KvCacheDtype::fp8_e5m2, KvCacheDtype::nvfp4, KvCacheDtype::turbo2,
-    KvCacheDtype::turbo3, KvCacheDtype::turbo4, KvCacheDtype::turbo8,
+    KvCacheDtype::f16,      KvCacheDtype::bf16,   KvCacheDtype::fp8_e4m3,
+    KvCacheDtype::fp8_e5m2, KvCacheDtype::nvfp4,  KvCacheDtype::turbo2,
+    KvCacheDtype::turbo3,   KvCacheDtype::turbo4, KvCacheDtype::turbo8,
 };
 
 // a * b, throwing InvalidArgument naming `what` on overflow.
 std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
   if (a != 0 && b > std::numeric_limits<std::size_t>::max() / a) {
-    throw InvalidArgument(fmt::format("KvCacheConfig: {}: byte size overflows ({} * {})", what, a, b));
+    throw InvalidArgument(
+        fmt::format("KvCacheConfig: {}: byte size overflows ({} * {})", what, a, b));
   }
   return a * b;
 }
 
 std::size_t checked_add(std::size_t a, std::size_t b, std::string_view what) {
   if (b > std::numeric_limits<std::size_t>::max() - a) {
-    throw InvalidArgument(fmt::format("KvCacheConfig: {}: byte size overflows ({} + {})", what, a, b));
+    throw InvalidArgument(
+        fmt::format("KvCacheConfig: {}: byte size overflows ({} + {})", what, a, b));
   }
   return a + b;
 }
@@ -37,19 +39,30 @@ std::size_t padding_to(std::size_t bytes, std::size_t alignment) {
 
 }  // namespace
 
-std::span<const KvCacheDtype> all_dtypes() noexcept { return kAllDtypes; }
+std::span<const KvCacheDtype> all_dtypes() noexcept {
+  return kAllDtypes;
+}
 
 std::string_view to_string(KvCacheDtype dtype) noexcept {
   switch (dtype) {
-    case KvCacheDtype::f16: return "f16";
-    case KvCacheDtype::bf16: return "bf16";
-    case KvCacheDtype::fp8_e4m3: return "fp8_e4m3";
-    case KvCacheDtype::fp8_e5m2: return "fp8_e5m2";
-    case KvCacheDtype::nvfp4: return "nvfp4";
-    case KvCacheDtype::turbo2: return "turbo2";
-    case KvCacheDtype::turbo3: return "turbo3";
-    case KvCacheDtype::turbo4: return "turbo4";
-    case KvCacheDtype::turbo8: return "turbo8";
+    case KvCacheDtype::f16:
+      return "f16";
+    case KvCacheDtype::bf16:
+      return "bf16";
+    case KvCacheDtype::fp8_e4m3:
+      return "fp8_e4m3";
+    case KvCacheDtype::fp8_e5m2:
+      return "fp8_e5m2";
+    case KvCacheDtype::nvfp4:
+      return "nvfp4";
+    case KvCacheDtype::turbo2:
+      return "turbo2";
+    case KvCacheDtype::turbo3:
+      return "turbo3";
+    case KvCacheDtype::turbo4:
+      return "turbo4";
+    case KvCacheDtype::turbo8:
+      return "turbo8";
   }
   return "unknown";
 }
@@ -67,25 +80,35 @@ std::optional<KvCacheDtype> parse_dtype(std::string_view name) noexcept {
 unsigned bits_per_element(KvCacheDtype dtype) noexcept {
   switch (dtype) {
     case KvCacheDtype::f16:
-    case KvCacheDtype::bf16: return 16;
+    case KvCacheDtype::bf16:
+      return 16;
     case KvCacheDtype::fp8_e4m3:
     case KvCacheDtype::fp8_e5m2:
-    case KvCacheDtype::turbo8: return 8;
+    case KvCacheDtype::turbo8:
+      return 8;
     case KvCacheDtype::nvfp4:
-    case KvCacheDtype::turbo4: return 4;
-    case KvCacheDtype::turbo3: return 3;
-    case KvCacheDtype::turbo2: return 2;
+    case KvCacheDtype::turbo4:
+      return 4;
+    case KvCacheDtype::turbo3:
+      return 3;
+    case KvCacheDtype::turbo2:
+      return 2;
   }
   return 0;
 }
 
 std::size_t element_group(KvCacheDtype dtype) noexcept {
   switch (dtype) {
-    case KvCacheDtype::nvfp4: return 16;  // one E4M3 scale per 16 elements
-    case KvCacheDtype::turbo2: return 4;  // 4 x 2 bits = 1 byte
-    case KvCacheDtype::turbo3: return 8;  // 8 x 3 bits = 3 bytes
-    case KvCacheDtype::turbo4: return 2;  // 2 x 4 bits = 1 byte
-    default: return 1;
+    case KvCacheDtype::nvfp4:
+      return 16;  // one E4M3 scale per 16 elements
+    case KvCacheDtype::turbo2:
+      return 4;  // 4 x 2 bits = 1 byte
+    case KvCacheDtype::turbo3:
+      return 8;  // 8 x 3 bits = 3 bytes
+    case KvCacheDtype::turbo4:
+      return 2;  // 2 x 4 bits = 1 byte
+    default:
+      return 1;
   }
 }
 
@@ -95,8 +118,10 @@ bool has_scales(KvCacheDtype dtype) noexcept {
     case KvCacheDtype::turbo2:
     case KvCacheDtype::turbo3:
     case KvCacheDtype::turbo4:
-    case KvCacheDtype::turbo8: return true;
-    default: return false;
+    case KvCacheDtype::turbo8:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -108,9 +133,9 @@ BlockRegionLayout block_region_layout(KvCacheDtype dtype, std::size_t block_size
   if (head_dim == 0) throw InvalidArgument(fmt::format("KvCacheConfig: {} must be > 0", what));
   const std::size_t group = element_group(dtype);
   if (head_dim % group != 0) {
-    throw InvalidArgument(fmt::format(
-        "KvCacheConfig: {} = {} is not a multiple of {}, the element group of dtype {}", what,
-        head_dim, group, to_string(dtype)));
+    throw InvalidArgument(
+        fmt::format("KvCacheConfig: {} = {} is not a multiple of {}, the element group of dtype {}",
+                    what, head_dim, group, to_string(dtype)));
   }
   const std::size_t vectors = checked_mul(block_size, num_kv_heads, what);  // token-head vectors
   const std::size_t elements = checked_mul(vectors, head_dim, what);
@@ -122,15 +147,22 @@ BlockRegionLayout block_region_layout(KvCacheDtype dtype, std::size_t block_size
   l.data_padding = padding_to(l.data_bytes, kRegionAlignment);
   l.scale_offset = checked_add(l.data_bytes, l.data_padding, what);
   switch (dtype) {
-    case KvCacheDtype::nvfp4: l.scale_bytes = elements / 16; break;
+    case KvCacheDtype::nvfp4:
+      l.scale_bytes = elements / 16;
+      break;
     case KvCacheDtype::turbo2:
     case KvCacheDtype::turbo3:
     case KvCacheDtype::turbo4:
-    case KvCacheDtype::turbo8: l.scale_bytes = checked_mul(vectors, 2, what); break;
-    default: l.scale_bytes = 0; break;
+    case KvCacheDtype::turbo8:
+      l.scale_bytes = checked_mul(vectors, 2, what);
+      break;
+    default:
+      l.scale_bytes = 0;
+      break;
   }
   l.scale_padding = padding_to(l.scale_bytes, kRegionAlignment);
-  l.total_bytes = checked_add(checked_add(l.scale_offset, l.scale_bytes, what), l.scale_padding, what);
+  l.total_bytes =
+      checked_add(checked_add(l.scale_offset, l.scale_bytes, what), l.scale_padding, what);
   return l;
 }
 

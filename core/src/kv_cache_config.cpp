@@ -10,8 +10,10 @@ namespace kvport {
 
 std::string_view to_string(KvCacheLayout layout) noexcept {
   switch (layout) {
-    case KvCacheLayout::layer_major: return "layer_major";
-    case KvCacheLayout::block_major: return "block_major";
+    case KvCacheLayout::layer_major:
+      return "layer_major";
+    case KvCacheLayout::block_major:
+      return "block_major";
   }
   return "unknown";
 }
@@ -41,7 +43,8 @@ KvCacheDtype KvCacheConfig::dtype_for_layer(std::size_t layer) const {
 
 std::size_t KvCacheConfig::num_override_layers() const noexcept {
   std::size_t n = 0;
-  for (KvCacheDtype d : layer_dtypes) n += d != dtype ? 1 : 0;
+  for (KvCacheDtype d : layer_dtypes)
+    n += d != dtype ? 1 : 0;
   return n;
 }
 
@@ -58,8 +61,9 @@ BlockRegionLayout KvCacheConfig::v_layout(std::size_t layer) const {
 std::size_t KvCacheConfig::bytes_per_block() const {
   if (num_layers == 0) throw InvalidArgument("KvCacheConfig: num_layers must be > 0");
   if (!layer_dtypes.empty() && layer_dtypes.size() != num_layers) {
-    throw InvalidArgument(fmt::format("KvCacheConfig: layer_dtypes has {} entries but num_layers is {}",
-                                      layer_dtypes.size(), num_layers));
+    throw InvalidArgument(
+        fmt::format("KvCacheConfig: layer_dtypes has {} entries but num_layers is {}",
+                    layer_dtypes.size(), num_layers));
   }
   constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
   std::size_t total = 0;

@@ -101,7 +101,8 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> AllocationTracker::live() co
   std::shared_lock lock(mutex_);
   std::vector<std::pair<std::uintptr_t, std::size_t>> out;
   out.reserve(live_.size());
-  for (const auto& [base, a] : live_) out.emplace_back(base, a.bytes);
+  for (const auto& [base, a] : live_)
+    out.emplace_back(base, a.bytes);
   return out;
 }
 

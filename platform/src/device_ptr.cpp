@@ -9,7 +9,8 @@
 namespace kvport {
 
 DevicePtr DevicePtr::offset(std::size_t bytes) const {
-  if (address_ == 0) throw InvalidArgument(fmt::format("DevicePtr::offset({}) on a null pointer", bytes));
+  if (address_ == 0)
+    throw InvalidArgument(fmt::format("DevicePtr::offset({}) on a null pointer", bytes));
   if (bytes > std::numeric_limits<std::uintptr_t>::max() - address_) {
     throw InvalidArgument(
         fmt::format("DevicePtr::offset: {:#x} + {} overflows the address space", address_, bytes));

@@ -16,13 +16,20 @@ namespace {
 
 spdlog::level::level_enum to_spdlog(Level level) {
   switch (level) {
-    case Level::trace: return spdlog::level::trace;
-    case Level::debug: return spdlog::level::debug;
-    case Level::info: return spdlog::level::info;
-    case Level::warn: return spdlog::level::warn;
-    case Level::error: return spdlog::level::err;
-    case Level::critical: return spdlog::level::critical;
-    case Level::off: return spdlog::level::off;
+    case Level::trace:
+      return spdlog::level::trace;
+    case Level::debug:
+      return spdlog::level::debug;
+    case Level::info:
+      return spdlog::level::info;
+    case Level::warn:
+      return spdlog::level::warn;
+    case Level::error:
+      return spdlog::level::err;
+    case Level::critical:
+      return spdlog::level::critical;
+    case Level::off:
+      return spdlog::level::off;
   }
   return spdlog::level::info;
 }
@@ -73,11 +80,17 @@ Level parse_level(std::string_view text) {
                         "' (expected trace, debug, info, warn, error, critical or off)");
 }
 
-Level level() noexcept { return instance().level.load(std::memory_order_relaxed); }
+Level level() noexcept {
+  return instance().level.load(std::memory_order_relaxed);
+}
 
-void set_level(Level level) noexcept { instance().level.store(level, std::memory_order_relaxed); }
+void set_level(Level level) noexcept {
+  instance().level.store(level, std::memory_order_relaxed);
+}
 
-bool enabled(Level lvl) noexcept { return lvl != Level::off && lvl >= level(); }
+bool enabled(Level lvl) noexcept {
+  return lvl != Level::off && lvl >= level();
+}
 
 void write(Level lvl, std::string_view message) noexcept {
   if (!enabled(lvl)) return;

@@ -62,8 +62,8 @@ struct ApiCuda {
   static int launch_fill_blocks(const gpu::PoolDescriptor* pools, std::uint64_t num_pools,
                                 std::uint64_t chunks_per_block, const std::uint32_t* ids,
                                 std::uint64_t num_ids, std::uint8_t value, Stream s) {
-    return cuda_kernels::launch_fill_blocks(pools, num_pools, chunks_per_block, ids, num_ids,
-                                            value, s);
+    return cuda_kernels::launch_fill_blocks(pools, num_pools, chunks_per_block, ids, num_ids, value,
+                                            s);
   }
 };
 

@@ -9,8 +9,12 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
   return std::make_unique<gpu::GpuBackend<ApiCuda>>(device);
 }
 
-std::unique_ptr<Backend> make_default_cuda_backend() { return make_cuda_backend(0); }
+std::unique_ptr<Backend> make_default_cuda_backend() {
+  return make_cuda_backend(0);
+}
 
-std::string probe_cuda_backend() { return gpu::probe<ApiCuda>(0); }
+std::string probe_cuda_backend() {
+  return gpu::probe<ApiCuda>(0);
+}
 
 }  // namespace kvport

@@ -9,8 +9,12 @@ std::unique_ptr<Backend> make_hip_backend(int device) {
   return std::make_unique<gpu::GpuBackend<ApiHip>>(device);
 }
 
-std::unique_ptr<Backend> make_default_hip_backend() { return make_hip_backend(0); }
+std::unique_ptr<Backend> make_default_hip_backend() {
+  return make_hip_backend(0);
+}
 
-std::string probe_hip_backend() { return gpu::probe<ApiHip>(0); }
+std::string probe_hip_backend() {
+  return gpu::probe<ApiHip>(0);
+}
 
 }  // namespace kvport

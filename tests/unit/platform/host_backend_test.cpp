@@ -1062,8 +1062,10 @@ TEST(HostBackendStreaming, ForcedStreamingFillsExactlyTheBlockRegions) {
     DeviceBuffer dense_buf(*backend, 3 + kBlocks * 1000), sparse_buf(*backend, kBlocks * 4096);
     std::vector<std::uint8_t> dense(dense_buf.size()), sparse(sparse_buf.size());
     std::mt19937 rng(7);
-    for (auto& b : dense) b = static_cast<std::uint8_t>(rng());
-    for (auto& b : sparse) b = static_cast<std::uint8_t>(rng());
+    for (auto& b : dense)
+      b = static_cast<std::uint8_t>(rng());
+    for (auto& b : sparse)
+      b = static_cast<std::uint8_t>(rng());
     StreamView s = backend->default_stream();
     backend->copy_h2d(dense_buf.ptr(), dense.data(), dense.size(), s);
     backend->copy_h2d(sparse_buf.ptr(), sparse.data(), sparse.size(), s);

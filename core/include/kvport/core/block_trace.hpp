@@ -49,8 +49,8 @@ class BlockTrace {
  private:
   bool enabled_;
   std::size_t depth_;
-  std::vector<BlockTraceEntry> entries_;   // num_blocks * depth_
-  std::vector<std::uint64_t> written_;     // entries ever written per block (never wraps)
+  std::vector<BlockTraceEntry> entries_;  // num_blocks * depth_
+  std::vector<std::uint64_t> written_;    // entries ever written per block (never wraps)
 };
 
 }  // namespace kvport

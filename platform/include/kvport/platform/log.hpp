@@ -23,10 +23,18 @@ bool enabled(Level level) noexcept;
 /// Writes one message to the "kvport" logger (stderr). Never throws.
 void write(Level level, std::string_view message) noexcept;
 
-inline void debug(std::string_view m) noexcept { write(Level::debug, m); }
-inline void info(std::string_view m) noexcept { write(Level::info, m); }
-inline void warn(std::string_view m) noexcept { write(Level::warn, m); }
-inline void error(std::string_view m) noexcept { write(Level::error, m); }
+inline void debug(std::string_view m) noexcept {
+  write(Level::debug, m);
+}
+inline void info(std::string_view m) noexcept {
+  write(Level::info, m);
+}
+inline void warn(std::string_view m) noexcept {
+  write(Level::warn, m);
+}
+inline void error(std::string_view m) noexcept {
+  write(Level::error, m);
+}
 
 /// Receives every message that passes the level filter, in addition to the
 /// logger. For tests and for engines that forward kvport's log elsewhere.

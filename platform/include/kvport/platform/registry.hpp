@@ -12,7 +12,7 @@ namespace kvport {
 
 /// One compiled backend plugin.
 struct BackendInfo {
-  std::string name;        ///< "host", "cuda", "hip"
+  std::string name;  ///< "host", "cuda", "hip"
   bool is_gpu = false;
   /// Whether a device is usable right now; when not, `unavailable_reason`
   /// says why ("cuda: no device: CUDA driver version is insufficient ...").
