@@ -216,22 +216,21 @@ class GpuBackend final : public Backend {
     KVPORT_TRY(Api, Api::stream_synchronize(stream_of(stream)));
   }
 
-  void* do_create_event() override {
+  // Creates an event with `create` (Api::event_create or
+  // Api::timing_event_create) and records it as live.
+  void* new_event(typename Api::Status (*create)(Event_t*), const char* call) {
     KVPORT_TRY(Api, Api::set_device(device_));
     Event_t e{};
-    KVPORT_TRY(Api, Api::event_create(&e));
+    detail::check_vendor<Api>(create(&e), call);
     std::lock_guard lock(handles_mutex_);
     events_.insert(static_cast<void*>(e));
     return static_cast<void*>(e);
   }
 
+  void* do_create_event() override { return new_event(&Api::event_create, "Api::event_create"); }
+
   void* do_create_timing_event() override {
-    KVPORT_TRY(Api, Api::set_device(device_));
-    Event_t e{};
-    KVPORT_TRY(Api, Api::timing_event_create(&e));
-    std::lock_guard lock(handles_mutex_);
-    events_.insert(static_cast<void*>(e));
-    return static_cast<void*>(e);
+    return new_event(&Api::timing_event_create, "Api::timing_event_create");
   }
 
   double do_elapsed_seconds(void* start, void* end) override {

@@ -253,14 +253,6 @@ void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView s
 
 // ---- block pools ----------------------------------------------------------------
 
-namespace {
-
-struct HostPoolTable {
-  std::vector<BlockPool> pools;
-};
-
-}  // namespace
-
 BlockPoolSet::~BlockPoolSet() {
   if (backend_ != nullptr && native_ != nullptr) backend_->do_unregister_block_pools(native_);
 }
@@ -313,38 +305,6 @@ void Backend::fill_blocks_async(const BlockPoolSet& pools, std::span<const std::
   if (block_ids.empty()) return;
   bump(counters_->fill);
   do_fill_blocks_async(pools.native_, block_ids, value, native);
-}
-
-void* Backend::do_register_block_pools(std::span<const BlockPool> pools, std::size_t) {
-  auto* table = new HostPoolTable;
-  table->pools.assign(pools.begin(), pools.end());
-  return table;
-}
-
-void Backend::do_unregister_block_pools(void* native) noexcept {
-  delete static_cast<HostPoolTable*>(native);
-}
-
-void Backend::do_fill_blocks_async(void* native, std::span<const std::uint32_t> ids,
-                                   std::uint8_t value, void* stream) {
-  auto* table = static_cast<HostPoolTable*>(native);
-  // A local vector, not a cached one: a set may be filled from two threads.
-  std::vector<FillRegion> regions;
-  regions.reserve(table->pools.size() * ids.size());
-  for (const BlockPool& pool : table->pools) {
-    const bool dense = pool.stride == pool.bytes;
-    std::size_t i = 0;
-    while (i < ids.size()) {
-      std::size_t j = i + 1;
-      // Runs of ascending consecutive ids are one region in a dense pool.
-      while (dense && j < ids.size() && ids[j] == ids[j - 1] + 1)
-        ++j;
-      regions.push_back(
-          FillRegion{pool.base.offset(std::size_t{ids[i]} * pool.stride), (j - i) * pool.bytes});
-      i = j;
-    }
-  }
-  do_fill_async(regions, value, stream);
 }
 
 void Backend::copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream) {

@@ -265,13 +265,13 @@ class Backend {
 
   virtual void do_inject_async_fault(void* stream) = 0;
 
-  // Block pools. The defaults keep the pools on the host and lower
-  // fill_blocks_async to one do_fill_async over coalesced regions; GPU
-  // backends override all three to keep the table on the device.
-  virtual void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks);
-  virtual void do_unregister_block_pools(void* native) noexcept;
+  // Block pools: the GPU backends keep the table on the device; the host
+  // backend checks each pool's extent once and walks the ids on its worker.
+  virtual void* do_register_block_pools(std::span<const BlockPool> pools,
+                                        std::size_t num_blocks) = 0;
+  virtual void do_unregister_block_pools(void* native) noexcept = 0;
   virtual void do_fill_blocks_async(void* pools, std::span<const std::uint32_t> block_ids,
-                                    std::uint8_t value, void* stream);
+                                    std::uint8_t value, void* stream) = 0;
 
   void* check_stream(StreamView stream, const char* op) const;
   void* check_event(const Event& event, const char* op) const;
