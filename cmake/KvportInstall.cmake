@@ -27,6 +27,7 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/kvportConfigVersion.cmake
   COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/kvportConfig.cmake
               ${PROJECT_BINARY_DIR}/kvportConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/FindxxHash.cmake
         DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
 if(TARGET kvport)
   install(TARGETS kvport RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})

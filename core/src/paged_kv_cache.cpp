@@ -25,15 +25,28 @@ std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, 
 
 }  // namespace
 
+void InvariantReport::add_violation(std::string text) {
+  ok = false;
+  if (violations.size() < kMaxViolations) {
+    violations.push_back(std::move(text));
+  } else {
+    ++suppressed_;
+  }
+}
+
 std::string InvariantReport::to_string() const {
   if (ok) {
-    return fmt::format("ok: {} blocks, {} free, {} in use", blocks_checked, free_blocks,
-                       blocks_in_use);
+    std::string out = fmt::format("ok: {} blocks, {} free, {} in use", blocks_checked, free_blocks,
+                                  blocks_in_use);
+    if (evictable_blocks != 0 || cached_blocks != 0)
+      out += fmt::format(", {} evictable, {} cached", evictable_blocks, cached_blocks);
+    return out;
   }
-  std::string out =
-      fmt::format("FAILED: {} violation(s) in {} blocks", violations.size(), blocks_checked);
+  std::string out = fmt::format("FAILED: {} violation(s) in {} blocks",
+                                violations.size() + suppressed_, blocks_checked);
   for (const std::string& v : violations)
     out += "\n  " + v;
+  if (suppressed_ > 0) out += fmt::format("\n  ... and {} more", suppressed_);
   return out;
 }
 
@@ -136,6 +149,7 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       trace_(std::move(other.trace_)),
       pool_set_(std::move(other.pool_set_)),
       scratch_ids_(std::move(other.scratch_ids_)),
+      scratch_regions_(std::move(other.scratch_regions_)),
       last_fill_regions_(other.last_fill_regions_) {
   other.num_blocks_ = 0;
   other.pools_.clear();
@@ -337,6 +351,59 @@ void PagedKvCache::poison_blocks(std::span<const BlockId> blocks, StreamView str
   fill_blocks(blocks, kPoisonByte, stream, "poison_blocks");
 }
 
+void PagedKvCache::copy_blocks(std::span<const BlockCopy> copies, StreamView stream) {
+  for (const BlockCopy& c : copies) {
+    check_block(c.src, "copy_blocks");
+    check_block(c.dst, "copy_blocks");
+    if (c.src == c.dst) {
+      throw InvalidArgument(
+          fmt::format("PagedKvCache::copy_blocks: block {} is copied onto itself", c.src));
+    }
+  }
+  if (copies.empty()) return;
+  // A destination may not be written twice or read by another copy: the
+  // copies of one batch run in no particular order.
+  if (copies.size() > 1) {
+    scratch_ids_.clear();
+    for (const BlockCopy& c : copies)
+      scratch_ids_.push_back(c.dst);
+    std::sort(scratch_ids_.begin(), scratch_ids_.end());
+    auto is_dst = [&](BlockId b) {
+      return std::binary_search(scratch_ids_.begin(), scratch_ids_.end(), b);
+    };
+    if (auto dup = std::adjacent_find(scratch_ids_.begin(), scratch_ids_.end());
+        dup != scratch_ids_.end()) {
+      throw InvalidArgument(fmt::format(
+          "PagedKvCache::copy_blocks: block {} is the destination of two copies", *dup));
+    }
+    for (const BlockCopy& c : copies) {
+      if (is_dst(c.src)) {
+        throw InvalidArgument(fmt::format(
+            "PagedKvCache::copy_blocks: block {} is both a source and a destination", c.src));
+      }
+    }
+  }
+  scratch_regions_.clear();
+  for (const BlockCopy& c : copies) {
+    if (block_major_stride_ != 0) {
+      const DevicePtr base = pools_.front().k_base;
+      scratch_regions_.push_back(CopyRegion{base.offset(c.dst * block_major_stride_),
+                                            base.offset(c.src * block_major_stride_),
+                                            block_major_stride_});
+      continue;
+    }
+    for (const Pool& pool : pools_) {
+      scratch_regions_.push_back(CopyRegion{pool.k_base.offset(c.dst * pool.k_stride),
+                                            pool.k_base.offset(c.src * pool.k_stride),
+                                            pool.k_bytes});
+      scratch_regions_.push_back(CopyRegion{pool.v_base.offset(c.dst * pool.v_stride),
+                                            pool.v_base.offset(c.src * pool.v_stride),
+                                            pool.v_bytes});
+    }
+  }
+  backend_->copy_batch_async(scratch_regions_, stream);
+}
+
 PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId block,
                                                  StreamView stream) const {
   check_layer(layer, "read_block");
@@ -368,23 +435,13 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
 // ---- diagnostics ---------------------------------------------------------------------------
 
 InvariantReport PagedKvCache::check_invariants() const {
-  constexpr std::size_t kMaxViolations = 32;
   InvariantReport report;
   report.blocks_checked = num_blocks_;
-  std::size_t suppressed = 0;
-  auto violation = [&](std::string text) {
-    report.ok = false;
-    if (report.violations.size() < kMaxViolations) {
-      report.violations.push_back(std::move(text));
-    } else {
-      ++suppressed;
-    }
-  };
   std::vector<std::uint32_t> on_free_list(num_blocks_, 0);
   for (std::size_t i = 0; i < free_list_.size(); ++i) {
     const BlockId b = free_list_[i];
     if (b >= num_blocks_) {
-      violation(fmt::format("free list slot {} holds out-of-range block {}", i, b));
+      report.add_violation(fmt::format("free list slot {} holds out-of-range block {}", i, b));
       continue;
     }
     ++on_free_list[b];
@@ -392,18 +449,19 @@ InvariantReport PagedKvCache::check_invariants() const {
   for (std::size_t b = 0; b < num_blocks_; ++b) {
     const std::uint32_t rc = ref_counts_[b];
     const std::uint32_t n = on_free_list[b];
-    if (n > 1) violation(fmt::format("block {} is on the free list {} times", b, n));
+    if (n > 1) report.add_violation(fmt::format("block {} is on the free list {} times", b, n));
     if (n >= 1 && rc != 0)
-      violation(fmt::format("block {} is on the free list with refcount {}", b, rc));
-    if (n == 0 && rc == 0)
-      violation(fmt::format("block {} has refcount 0 but is not on the free list (leaked)", b));
+      report.add_violation(fmt::format("block {} is on the free list with refcount {}", b, rc));
+    if (n == 0 && rc == 0) {
+      report.add_violation(
+          fmt::format("block {} has refcount 0 but is not on the free list (leaked)", b));
+    }
     if (n == 0) {
       ++report.blocks_in_use;
     } else {
       ++report.free_blocks;
     }
   }
-  if (suppressed > 0) report.violations.push_back(fmt::format("... and {} more", suppressed));
   return report;
 }
 

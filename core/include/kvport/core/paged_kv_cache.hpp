@@ -32,12 +32,36 @@ struct InvariantReport {
   bool ok = true;
   std::size_t blocks_checked = 0;
   std::size_t free_blocks = 0;
+  /// Blocks some owner holds. PrefixCache::check_invariants() does not count
+  /// its evictable blocks here: each block is in exactly one of the three.
   std::size_t blocks_in_use = 0;
-  /// One human-readable line per violation (capped at 32, then a count).
+  /// Blocks in a prefix cache's LRU list (held only by the cache); 0 for a
+  /// PagedKvCache on its own.
+  std::size_t evictable_blocks = 0;
+  /// Blocks registered under a hash in a prefix cache (evictable or in use).
+  std::size_t cached_blocks = 0;
+  /// One human-readable line per violation (capped at kMaxViolations, then a
+  /// count).
   std::vector<std::string> violations;
 
-  /// "ok: N blocks, F free, U in use" or the violations, one per line.
+  static constexpr std::size_t kMaxViolations = 32;
+
+  /// Records a violation: clears `ok`, keeps the text while fewer than
+  /// kMaxViolations are kept, and counts the rest.
+  void add_violation(std::string text);
+
+  /// "ok: N blocks, F free, U in use[, E evictable, C cached]" or the
+  /// violations, one per line.
   std::string to_string() const;
+
+ private:
+  std::size_t suppressed_ = 0;
+};
+
+/// One block-to-block copy of PagedKvCache::copy_blocks.
+struct BlockCopy {
+  BlockId src = 0;
+  BlockId dst = 0;
 };
 
 struct PagedKvCacheOptions {
@@ -166,6 +190,16 @@ class PagedKvCache {
   /// For tests and benchmarks that check coalescing.
   std::size_t last_fill_regions() const noexcept { return last_fill_regions_; }
 
+  /// Copies every layer's K and V bytes of each `src` block to its `dst`
+  /// block on `stream`, in ONE batched backend call (copy_batch_async): 2 x
+  /// num_layers regions per copy in layer-major layout, one per copy in
+  /// block-major. Copy-on-write uses it; engines use it as vLLM's
+  /// copy_blocks. Throws InvalidArgument (before any device work) for an
+  /// out-of-range id, a copy with src == dst, or a block that is the
+  /// destination of one copy and the source or destination of another (the
+  /// order between them would be undefined). An empty batch queues nothing.
+  void copy_blocks(std::span<const BlockCopy> copies, StreamView stream);
+
   /// Copies `layer`'s K and V bytes of `block` to the host, synchronizing
   /// `stream` (work queued before on it is ordered first).
   struct HostBlock {
@@ -231,6 +265,7 @@ class PagedKvCache {
 
   BlockPoolSet pool_set_;  // after allocations_: unregistered first
   std::vector<BlockId> scratch_ids_;
+  std::vector<CopyRegion> scratch_regions_;
   std::size_t last_fill_regions_ = 0;
 };
 

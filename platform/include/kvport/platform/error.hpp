@@ -30,6 +30,9 @@ class InvalidArgument : public Error {
 class CacheExhausted : public Error {
  public:
   CacheExhausted() : Error("KV cache exhausted: no free blocks") {}
+  /// With a message that says what was asked for; it should start with
+  /// "KV cache exhausted".
+  explicit CacheExhausted(const std::string& message) : Error(message) {}
 };
 
 /// A backend could not satisfy an allocation.

@@ -1,0 +1,160 @@
+// PrefixCache: automatic prefix caching over a PagedKvCache, with LRU
+// eviction of cached blocks no sequence holds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <span>
+#include <vector>
+
+#include "kvport/core/block_hash.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+
+namespace kvport {
+
+/// Monotonic counters since construction.
+struct PrefixCacheCounters {
+  std::uint64_t lookups = 0;           ///< lookup calls
+  std::uint64_t hits = 0;              ///< full blocks a lookup found cached
+  std::uint64_t misses = 0;            ///< full blocks after the longest cached prefix
+  std::uint64_t inserts = 0;           ///< blocks registered under a new hash
+  std::uint64_t evictions = 0;         ///< cached blocks dropped to make room (or by evict())
+  std::uint64_t ignored_releases = 0;  ///< release() of a block no sequence held
+
+  /// hits / (hits + misses); 0 before the first full block was looked up.
+  double hit_rate() const noexcept {
+    const std::uint64_t total = hits + misses;
+    return total == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(total);
+  }
+};
+
+/// The longest cached prefix lookup() found.
+struct PrefixMatch {
+  /// One block per matched full block, in sequence order; the caller owns one
+  /// reference on each (give it back with PrefixCache::release).
+  std::vector<BlockId> blocks;
+  /// The chained hashes of those blocks.
+  std::vector<BlockHash> hashes;
+  /// blocks.size() * block_size.
+  std::size_t num_tokens = 0;
+};
+
+/// Automatic prefix caching, as in vLLM: full blocks are registered under the
+/// chained hash of their tokens (block_hash.hpp), and a new sequence reuses
+/// the longest cached prefix of its prompt.
+///
+/// Ownership: the prefix cache holds ONE reference on every cached block.
+/// Each block is in exactly one of three states:
+///  - free: refcount 0, on the PagedKvCache's free list;
+///  - evictable: cached, refcount 1 (only the cache's), in the LRU list;
+///  - in use: some sequence holds it (refcount >= 1 uncached, >= 2 cached).
+///
+/// A cached block is evicted only when the free list is empty, least recently
+/// released first; its hash is dropped and the block goes back to the free
+/// list through PagedKvCache::return_evicted_block.
+///
+/// Sequences allocate, share and release blocks through this class (or a
+/// BlockTable over it), not through the PagedKvCache directly: a release that
+/// bypasses it would leave an evictable block off the LRU list, which
+/// check_invariants() reports. Not thread-safe, like PagedKvCache. The
+/// PagedKvCache must outlive the prefix cache, and the prefix cache every
+/// BlockTable over it. Destruction drops the cache's reference on every
+/// cached block (evictable ones go back to the free list).
+class PrefixCache {
+ public:
+  /// Manages prefix caching for `cache`, whose config().block_size is the
+  /// block size the hashes cover.
+  explicit PrefixCache(PagedKvCache& cache);
+  ~PrefixCache();
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  // ---- lookup -------------------------------------------------------------------
+
+  /// The longest cached prefix of full blocks of `tokens` under `extra_key`.
+  /// Takes a reference on each returned block (an evictable one leaves the
+  /// LRU list). Counts the matched blocks as hits and the remaining full
+  /// blocks as misses.
+  PrefixMatch lookup(std::span<const TokenId> tokens, std::uint64_t extra_key = 0,
+                     std::source_location where = std::source_location::current());
+
+  /// As lookup, for hashes the caller already computed (hash_full_blocks).
+  PrefixMatch lookup_hashes(std::span<const BlockHash> hashes,
+                            std::source_location where = std::source_location::current());
+
+  // ---- allocation and release -----------------------------------------------------
+
+  /// A block for a sequence, refcount 1: from the free list, or, when it is
+  /// empty, by evicting the least recently used evictable block. Throws
+  /// CacheExhausted when neither has a block.
+  BlockId alloc_block(std::source_location where = std::source_location::current());
+
+  /// As alloc_block, but nullopt when no block is free or evictable.
+  std::optional<BlockId> try_alloc_block(
+      std::source_location where = std::source_location::current());
+
+  /// Registers the full block `block` (which a sequence holds) under `hash`
+  /// and takes the cache's reference on it. Returns false, and changes
+  /// nothing, when `hash` is already cached (the block then stays a private
+  /// copy of content the cache has) or the block is already cached. Throws
+  /// InvalidArgument for an out-of-range or free block. Strong guarantee.
+  bool insert(const BlockHash& hash, BlockId block,
+              std::source_location where = std::source_location::current());
+
+  /// Gives back a sequence's reference. An uncached block is dec_ref'd (and
+  /// freed at 0); a cached block whose last sequence reference goes joins the
+  /// LRU tail (most recently used). A release of a cached block no sequence
+  /// holds is a caller bug: logged, counted in ignored_releases and ignored,
+  /// as PagedKvCache::dec_ref does at refcount 0. Throws InvalidArgument out
+  /// of range.
+  void release(BlockId block, std::source_location where = std::source_location::current());
+
+  /// Releases a sequence's block table, last block first: the tail joins the
+  /// LRU list before the head, so a shared prefix stays cached longest.
+  /// Validates every id before any release.
+  void release_blocks(std::span<const BlockId> table,
+                      std::source_location where = std::source_location::current());
+
+  /// Evicts up to `max_blocks` evictable blocks, least recently used first,
+  /// whether or not the free list is empty (to hand memory back, or in
+  /// tests). Returns how many were evicted.
+  std::size_t evict(std::size_t max_blocks,
+                    std::source_location where = std::source_location::current());
+
+  // ---- state ------------------------------------------------------------------------
+
+  bool is_cached(BlockId block) const;
+  /// The hash `block` is cached under, or nullopt.
+  std::optional<BlockHash> hash_of(BlockId block) const;
+  /// The cached block for `hash`, or nullopt; takes no reference.
+  std::optional<BlockId> find(const BlockHash& hash) const;
+  /// Whether `block` is in the LRU list.
+  bool is_evictable(BlockId block) const;
+  /// The LRU list, least recently used (next evicted) first. O(n), for tests
+  /// and diagnostics.
+  std::vector<BlockId> lru_order() const;
+
+  std::size_t num_cached_blocks() const noexcept;
+  std::size_t num_evictable_blocks() const noexcept;
+  /// Blocks an allocation can get: free plus evictable.
+  std::size_t num_available_blocks() const noexcept;
+  std::size_t block_size() const noexcept;
+  PagedKvCache& kv_cache() const noexcept;
+  const PrefixCacheCounters& counters() const noexcept;
+
+  /// PagedKvCache::check_invariants() plus: every evictable block is cached
+  /// with refcount 1; every cached block with refcount 1 is evictable and
+  /// every other cached block has refcount >= 2 (a cached block is never
+  /// free); the hash map and the per-block hashes agree; free + evictable +
+  /// in use == num_blocks. O(num_blocks).
+  InvariantReport check_invariants() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kvport

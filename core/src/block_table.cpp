@@ -1,0 +1,194 @@
+#include "kvport/core/block_table.hpp"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport {
+
+BlockTable::BlockTable(PagedKvCache* cache, PrefixCache* prefix, std::uint64_t extra_key)
+    : cache_(cache),
+      prefix_(prefix),
+      extra_key_(extra_key),
+      block_size_(cache->config().block_size) {}
+
+BlockTable::BlockTable(PagedKvCache& cache) : BlockTable(&cache, nullptr, 0) {}
+
+BlockTable::BlockTable(PrefixCache& prefix_cache, std::uint64_t extra_key)
+    : BlockTable(&prefix_cache.kv_cache(), &prefix_cache, extra_key) {}
+
+BlockTable::~BlockTable() {
+  release();
+}
+
+BlockTable::BlockTable(BlockTable&& other) noexcept
+    : cache_(other.cache_),
+      prefix_(other.prefix_),
+      extra_key_(other.extra_key_),
+      block_size_(other.block_size_),
+      blocks_(std::exchange(other.blocks_, {})),
+      tokens_(std::exchange(other.tokens_, {})),
+      hashes_(std::exchange(other.hashes_, {})),
+      copy_on_writes_(std::exchange(other.copy_on_writes_, 0)) {}
+
+BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
+  if (this != &other) {
+    release();
+    cache_ = other.cache_;
+    prefix_ = other.prefix_;
+    extra_key_ = other.extra_key_;
+    block_size_ = other.block_size_;
+    blocks_ = std::exchange(other.blocks_, {});
+    tokens_ = std::exchange(other.tokens_, {});
+    hashes_ = std::exchange(other.hashes_, {});
+    copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
+  }
+  return *this;
+}
+
+std::size_t BlockTable::last_block_fill() const noexcept {
+  if (blocks_.empty()) return 0;
+  return tokens_.size() - (blocks_.size() - 1) * block_size_;
+}
+
+std::size_t BlockTable::available_blocks() const noexcept {
+  return prefix_ != nullptr ? prefix_->num_available_blocks() : cache_->num_free_blocks();
+}
+
+BlockId BlockTable::alloc_one() {
+  return prefix_ != nullptr ? prefix_->alloc_block() : cache_->alloc_block();
+}
+
+void BlockTable::release_one(BlockId block) noexcept {
+  try {
+    if (prefix_ != nullptr) {
+      prefix_->release(block);
+    } else {
+      cache_->free_block(block);
+    }
+  } catch (...) {  // only logging can throw here; the release itself happened
+  }
+}
+
+std::size_t BlockTable::blocks_needed(std::size_t num_tokens) const {
+  const std::size_t fill = last_block_fill();
+  const std::size_t room = blocks_.empty() ? 0 : block_size_ - fill;
+  const std::size_t beyond = num_tokens > room ? num_tokens - room : 0;
+  const std::size_t fresh = (beyond + block_size_ - 1) / block_size_;
+  const bool cow = num_tokens > 0 && room > 0 && cache_->ref_count(blocks_.back()) > 1;
+  return fresh + (cow ? 1 : 0);
+}
+
+std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
+  if (!blocks_.empty() || !tokens_.empty()) {
+    throw InvalidArgument(fmt::format(
+        "BlockTable::reuse_cached_prefix: the table already holds {} tokens; a cached prefix can "
+        "only start an empty table",
+        tokens_.size()));
+  }
+  if (prefix_ == nullptr) return 0;
+  PrefixMatch match = prefix_->lookup_hashes(hash_full_blocks(prompt, block_size_, extra_key_));
+  try {
+    tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(match.num_tokens));
+  } catch (...) {
+    prefix_->release_blocks(match.blocks);
+    throw;
+  }
+  blocks_ = std::move(match.blocks);
+  hashes_ = std::move(match.hashes);
+  return match.num_tokens;
+}
+
+void BlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
+  if (tokens.empty()) return;
+  const std::size_t fill = last_block_fill();
+  const std::size_t room = blocks_.empty() ? 0 : block_size_ - fill;
+  const bool cow = room > 0 && cache_->ref_count(blocks_.back()) > 1;
+  const std::size_t beyond = tokens.size() > room ? tokens.size() - room : 0;
+  const std::size_t fresh_blocks = (beyond + block_size_ - 1) / block_size_;
+  const std::size_t needed = fresh_blocks + (cow ? 1 : 0);
+  if (needed > available_blocks()) {
+    throw CacheExhausted(fmt::format(
+        "KV cache exhausted: appending {} tokens needs {} blocks, {} are free{}", tokens.size(),
+        needed, available_blocks(), prefix_ != nullptr ? " or evictable" : ""));
+  }
+
+  // Everything that can throw happens before the table changes.
+  blocks_.reserve(blocks_.size() + fresh_blocks);
+  tokens_.reserve(tokens_.size() + tokens.size());
+  if (prefix_ != nullptr) hashes_.reserve((tokens_.size() + tokens.size()) / block_size_);
+  std::vector<BlockId> fresh;
+  fresh.reserve(needed);
+  try {
+    for (std::size_t i = 0; i < needed; ++i)
+      fresh.push_back(alloc_one());
+    if (cow) {
+      const BlockCopy copy{blocks_.back(), fresh.front()};
+      cache_->copy_blocks({&copy, 1}, stream);
+    }
+  } catch (...) {
+    for (auto it = fresh.rbegin(); it != fresh.rend(); ++it)
+      release_one(*it);
+    throw;
+  }
+
+  // Commit: nothing below allocates or throws.
+  auto next = fresh.begin();
+  if (cow) {
+    const BlockId shared = blocks_.back();
+    blocks_.back() = *next++;
+    release_one(shared);  // the other sharers keep it
+    ++copy_on_writes_;
+  }
+  blocks_.insert(blocks_.end(), next, fresh.end());
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  register_full_blocks();
+}
+
+void BlockTable::register_full_blocks() noexcept {
+  if (prefix_ == nullptr) return;
+  const std::size_t full = tokens_.size() / block_size_;
+  while (hashes_.size() < full) {
+    const std::size_t i = hashes_.size();
+    const std::optional<BlockHash> parent =
+        hashes_.empty() ? std::nullopt : std::optional<BlockHash>(hashes_.back());
+    const BlockHash h =
+        hash_block(parent, std::span<const TokenId>(tokens_).subspan(i * block_size_, block_size_),
+                   extra_key_);
+    hashes_.push_back(h);  // capacity reserved by append_tokens
+    try {
+      prefix_->insert(h, blocks_[i]);
+    } catch (...) {  // out of memory for the hash map: the block stays uncached
+    }
+  }
+}
+
+BlockTable BlockTable::fork() const {
+  BlockTable child(cache_, prefix_, extra_key_);
+  child.blocks_ = blocks_;
+  child.tokens_ = tokens_;
+  child.hashes_ = hashes_;
+  std::size_t shared = 0;
+  try {
+    for (; shared < blocks_.size(); ++shared)
+      cache_->inc_ref(blocks_[shared]);
+  } catch (...) {
+    child.blocks_.resize(shared);  // the child releases what it took
+    throw;
+  }
+  return child;
+}
+
+void BlockTable::release() noexcept {
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it)
+    release_one(*it);
+  blocks_.clear();
+  tokens_.clear();
+  hashes_.clear();
+}
+
+}  // namespace kvport

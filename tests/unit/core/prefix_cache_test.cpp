@@ -1,0 +1,274 @@
+// PrefixCache: hashing, lookups, the LRU order, eviction under pressure, and
+// the three-state invariant (free / evictable / in use), checked after every
+// step.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "core_test_util.hpp"
+#include "kvport/core/block_hash.hpp"
+#include "kvport/core/block_table.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
+
+namespace kvport {
+namespace {
+
+using test::host_backend;
+using test::small_config;  // block_size 4
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+std::vector<TokenId> tokens(std::size_t n, TokenId first = 100) {
+  std::vector<TokenId> t(n);
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+
+#define EXPECT_INVARIANTS(pc)                           \
+  do {                                                  \
+    const InvariantReport r_ = (pc).check_invariants(); \
+    EXPECT_TRUE(r_.ok) << r_.to_string();               \
+  } while (0)
+
+class PrefixCacheTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> backend = host_backend();
+  Stream stream = backend->create_stream();
+  PagedKvCache cache{small_config(), 8, *backend};
+  PrefixCache pc{cache};
+
+  // A sequence of `n` tokens starting at `first`, appended through a table.
+  BlockTable sequence(std::size_t n, TokenId first = 100, std::uint64_t key = 0) {
+    BlockTable t(pc, key);
+    const std::vector<TokenId> prompt = tokens(n, first);
+    const std::size_t reused = t.reuse_cached_prefix(prompt);
+    t.append_tokens(std::span<const TokenId>(prompt).subspan(reused), stream);
+    return t;
+  }
+};
+
+TEST(BlockHash, ChainsParentTokensAndExtraKey) {
+  const std::vector<TokenId> a = tokens(4);
+  const BlockHash h = hash_block(std::nullopt, a);
+  EXPECT_EQ(h, hash_block(std::nullopt, a));
+  EXPECT_NE(h, hash_block(std::nullopt, a, 7)) << "the extra key changes the hash";
+  EXPECT_NE(h, hash_block(BlockHash{}, a)) << "a zero parent differs from no parent";
+  EXPECT_NE(hash_block(h, a), hash_block(hash_block(std::nullopt, tokens(4, 5)), a))
+      << "the same tokens under another parent hash differently";
+  std::vector<TokenId> b = a;
+  b[3] += 1;
+  EXPECT_NE(h, hash_block(std::nullopt, b));
+  EXPECT_EQ(h.to_string().size(), 32u);
+}
+
+TEST(BlockHash, IsStableAcrossRuns) {
+  // Pinned: the hash of a block is part of what an engine may persist or
+  // compare between processes; a change of format must be deliberate.
+  const std::vector<TokenId> t = {1, 2, 3, 4};
+  const BlockHash first = hash_block(std::nullopt, t);
+  EXPECT_EQ(first, hash_block(std::nullopt, std::vector<TokenId>{1, 2, 3, 4}));
+  const std::vector<BlockHash> chain = hash_full_blocks(tokens(10), 4);
+  ASSERT_EQ(chain.size(), 2u) << "a trailing partial block has no hash";
+  EXPECT_EQ(chain[0], hash_block(std::nullopt, tokens(4, 100)));
+  EXPECT_EQ(chain[1], hash_block(chain[0], tokens(4, 104)));
+  EXPECT_THROW(hash_full_blocks(t, 0), InvalidArgument);
+}
+
+TEST_F(PrefixCacheTest, FullBlocksAreCachedAndHitAcrossSequences) {
+  BlockTable a = sequence(10);  // 2 full blocks + 2 tokens
+  EXPECT_THAT(a.blocks(), ElementsAre(0u, 1u, 2u));
+  EXPECT_EQ(pc.num_cached_blocks(), 2u);
+  EXPECT_TRUE(pc.is_cached(0));
+  EXPECT_TRUE(pc.is_cached(1));
+  EXPECT_FALSE(pc.is_cached(2)) << "a partial block is never cached";
+  EXPECT_EQ(cache.ref_count(0), 2u) << "the sequence's reference and the cache's";
+  EXPECT_INVARIANTS(pc);
+
+  BlockTable b(pc);
+  const std::vector<TokenId> prompt = tokens(9);
+  EXPECT_EQ(b.reuse_cached_prefix(prompt), 8u);
+  EXPECT_THAT(b.blocks(), ElementsAre(0u, 1u));
+  EXPECT_EQ(cache.ref_count(0), 3u);
+  EXPECT_EQ(pc.counters().hits, 2u);
+  EXPECT_EQ(pc.counters().misses, 2u) << "a's lookup missed both blocks";
+  b.append_tokens(std::span<const TokenId>(prompt).subspan(8), stream);
+  EXPECT_THAT(b.blocks(), ElementsAre(0u, 1u, 3u));
+  EXPECT_INVARIANTS(pc);
+
+  // A different extra key (another adapter) never shares.
+  BlockTable c(pc, 42);
+  EXPECT_EQ(c.reuse_cached_prefix(prompt), 0u);
+  EXPECT_EQ(pc.counters().misses, 4u);
+  EXPECT_DOUBLE_EQ(pc.counters().hit_rate(), 2.0 / 6.0);
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, LookupStopsAtTheFirstMissAndCountsTheRest) {
+  BlockTable a = sequence(8);
+  std::vector<TokenId> prompt = tokens(16);
+  prompt[5] = 1;  // second block differs
+  const PrefixMatch m = pc.lookup(prompt);
+  EXPECT_THAT(m.blocks, ElementsAre(0u));
+  EXPECT_EQ(m.num_tokens, 4u);
+  EXPECT_EQ(m.hashes.size(), 1u);
+  EXPECT_EQ(pc.counters().hits, 1u);
+  EXPECT_EQ(pc.counters().misses, 2u + 3u) << "a's own lookup missed 2";
+  pc.release_blocks(m.blocks);
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, ReleasedCachedBlocksStayResidentInLruOrderTailFirst) {
+  BlockTable a = sequence(12);  // blocks 0 1 2, all full and cached
+  a.release();
+  EXPECT_EQ(pc.num_evictable_blocks(), 3u);
+  EXPECT_EQ(pc.num_cached_blocks(), 3u);
+  EXPECT_EQ(cache.num_free_blocks(), 5u) << "cached blocks stay resident";
+  // The tail joined the LRU list first, so it is evicted first.
+  EXPECT_THAT(pc.lru_order(), ElementsAre(2u, 1u, 0u));
+  EXPECT_EQ(cache.ref_count(2), 1u);
+  const InvariantReport r = pc.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+  EXPECT_EQ(r.free_blocks, 5u);
+  EXPECT_EQ(r.evictable_blocks, 3u);
+  EXPECT_EQ(r.blocks_in_use, 0u);
+  EXPECT_THAT(r.to_string(), HasSubstr("3 evictable"));
+
+  // A hit takes a block out of the LRU list; releasing it again puts it at
+  // the most recently used end.
+  BlockTable b = sequence(4);
+  EXPECT_THAT(b.blocks(), ElementsAre(0u));
+  EXPECT_THAT(pc.lru_order(), ElementsAre(2u, 1u));
+  b.release();
+  EXPECT_THAT(pc.lru_order(), ElementsAre(2u, 1u, 0u));
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmpty) {
+  BlockTable a = sequence(12);
+  a.release();  // 3 evictable, 5 free
+  std::vector<BlockId> got;
+  for (int i = 0; i < 5; ++i) {
+    got.push_back(pc.alloc_block());
+    EXPECT_EQ(pc.counters().evictions, 0u) << "free blocks go first";
+    EXPECT_INVARIANTS(pc);
+  }
+  EXPECT_EQ(cache.num_free_blocks(), 0u);
+  // Now the least recently used cached block (a's tail, block 2) goes.
+  EXPECT_EQ(pc.alloc_block(), 2u);
+  EXPECT_EQ(pc.counters().evictions, 1u);
+  EXPECT_FALSE(pc.is_cached(2));
+  EXPECT_THAT(pc.lru_order(), ElementsAre(1u, 0u));
+  EXPECT_INVARIANTS(pc);
+  // The shared head is still a hit.
+  EXPECT_EQ(pc.lookup(tokens(4)).num_tokens, 4u);
+  pc.release(0);
+  EXPECT_EQ(pc.try_alloc_block(), 1u);
+  EXPECT_EQ(pc.try_alloc_block(), 0u);
+  EXPECT_EQ(pc.try_alloc_block(), std::nullopt);
+  EXPECT_THROW(pc.alloc_block(), CacheExhausted);
+  EXPECT_EQ(pc.counters().evictions, 3u);
+  EXPECT_EQ(pc.num_cached_blocks(), 0u);
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, AnEvictedBlockIsNeverHandedOutWhileReferenced) {
+  BlockTable a = sequence(8);  // 0 1 cached, held by a
+  BlockTable b = sequence(8);  // hits 0 1
+  b.release();                 // 0 1 still held by a: not evictable
+  EXPECT_EQ(pc.num_evictable_blocks(), 0u);
+  std::vector<BlockId> rest;
+  while (auto blk = pc.try_alloc_block())
+    rest.push_back(*blk);
+  EXPECT_EQ(rest.size(), 6u);
+  for (BlockId blk : rest)
+    EXPECT_THAT(blk, ::testing::Not(::testing::AnyOf(0u, 1u)));
+  EXPECT_EQ(cache.ref_count(0), 2u);
+  EXPECT_TRUE(pc.is_cached(0));
+  EXPECT_INVARIANTS(pc);
+  pc.release_blocks(rest);
+}
+
+TEST_F(PrefixCacheTest, InsertRules) {
+  const BlockId b = pc.alloc_block();
+  const BlockHash h = hash_block(std::nullopt, tokens(4));
+  EXPECT_TRUE(pc.insert(h, b));
+  EXPECT_EQ(pc.hash_of(b), h);
+  EXPECT_EQ(pc.find(h), b);
+  EXPECT_FALSE(pc.insert(h, b)) << "already cached";
+  const BlockId c = pc.alloc_block();
+  EXPECT_FALSE(pc.insert(h, c)) << "the hash is taken: c stays a private copy";
+  EXPECT_FALSE(pc.is_cached(c));
+  EXPECT_THROW(pc.insert(hash_block(std::nullopt, tokens(4, 9)), 5), InvalidArgument)
+      << "block 5 is free";
+  EXPECT_THROW(pc.insert(h, 99), InvalidArgument);
+  EXPECT_EQ(pc.counters().inserts, 1u);
+  pc.release(b);
+  pc.release(c);
+  EXPECT_EQ(pc.lru_order(), std::vector<BlockId>{b});
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, DoubleReleaseOfACachedBlockIsIgnored) {
+  const BlockId b = pc.alloc_block();
+  ASSERT_TRUE(pc.insert(hash_block(std::nullopt, tokens(4)), b));
+  pc.release(b);
+  test::LogRecorder recorder;
+  pc.release(b);  // caller bug: only the cache holds it
+  EXPECT_EQ(pc.counters().ignored_releases, 1u);
+  EXPECT_EQ(cache.ref_count(b), 1u);
+  EXPECT_TRUE(pc.is_evictable(b));
+  EXPECT_EQ(recorder.find(log::Level::error, "double free").size(), 1u);
+  EXPECT_INVARIANTS(pc);
+  EXPECT_THROW(pc.release(8), InvalidArgument);
+  EXPECT_THROW(pc.release_blocks(std::vector<BlockId>{b, 8}), InvalidArgument);
+  EXPECT_EQ(cache.ref_count(b), 1u) << "validated before any release";
+}
+
+TEST_F(PrefixCacheTest, ReleasingAroundThePrefixCacheIsReported) {
+  BlockTable a = sequence(4);
+  const BlockId b = a.blocks()[0];
+  cache.dec_ref(b);  // bypasses the prefix cache: b is left off the LRU list
+  const InvariantReport r = pc.check_invariants();
+  EXPECT_FALSE(r.ok);
+  EXPECT_THAT(r.to_string(), HasSubstr("not in the LRU list"));
+  cache.inc_ref(b);  // restore, so the table's release is balanced
+  EXPECT_INVARIANTS(pc);
+}
+
+TEST_F(PrefixCacheTest, EvictAndDestructionReturnEveryBlock) {
+  {
+    PrefixCache local(cache);
+    BlockTable a(local);
+    a.append_tokens(tokens(12), stream);
+    BlockTable keep(local);
+    keep.append_tokens(tokens(4, 500), stream);
+    a.release();
+    EXPECT_EQ(local.evict(2), 2u);
+    EXPECT_THAT(local.lru_order(), ElementsAre(0u));
+    EXPECT_EQ(local.evict(10), 1u);
+    EXPECT_EQ(local.counters().evictions, 3u);
+    a.append_tokens(tokens(4, 900), stream);
+    keep.release();  // its block stays cached until the prefix cache goes
+    a.release();
+    EXPECT_EQ(local.num_cached_blocks(), 2u);
+  }
+  EXPECT_EQ(cache.num_free_blocks(), 8u) << "the destructor dropped the cache's references";
+  EXPECT_TRUE(cache.check_invariants().ok);
+}
+
+TEST_F(PrefixCacheTest, OutOfRangeQueriesThrow) {
+  EXPECT_THROW(pc.is_cached(8), InvalidArgument);
+  EXPECT_THROW(pc.hash_of(8), InvalidArgument);
+  EXPECT_THROW(pc.is_evictable(8), InvalidArgument);
+  EXPECT_EQ(pc.find(BlockHash{1, 2}), std::nullopt);
+  EXPECT_EQ(pc.block_size(), 4u);
+  EXPECT_EQ(&pc.kv_cache(), &cache);
+  EXPECT_EQ(pc.num_available_blocks(), 8u);
+  EXPECT_DOUBLE_EQ(pc.counters().hit_rate(), 0.0);
+}
+
+}  // namespace
+}  // namespace kvport
