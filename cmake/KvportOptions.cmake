@@ -17,6 +17,16 @@ if(KVPORT_SANITIZE)
   endif()
 endif()
 
+if(KVPORT_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "KVPORT_FUZZ=ON needs clang (libFuzzer), not ${CMAKE_CXX_COMPILER_ID}. "
+                        "Use the `fuzz` preset; on Debian 12: apt-get install clang-15 libclang-common-15-dev")
+  endif()
+  # Coverage instrumentation for libFuzzer in every target; only the fuzz
+  # executables link the fuzzer's main (-fsanitize=fuzzer).
+  add_compile_options(-fsanitize=fuzzer-no-link)
+endif()
+
 # kvport_add_library(<name> <alias> SOURCES ...) - a static library with the
 # project's warning flags and an include/ folder as its public interface.
 function(kvport_target_defaults target)

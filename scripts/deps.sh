@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvport builds with, if any are missing.
-# Usage: scripts/deps.sh [--hip]   (--hip adds hipcc + libamdhip64-dev)
+# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots]
+#   --hip adds hipcc + libamdhip64-dev; --fuzz clang + its libFuzzer runtime;
+#   --plots python3-matplotlib for scripts/bench.sh
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -13,6 +15,7 @@ for arg in "$@"; do
   case "$arg" in
     --hip) packages+=(hipcc libamdhip64-dev) ;;
     --plots) packages+=(python3 python3-matplotlib) ;;
+    --fuzz) packages+=(clang-15 libclang-common-15-dev) ;;  # clang 15 (std::source_location); its libFuzzer runtime
     *) echo "deps.sh: unknown option '$arg'" >&2; exit 2 ;;
   esac
 done

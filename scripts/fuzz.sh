@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer target (the `fuzz` preset: clang with
+# -fsanitize=fuzzer,address,undefined) and fuzzes the core for a bounded time.
+# Usage: scripts/fuzz.sh [seconds] [extra libFuzzer flags...]   (default 60 s)
+#
+# The run starts from the committed seed corpus (tests/fuzz/corpus), replays
+# it first, and keeps what it finds in build/fuzz/corpus. A crash input lands
+# in build/fuzz/artifacts/ and the script exits non-zero. To add new finds to
+# the committed corpus, minimized:
+#   build/fuzz/bin/kvport_fuzz_kv -merge=1 tests/fuzz/corpus build/fuzz/corpus
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds="${1:-60}"
+shift || true
+
+scripts/deps.sh --fuzz
+cmake --preset fuzz
+cmake --build --preset fuzz
+
+mkdir -p build/fuzz/corpus build/fuzz/artifacts
+log=build/fuzz/last-run.log
+echo "fuzz: ${seconds} s from tests/fuzz/corpus ($(ls tests/fuzz/corpus | wc -l) seeds)"
+status=0
+build/fuzz/bin/kvport_fuzz_kv build/fuzz/corpus tests/fuzz/corpus \
+  -max_total_time="$seconds" -max_len=2562 -timeout=10 -rss_limit_mb=4096 \
+  -artifact_prefix=build/fuzz/artifacts/ -print_final_stats=1 "$@" 2>"$log" || status=$?
+grep -E "^(stat::|Done|INFO: seed corpus)" "$log" || true
+if [ "$status" -ne 0 ]; then
+  tail -n 40 "$log"
+  echo "fuzz: FAILED (exit $status); the input is in build/fuzz/artifacts/" >&2
+  exit "$status"
+fi
+echo "fuzz: OK"
