@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <string>
@@ -20,6 +21,7 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/fault_injecting_backend.hpp"
 #include "kvport/platform/registry.hpp"
 #include "kvport/testing/support.hpp"
 
@@ -34,13 +36,20 @@ constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * kKiB;
 
 // Test-only backends the suite also runs, beside every compiled one: gpusim is
-// the GPU backend's code over a CPU simulation of the vendor API.
+// the GPU backend's code over a CPU simulation of the vendor API; fault_host is
+// the FaultInjectingBackend decorator over the host backend with no fault
+// planned, which must be indistinguishable from the host backend. (Names are
+// test-name suffixes, so "fault_host" rather than its name(), "fault(host)".)
 struct TestBackend {
   const char* name;
   std::unique_ptr<Backend> (*make)();
 };
 const TestBackend kTestBackends[] = {
     {"gpusim", [] { return testing::make_gpusim_backend(); }},
+    {"fault_host",
+     []() -> std::unique_ptr<Backend> {
+       return std::make_unique<FaultInjectingBackend>(make_backend("host"));
+     }},
 };
 
 std::vector<std::string> backend_names() {
