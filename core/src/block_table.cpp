@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "kvport/core/prefix_cache.hpp"
@@ -33,6 +34,8 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
       blocks_(std::exchange(other.blocks_, {})),
       tokens_(std::exchange(other.tokens_, {})),
       hashes_(std::exchange(other.hashes_, {})),
+      prompt_(std::exchange(other.prompt_, {})),
+      prompt_hashes_(std::exchange(other.prompt_hashes_, {})),
       copy_on_writes_(std::exchange(other.copy_on_writes_, 0)) {}
 
 BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
@@ -45,6 +48,8 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
     blocks_ = std::exchange(other.blocks_, {});
     tokens_ = std::exchange(other.tokens_, {});
     hashes_ = std::exchange(other.hashes_, {});
+    prompt_ = std::exchange(other.prompt_, {});
+    prompt_hashes_ = std::exchange(other.prompt_hashes_, {});
     copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
   }
   return *this;
@@ -91,13 +96,17 @@ std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
         tokens_.size()));
   }
   if (prefix_ == nullptr) return 0;
-  PrefixMatch match = prefix_->lookup_hashes(hash_full_blocks(prompt, block_size_, extra_key_));
+  std::vector<BlockHash> prompt_hashes = hash_full_blocks(prompt, block_size_, extra_key_);
+  PrefixMatch match = prefix_->lookup_hashes(prompt_hashes);
   try {
     tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(match.num_tokens));
+    prompt_.assign(prompt.begin(), prompt.end());
   } catch (...) {
+    tokens_.clear();
     prefix_->release_blocks(match.blocks);
     throw;
   }
+  prompt_hashes_ = std::move(prompt_hashes);
   blocks_ = std::move(match.blocks);
   hashes_ = std::move(match.hashes);
   return match.num_tokens;
@@ -189,6 +198,8 @@ void BlockTable::release() noexcept {
   blocks_.clear();
   tokens_.clear();
   hashes_.clear();
+  prompt_.clear();
+  prompt_hashes_.clear();
 }
 
 }  // namespace kvport

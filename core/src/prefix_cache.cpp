@@ -25,7 +25,9 @@ using LruList = boost::intrusive::list<Entry, boost::intrusive::constant_time_si
 }  // namespace
 
 struct PrefixCache::State {
-  explicit State(PagedKvCache& cache) : kv(&cache), entries(cache.num_blocks()) {}
+  explicit State(PagedKvCache& cache) : kv(&cache), entries(cache.num_blocks()) {
+    map.reserve(cache.num_blocks());  // at most one hash per block: never rehashes
+  }
   ~State() { lru.clear(); }  // unlink before the entries go
 
   BlockId id_of(const Entry& e) const { return static_cast<BlockId>(&e - entries.data()); }

@@ -107,6 +107,11 @@ class BlockTable {
   /// Chained hashes of the first hashes_.size() full blocks (prefix cache
   /// only).
   std::vector<BlockHash> hashes_;
+  /// The prompt reuse_cached_prefix hashed and its full-block hashes: when
+  /// append_tokens fills those blocks with the same tokens, their hashes are
+  /// taken from here instead of hashed again. Cleared at the first mismatch.
+  std::vector<TokenId> prompt_;
+  std::vector<BlockHash> prompt_hashes_;
   std::uint64_t copy_on_writes_ = 0;
 };
 
