@@ -1,6 +1,7 @@
 #include "kvport/platform/fault_injecting_backend.hpp"
 
 #include <fmt/format.h>
+#include <atomic>
 
 #include <deque>
 #include <exception>
@@ -11,6 +12,13 @@
 #include "kvport/platform/log.hpp"
 
 namespace kvport {
+namespace {
+std::atomic<std::uint64_t> g_faults_injected{0};
+}  // namespace
+
+std::uint64_t FaultInjectingBackend::faults_injected_in_process() noexcept {
+  return g_faults_injected.load(std::memory_order_relaxed);
+}
 
 namespace {
 
@@ -218,6 +226,7 @@ std::optional<FaultInjectingBackend::Injection> FaultInjectingBackend::decide(Fa
   if (plan.from_nth && call >= *plan.from_nth) fail = true;
   if (!fail) return std::nullopt;
   ++state.counts.faults;
+  g_faults_injected.fetch_add(1, std::memory_order_relaxed);
   return Injection{kind, plan.mode, call};
 }
 

@@ -14,6 +14,7 @@
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
+#include "kvport/testing/fault_report.hpp"
 
 namespace kvport {
 namespace {

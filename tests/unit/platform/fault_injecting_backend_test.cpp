@@ -21,6 +21,7 @@
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/testing/fault_report.hpp"
 #include "kvport/testing/support.hpp"
 
 namespace kvport {
@@ -614,6 +615,16 @@ TEST_F(FaultInjectingBackendTest, ThreadsOnTheirOwnStreamsShareOnePlanSafely) {
   EXPECT_EQ(fills.faults, std::uint64_t(errors[0] + errors[1]));  // each surfaced once
   EXPECT_GT(fills.faults, 0u);
   EXPECT_EQ(fb_.live_allocations(), 0u);
+}
+
+TEST_F(FaultInjectingBackendTest, TheProcessWideFaultCountAddsUpEveryDecorator) {
+  const std::uint64_t before = FaultInjectingBackend::faults_injected_in_process();
+  fb_.set_plan(FaultKind::alloc, {.from_nth = 1});
+  EXPECT_THROW(fb_.alloc(256), OutOfMemory);
+  FaultInjectingBackend other(make_host_backend(HostBackendOptions{64 * kMiB}));
+  other.set_plan(FaultKind::alloc, {.nth = 1});
+  EXPECT_THROW(other.alloc(256), OutOfMemory);
+  EXPECT_EQ(FaultInjectingBackend::faults_injected_in_process(), before + 2);
 }
 
 }  // namespace

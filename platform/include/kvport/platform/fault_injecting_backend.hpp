@@ -150,6 +150,10 @@ class FaultInjectingBackend final : public Backend {
   std::size_t live_allocations() const noexcept;
   std::size_t live_bytes() const noexcept;
 
+  /// Faults injected by every FaultInjectingBackend of this process so far
+  /// (for test reports: docs/reliability.md quotes it).
+  static std::uint64_t faults_injected_in_process() noexcept;
+
  private:
   struct FaultStream;
   struct FaultEvent;
