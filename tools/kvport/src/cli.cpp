@@ -33,6 +33,8 @@ constexpr CommandInfo kCommands[] = {
      &make_conformance_command},
     {"bench", "Compare block-zeroing strategies on a backend and print the throughput ratios",
      &make_bench_command},
+    {"replay", "Replay a Mooncake request trace over the prefix cache: hit rate, evictions",
+     &make_replay_command},
 };
 
 void print_error(std::ostream& err, std::string_view message) {

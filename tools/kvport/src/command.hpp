@@ -34,11 +34,13 @@ struct CommandInfo {
 
 /// The subcommands, one factory per <name>_command.cpp: `kvport plan`
 /// (capacity planning), `kvport demo` (a serving loop on a real cache),
-/// `kvport conformance` (the backend conformance suite) and `kvport bench`
-/// (the block-zeroing comparison of kvport::bench::ZeroingBench).
+/// `kvport conformance` (the backend conformance suite), `kvport bench`
+/// (the block-zeroing comparison of kvport::bench::ZeroingBench) and `kvport
+/// replay` (a Mooncake trace over the prefix cache, replay.hpp).
 std::unique_ptr<Command> make_plan_command();
 std::unique_ptr<Command> make_demo_command();
 std::unique_ptr<Command> make_conformance_command();
 std::unique_ptr<Command> make_bench_command();
+std::unique_ptr<Command> make_replay_command();
 
 }  // namespace kvport::cli

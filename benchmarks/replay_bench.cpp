@@ -1,0 +1,122 @@
+// Trace replay over the prefix cache (kvport::cli::run_replay): requests per
+// second of host time on a generated Mooncake-like trace, from a cache so
+// small that decode preempts to one that keeps most shared prefixes.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kvport/cli/replay.hpp"
+
+namespace kvport::bench {
+namespace {
+
+using cli::TraceRequest;
+
+// SplitMix64, so that the trace is the same on every platform.
+class Random {
+ public:
+  explicit Random(std::uint64_t seed) noexcept : state_(seed) {}
+  std::uint64_t next() noexcept {
+    std::uint64_t z = (state_ += 0x9E37'79B9'7F4A'7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58'476D'1CE4'E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D0'49BB'1331'11EBull;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t uniform(std::uint64_t lo, std::uint64_t hi) noexcept {
+    return lo + next() % (hi - lo + 1);
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+// 2000 requests shaped like Mooncake's: most continue one of 64 shared
+// documents (2-8 trace blocks of 512 tokens), a third are the next turn of
+// an earlier conversation (its whole history plus 1-2 blocks), the rest
+// unrelated; 1-8 k-token prompts, 16-256 output tokens, about 20 arrivals
+// per simulated second.
+std::vector<TraceRequest> make_trace() {
+  constexpr std::size_t kRequests = 2000;
+  constexpr std::size_t kTraceBlock = 512;
+  Random random(42);
+  std::uint64_t next_id = 0;
+  const auto fresh = [&](std::vector<std::uint64_t>& ids, std::uint64_t n) {
+    for (std::uint64_t i = 0; i < n; ++i)
+      ids.push_back(next_id++);
+  };
+  std::vector<std::vector<std::uint64_t>> documents(64);
+  for (auto& doc : documents)
+    fresh(doc, random.uniform(2, 8));
+  std::vector<std::vector<std::uint64_t>> conversations;
+
+  std::vector<TraceRequest> trace;
+  trace.reserve(kRequests);
+  double t = 0;
+  for (std::size_t i = 0; i < kRequests; ++i) {
+    TraceRequest r;
+    t += static_cast<double>(random.uniform(0, 100));
+    r.timestamp_ms = t;
+    const std::uint64_t kind = random.uniform(0, 99);
+    if (kind < 33 && !conversations.empty()) {
+      const std::size_t k = random.uniform(0, conversations.size() - 1);
+      r.hash_ids = conversations[k];
+      fresh(r.hash_ids, random.uniform(1, 2));
+      if (r.hash_ids.size() > 16) {
+        conversations.erase(conversations.begin() + static_cast<std::ptrdiff_t>(k));
+      } else {
+        conversations[k] = r.hash_ids;
+      }
+    } else if (kind < 85) {
+      r.hash_ids = documents[random.uniform(0, documents.size() - 1)];
+      fresh(r.hash_ids, random.uniform(0, 2));
+      if (random.uniform(0, 2) == 0) conversations.push_back(r.hash_ids);
+    } else {
+      fresh(r.hash_ids, random.uniform(1, 8));
+    }
+    r.input_length = r.hash_ids.size() * kTraceBlock - random.uniform(0, kTraceBlock - 1);
+    r.output_length = random.uniform(16, 256);
+    r.line = i + 1;
+    trace.push_back(std::move(r));
+  }
+  return trace;
+}
+
+const std::vector<TraceRequest>& trace() {
+  static const std::vector<TraceRequest> t = make_trace();
+  return t;
+}
+
+// Arg: the cache's capacity in blocks of 16 tokens.
+void BM_ReplayMooncakeLike(benchmark::State& state) {
+  cli::ReplayOptions options;
+  options.capacity_blocks = static_cast<std::size_t>(state.range(0));
+  options.block_size = 16;
+  options.concurrency = 64;
+  cli::ReplayResult result;
+  for (auto _ : state) {
+    result = cli::run_replay(trace(), options);
+    benchmark::DoNotOptimize(result.hit_blocks);
+  }
+  if (!result.ok()) state.SkipWithError("the prefix cache's invariants failed");
+  const auto iterations = static_cast<double>(state.iterations());
+  state.SetItemsProcessed(state.iterations() * static_cast<std::int64_t>(result.requests));
+  using benchmark::Counter;
+  state.counters["prompt_blocks/s"] =
+      Counter(static_cast<double>(result.prompt_blocks) * iterations, Counter::kIsRate);
+  state.counters["block_ops/s"] =
+      Counter(static_cast<double>(result.operations()) * iterations, Counter::kIsRate);
+  state.counters["hit_rate"] = result.hit_rate();
+  state.counters["evictions"] = static_cast<double>(result.evictions);
+  state.counters["preemptions"] = static_cast<double>(result.preemptions);
+}
+BENCHMARK(BM_ReplayMooncakeLike)
+    ->ArgName("capacity_blocks")
+    ->Arg(2048)
+    ->Arg(8192)
+    ->Arg(65536)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace kvport::bench

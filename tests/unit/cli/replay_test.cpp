@@ -1,0 +1,512 @@
+// `kvport replay`: Mooncake trace replay over the prefix cache.
+#include <set>
+#include <sstream>
+
+#include "cli_test_util.hpp"
+#include "kvport/cli/replay.hpp"
+#include "kvport/platform/error.hpp"
+
+#ifndef KVPORT_TEST_DATA_DIR
+#error "KVPORT_TEST_DATA_DIR must name tests/data"
+#endif
+
+namespace kvport::cli::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+const std::string kSmallTrace = std::string(KVPORT_TEST_DATA_DIR) + "/mooncake_small.jsonl";
+
+CliResult replay(const std::string& trace, std::initializer_list<std::string> more) {
+  std::vector<std::string> args{"replay", "--trace", trace};
+  args.insert(args.end(), more);
+  return run_cli(args);
+}
+
+// One trace line.
+std::string line(double timestamp, std::size_t input, std::size_t output,
+                 const std::string& hash_ids) {
+  std::ostringstream s;
+  s << R"({"timestamp": )" << timestamp << R"(, "input_length": )" << input
+    << R"(, "output_length": )" << output << R"(, "hash_ids": )" << hash_ids << "}\n";
+  return s.str();
+}
+
+nlohmann::json without_timing(nlohmann::json j) {
+  for (const char* key : {"wall_s", "requests_per_s", "operations_per_s"})
+    j.erase(key);
+  return j;
+}
+
+std::uint64_t u(const nlohmann::json& j, const char* key) {
+  return j.at(key).get<std::uint64_t>();
+}
+
+// ---- the report ----------------------------------------------------------------------------
+
+TEST(cli_replay, JsonReportOnTheSmallTraceIsConsistent) {
+  const CliResult r = replay(kSmallTrace, {"--capacity-blocks", "4096", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  EXPECT_EQ(r.err, "");
+  const auto j = r.json();
+  for (const char* key : {"requests",
+                          "completed",
+                          "rejected",
+                          "prompt_blocks",
+                          "hit_blocks",
+                          "hit_rate",
+                          "prompt_tokens",
+                          "hit_tokens",
+                          "token_hit_rate",
+                          "evictions",
+                          "preemptions",
+                          "peak_blocks_in_use",
+                          "lookups",
+                          "allocations",
+                          "releases",
+                          "operations",
+                          "operations_per_s",
+                          "requests_per_s",
+                          "wall_s",
+                          "simulated_ms",
+                          "steps",
+                          "invariants_ok",
+                          "ok"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(u(j, "requests"), 200u);
+  EXPECT_EQ(u(j, "completed") + u(j, "rejected"), 200u);
+  EXPECT_EQ(u(j, "rejected"), 0u);
+  EXPECT_EQ(j["block_size"], 16u);
+  EXPECT_EQ(j["trace_block_tokens"], 512u);
+  EXPECT_EQ(j["concurrency"], 64u);
+
+  // The trace shares document prefixes and conversation histories.
+  EXPECT_GT(u(j, "hit_blocks"), 0u);
+  EXPECT_LE(u(j, "hit_blocks"), u(j, "prompt_blocks"));
+  EXPECT_DOUBLE_EQ(j["hit_rate"].get<double>(), static_cast<double>(u(j, "hit_blocks")) /
+                                                    static_cast<double>(u(j, "prompt_blocks")));
+  EXPECT_EQ(u(j, "hit_tokens"), u(j, "hit_blocks") * 16);
+  EXPECT_LE(u(j, "prompt_blocks") * 16, u(j, "prompt_tokens"));
+  EXPECT_DOUBLE_EQ(
+      j["token_hit_rate"].get<double>(),
+      static_cast<double>(u(j, "hit_tokens")) / static_cast<double>(u(j, "prompt_tokens")));
+  EXPECT_EQ(u(j, "operations"), u(j, "lookups") + u(j, "allocations") + u(j, "releases"));
+  EXPECT_GE(u(j, "lookups"), u(j, "completed"));
+  EXPECT_GT(u(j, "peak_blocks_in_use"), 0u);
+  EXPECT_LE(u(j, "peak_blocks_in_use"), 4096u);
+  EXPECT_GT(j["simulated_ms"].get<double>(), 0.0);
+  EXPECT_GT(j["requests_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["operations_per_s"].get<double>(), 0.0);
+  // Every prompt token was either found in the cache or prefilled.
+  EXPECT_EQ(u(j, "prompt_tokens") - u(j, "hit_tokens") + u(j, "recomputed_tokens"),
+            u(j, "prefill_tokens"));
+  EXPECT_EQ(j["invariants_ok"], true);
+  EXPECT_EQ(j["ok"], true);
+  EXPECT_EQ(j["stopped_at_step"], 0u);
+}
+
+TEST(cli_replay, SameTraceSameReport) {
+  for (const char* capacity : {"4096", "700"}) {
+    const CliResult a =
+        replay(kSmallTrace, {"--capacity-blocks", capacity, "--concurrency", "8", "--json"});
+    const CliResult b =
+        replay(kSmallTrace, {"--capacity-blocks", capacity, "--concurrency", "8", "--json"});
+    ASSERT_EQ(a.code, 0) << a.err;
+    ASSERT_EQ(b.code, 0) << b.err;
+    EXPECT_EQ(without_timing(a.json()), without_timing(b.json())) << capacity;
+  }
+}
+
+TEST(cli_replay, TextReport) {
+  const CliResult r = replay(kSmallTrace, {"--capacity-blocks", "4096"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_THAT(r.out, HasSubstr("kvport replay: 200 requests from " + kSmallTrace));
+  EXPECT_THAT(r.out, HasSubstr("block hit rate"));
+  EXPECT_THAT(r.out, HasSubstr("evictions"));
+  EXPECT_THAT(r.out, HasSubstr("preemptions"));
+  EXPECT_THAT(r.out, HasSubstr("Invariants  ok"));
+  EXPECT_THAT(r.out, HasSubstr("Result      OK"));
+}
+
+TEST(cli_replay, PeriodicInvariantChecksPass) {
+  const CliResult r = replay(kSmallTrace, {"--capacity-blocks", "700", "--check-every", "1",
+                                           "--concurrency", "16", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(j["invariants_ok"], true);
+  EXPECT_GT(u(j, "evictions"), 0u);
+}
+
+// ---- the simulation model ------------------------------------------------------------------
+
+TEST(cli_replay, OneAtATimeARepeatedPromptHitsAllItsFullBlocks) {
+  // Both arrive at once; with --concurrency 1 the second runs after the first
+  // and finds every full block of the same prompt cached.
+  const TempFile trace("trace.jsonl", line(0, 1000, 20, "[7, 8]") + line(0, 1000, 20, "[7, 8]"));
+  const CliResult r =
+      replay(trace.path(), {"--capacity-blocks", "1024", "--concurrency", "1", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "completed"), 2u);
+  EXPECT_EQ(u(j, "prompt_blocks"), 2 * (1000 / 16));
+  EXPECT_EQ(u(j, "hit_blocks"), 1000 / 16);
+  EXPECT_EQ(u(j, "hit_tokens"), (1000 / 16) * 16);
+  EXPECT_EQ(u(j, "evictions"), 0u);
+  EXPECT_EQ(u(j, "preemptions"), 0u);
+  // One ran after the other: a prefill step and 20 decode steps each; the
+  // second is admitted in the step the first finishes in.
+  EXPECT_EQ(u(j, "steps"), 41u);
+  EXPECT_DOUBLE_EQ(j["simulated_ms"].get<double>(), 410.0);
+  EXPECT_EQ(j["peak_blocks_in_use"], (1000 + 20 + 15) / 16);
+}
+
+TEST(cli_replay, DifferentIdsShareNothingAndMissingIdsAreUniqueTokens) {
+  // Request 2 shares the first trace block (512 tokens = 32 blocks) only.
+  // Requests 3 and 4 have one id for 1000 tokens: past it the tokens are
+  // their own, so they share 32 blocks too.
+  const TempFile trace("trace.jsonl", line(0, 1000, 4, "[1, 2]") + line(100, 1000, 4, "[1, 3]") +
+                                          line(200, 1000, 4, "[5]") + line(300, 1000, 4, "[5]"));
+  const CliResult r = replay(trace.path(), {"--capacity-blocks", "1024", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "hit_blocks"), 32u + 32u);
+}
+
+TEST(cli_replay, TraceBlockTokensSetsHowManyTokensAnIdCovers) {
+  const TempFile trace("trace.jsonl",
+                       line(0, 64, 4, "[1, 2, 3, 4]") + line(100, 64, 4, "[1, 2, 9, 9]"));
+  const CliResult r =
+      replay(trace.path(), {"--capacity-blocks", "64", "--trace-block-tokens", "16", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(u(r.json(), "hit_blocks"), 2u);
+}
+
+TEST(cli_replay, EvictsOnlyUnderPressure) {
+  const CliResult large = replay(kSmallTrace, {"--capacity-blocks", "100000", "--json"});
+  ASSERT_EQ(large.code, 0) << large.err;
+  EXPECT_EQ(u(large.json(), "evictions"), 0u);
+  EXPECT_EQ(u(large.json(), "preemptions"), 0u);
+
+  const CliResult small = replay(kSmallTrace, {"--capacity-blocks", "1000", "--json"});
+  ASSERT_EQ(small.code, 0) << small.err;
+  const auto j = small.json();
+  EXPECT_GT(u(j, "evictions"), 0u);
+  EXPECT_EQ(j["invariants_ok"], true);
+  // Evicting loses hits the large cache had.
+  EXPECT_LT(u(j, "hit_blocks"), u(large.json(), "hit_blocks"));
+}
+
+TEST(cli_replay, PreemptsTheNewestRequestWhenDecodeRunsOutOfBlocks) {
+  // Two prompts of 4 blocks fit in 10 blocks; their outputs do not fit side
+  // by side (7 blocks each), so the second one admitted is preempted and
+  // recomputes later.
+  const TempFile trace("trace.jsonl", line(0, 64, 40, "[1]") + line(0, 64, 40, "[2]"));
+  const CliResult r = replay(trace.path(), {"--capacity-blocks", "10", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "completed"), 2u);
+  EXPECT_GE(u(j, "preemptions"), 1u);
+  EXPECT_GT(u(j, "recomputed_tokens"), 0u);
+  EXPECT_EQ(u(j, "generated_tokens"), 80u);
+  EXPECT_EQ(u(j, "peak_blocks_in_use"), 10u);
+  EXPECT_EQ(j["invariants_ok"], true);
+}
+
+TEST(cli_replay, RejectsARequestThatCannotRunAloneInTheCache) {
+  // 10 blocks of 16 tokens: 150 + 10 tokens fit, 150 + 20 do not.
+  const TempFile trace("trace.jsonl", line(0, 150, 10, "[1]") + line(5, 150, 20, "[2]") +
+                                          line(10, 2000, 1, "[3, 4, 5, 6]"));
+  const CliResult r = replay(trace.path(), {"--capacity-blocks", "10", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "requests"), 3u);
+  EXPECT_EQ(u(j, "completed"), 1u);
+  EXPECT_EQ(u(j, "rejected"), 2u);
+  EXPECT_EQ(u(j, "prompt_tokens"), 150u);  // rejected requests are not admitted
+}
+
+TEST(cli_replay, ZeroOutputCompletesAtAdmissionAndIdleTimeIsSkipped) {
+  const TempFile trace("trace.jsonl", line(0, 32, 0, "[1]") + line(100000, 32, 0, "[1]"));
+  const CliResult r = replay(trace.path(), {"--capacity-blocks", "8", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "completed"), 2u);
+  EXPECT_EQ(u(j, "steps"), 2u);
+  EXPECT_DOUBLE_EQ(j["simulated_ms"].get<double>(), 100010.0);
+  EXPECT_EQ(u(j, "hit_blocks"), 2u);
+}
+
+TEST(cli_replay, RequestsRunInTimestampOrderStably) {
+  // Out of order in the file; --concurrency 1 runs the earliest first, and the
+  // two at t=50 in file order: the third line waits one step for the first.
+  // (The other way round, the first would wait 3 steps for the third.)
+  const TempFile trace("trace.jsonl",
+                       line(50, 32, 1, "[2]") + line(0, 32, 1, "[1]") + line(50, 32, 3, "[2]"));
+  const CliResult r =
+      replay(trace.path(), {"--capacity-blocks", "64", "--concurrency", "1", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  EXPECT_EQ(u(j, "hit_blocks"), 2u);
+  EXPECT_DOUBLE_EQ(j["max_queue_ms"].get<double>(), 10.0);
+}
+
+TEST(cli_replay, BlankLinesCrlfAndExtraFieldsAreAccepted) {
+  const TempFile trace("trace.jsonl",
+                       "\n" + line(0, 100, 2, "[1]") + "   \r\n" +
+                           R"({"timestamp": 1.5, "input_length": 100, "output_length": 2, )"
+                           R"("hash_ids": [1], "session": "x", "extra": {"a": [1]}})"
+                           "\r\n");
+  const CliResult r = replay(trace.path(), {"--capacity-blocks", "64", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(u(r.json(), "requests"), 2u);
+  EXPECT_EQ(u(r.json(), "hit_blocks"), 6u);
+}
+
+TEST(cli_replay, ProgressBarOnlyWhenAsked) {
+  const CliResult quiet = replay(kSmallTrace, {"--capacity-blocks", "4096", "--json"});
+  ASSERT_EQ(quiet.code, 0) << quiet.err;
+  EXPECT_EQ(quiet.err, "");
+
+  const CliResult forced =
+      replay(kSmallTrace, {"--capacity-blocks", "4096", "--json", "--progress"});
+  ASSERT_EQ(forced.code, 0) << forced.err;
+  EXPECT_THAT(forced.err, HasSubstr("100% 200/200 requests"));
+  EXPECT_TRUE(forced.err.ends_with("\n"));
+  EXPECT_EQ(without_timing(forced.json()), without_timing(quiet.json()));  // stdout: JSON only
+
+  const CliResult off =
+      replay(kSmallTrace, {"--capacity-blocks", "4096", "--json", "--progress", "--no-progress"});
+  ASSERT_EQ(off.code, 0) << off.err;
+  EXPECT_EQ(off.err, "");
+
+  const CliResult on = replay(kSmallTrace, {"--capacity-blocks", "4096", "--no-progress",
+                                            "--progress"});  // the last one wins
+  ASSERT_EQ(on.code, 0) << on.err;
+  EXPECT_THAT(on.err, HasSubstr("100% 200/200 requests"));
+  EXPECT_THAT(on.out, HasSubstr("Result      OK"));
+}
+
+// ---- bad input -------------------------------------------------------------------------------
+
+struct BadLine {
+  const char* name;
+  std::string contents;
+  const char* message;
+};
+
+TEST(cli_replay, BadLinesNameTheFileAndLine) {
+  const std::string good = line(0, 100, 5, "[1]");
+  const std::vector<BadLine> cases = {
+      {"malformed",
+       good + R"({"timestamp": 1, "input_length": )"
+              "\n",
+       ":2: malformed JSON: "},
+      {"not_object", good + "\n" + "[1, 2]\n", ":3: expected a JSON object, got [1,2]"},
+      {"missing_timestamp",
+       R"({"input_length": 1, "output_length": 1, "hash_ids": []})"
+       "\n",
+       ":1: missing field 'timestamp'"},
+      {"missing_output",
+       good + R"({"timestamp": 1, "input_length": 1, "hash_ids": []})"
+              "\n",
+       ":2: missing field 'output_length'"},
+      {"missing_hash_ids",
+       R"({"timestamp": 1, "input_length": 1, "output_length": 1})"
+       "\n",
+       ":1: missing field 'hash_ids'"},
+      {"string_length", line(0, 1, 1, "[]").replace(line(0, 1, 1, "[]").find("1,"), 1, "\"1\""),
+       ":1: 'input_length' must be a non-negative integer, got \"1\""},
+      {"negative_length",
+       R"({"timestamp": 0, "input_length": 5, "output_length": -3, "hash_ids": []})"
+       "\n",
+       ":1: 'output_length' must be a non-negative integer, got -3"},
+      {"fractional_length",
+       R"({"timestamp": 0, "input_length": 5.5, "output_length": 3, "hash_ids": []})"
+       "\n",
+       ":1: 'input_length' must be a non-negative integer, got 5.5"},
+      {"zero_input", line(0, 0, 3, "[]"), ":1: 'input_length' must be at least 1"},
+      {"huge_input", line(0, 99999999999, 3, "[]"),
+       ":1: 'input_length' 99999999999 exceeds the limit of 16777216 tokens per request"},
+      {"huge_total", line(0, 16777216, 1, "[]"),
+       ":1: input_length + output_length = 16777217 exceeds the limit"},
+      {"beyond_u64",
+       R"({"timestamp": 0, "input_length": 99999999999999999999999, "output_length": 3, "hash_ids": []})"
+       "\n",
+       ":1: 'input_length' must be a non-negative integer"},
+      {"hash_ids_not_array", line(0, 5, 3, "7"),
+       ":1: 'hash_ids' must be an array of non-negative integers, got 7"},
+      {"hash_id_negative", good + good + line(0, 5, 3, "[1, -2]"),
+       ":3: 'hash_ids'[1] must be a non-negative integer, got -2"},
+      {"hash_id_fraction", line(0, 5, 3, "[0.5]"), ":1: 'hash_ids'[0] must be a non-negative"},
+      {"hash_id_string", line(0, 5, 3, "[\"a\"]"), ":1: 'hash_ids'[0] must be a non-negative"},
+      {"negative_timestamp", line(-1, 5, 3, "[]"), ":1: 'timestamp' must be >= 0, got -1"},
+      {"string_timestamp",
+       R"({"timestamp": "10", "input_length": 5, "output_length": 3, "hash_ids": []})"
+       "\n",
+       ":1: 'timestamp' must be a number of milliseconds, got \"10\""},
+      {"null_timestamp",
+       R"({"timestamp": null, "input_length": 5, "output_length": 3, "hash_ids": []})"
+       "\n",
+       ":1: 'timestamp' must be a number of milliseconds, got null"},
+      {"overflowing_timestamp",
+       R"({"timestamp": 1e400, "input_length": 5, "output_length": 3, "hash_ids": []})"
+       "\n",
+       ":1: malformed JSON: "},
+      {"blank_lines_count", good + "\n\n" + "{oops}\n", ":4: malformed JSON"},
+      {"long_line", good + good + std::string(kMaxTraceLineBytes + 1, ' ') + "\n",
+       ":3: line longer than 1048576 bytes"},
+      {"long_last_line", good + std::string(kMaxTraceLineBytes + 1, 'x'),
+       ":2: line longer than 1048576 bytes"},
+      {"control_bytes", good + "\x1b[31m\n", ":2: malformed JSON"},
+      {"long_token", good + R"({"timestamp": ")" + std::string(500000, 'a') + "\x01\"}\n",
+       ":2: malformed JSON"},
+      {"deep_nesting",
+       good + R"({"timestamp": 0, "x": )" + std::string(100000, '[') + std::string(100000, ']') +
+           "}\n",
+       ":2: JSON nested deeper than 16 levels"},
+  };
+  for (const BadLine& c : cases) {
+    SCOPED_TRACE(c.name);
+    const TempFile trace("trace.jsonl", c.contents);
+    const CliResult r = replay(trace.path(), {"--capacity-blocks", "64", "--json"});
+    expect_bad_input(r, trace.path() + c.message);
+    EXPECT_EQ(r.err.find('\x1b'), std::string::npos);  // quoted input cannot drive the terminal
+    EXPECT_LT(r.err.size(), 600u);                     // quoted input is cut short
+  }
+}
+
+TEST(cli_replay, BadFilesAndFlags) {
+  const TempFile trace("trace.jsonl", line(0, 100, 5, "[1]"));
+  expect_bad_input(replay(trace.dir() + "/missing.jsonl", {"--capacity-blocks", "8"}),
+                   "cannot read trace '" + trace.dir() + "/missing.jsonl': no such file");
+  expect_bad_input(replay(trace.dir(), {"--capacity-blocks", "8"}), "is a directory");
+  {
+    const TempFile empty("empty.jsonl", "");
+    expect_bad_input(replay(empty.path(), {"--capacity-blocks", "8"}),
+                     "trace '" + empty.path() + "': no requests");
+  }
+  {
+    const TempFile blank("blank.jsonl", "\n  \n\t\n");
+    expect_bad_input(replay(blank.path(), {"--capacity-blocks", "8"}), "no requests");
+  }
+  expect_bad_input(run_cli({"replay", "--capacity-blocks", "8"}), "--trace: missing");
+  expect_bad_input(run_cli({"replay", "--trace", "", "--capacity-blocks", "8"}),
+                   "--trace: empty path");
+  expect_bad_input(replay(trace.path(), {}), "--capacity-blocks: missing");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "0"}),
+                   "--capacity-blocks: expected a positive integer, got '0'");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "-3"}), "--capacity-blocks");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "99999999999"}),
+                   "--capacity-blocks: must be in [1, 4194304], got 99999999999");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--block-size", "0"}),
+                   "--block-size: expected a positive integer, got '0'");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--block-size", "100000"}),
+                   "--block-size: must be in [1, 65536]");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "4194304", "--block-size", "1024"}),
+                   "is more than 268435456 tokens of cache");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--trace-block-tokens", "0"}),
+                   "--trace-block-tokens: expected a positive integer, got '0'");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--concurrency", "0"}),
+                   "--concurrency: expected a positive integer");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--step-ms", "1.5"}),
+                   "--step-ms: expected a positive integer");
+  expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--check-every", "x"}),
+                   "--check-every");
+}
+
+// ---- the library -------------------------------------------------------------------------------
+
+TEST(replay_library, ReaderYieldsRequestsWithLineNumbers) {
+  std::istringstream in(line(5, 100, 2, "[1, 2]") + "\n" + line(3.5, 7, 0, "[]"));
+  MooncakeTraceReader reader(in, "mem");
+  const auto a = reader.next();
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->line, 1u);
+  EXPECT_EQ(a->input_length, 100u);
+  EXPECT_EQ(a->output_length, 2u);
+  EXPECT_EQ(a->hash_ids, (std::vector<std::uint64_t>{1, 2}));
+  const auto b = reader.next();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->line, 3u);
+  EXPECT_DOUBLE_EQ(b->timestamp_ms, 3.5);
+  EXPECT_FALSE(reader.next());
+  EXPECT_FALSE(reader.next());
+
+  std::istringstream bad(line(0, 1, 1, "[]") + "{\n");
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(bad, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("mem:2: malformed JSON"));
+          throw;
+        }
+      },
+      InvalidArgument);
+}
+
+TEST(replay_library, EqualIdsGiveEqualTokens) {
+  TraceRequest a;
+  a.input_length = 1000;
+  a.hash_ids = {7, 8};
+  TraceRequest b = a;
+  b.hash_ids = {7, 9};
+  std::vector<TokenId> ta, tb, ta2;
+  sequence_tokens(a, 0, 512, 1010, ta);
+  sequence_tokens(b, 1, 512, 1000, tb);
+  sequence_tokens(a, 5, 512, 1000, ta2);
+  ASSERT_EQ(ta.size(), 1010u);
+  EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 512, tb.begin()));
+  EXPECT_FALSE(std::equal(ta.begin() + 512, ta.begin() + 1000, tb.begin() + 512));
+  EXPECT_TRUE(std::equal(ta2.begin(), ta2.end(), ta.begin()));  // the index does not matter
+  EXPECT_EQ(ta[3], trace_token(7, 3));
+  EXPECT_EQ(ta[515], trace_token(8, 3));
+  EXPECT_EQ(ta[1005], unique_token(0, 1005));  // generated tokens are the request's own
+  EXPECT_NE(unique_token(0, 1005), unique_token(1, 1005));
+
+  std::set<TokenId> distinct;
+  for (TokenId t : ta) {
+    EXPECT_LT(t, 1u << 31);
+    distinct.insert(t);
+  }
+  EXPECT_GT(distinct.size(), 1000u);  // no visible pattern or collisions
+}
+
+TEST(replay_library, RunReplayOnGeneratedRequests) {
+  std::vector<TraceRequest> requests;
+  for (std::size_t i = 0; i < 50; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = static_cast<double>(i * 7 % 13);
+    r.input_length = 100 + i;
+    r.output_length = 3;
+    r.hash_ids = {i % 3};
+    requests.push_back(r);
+  }
+  ReplayOptions options;
+  options.capacity_blocks = 1024;  // no eviction
+  options.trace_block_tokens = 64;
+  std::size_t calls = 0;
+  options.progress = [&](std::size_t done, std::size_t total) {
+    ++calls;
+    EXPECT_EQ(done, calls);
+    EXPECT_EQ(total, 50u);
+  };
+  const ReplayResult result = run_replay(requests, options);
+  EXPECT_EQ(calls, 50u);
+  EXPECT_TRUE(result.ok()) << result.invariants.to_string();
+  EXPECT_EQ(result.completed, 50u);
+  EXPECT_EQ(result.hit_blocks, 47u * 4u);  // each id's 4 blocks hit after its first request
+  EXPECT_EQ(result.operations(), result.lookups + result.allocations + result.releases);
+
+  options.capacity_blocks = 0;
+  EXPECT_THROW((void)run_replay(requests, options), InvalidArgument);
+  options.capacity_blocks = 1024;
+  EXPECT_THROW((void)run_replay({}, options), InvalidArgument);
+  requests[3].input_length = 0;
+  EXPECT_THROW((void)run_replay(requests, options), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvport::cli::testing

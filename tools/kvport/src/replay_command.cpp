@@ -1,0 +1,242 @@
+// `kvport replay`: replays a Mooncake request trace over a PrefixCache
+// (replay.hpp) and reports prefix-cache hits, evictions and preemptions.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <ostream>
+#include <string>
+
+#include "cache_options.hpp"
+#include "command.hpp"
+#include "kvport/cli/cli.hpp"
+#include "kvport/cli/flag_values.hpp"
+#include "kvport/cli/replay.hpp"
+#include "kvport/platform/error.hpp"
+#include "text_table.hpp"
+
+namespace kvport::cli {
+namespace {
+
+// Below this many requests a replay takes well under a second: no bar unless
+// --progress asks for one.
+constexpr std::size_t kProgressMinRequests = 1000;
+
+// A one-line bar on stderr, redrawn with '\r' when the percentage changes.
+class ProgressBar {
+ public:
+  explicit ProgressBar(std::ostream& err) : err_(err) {}
+  ProgressBar(const ProgressBar&) = delete;
+  ProgressBar& operator=(const ProgressBar&) = delete;
+
+  void update(std::size_t done, std::size_t total) {
+    const std::size_t percent = total == 0 ? 100 : done * 100 / total;
+    if (percent == last_percent_ && done != total) return;
+    last_percent_ = percent;
+    constexpr std::size_t kWidth = 30;
+    const std::size_t filled = percent * kWidth / 100;
+    err_ << fmt::format("\rkvport replay [{}{}] {:3}% {}/{} requests", std::string(filled, '#'),
+                        std::string(kWidth - filled, ' '), percent, done, total)
+         << std::flush;
+    drawn_ = true;
+  }
+
+  /// Ends the line, so that what follows starts on a line of its own.
+  void finish() {
+    if (drawn_) err_ << '\n' << std::flush;
+    drawn_ = false;
+  }
+
+ private:
+  std::ostream& err_;
+  std::size_t last_percent_ = static_cast<std::size_t>(-1);
+  bool drawn_ = false;
+};
+
+class ReplayCommand final : public Command {
+ public:
+  void add_options(CLI::App& app) override {
+    app.footer(
+        "Examples:\n"
+        "  kvport replay --trace mooncake_trace.jsonl --capacity-blocks 8192\n"
+        "  kvport replay --trace trace.jsonl --capacity-blocks 512 --concurrency 1 --json\n"
+        "Exit status: 0 when the invariant checks pass, 1 when one fails, 2 on bad input.");
+    add(app, "--trace", trace_, "FILE",
+        "Mooncake trace, JSON Lines: timestamp (ms), input_length, output_length, hash_ids "
+        "(required)");
+    add(app, "--capacity-blocks", capacity_, "N", "KV-cache blocks (required)");
+    block_size_.value = "16";
+    add(app, "--block-size", block_size_, "TOKENS", "Tokens per KV-cache block (default 16)");
+    trace_block_tokens_.value = "512";
+    add(app, "--trace-block-tokens", trace_block_tokens_, "TOKENS",
+        "Tokens per hash id of the trace (default 512, Mooncake's)");
+    concurrency_.value = "64";
+    add(app, "--concurrency", concurrency_, "N", "Most requests running at once (default 64)");
+    step_ms_.value = "10";
+    add(app, "--step-ms", step_ms_, "MS", "Simulated time of one decode step (default 10)");
+    check_every_.value = "0";
+    add(app, "--check-every", check_every_, "STEPS",
+        "Also check the prefix cache's invariants every STEPS steps (default 0: at the end only)");
+    static const std::string progress_help =
+        "Progress bar on stderr (default: when stderr is a terminal and the trace has at least "
+        "1000 requests)";
+    static const std::string no_progress_help = "No progress bar";
+    progress_on_ = app.add_flag("--progress", progress_help);
+    progress_off_ = app.add_flag("--no-progress", no_progress_help);
+    app_ = &app;
+    app.add_flag("--json", json_, "Print one JSON object instead of the report");
+  }
+
+  int execute(std::ostream& out, std::ostream& err) override {
+    if (!trace_.given()) throw InvalidArgument("--trace: missing (a Mooncake trace, JSON Lines)");
+    if (trace_.value.empty()) throw InvalidArgument("--trace: empty path");
+    if (!capacity_.given()) {
+      throw InvalidArgument("--capacity-blocks: missing (the size of the KV cache in blocks)");
+    }
+    ReplayOptions options;
+    options.capacity_blocks = parse_positive_count(capacity_.value, "--capacity-blocks");
+    options.block_size = parse_positive_count(block_size_.value, "--block-size");
+    options.trace_block_tokens =
+        parse_positive_count(trace_block_tokens_.value, "--trace-block-tokens");
+    options.concurrency = parse_positive_count(concurrency_.value, "--concurrency");
+    options.step_ms = parse_positive_count(step_ms_.value, "--step-ms");
+    options.check_every = parse_count(check_every_.value, "--check-every");
+    options.validate();  // before reading a trace that may be large
+
+    const std::vector<TraceRequest> requests = read_mooncake_trace(trace_.value);
+
+    // The last of --progress / --no-progress wins, so that scripts can append.
+    std::optional<bool> progress;
+    for (const CLI::Option* option : app_->parse_order()) {
+      if (option == progress_on_) progress = true;
+      if (option == progress_off_) progress = false;
+    }
+    const bool show_progress =
+        progress.value_or(::isatty(STDERR_FILENO) == 1 && requests.size() >= kProgressMinRequests);
+    ProgressBar bar(err);
+    if (show_progress) {
+      options.progress = [&bar](std::size_t done, std::size_t total) { bar.update(done, total); };
+    }
+    ReplayResult result;
+    try {
+      result = run_replay(requests, options);
+    } catch (...) {
+      bar.finish();
+      throw;
+    }
+    bar.finish();
+
+    if (json_) {
+      print_json(out, options, result);
+    } else {
+      print_text(out, options, result);
+    }
+    return result.ok() ? kExitOk : kExitCheckFailed;
+  }
+
+ private:
+  static void add(CLI::App& app, const char* name, TextFlag& flag, const char* type,
+                  const char* help) {
+    flag.option = app.add_option(name, flag.value, help);
+    flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  }
+
+  static std::string percent(double ratio) { return fmt::format("{:.1f}%", 100.0 * ratio); }
+
+  void print_text(std::ostream& out, const ReplayOptions& o, const ReplayResult& r) const {
+    out << fmt::format(
+        "kvport replay: {} requests from {}\n"
+        "cache {} blocks x {} tokens, {} tokens per hash id, up to {} running, {} ms per "
+        "step\n\n",
+        r.requests, trace_.value, o.capacity_blocks, o.block_size, o.trace_block_tokens,
+        o.concurrency, o.step_ms);
+    TextTable table({"", "value", "detail"},
+                    {TextTable::Align::left, TextTable::Align::right, TextTable::Align::left});
+    table.add_row({"requests", std::to_string(r.requests),
+                   fmt::format("{} completed, {} rejected", r.completed, r.rejected)});
+    table.add_row({"block hit rate", percent(r.hit_rate()),
+                   fmt::format("{} of {} full prompt blocks", r.hit_blocks, r.prompt_blocks)});
+    table.add_row({"token hit rate", percent(r.token_hit_rate()),
+                   fmt::format("{} of {} prompt tokens", r.hit_tokens, r.prompt_tokens)});
+    table.add_row({"evictions", std::to_string(r.evictions),
+                   fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
+    table.add_row({"preemptions", std::to_string(r.preemptions),
+                   fmt::format("{} tokens recomputed", r.recomputed_tokens)});
+    table.add_row({"peak blocks in use", std::to_string(r.peak_blocks_in_use),
+                   fmt::format("of {}", o.capacity_blocks)});
+    table.add_row({"queueing", fmt::format("{:.1f} ms", r.mean_queue_ms),
+                   fmt::format("mean; max {:.1f} ms", r.max_queue_ms)});
+    table.add_row(
+        {"simulated", fmt::format("{:.0f} ms", r.simulated_ms), fmt::format("{} steps", r.steps)});
+    table.add_row({"operations", std::to_string(r.operations()),
+                   fmt::format("{} lookups, {} allocations, {} releases", r.lookups, r.allocations,
+                               r.releases)});
+    table.add_row({"throughput", fmt::format("{:.0f} req/s", r.requests_per_s()),
+                   fmt::format("{:.0f} ops/s in {:.3f} s", r.operations_per_s(), r.wall_s)});
+    table.print(out);
+    out << "\nInvariants  " << r.invariants.to_string() << '\n';
+    if (r.stopped_at_step != 0) out << "Stopped     at step " << r.stopped_at_step << '\n';
+    out << "Result      " << (r.ok() ? "OK" : "FAILED") << '\n';
+  }
+
+  void print_json(std::ostream& out, const ReplayOptions& o, const ReplayResult& r) const {
+    nlohmann::ordered_json j;
+    j["trace"] = trace_.value;
+    j["capacity_blocks"] = o.capacity_blocks;
+    j["block_size"] = o.block_size;
+    j["trace_block_tokens"] = o.trace_block_tokens;
+    j["concurrency"] = o.concurrency;
+    j["step_ms"] = o.step_ms;
+    j["requests"] = r.requests;
+    j["completed"] = r.completed;
+    j["rejected"] = r.rejected;
+    j["prompt_blocks"] = r.prompt_blocks;
+    j["hit_blocks"] = r.hit_blocks;
+    j["hit_rate"] = r.hit_rate();
+    j["prompt_tokens"] = r.prompt_tokens;
+    j["hit_tokens"] = r.hit_tokens;
+    j["token_hit_rate"] = r.token_hit_rate();
+    j["evictions"] = r.evictions;
+    j["preemptions"] = r.preemptions;
+    j["prefill_tokens"] = r.prefill_tokens;
+    j["recomputed_tokens"] = r.recomputed_tokens;
+    j["generated_tokens"] = r.generated_tokens;
+    j["peak_blocks_in_use"] = r.peak_blocks_in_use;
+    j["cached_blocks_at_end"] = r.cached_blocks_at_end;
+    j["cache_inserts"] = r.cache_inserts;
+    j["lookups"] = r.lookups;
+    j["allocations"] = r.allocations;
+    j["releases"] = r.releases;
+    j["operations"] = r.operations();
+    j["steps"] = r.steps;
+    j["simulated_ms"] = r.simulated_ms;
+    j["mean_queue_ms"] = r.mean_queue_ms;
+    j["max_queue_ms"] = r.max_queue_ms;
+    j["wall_s"] = r.wall_s;
+    j["requests_per_s"] = r.requests_per_s();
+    j["operations_per_s"] = r.operations_per_s();
+    j["invariants_ok"] = r.invariants.ok;
+    j["invariants"] = r.invariants.to_string();
+    j["stopped_at_step"] = r.stopped_at_step;
+    j["ok"] = r.ok();
+    out << j.dump(2) << '\n';
+  }
+
+  TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
+      check_every_;
+  CLI::App* app_ = nullptr;
+  CLI::Option* progress_on_ = nullptr;
+  CLI::Option* progress_off_ = nullptr;
+  bool json_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Command> make_replay_command() {
+  return std::make_unique<ReplayCommand>();
+}
+
+}  // namespace kvport::cli
