@@ -179,6 +179,24 @@ void BM_PrefixLookupHit(benchmark::State& state) {
 }
 BENCHMARK(BM_PrefixLookupHit);
 
+// Decode: one token per append, with prefix caching (a block is hashed and
+// registered every 16 tokens). The table restarts every 8192 tokens; the time
+// per token must not grow with the sequence length.
+void BM_DecodeAppendToken(benchmark::State& state) {
+  Fixture f(false);
+  PrefixCache pc(f.cache);
+  Stream stream = f.backend->create_stream();
+  BlockTable t(pc);
+  TokenId next = 0;
+  for (auto _ : state) {
+    if (t.num_tokens() == 8192) t.release();
+    const TokenId token = next++;
+    t.append_tokens({&token, 1}, stream);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+BENCHMARK(BM_DecodeAppendToken);
+
 // The hashing share: XXH3-128 chained over 64 blocks of 16 token ids.
 void BM_HashFullBlocks(benchmark::State& state) {
   const std::vector<TokenId> prompt = prompt_tokens(3);

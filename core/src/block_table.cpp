@@ -10,6 +10,17 @@
 #include "kvport/platform/log.hpp"
 
 namespace kvport {
+namespace {
+
+// reserve() with geometric growth: libstdc++'s reserve allocates exactly what
+// is asked, which would make one-token decode appends copy the whole vector
+// every time.
+template <typename T>
+void reserve_total(std::vector<T>& v, std::size_t total) {
+  if (total > v.capacity()) v.reserve(std::max(total, 2 * v.capacity()));
+}
+
+}  // namespace
 
 BlockTable::BlockTable(PagedKvCache* cache, PrefixCache* prefix, std::uint64_t extra_key)
     : cache_(cache),
@@ -127,9 +138,9 @@ void BlockTable::append_tokens(std::span<const TokenId> tokens, StreamView strea
   }
 
   // Everything that can throw happens before the table changes.
-  blocks_.reserve(blocks_.size() + fresh_blocks);
-  tokens_.reserve(tokens_.size() + tokens.size());
-  if (prefix_ != nullptr) hashes_.reserve((tokens_.size() + tokens.size()) / block_size_);
+  reserve_total(blocks_, blocks_.size() + fresh_blocks);
+  reserve_total(tokens_, tokens_.size() + tokens.size());
+  if (prefix_ != nullptr) reserve_total(hashes_, (tokens_.size() + tokens.size()) / block_size_);
   std::vector<BlockId> fresh;
   fresh.reserve(needed);
   try {
