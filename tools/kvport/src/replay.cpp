@@ -504,13 +504,9 @@ class Replay {
     bool admitted = false;  // admitted at least once
   };
 
-  // A running request. Its generated tokens reach the table a block at a
-  // time (see decode), so that the table's token vector is not regrown for
-  // every token; context counts them all.
   struct Running {
     std::size_t index;
     BlockTable table;
-    std::size_t context;  // tokens of the sequence: table.num_tokens() + pending
   };
 
   void finished(double at) {
@@ -552,16 +548,6 @@ class Replay {
     ++result_.preemptions;
   }
 
-  // Appends the sequence's tokens [table.num_tokens(), context) to the table.
-  void flush(Running& r) {
-    const std::size_t have = r.table.num_tokens();
-    if (have == r.context) return;
-    scratch_.resize(r.context - have);
-    for (std::size_t pos = have; pos < r.context; ++pos)
-      scratch_[pos - have] = unique_token(r.index, pos);
-    r.table.append_tokens(scratch_, stream_);  // fills the last block: allocates nothing
-  }
-
   // Every running request generates one token, oldest first. A token that
   // starts a new block needs one; when none is free or evictable, the newest
   // running request is preempted until one is (possibly the request itself).
@@ -570,23 +556,16 @@ class Replay {
     bool preempted = false;
     for (std::size_t i = 0; i < running_.size(); ++i) {
       Running& r = running_[i];
-      RequestState& state = state_[r.index];
-      if (r.context % bs_ == 0) {
-        // The table is flushed at every block boundary, so it holds the
-        // whole sequence here.
-        while (i < running_.size() && r.table.blocks_needed(1) > prefix_.num_available_blocks()) {
-          preempt_newest();
-          preempted = true;
-        }
-        if (i == running_.size()) break;  // it preempted itself
-        const TokenId token = unique_token(r.index, r.context);
-        r.table.append_tokens({&token, 1}, stream_);
-        track_peak();
+      while (i < running_.size() && r.table.blocks_needed(1) > prefix_.num_available_blocks()) {
+        preempt_newest();
+        preempted = true;
       }
-      ++r.context;
-      ++state.generated;
+      if (i == running_.size()) break;  // it preempted itself
+      const TokenId token = unique_token(r.index, r.table.num_tokens());
+      r.table.append_tokens({&token, 1}, stream_);       // a full block is registered in the cache
+      if (r.table.last_block_fill() == 1) track_peak();  // took a new block
+      ++state_[r.index].generated;
       ++result_.generated_tokens;
-      if (r.context % bs_ == 0) flush(r);  // the block is full: register it
     }
     return preempted;
   }
@@ -643,7 +622,7 @@ class Replay {
         result_.recomputed_tokens += rest.size();
       }
       result_.prefill_tokens += rest.size();
-      running_.push_back(Running{index, std::move(table), context});
+      running_.push_back(Running{index, std::move(table)});
       if (state.generated == request.output_length) {  // nothing to generate
         release(running_.back());
         running_.pop_back();
