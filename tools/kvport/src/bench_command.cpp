@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <ostream>
@@ -59,6 +60,8 @@ constexpr int kFullRepetitions = 5;
 constexpr int kQuickRepetitions = 2;
 constexpr std::size_t kQuickMaxBatch = 32;
 constexpr std::size_t kMaxBatch = std::size_t{1} << 20;
+// Each batch size is a case per model, layout and id pattern.
+constexpr std::size_t kMaxBatchSizes = 64;
 
 // A comma-separated list of positive counts ("1,16,256"), sorted, duplicates
 // dropped.
@@ -66,6 +69,9 @@ std::vector<std::size_t> parse_batches(std::string_view text) {
   std::vector<std::size_t> out;
   std::size_t start = 0;
   while (true) {
+    if (out.size() == kMaxBatchSizes) {
+      throw InvalidArgument(fmt::format("--batches: at most {} sizes", kMaxBatchSizes));
+    }
     const std::size_t comma = text.find(',', start);
     const std::string_view item = text.substr(
         start, comma == std::string_view::npos ? std::string_view::npos : comma - start);
@@ -148,20 +154,22 @@ class BenchCommand final : public Command {
                  "A few seconds on the host: llama-3-8b and llama-3-70b, batches 1 and 32, "
                  "2 repetitions");
     app.add_flag("--json", json_, "Print a JSON list of cases instead of the table");
-    add_text(app, "--model", model_, "NAME",
-             "Only this model shape (llama-3-8b, llama-3-70b, llama-3-8b-mixed)");
-    add_text(app, "--layout", layout_, "LAYOUT", "Only this layout (layer_major, block_major)");
-    add_text(app, "--batches", batches_, "N[,N...]",
-             "Batch sizes in blocks (default 1,16,256; --quick 1,32)");
-    add_text(app, "--repetitions", repetitions_, "N",
-             fmt::format("Repetitions of each case (default {}; --quick {})", kFullRepetitions,
-                         kQuickRepetitions));
+    model_option_ = add_text(app, "--model", model_, "NAME",
+                             "Only this model shape (llama-3-8b, llama-3-70b, llama-3-8b-mixed)");
+    layout_option_ =
+        add_text(app, "--layout", layout_, "LAYOUT", "Only this layout (layer_major, block_major)");
+    batches_option_ = add_text(app, "--batches", batches_, "N[,N...]",
+                               "Batch sizes in blocks (default 1,16,256; --quick 1,32)");
+    repetitions_option_ = add_text(app, "--repetitions", repetitions_, "N",
+                                   fmt::format("Repetitions of each case (default {}; --quick {})",
+                                               kFullRepetitions, kQuickRepetitions));
   }
 
   int execute(std::ostream& out, std::ostream& err) override {
     const BenchPlan plan = make_plan();  // bad flags are reported before a backend starts
     std::unique_ptr<Backend> backend =
         backend_option_->count() > 0 ? kvport::make_backend(backend_) : default_backend();
+    check_memory(*backend, plan);  // before the header: an error leaves stdout empty
 
     if (!json_) print_header(out, *backend, plan);
     const auto start = std::chrono::steady_clock::now();
@@ -206,7 +214,41 @@ class BenchCommand final : public Command {
         ->group("Selection");
   }
 
+  // The largest case holds 2 x batch cache blocks and a limit buffer of batch
+  // blocks at once; a request for more than the backend has free fails here,
+  // not after the header and a few cases have been printed.
+  static void check_memory(const Backend& backend, const BenchPlan& plan) {
+    const std::size_t free = backend.mem_info().free_bytes;
+    const std::size_t batch = plan.batches.back();
+    for (const ZeroingShape& shape : plan.shapes) {
+      const std::size_t per_block = shape.config.bytes_per_block();
+      const long double needed =
+          3.0L * static_cast<long double>(batch) * static_cast<long double>(per_block);
+      if (needed > static_cast<long double>(free)) {
+        throw InvalidArgument(fmt::format(
+            "--batches: {} blocks of {} need {} (2 x {} cache blocks and a limit buffer of {} "
+            "blocks of {}), more than the {} free on the {} backend",
+            batch, shape.name,
+            format_bytes(static_cast<std::size_t>(std::min(
+                needed, static_cast<long double>(std::numeric_limits<std::size_t>::max())))),
+            batch, batch, format_bytes(per_block), format_bytes(free), backend.name()));
+      }
+    }
+  }
+
+  // A selection flag given with an empty value is an error, not a request for
+  // the default.
+  static void require_value(const CLI::Option* option, const std::string& value, const char* flag) {
+    if (option != nullptr && option->count() > 0 && text::trim(value).empty()) {
+      throw InvalidArgument(fmt::format("{}: empty value", flag));
+    }
+  }
+
   BenchPlan make_plan() const {
+    require_value(model_option_, model_, "--model");
+    require_value(layout_option_, layout_, "--layout");
+    require_value(batches_option_, batches_, "--batches");
+    require_value(repetitions_option_, repetitions_, "--repetitions");
     BenchPlan plan;
     if (!model_.empty()) {
       plan.shapes.push_back(find_shape(model_));
@@ -362,6 +404,10 @@ class BenchCommand final : public Command {
   bool quick_ = false;
   bool json_ = false;
   std::string model_, layout_, batches_, repetitions_;
+  CLI::Option* model_option_ = nullptr;
+  CLI::Option* layout_option_ = nullptr;
+  CLI::Option* batches_option_ = nullptr;
+  CLI::Option* repetitions_option_ = nullptr;
 };
 
 }  // namespace

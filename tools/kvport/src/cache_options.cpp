@@ -92,6 +92,15 @@ CacheShapeOptions::Resolved CacheShapeOptions::resolve() const {
   config.dtype = parse_dtype_value(dtype_.value, "--dtype");
   config.block_size = parse_positive_count(block_size_.value, "--block-size");
   config.layout = parse_layout_value(layout_.value, "--layout");
+  // An overflowing shape is reported as such first; then the layer limit,
+  // before --layer-dtypes builds a dtype per layer and the plan a row per
+  // layer. Presets and configs are within it (parse_hf_config checks), so only
+  // --layers can exceed it.
+  (void)config.bytes_per_block();
+  if (config.num_layers > kMaxModelLayers) {
+    throw InvalidArgument(fmt::format("--layers: {} layers is more than the {} kvport supports",
+                                      config.num_layers, kMaxModelLayers));
+  }
   if (layer_dtypes_.given()) {
     config.layer_dtypes = parse_layer_dtypes(layer_dtypes_.value, config.num_layers, config.dtype);
   }

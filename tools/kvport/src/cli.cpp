@@ -93,8 +93,19 @@ int run_unchecked(int argc, const char* const* argv, std::ostream& out, std::ost
     return kExitError;
   }
 
+  // parse_level's own message names $KVPORT_LOG_LEVEL; a bad environment value
+  // is bad input too (the library would warn and fall back to info).
   std::optional<log::Level> log_level;
-  if (log_level_option->count() > 0) log_level = log::parse_level(log_level_text);
+  if (log_level_option->count() > 0) {
+    try {
+      log_level = log::parse_level(log_level_text);
+    } catch (const InvalidArgument&) {
+      throw InvalidArgument("--log-level: unknown log level '" + log_level_text +
+                            "' (expected trace, debug, info, warn, error, critical or off)");
+    }
+  } else if (const char* env = std::getenv("KVPORT_LOG_LEVEL"); env != nullptr && *env != '\0') {
+    (void)log::parse_level(env);
+  }
   const LogLevelScope log_scope(log_level);
 
   for (auto& [sub, command] : commands) {

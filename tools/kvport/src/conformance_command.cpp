@@ -8,6 +8,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -135,24 +136,33 @@ class ConformanceCommand final : public Command {
         "  kvport conformance                   # every compiled backend\n"
         "  kvport conformance --backend cuda --json\n"
         "A backend without a device reports its tests as skipped, with the reason.");
-    app.add_option("--backend", backend_, "Backend to check (default: every compiled backend)")
-        ->type_name("NAME");
-    app.add_option("--filter", filter_, "Only tests whose name matches this gtest pattern")
-        ->type_name("PATTERN");
-    app.add_option("--suite", suite_,
-                   "Path of the kvport_conformance binary (default: $KVPORT_CONFORMANCE, else "
-                   "beside kvport)")
-        ->type_name("PATH");
+    backend_option_ =
+        app.add_option("--backend", backend_, "Backend to check (default: every compiled backend)")
+            ->type_name("NAME");
+    filter_option_ =
+        app.add_option("--filter", filter_, "Only tests whose name matches this gtest pattern")
+            ->type_name("PATTERN");
+    suite_option_ = app.add_option("--suite", suite_,
+                                   "Path of the kvport_conformance binary (default: "
+                                   "$KVPORT_CONFORMANCE, else beside kvport)")
+                        ->type_name("PATH");
     app.add_flag("--json", json_, "Print one JSON object instead of the summary");
   }
 
   int execute(std::ostream& out, std::ostream& /*err*/) override {
+    check_flags();
     const fs::path suite = find_suite(suite_);
-    if (!fs::exists(suite)) {
+    std::error_code ec;
+    if (!fs::exists(suite, ec)) {
       throw InvalidArgument(fmt::format(
           "conformance: suite binary '{}' not found (build the kvport_conformance target, or "
           "pass --suite PATH)",
           suite.string()));
+    }
+    if (!fs::is_regular_file(suite, ec) || ::access(suite.c_str(), X_OK) != 0) {
+      throw InvalidArgument(
+          fmt::format("conformance: suite binary '{}' is not an executable file{}", suite.string(),
+                      fs::is_directory(suite, ec) ? " (it is a directory)" : ""));
     }
     ScratchDir scratch;
     const fs::path& dir = scratch.path;
@@ -244,9 +254,41 @@ class ConformanceCommand final : public Command {
     out << j.dump(2) << '\n';
   }
 
+  // The flags are spliced into a gtest filter "Backends/Conformance.<filter>/<backend>",
+  // where ':' starts another pattern and '-' the negative ones; test and
+  // backend names are identifiers. An empty value is an error, not "all".
+  void check_flags() const {
+    const auto require = [](const CLI::Option* option, const std::string& value, const char* flag) {
+      if (option != nullptr && option->count() > 0 && value.empty()) {
+        throw InvalidArgument(fmt::format("{}: empty value", flag));
+      }
+    };
+    require(backend_option_, backend_, "--backend");
+    require(filter_option_, filter_, "--filter");
+    require(suite_option_, suite_, "--suite");
+    const auto name_chars = [](const std::string& value, bool wildcards) {
+      return std::all_of(value.begin(), value.end(), [&](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' ||
+               (wildcards && (c == '*' || c == '?'));
+      });
+    };
+    if (!name_chars(filter_, true)) {
+      throw InvalidArgument(fmt::format(
+          "--filter: '{}' is not a test name pattern (letters, digits, '_', '*' and '?' only)",
+          filter_));
+    }
+    if (!name_chars(backend_, false)) {
+      throw InvalidArgument(fmt::format(
+          "--backend: '{}' is not a backend name (letters, digits and '_' only)", backend_));
+    }
+  }
+
   std::string backend_;
   std::string filter_;
   std::string suite_;
+  CLI::Option* backend_option_ = nullptr;
+  CLI::Option* filter_option_ = nullptr;
+  CLI::Option* suite_option_ = nullptr;
   bool json_ = false;
 };
 

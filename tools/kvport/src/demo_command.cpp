@@ -15,10 +15,16 @@
 #include "kvport/cli/serving_sim.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/error.hpp"
 #include "shape_json.hpp"
+#include "text.hpp"
 
 namespace kvport::cli {
 namespace {
+
+// A demo of 100 requests takes about a second on the host backend, mostly
+// zeroing blocks; past this many it would run for hours.
+constexpr std::size_t kMaxRequests = 100'000;
 
 // Everything the report needs, gathered once for the text and JSON forms.
 struct DemoReport {
@@ -47,7 +53,7 @@ class DemoCommand final : public Command {
     shape_.add_to(app, "llama-3-8b");
     budget_.add_to(app, "512MiB");
     requests_.value = "100";
-    add(app, "--requests", requests_, "N", "Requests to serve (default 100)");
+    add(app, "--requests", requests_, "N", "Requests to serve (default 100, at most 100000)");
     max_running_.value = "32";
     add(app, "--max-running", max_running_, "N", "Most requests running at once (default 32)");
     shared_prompts_.value = "4";
@@ -63,6 +69,10 @@ class DemoCommand final : public Command {
     DemoReport report;
     report.shape = shape_.resolve();
     report.options.requests = parse_positive_count(requests_.value, "--requests");
+    if (report.options.requests > kMaxRequests) {
+      throw InvalidArgument(fmt::format("--requests: at most {}, got '{}'", kMaxRequests,
+                                        text::trim(requests_.value)));
+    }
     report.options.max_running = parse_positive_count(max_running_.value, "--max-running");
     report.options.shared_prompts = parse_count(shared_prompts_.value, "--shared-prompts");
     report.options.seed = parse_count(seed_.value, "--seed");

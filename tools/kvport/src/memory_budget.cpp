@@ -35,9 +35,14 @@ MemoryBudget resolve_memory_budget(const MemoryBudgetSpec& spec, std::string_vie
   const MemInfo info = backend->mem_info();
   const auto bytes = static_cast<std::size_t>(std::floor(static_cast<long double>(info.free_bytes) *
                                                          static_cast<long double>(utilization)));
-  if (bytes == 0) {
+  if (info.free_bytes == 0) {
     throw InvalidArgument(
         fmt::format("--memory device: backend '{}' reports no free memory", backend->name()));
+  }
+  if (bytes == 0) {
+    throw InvalidArgument(
+        fmt::format("--memory device: --utilization {} of {} free on {} is a budget of 0 bytes",
+                    utilization, format_bytes(info.free_bytes), backend->name()));
   }
   return MemoryBudget{bytes, fmt::format("device: {} x {} free on {}", utilization,
                                          format_bytes(info.free_bytes), backend->name())};

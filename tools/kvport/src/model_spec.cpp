@@ -1,16 +1,20 @@
 #include "kvport/cli/model_spec.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cerrno>
 #include <cstdint>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <string>
+#include <system_error>
 #include <vector>
 
 #include "kvport/platform/error.hpp"
@@ -35,12 +39,32 @@ bool iequals(std::string_view a, std::string_view b) noexcept {
   });
 }
 
+// The config keys kvport reads, at the top level or under "text_config".
+constexpr std::array<std::string_view, 7> kShapeKeys{
+    "_name_or_path",       "model_type", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim",   "hidden_size"};
+
+bool is_shape_key(std::string_view key) {
+  return std::find(kShapeKeys.begin(), kShapeKeys.end(), key) != kShapeKeys.end();
+}
+
 // A JSON value for an error message, shortened so that the message stays one
-// readable line.
+// readable line. Arrays and objects are named, not printed: dump() recurses
+// once per level of nesting.
 std::string short_dump(const json& value) {
+  if (value.is_array()) return "an array";
+  if (value.is_object()) return "an object";
   std::string text = value.dump();
   if (text.size() > 40) text = text.substr(0, 37) + "...";
   return text;
+}
+
+// nlohmann's messages quote the token they stopped at, which can be the whole
+// rest of a long string; the position and the reason come first.
+std::string short_json_error(std::string_view what) {
+  constexpr std::size_t kMax = 200;
+  if (what.size() <= kMax) return std::string(what);
+  return std::string(what.substr(0, kMax - 3)) + "...";
 }
 
 // `key` of `object` as a count > 0; empty when absent or null.
@@ -74,16 +98,59 @@ ModelSpec find_model_preset(std::string_view name) {
   std::vector<std::string_view> names;
   for (const ModelPreset& preset : kPresets)
     names.push_back(preset.name);
+  // A long name is cut so that the list of known presets stays on the line.
+  const std::string shown =
+      name.size() > 64 ? std::string(name.substr(0, 61)) + "..." : std::string(name);
   throw InvalidArgument(
-      fmt::format("unknown model preset '{}' (known: {})", name, fmt::join(names, ", ")));
+      fmt::format("unknown model preset '{}' (known: {})", shown, fmt::join(names, ", ")));
 }
 
 HfConfigFields parse_hf_config(std::string_view json_text, std::string_view source) {
+  // nlohmann's lexer ends the input at a NUL byte, so "{...}\0garbage" would
+  // parse; a JSON text never contains one.
+  if (const std::size_t nul = json_text.find('\0'); nul != std::string_view::npos) {
+    throw InvalidArgument(
+        fmt::format("HF config '{}': not valid JSON: NUL byte at offset {} (not a JSON text file)",
+                    source, nul));
+  }
+  const std::size_t last = json_text.find_last_not_of(" \t\r\n");
+  if (last == std::string_view::npos) {
+    throw InvalidArgument(fmt::format("HF config '{}': not valid JSON: the file is empty", source));
+  }
+  // Trailing white space cannot make a text valid or invalid; it need not go
+  // through the lexer byte by byte.
+  json_text = json_text.substr(0, last + 1);
+  // The parser is iterative, but the DOM it builds costs ~100 bytes per value
+  // and per level: keep only the keys kvport reads (everything is still
+  // checked to be JSON) and refuse absurd nesting.
+  std::string top_key;
+  const json::parser_callback_t keep_shape_keys = [&](int depth, json::parse_event_t event,
+                                                      json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (depth >= static_cast<int>(kMaxHfConfigDepth)) {
+          throw InvalidArgument(fmt::format("HF config '{}': JSON nested deeper than {} levels",
+                                            source, kMaxHfConfigDepth));
+        }
+        return true;
+      case json::parse_event_t::key:
+        if (depth == 1) {
+          top_key = parsed.get<std::string>();
+          return top_key == "text_config" || is_shape_key(top_key);
+        }
+        if (depth == 2 && top_key == "text_config") return is_shape_key(parsed.get<std::string>());
+        return true;
+      default:
+        return true;
+    }
+  };
   json root;
   try {
-    root = json::parse(json_text);
+    root = json::parse(json_text, keep_shape_keys);
   } catch (const json::exception& e) {
-    throw InvalidArgument(fmt::format("HF config '{}': not valid JSON: {}", source, e.what()));
+    throw InvalidArgument(
+        fmt::format("HF config '{}': not valid JSON: {}", source, short_json_error(e.what())));
   }
   if (!root.is_object()) {
     throw InvalidArgument(
@@ -109,6 +176,12 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   }
 
   fields.num_layers = positive_field(*model, "num_hidden_layers", source);
+  if (fields.num_layers && *fields.num_layers > kMaxModelLayers) {
+    throw InvalidArgument(
+        fmt::format("HF config '{}': 'num_hidden_layers' is {}, more than the {} layers kvport "
+                    "supports",
+                    source, *fields.num_layers, kMaxModelLayers));
+  }
   const auto attention_heads = positive_field(*model, "num_attention_heads", source);
   fields.num_kv_heads = positive_field(*model, "num_key_value_heads", source);
   if (!fields.num_kv_heads) fields.num_kv_heads = attention_heads;
@@ -128,22 +201,82 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   return fields;
 }
 
+namespace {
+
+// Closes a file descriptor on every path out of load_hf_config.
+class FileDescriptor {
+ public:
+  explicit FileDescriptor(int fd) noexcept : fd_(fd) {}
+  ~FileDescriptor() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FileDescriptor(const FileDescriptor&) = delete;
+  FileDescriptor& operator=(const FileDescriptor&) = delete;
+  int get() const noexcept { return fd_; }
+
+ private:
+  int fd_;
+};
+
+std::string errno_text(int error) {
+  switch (error) {
+    case ENOENT:
+      return "no such file";
+    case EACCES:
+    case EPERM:
+      return "permission denied";
+    case ENOTDIR:
+      return "a component of the path is not a directory";
+    default:
+      return std::system_category().message(error);
+  }
+}
+
+}  // namespace
+
 HfConfigFields load_hf_config(const std::filesystem::path& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    throw InvalidArgument(fmt::format(
-        "cannot read HF config '{}': is a directory (pass the config.json file)", path.string()));
+  const std::string name = path.string();
+  const auto cannot_read = [&](const std::string& why) {
+    return InvalidArgument(fmt::format("cannot read HF config '{}': {}", name, why));
+  };
+  // O_NONBLOCK: opening a FIFO that has no writer must not wait forever. It is
+  // cleared below, so that a pipe with a writer (`<(cat config.json)`) is read
+  // to its end.
+  const FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.get() < 0) {
+    const int error = errno;
+    if (error == EISDIR) throw cannot_read("is a directory (pass the config.json file)");
+    throw cannot_read(errno_text(error));
   }
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw InvalidArgument(
-        fmt::format("cannot read HF config '{}': {}", path.string(),
-                    std::filesystem::exists(path, ec) ? "permission denied" : "no such file"));
+  struct stat info {};
+  if (::fstat(fd.get(), &info) != 0) throw cannot_read(errno_text(errno));
+  if (S_ISDIR(info.st_mode)) throw cannot_read("is a directory (pass the config.json file)");
+  const auto too_large = [&](const std::string& size) {
+    return InvalidArgument(fmt::format(
+        "HF config '{}': {} is larger than the limit of 16 MiB ({} bytes) for a config file", name,
+        size, kMaxHfConfigBytes));
+  };
+  // A regular file's size is known before reading it; a device or a pipe
+  // (/dev/zero) is read up to one byte past the limit.
+  if (S_ISREG(info.st_mode) && static_cast<std::uintmax_t>(info.st_size) > kMaxHfConfigBytes) {
+    throw too_large(fmt::format("the file ({} bytes)", info.st_size));
   }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw InvalidArgument(fmt::format("cannot read HF config '{}'", path.string()));
-  return parse_hf_config(text.str(), path.string());
+  if (const int flags = ::fcntl(fd.get(), F_GETFL); flags >= 0) {
+    (void)::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);
+  }
+  std::string text;
+  std::array<char, 64 * 1024> chunk{};
+  for (;;) {
+    const ::ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw cannot_read(errno_text(errno));
+    }
+    if (n == 0) break;
+    text.append(chunk.data(), static_cast<std::size_t>(n));
+    if (text.size() > kMaxHfConfigBytes) throw too_large("its content");
+  }
+  return parse_hf_config(text, name);
 }
 
 ModelSpec resolve_model_spec(const ModelOverrides& overrides, std::string_view default_preset) {

@@ -11,6 +11,20 @@
 
 namespace kvport::cli {
 
+/// The most layers a model may have. Real models have a few hundred at most;
+/// the plan keeps a row per layer and --layer-dtypes a dtype per layer, so a
+/// config claiming 2^40 layers must fail here rather than run out of memory.
+inline constexpr std::size_t kMaxModelLayers = 65536;
+
+/// The largest config.json `load_hf_config` reads. Real ones are a few KiB
+/// (at most a few hundred KiB with large label maps); a bigger file is refused
+/// before it is read.
+inline constexpr std::size_t kMaxHfConfigBytes = std::size_t{16} << 20;
+
+/// The deepest nesting of arrays and objects `parse_hf_config` accepts (real
+/// configs nest 3 or 4 levels).
+inline constexpr std::size_t kMaxHfConfigDepth = 64;
+
 /// What a KV cache needs to know about a model. Every count is > 0 once a
 /// spec has been resolved (`resolve_model_spec`).
 struct ModelSpec {
@@ -51,13 +65,18 @@ struct HfConfigFields {
 ///   head_dim, else hidden_size / num_attention_heads.
 /// A multimodal config that nests its language model under "text_config" is
 /// read from there. Fields that are absent or null stay empty. Throws
-/// InvalidArgument naming `source` when the text is not JSON, is not an
-/// object, or a field has the wrong type or a value <= 0, or hidden_size is not
-/// a multiple of num_attention_heads.
+/// InvalidArgument naming `source` when the text is empty, not JSON (a NUL
+/// byte included), nested deeper than kMaxHfConfigDepth or not an object, when
+/// a field has the wrong type or a value <= 0, when num_hidden_layers exceeds
+/// kMaxModelLayers, or when hidden_size is not a multiple of
+/// num_attention_heads. Only the keys it reads are kept in memory.
 HfConfigFields parse_hf_config(std::string_view json_text, std::string_view source);
 
 /// Reads and parses the file at `path` (see parse_hf_config). Throws
-/// InvalidArgument when the file cannot be read.
+/// InvalidArgument when the file is missing, unreadable or a directory, or is
+/// larger than kMaxHfConfigBytes (a regular file is refused before it is read;
+/// a pipe or device is read up to the limit). A FIFO without a writer reads as
+/// empty instead of blocking.
 HfConfigFields load_hf_config(const std::filesystem::path& path);
 
 /// Model values given as flags; each one overrides the preset or config.
@@ -75,7 +94,9 @@ struct ModelOverrides {
 /// preset nor a config, `default_preset` (when not empty) is the base. Throws
 /// InvalidArgument when both a preset and a config are given, when --head-dim
 /// is combined with --head-dim-k/--head-dim-v, or when a value is still missing
-/// (the message lists the missing flags).
+/// (the message lists the missing flags). The caller checks the flags' values
+/// against kMaxModelLayers (CacheShapeOptions::resolve, after the overflow
+/// check of the block's bytes).
 ModelSpec resolve_model_spec(const ModelOverrides& overrides, std::string_view default_preset = {});
 
 }  // namespace kvport::cli
