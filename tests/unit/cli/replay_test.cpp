@@ -1,4 +1,6 @@
 // `kvport replay`: Mooncake trace replay over the prefix cache.
+#include <filesystem>
+#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -414,6 +416,30 @@ TEST(cli_replay, BadFilesAndFlags) {
                    "--step-ms: expected a positive integer");
   expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--check-every", "x"}),
                    "--check-every");
+}
+
+// A 100 MB trace is streamed, never read whole: a first line of 100 MB fails
+// after the first MiB, and 100 MB of junk after a good line fails at line 2.
+TEST(cli_replay, HundredMegabyteFilesFailFast) {
+  constexpr std::uintmax_t k100MB = std::uintmax_t{100} << 20;
+  {
+    const TempFile big("zeros.jsonl", "");
+    std::filesystem::resize_file(big.path(), k100MB);  // sparse: 100 MB of NUL bytes
+    expect_bad_input(replay(big.path(), {"--capacity-blocks", "64"}),
+                     ":1: line longer than 1048576 bytes");
+  }
+  {
+    const TempFile big("junk.jsonl", line(0, 100, 5, "[1]"));
+    {
+      std::ofstream out(big.path(), std::ios::app | std::ios::binary);
+      const std::string chunk(std::size_t{1} << 20, '{');
+      for (int i = 0; i < 100; ++i)
+        out << chunk;
+    }
+    ASSERT_GE(std::filesystem::file_size(big.path()), k100MB);
+    expect_bad_input(replay(big.path(), {"--capacity-blocks", "64"}),
+                     ":2: line longer than 1048576 bytes");
+  }
 }
 
 // ---- the library -------------------------------------------------------------------------------
