@@ -8,29 +8,14 @@
 #include <vector>
 
 #include "kvport/cli/replay.hpp"
+#include "kvport/cli/split_mix.hpp"
 
 namespace kvport::bench {
 namespace {
 
 using cli::TraceRequest;
 
-// SplitMix64, so that the trace is the same on every platform.
-class Random {
- public:
-  explicit Random(std::uint64_t seed) noexcept : state_(seed) {}
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E37'79B9'7F4A'7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58'476D'1CE4'E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D0'49BB'1331'11EBull;
-    return z ^ (z >> 31);
-  }
-  std::uint64_t uniform(std::uint64_t lo, std::uint64_t hi) noexcept {
-    return lo + next() % (hi - lo + 1);
-  }
-
- private:
-  std::uint64_t state_;
-};
+using Random = cli::SplitMix64;
 
 // 2000 requests shaped like Mooncake's: most continue one of 64 shared
 // documents (2-8 trace blocks of 512 tokens), a third are the next turn of

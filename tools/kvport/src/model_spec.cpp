@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kvport/platform/error.hpp"
+#include "text.hpp"
 
 namespace kvport::cli {
 namespace {
@@ -218,20 +219,6 @@ class FileDescriptor {
   int fd_;
 };
 
-std::string errno_text(int error) {
-  switch (error) {
-    case ENOENT:
-      return "no such file";
-    case EACCES:
-    case EPERM:
-      return "permission denied";
-    case ENOTDIR:
-      return "a component of the path is not a directory";
-    default:
-      return std::system_category().message(error);
-  }
-}
-
 }  // namespace
 
 HfConfigFields load_hf_config(const std::filesystem::path& path) {
@@ -246,10 +233,10 @@ HfConfigFields load_hf_config(const std::filesystem::path& path) {
   if (fd.get() < 0) {
     const int error = errno;
     if (error == EISDIR) throw cannot_read("is a directory (pass the config.json file)");
-    throw cannot_read(errno_text(error));
+    throw cannot_read(cli::text::errno_text(error));
   }
   struct stat info {};
-  if (::fstat(fd.get(), &info) != 0) throw cannot_read(errno_text(errno));
+  if (::fstat(fd.get(), &info) != 0) throw cannot_read(cli::text::errno_text(errno));
   if (S_ISDIR(info.st_mode)) throw cannot_read("is a directory (pass the config.json file)");
   const auto too_large = [&](const std::string& size) {
     return InvalidArgument(fmt::format(
@@ -270,7 +257,7 @@ HfConfigFields load_hf_config(const std::filesystem::path& path) {
     const ::ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw cannot_read(errno_text(errno));
+      throw cannot_read(cli::text::errno_text(errno));
     }
     if (n == 0) break;
     text.append(chunk.data(), static_cast<std::size_t>(n));

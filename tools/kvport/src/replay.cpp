@@ -33,22 +33,6 @@ constexpr std::size_t kChunkBytes = 64 * 1024;
 // A request is a flat object; extra fields may nest, but not without bound.
 constexpr int kMaxJsonDepth = 16;
 
-std::string errno_text(int error) {
-  switch (error) {
-    case ENOENT:
-      return "no such file";
-    case EACCES:
-    case EPERM:
-      return "permission denied";
-    case ENOTDIR:
-      return "a component of the path is not a directory";
-    case EISDIR:
-      return "is a directory (pass a .jsonl trace file)";
-    default:
-      return std::system_category().message(error);
-  }
-}
-
 // SplitMix64's finalizer: a bijection of 64-bit words that mixes every input
 // bit into every output bit; the same on every platform.
 constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
@@ -218,16 +202,16 @@ class FileSource final : public ByteSource {
     // O_NONBLOCK: opening a FIFO without a writer must not wait forever; it is
     // cleared below so that a pipe is read to its end.
     fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd_ < 0) throw cannot_read(errno_text(errno));
+    if (fd_ < 0) throw cannot_read(text::errno_text(errno));
     struct stat info {};
     if (::fstat(fd_, &info) != 0) {
       const int error = errno;
       ::close(fd_);
-      throw cannot_read(errno_text(error));
+      throw cannot_read(text::errno_text(error));
     }
     if (S_ISDIR(info.st_mode)) {
       ::close(fd_);
-      throw cannot_read(errno_text(EISDIR));
+      throw cannot_read("is a directory (pass a .jsonl trace file)");
     }
     if (const int flags = ::fcntl(fd_, F_GETFL); flags >= 0) {
       (void)::fcntl(fd_, F_SETFL, flags & ~O_NONBLOCK);
@@ -241,7 +225,7 @@ class FileSource final : public ByteSource {
     for (;;) {
       const ::ssize_t n = ::read(fd_, data, size);
       if (n >= 0) return static_cast<std::size_t>(n);
-      if (errno != EINTR) throw cannot_read(errno_text(errno));
+      if (errno != EINTR) throw cannot_read(text::errno_text(errno));
     }
   }
 

@@ -1,4 +1,5 @@
 #include "kvport/cli/serving_sim.hpp"
+#include "kvport/cli/split_mix.hpp"
 
 #include <fmt/format.h>
 
@@ -16,27 +17,7 @@
 namespace kvport::cli {
 namespace {
 
-// SplitMix64: tiny, and the same sequence on every platform and standard
-// library (std::uniform_int_distribution is not), so a seed names one run.
-class Random {
- public:
-  explicit Random(std::uint64_t seed) noexcept : state_(seed) {}
-
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state_ += 0x9E37'79B9'7F4A'7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58'476D'1CE4'E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D0'49BB'1331'11EBull;
-    return z ^ (z >> 31);
-  }
-
-  /// Uniform in [lo, hi] (the modulo bias is irrelevant here).
-  std::size_t uniform(std::size_t lo, std::size_t hi) noexcept {
-    return lo + static_cast<std::size_t>(next() % (static_cast<std::uint64_t>(hi - lo) + 1));
-  }
-
- private:
-  std::uint64_t state_;
-};
+using Random = cli::SplitMix64;
 
 std::size_t div_ceil(std::size_t a, std::size_t b) noexcept {
   return a / b + (a % b != 0);

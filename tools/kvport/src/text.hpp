@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <system_error>
 
 namespace kvport::cli::text {
 
@@ -16,6 +18,23 @@ inline std::string_view trim(std::string_view s) noexcept {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back())))
     s.remove_suffix(1);
   return s;
+}
+
+/// A short description of an errno value from opening or reading a file.
+inline std::string errno_text(int error) {
+  switch (error) {
+    case ENOENT:
+      return "no such file";
+    case EACCES:
+    case EPERM:
+      return "permission denied";
+    case ENOTDIR:
+      return "a component of the path is not a directory";
+    case EISDIR:
+      return "is a directory";
+    default:
+      return std::system_category().message(error);
+  }
 }
 
 /// ASCII lower case.
