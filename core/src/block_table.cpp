@@ -90,13 +90,17 @@ void BlockTable::release_one(BlockId block) noexcept {
   }
 }
 
-std::size_t BlockTable::blocks_needed(std::size_t num_tokens) const {
-  const std::size_t fill = last_block_fill();
-  const std::size_t room = blocks_.empty() ? 0 : block_size_ - fill;
+BlockTable::AppendPlan BlockTable::plan_append(std::size_t num_tokens) const {
+  const std::size_t room = blocks_.empty() ? 0 : block_size_ - last_block_fill();
   const std::size_t beyond = num_tokens > room ? num_tokens - room : 0;
-  const std::size_t fresh = (beyond + block_size_ - 1) / block_size_;
-  const bool cow = num_tokens > 0 && room > 0 && cache_->ref_count(blocks_.back()) > 1;
-  return fresh + (cow ? 1 : 0);
+  AppendPlan plan;
+  plan.fresh_blocks = (beyond + block_size_ - 1) / block_size_;
+  plan.copy_on_write = num_tokens > 0 && room > 0 && cache_->ref_count(blocks_.back()) > 1;
+  return plan;
+}
+
+std::size_t BlockTable::blocks_needed(std::size_t num_tokens) const {
+  return plan_append(num_tokens).blocks();
 }
 
 std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
@@ -125,12 +129,10 @@ std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
 
 void BlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
   if (tokens.empty()) return;
-  const std::size_t fill = last_block_fill();
-  const std::size_t room = blocks_.empty() ? 0 : block_size_ - fill;
-  const bool cow = room > 0 && cache_->ref_count(blocks_.back()) > 1;
-  const std::size_t beyond = tokens.size() > room ? tokens.size() - room : 0;
-  const std::size_t fresh_blocks = (beyond + block_size_ - 1) / block_size_;
-  const std::size_t needed = fresh_blocks + (cow ? 1 : 0);
+  const AppendPlan plan = plan_append(tokens.size());
+  const bool cow = plan.copy_on_write;
+  const std::size_t fresh_blocks = plan.fresh_blocks;
+  const std::size_t needed = plan.blocks();
   if (needed > available_blocks()) {
     throw CacheExhausted(fmt::format(
         "KV cache exhausted: appending {} tokens needs {} blocks, {} are free{}", tokens.size(),

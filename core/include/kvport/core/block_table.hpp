@@ -92,7 +92,16 @@ class BlockTable {
   PrefixCache* prefix_cache() const noexcept { return prefix_; }
 
  private:
+  // What appending n tokens takes: new blocks past the last one, and whether
+  // the shared, partly filled last block must be copied first.
+  struct AppendPlan {
+    std::size_t fresh_blocks = 0;
+    bool copy_on_write = false;
+    std::size_t blocks() const noexcept { return fresh_blocks + (copy_on_write ? 1 : 0); }
+  };
+
   BlockTable(PagedKvCache* cache, PrefixCache* prefix, std::uint64_t extra_key);
+  AppendPlan plan_append(std::size_t num_tokens) const;
   std::size_t available_blocks() const noexcept;
   BlockId alloc_one();
   void release_one(BlockId block) noexcept;
