@@ -162,7 +162,8 @@ void PrefixCache::release(BlockId block, std::source_location where) {
     s.kv->dec_ref(block, where);  // handles (and reports) refcount 0 itself
     return;
   }
-  if (s.kv->ref_count(block) <= 1) {
+  const std::uint32_t refs = s.kv->ref_count(block);
+  if (refs <= 1) {
     ++s.counters.ignored_releases;
     log::error(fmt::format(
         "PrefixCache::release on cached block {} that no sequence holds (from {}:{} in {}) - a "
@@ -171,7 +172,7 @@ void PrefixCache::release(BlockId block, std::source_location where) {
     return;
   }
   s.kv->dec_ref(block, where);
-  if (s.kv->ref_count(block) == 1) s.lru.push_back(e);
+  if (refs == 2) s.lru.push_back(e);  // only the cache's reference is left
 }
 
 void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_location where) {
