@@ -56,6 +56,12 @@ class GpuBackend final : public Backend {
   /// Selects `device`. Throws BackendError when the runtime has no usable
   /// device (the message carries the vendor's reason).
   explicit GpuBackend(int device) : Backend(Api::name), device_(device), tracker_(Api::name) {
+    int count = 0;
+    if (Api::get_device_count(&count) == Api::success && count > 0 &&
+        (device < 0 || device >= count)) {
+      throw InvalidArgument(fmt::format("{}: device ordinal {} out of range ({} devices)",
+                                        Api::name, device, count));
+    }
     const std::string reason = probe<Api>(device);
     if (!reason.empty()) throw BackendError(Api::name, "device probe", -1, reason);
     KVPORT_TRY(Api, Api::set_device(device_));
@@ -92,6 +98,12 @@ class GpuBackend final : public Backend {
       log::warn(fmt::format("{}: backend destroyed with a live allocation [{:#x}, +{}); freeing it",
                             Api::name, base, bytes));
       KVPORT_TRY_NOTHROW(Api, Api::free(reinterpret_cast<void*>(base)));
+    }
+    for (const auto& [base, bytes] : host_tracker_.live()) {
+      log::warn(fmt::format("{}: backend destroyed with a live pinned host allocation [{:#x}, +{}); "
+                            "freeing it",
+                            Api::name, base, bytes));
+      KVPORT_TRY_NOTHROW(Api, Api::host_free(reinterpret_cast<void*>(base)));
     }
   }
 
@@ -191,6 +203,23 @@ class GpuBackend final : public Backend {
   bool do_free(DevicePtr ptr) noexcept override {
     if (!tracker_.remove(ptr)) return false;
     return KVPORT_TRY_NOTHROW(Api, Api::free(ptr.get()));
+  }
+
+  void* do_alloc_host(std::size_t bytes) override {
+    KVPORT_TRY(Api, Api::set_device(device_));
+    void* p = nullptr;
+    const typename Api::Status status = Api::host_alloc(&p, bytes);
+    if (status != Api::success) {
+      Api::clear_error();
+      throw OutOfMemory(Api::name, bytes, 0);
+    }
+    host_tracker_.add(DevicePtr::from(p), bytes);
+    return p;
+  }
+
+  bool do_free_host(void* ptr) noexcept override {
+    if (!host_tracker_.remove(DevicePtr::from(ptr))) return false;
+    return KVPORT_TRY_NOTHROW(Api, Api::host_free(ptr));
   }
 
   void* do_create_stream() override {
@@ -404,6 +433,7 @@ class GpuBackend final : public Backend {
 
   const int device_;
   AllocationTracker tracker_;
+  AllocationTracker host_tracker_{std::string(Api::name) + " (pinned host memory)"};
   Stream_t default_stream_{};
 
   mutable std::mutex handles_mutex_;

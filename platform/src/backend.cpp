@@ -20,6 +20,8 @@ struct Backend::Counters {
   std::atomic<std::uint64_t> copy{0};
   std::atomic<std::uint64_t> copy_batch{0};
   std::atomic<std::uint64_t> synchronize{0};
+  std::atomic<std::uint64_t> host_alloc{0};
+  std::atomic<std::uint64_t> host_free{0};
 };
 
 namespace {
@@ -77,6 +79,26 @@ bool Backend::free(DevicePtr ptr) noexcept {
                     "(foreign pointer, interior pointer or double free)",
                     name_, ptr.address()));
   } catch (...) {  // free never throws
+  }
+  return false;
+}
+
+void* Backend::alloc_host(std::size_t bytes) {
+  if (bytes == 0) throw InvalidArgument(fmt::format("{}: alloc_host: size must be > 0", name_));
+  bump(counters_->host_alloc);
+  return do_alloc_host(bytes);
+}
+
+bool Backend::free_host(void* ptr) noexcept {
+  if (ptr == nullptr) return true;
+  bump(counters_->host_free);
+  if (do_free_host(ptr)) return true;
+  try {
+    log::error(
+        fmt::format("{}: free_host({}) rejected: not a live pinned allocation of this backend "
+                    "(foreign pointer, interior pointer or double free)",
+                    name_, ptr));
+  } catch (...) {  // free_host never throws
   }
   return false;
 }
@@ -331,12 +353,15 @@ CallCounts Backend::call_counts() const noexcept {
   out.copy = get(counters_->copy);
   out.copy_batch = get(counters_->copy_batch);
   out.synchronize = get(counters_->synchronize);
+  out.host_alloc = get(counters_->host_alloc);
+  out.host_free = get(counters_->host_free);
   return out;
 }
 
 void Backend::reset_call_counts() noexcept {
   for (auto* c : {&counters_->alloc, &counters_->free, &counters_->memset, &counters_->fill,
-                  &counters_->copy, &counters_->copy_batch, &counters_->synchronize}) {
+                  &counters_->copy, &counters_->copy_batch, &counters_->synchronize,
+                  &counters_->host_alloc, &counters_->host_free}) {
     c->store(0, std::memory_order_relaxed);
   }
 }

@@ -333,6 +333,17 @@ bool FaultInjectingBackend::do_free(DevicePtr ptr) noexcept {
   return inner_->free(ptr);
 }
 
+void* FaultInjectingBackend::do_alloc_host(std::size_t bytes) {
+  if (const auto injection = decide(FaultKind::alloc)) {
+    throw_injected(*injection, "alloc_host", bytes);
+  }
+  return inner_->alloc_host(bytes);
+}
+
+bool FaultInjectingBackend::do_free_host(void* ptr) noexcept {
+  return inner_->free_host(ptr);
+}
+
 // ---- streams and events -----------------------------------------------------------------
 
 void* FaultInjectingBackend::do_create_stream() {

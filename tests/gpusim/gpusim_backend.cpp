@@ -93,7 +93,9 @@ struct ApiSim {
     return ok;
   }
   static Status host_alloc(void** p, std::size_t n) {
-    *p = std::malloc(n);
+    if (n > SIZE_MAX - kHostAllocAlignment) return out_of_memory;
+    *p = std::aligned_alloc(kHostAllocAlignment,
+                            (n + kHostAllocAlignment - 1) / kHostAllocAlignment * kHostAllocAlignment);
     return *p != nullptr ? ok : out_of_memory;
   }
   static Status host_free(void* p) {

@@ -13,6 +13,10 @@ std::unique_ptr<Backend> make_default_cuda_backend() {
   return make_cuda_backend(0);
 }
 
+std::unique_ptr<Backend> make_cuda_backend_on(int device) {
+  return make_cuda_backend(device);
+}
+
 std::string probe_cuda_backend() {
   return gpu::probe<ApiCuda>(0);
 }

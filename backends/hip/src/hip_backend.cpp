@@ -13,6 +13,10 @@ std::unique_ptr<Backend> make_default_hip_backend() {
   return make_hip_backend(0);
 }
 
+std::unique_ptr<Backend> make_hip_backend_on(int device) {
+  return make_hip_backend(device);
+}
+
 std::string probe_hip_backend() {
   return gpu::probe<ApiHip>(0);
 }

@@ -31,6 +31,7 @@ namespace kvport {
 namespace {
 
 constexpr const char* kName = "host";
+constexpr const char* kPinnedName = "host (pinned host memory)";
 
 // ---- streaming fills -----------------------------------------------------------------
 
@@ -277,6 +278,14 @@ class HostBackend final : public Backend {
     }
     for (const auto& [base, bytes] : live)
       std::free(reinterpret_cast<void*>(base));
+    const auto pinned = host_tracker_.live();
+    if (!pinned.empty()) {
+      log::warn(fmt::format("host: backend destroyed with {} live pinned host allocations; "
+                            "freeing them",
+                            pinned.size()));
+    }
+    for (const auto& [base, bytes] : pinned)
+      std::free(reinterpret_cast<void*>(base));
   }
 
   HostBackend(const HostBackend&) = delete;
@@ -380,6 +389,29 @@ class HostBackend final : public Backend {
     std::free(ptr.get());
     std::lock_guard lock(capacity_mutex_);
     used_ -= rounded(*bytes);
+    return true;
+  }
+
+  // Pinned host memory is plain page-aligned memory here: the host backend's
+  // "device" is host memory too. Not counted against the device capacity.
+  void* do_alloc_host(std::size_t bytes) override {
+    if (bytes > SIZE_MAX - (kHostAllocAlignment - 1)) throw OutOfMemory(kName, bytes, 0);
+    const std::size_t size = (bytes + kHostAllocAlignment - 1) / kHostAllocAlignment *
+                             kHostAllocAlignment;
+    void* p = std::aligned_alloc(kHostAllocAlignment, size);
+    if (p == nullptr) throw OutOfMemory(kName, bytes, 0);
+    try {
+      host_tracker_.add(DevicePtr::from(p), bytes);
+    } catch (...) {
+      std::free(p);
+      throw;
+    }
+    return p;
+  }
+
+  bool do_free_host(void* ptr) noexcept override {
+    if (!host_tracker_.remove(DevicePtr::from(ptr))) return false;
+    std::free(ptr);
     return true;
   }
 
@@ -588,6 +620,7 @@ class HostBackend final : public Backend {
   const std::size_t streaming_threshold_;
 
   AllocationTracker tracker_{kName};
+  AllocationTracker host_tracker_{kPinnedName};  // alloc_host
   mutable std::mutex capacity_mutex_;
   std::size_t used_ = 0;  // bytes rounded up to kAllocAlignment
 
@@ -623,6 +656,15 @@ std::unique_ptr<Backend> make_host_backend(HostBackendOptions options) {
 }
 
 std::unique_ptr<Backend> make_default_host_backend() {
+  return make_host_backend();
+}
+
+std::unique_ptr<Backend> make_host_backend_on(int device) {
+  if (device != 0) {
+    throw InvalidArgument(
+        fmt::format("host: device ordinal {} out of range (the host backend has 1 device, 0)",
+                    device));
+  }
   return make_host_backend();
 }
 

@@ -100,6 +100,8 @@ struct CallCounts {
   std::uint64_t copy = 0;  ///< single copies in any direction
   std::uint64_t copy_batch = 0;
   std::uint64_t synchronize = 0;
+  std::uint64_t host_alloc = 0;  ///< alloc_host
+  std::uint64_t host_free = 0;   ///< free_host (non-null pointers)
 
   /// Calls that queue device work: memset + fill + copy + copy_batch.
   std::uint64_t device_ops() const noexcept { return memset + fill + copy + copy_batch; }
@@ -107,6 +109,9 @@ struct CallCounts {
 
 /// Alignment of every allocation, on every backend.
 inline constexpr std::size_t kAllocAlignment = 256;
+
+/// Alignment of every pinned host allocation (alloc_host), on every backend.
+inline constexpr std::size_t kHostAllocAlignment = 4096;
 
 class Backend {
  public:
@@ -135,6 +140,26 @@ class Backend {
   /// foreign pointer, an interior pointer, a double free). Null is a no-op
   /// that returns true. Never throws.
   bool free(DevicePtr ptr) noexcept;
+
+  // ---- pinned host memory ---------------------------------------------------
+
+  /// Allocates `bytes` (> 0) of page-locked host memory, aligned to
+  /// kHostAllocAlignment: cudaHostAlloc / hipHostMalloc on GPUs, page-aligned
+  /// memory on the host backend. The device's copy engines read and write it
+  /// directly, so copy_h2d_async / copy_d2h_async with it return before the
+  /// copy is done and overlap other work (with pageable memory the GPU
+  /// runtimes stage through a bounce buffer and may block). Pinning is costly
+  /// (milliseconds per GiB): allocate once, reuse. Contents are unspecified.
+  /// Throws InvalidArgument for 0 bytes, OutOfMemory when the memory cannot be
+  /// pinned.
+  void* alloc_host(std::size_t bytes);
+
+  /// Releases memory from alloc_host. Returns false, logs an error and changes
+  /// nothing for a pointer that is not a live pinned allocation of this
+  /// backend (foreign, interior, freed twice). Null is a no-op that returns
+  /// true. Copies still queued on it must be finished first (synchronize).
+  /// Never throws.
+  bool free_host(void* ptr) noexcept;
 
   // ---- streams and events ---------------------------------------------------
 
@@ -242,6 +267,8 @@ class Backend {
   virtual MemInfo do_mem_info() const = 0;
   virtual DevicePtr do_alloc(std::size_t bytes) = 0;
   virtual bool do_free(DevicePtr ptr) noexcept = 0;
+  virtual void* do_alloc_host(std::size_t bytes) = 0;
+  virtual bool do_free_host(void* ptr) noexcept = 0;
   virtual void* do_create_stream() = 0;
   virtual void do_destroy_stream(void* native) noexcept = 0;
   virtual void* do_default_stream() = 0;
@@ -279,6 +306,47 @@ class Backend {
   std::string name_;
   struct Counters;
   std::unique_ptr<Counters> counters_;
+};
+
+/// RAII ownership of one pinned host allocation (Backend::alloc_host).
+/// Move-only; frees in the destructor, so the copies that use it must be
+/// finished by then.
+class HostBuffer {
+ public:
+  HostBuffer() noexcept = default;
+  /// Allocates `bytes` of pinned memory on `backend` (see Backend::alloc_host
+  /// for errors).
+  HostBuffer(Backend& backend, std::size_t bytes)
+      : backend_(&backend), ptr_(backend.alloc_host(bytes)), bytes_(bytes) {}
+  HostBuffer(HostBuffer&& other) noexcept { swap(other); }
+  HostBuffer& operator=(HostBuffer&& other) noexcept {
+    HostBuffer(std::move(other)).swap(*this);
+    return *this;
+  }
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer() {
+    if (backend_ != nullptr) backend_->free_host(ptr_);
+  }
+
+  void* data() const noexcept { return ptr_; }
+  std::size_t size() const noexcept { return bytes_; }
+  /// The memory as bytes, for filling or checking from the host.
+  std::span<std::uint8_t> bytes() const noexcept {
+    return {static_cast<std::uint8_t*>(ptr_), bytes_};
+  }
+  Backend* backend() const noexcept { return backend_; }
+
+  void swap(HostBuffer& other) noexcept {
+    std::swap(backend_, other.backend_);
+    std::swap(ptr_, other.ptr_);
+    std::swap(bytes_, other.bytes_);
+  }
+
+ private:
+  Backend* backend_ = nullptr;
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
 };
 
 /// RAII ownership of one allocation. Move-only; frees in the destructor.

@@ -21,7 +21,7 @@ namespace kvport {
 
 /// The groups of Backend calls a fault plan can target.
 enum class FaultKind {
-  alloc,           ///< alloc
+  alloc,           ///< alloc, alloc_host
   fill,            ///< memset_async, fill_async, fill_blocks_async
   copy,            ///< copy_h2d_async, copy_d2h_async, copy_d2d_async, copy_batch_async
   synchronize,     ///< stream synchronize and event synchronize
@@ -191,6 +191,8 @@ class FaultInjectingBackend final : public Backend {
   MemInfo do_mem_info() const override;
   DevicePtr do_alloc(std::size_t bytes) override;
   bool do_free(DevicePtr ptr) noexcept override;
+  void* do_alloc_host(std::size_t bytes) override;
+  bool do_free_host(void* ptr) noexcept override;
   void* do_create_stream() override;
   void do_destroy_stream(void* native) noexcept override;
   void* do_default_stream() override;

@@ -28,6 +28,11 @@ std::vector<BackendInfo> compiled_backends();
 /// device.
 std::unique_ptr<Backend> make_backend(std::string_view name);
 
+/// Builds the backend called `name` on device ordinal `device`. Throws as
+/// make_backend, and InvalidArgument when `device` is negative or not below
+/// the backend's device count (the host backend has one device, 0).
+std::unique_ptr<Backend> make_backend(std::string_view name, int device);
+
 /// `$KVPORT_BACKEND` when set (errors as make_backend), else the first
 /// compiled GPU backend that finds a device, else host.
 std::unique_ptr<Backend> default_backend();

@@ -21,6 +21,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device = 0);
 /// is), e.g. "cuda: no device: CUDA driver version is insufficient for CUDA
 /// runtime version".
 std::unique_ptr<Backend> make_default_cuda_backend();
+std::unique_ptr<Backend> make_cuda_backend_on(int device);
 std::string probe_cuda_backend();
 
 }  // namespace kvport

@@ -20,6 +20,7 @@ std::unique_ptr<Backend> make_hip_backend(int device = 0);
 /// Registry hooks: device 0, and the reason no device is usable ("" when one
 /// is), e.g. "hip: no device: no ROCm-capable device is detected".
 std::unique_ptr<Backend> make_default_hip_backend();
+std::unique_ptr<Backend> make_hip_backend_on(int device);
 std::string probe_hip_backend();
 
 }  // namespace kvport

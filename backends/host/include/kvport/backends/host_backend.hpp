@@ -36,6 +36,9 @@ std::unique_ptr<Backend> make_host_backend(HostBackendOptions options = {});
 /// Registry hooks: a host backend with default options, and its device probe
 /// (always available: returns an empty reason).
 std::unique_ptr<Backend> make_default_host_backend();
+/// A host backend with default options on device `device`: only 0 exists
+/// (InvalidArgument otherwise).
+std::unique_ptr<Backend> make_host_backend_on(int device);
 std::string probe_host_backend();
 
 /// Physical RAM of this machine in bytes.
