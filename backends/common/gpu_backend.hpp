@@ -1,22 +1,32 @@
 // GpuBackend<Api>: the whole Backend contract written once over a small
-// per-vendor API mapping (ApiCuda in backends/cuda, ApiHip in backends/hip),
-// in the style of alpaka's ApiCudaRt / ApiHipRt. A difference between the
-// vendors lives in the Api struct, never here.
-//
-// Api provides: Status, success, name, error_string, clear_error, Stream,
-// Event, and static wrappers get_device_count, set_device, mem_get_info,
-// malloc, free, host_alloc, host_free, stream_create, stream_destroy,
-// stream_synchronize, event_create, event_destroy, event_record,
-// stream_wait_event, event_synchronize, memset_async, memcpy_async, and the
-// kernel launchers launch_fill, launch_copy, launch_fill_blocks.
+// per-vendor API mapping (ApiCuda in backends/cuda, ApiHip in backends/hip,
+// gpusim's ApiSim in tests/gpusim), in the style of alpaka's ApiCudaRt /
+// ApiHipRt. The mapping's shape is the VendorApi concept (vendor_api.hpp);
+// every policy lives here, once:
+//   - the device: every entry point runs on the backend's device and leaves
+//     the calling thread's current device as it found it (DeviceScope), so two
+//     backends on two devices can be used from one thread, and a backend from
+//     any thread;
+//   - streams are non-blocking, plain events have timing disabled;
+//   - errors: only the runtime's out-of-memory code is OutOfMemory; a sticky
+//     error loses the device (DeviceLost, now and for every later call);
+//     anything else is a BackendError with the native code. Kernel launches
+//     report their own status, never a stale error left on the thread;
+//   - small batches travel as kernel parameters (no upload); larger ones go
+//     through a ring of pinned staging slots that grows instead of blocking;
+//   - memory a queued kernel may still read (staging slots, a registered pool
+//     table) is released only after an event says that work is done.
 #pragma once
 
 #include <fmt/format.h>
 
-#include <array>
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -25,12 +35,13 @@
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "vendor_api.hpp"
 
 namespace kvport::gpu {
 
 /// "<vendor>: no device: <reason>" when the runtime has no usable device,
 /// else an empty string.
-template <class Api>
+template <VendorApi Api>
 std::string probe(int device = 0) {
   int count = 0;
   const typename Api::Status status = Api::get_device_count(&count);
@@ -47,78 +58,184 @@ std::string probe(int device = 0) {
   return {};
 }
 
-template <class Api>
+/// Staging slots the ring grows to before a thread waits for the oldest one.
+inline constexpr std::size_t kMaxStagingSlots = 64;
+/// Smallest staging slot: 64 KiB holds 16,384 block ids.
+inline constexpr std::size_t kMinStagingBytes = 64 * 1024;
+
+// Evaluates a vendor call and throws the classified kvport exception naming it.
+#define KVPORT_GPU_CHECK(call) check((call), #call)
+// The same for destructors and noexcept paths: logs and yields false.
+#define KVPORT_GPU_CHECK_NOTHROW(call) check_nothrow((call), #call, __FILE__, __LINE__)
+
+template <VendorApi Api>
 class GpuBackend final : public Backend {
  public:
+  using Status = typename Api::Status;
   using Stream_t = typename Api::Stream;
   using Event_t = typename Api::Event;
 
-  /// Selects `device`. Throws BackendError when the runtime has no usable
-  /// device (the message carries the vendor's reason).
+  /// Selects `device`. Throws InvalidArgument for an ordinal outside
+  /// [0, device count), BackendError when the runtime has no usable device
+  /// (the message carries the vendor's reason).
   explicit GpuBackend(int device) : Backend(Api::name), device_(device), tracker_(Api::name) {
     int count = 0;
     if (Api::get_device_count(&count) == Api::success && count > 0 &&
         (device < 0 || device >= count)) {
-      throw InvalidArgument(fmt::format("{}: device ordinal {} out of range ({} devices)",
-                                        Api::name, device, count));
+      throw InvalidArgument(
+          fmt::format("{}: device ordinal {} out of range ({} devices)", Api::name, device, count));
     }
     const std::string reason = probe<Api>(device);
     if (!reason.empty()) throw BackendError(Api::name, "device probe", -1, reason);
-    KVPORT_TRY(Api, Api::set_device(device_));
-    KVPORT_TRY(Api, Api::stream_create(&default_stream_));
-    std::size_t created = 0;
-    try {
-      for (; created < staging_.size(); ++created) {
-        KVPORT_TRY(Api, Api::event_create(&staging_[created].done));
-      }
-    } catch (...) {  // the destructor will not run: release what exists
-      for (std::size_t i = 0; i < created; ++i) {
-        KVPORT_TRY_NOTHROW(Api, Api::event_destroy(staging_[i].done));
-      }
-      KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(default_stream_));
-      throw;
-    }
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::stream_create(&default_stream_, Api::stream_non_blocking));
   }
 
   ~GpuBackend() override {
-    KVPORT_TRY_NOTHROW(Api, Api::set_device(device_));
-    KVPORT_TRY_NOTHROW(Api, Api::stream_synchronize(default_stream_));
-    for (Staging& s : staging_) {
-      if (s.pending) KVPORT_TRY_NOTHROW(Api, Api::event_synchronize(s.done));
-      if (s.host != nullptr) KVPORT_TRY_NOTHROW(Api, Api::host_free(s.host));
-      if (s.device != nullptr) KVPORT_TRY_NOTHROW(Api, Api::free(s.device));
-      KVPORT_TRY_NOTHROW(Api, Api::event_destroy(s.done));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    KVPORT_GPU_CHECK_NOTHROW(Api::stream_synchronize(default_stream_));
+    for (const std::unique_ptr<Slot>& s : slots_) {
+      if (s->pending) KVPORT_GPU_CHECK_NOTHROW(Api::event_synchronize(s->done));
+      release_buffers(*s);
+      KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(s->done));
     }
-    for (void* stream : streams_)
-      KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(as_stream(stream)));
+    for (const auto& [stream, serial] : streams_)
+      KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(as_stream(stream)));
     for (void* event : events_)
-      KVPORT_TRY_NOTHROW(Api, Api::event_destroy(as_event(event)));
-    KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(default_stream_));
+      KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(as_event(event)));
+    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(default_stream_));
     for (const auto& [base, bytes] : tracker_.live()) {
       log::warn(fmt::format("{}: backend destroyed with a live allocation [{:#x}, +{}); freeing it",
                             Api::name, base, bytes));
-      KVPORT_TRY_NOTHROW(Api, Api::free(reinterpret_cast<void*>(base)));
+      KVPORT_GPU_CHECK_NOTHROW(Api::free(reinterpret_cast<void*>(base)));
     }
     for (const auto& [base, bytes] : host_tracker_.live()) {
-      log::warn(fmt::format("{}: backend destroyed with a live pinned host allocation [{:#x}, +{}); "
-                            "freeing it",
-                            Api::name, base, bytes));
-      KVPORT_TRY_NOTHROW(Api, Api::host_free(reinterpret_cast<void*>(base)));
+      log::warn(
+          fmt::format("{}: backend destroyed with a live pinned host allocation [{:#x}, +{}); "
+                      "freeing it",
+                      Api::name, base, bytes));
+      KVPORT_GPU_CHECK_NOTHROW(Api::host_free(reinterpret_cast<void*>(base)));
     }
   }
 
+  GpuBackend(const GpuBackend&) = delete;
+  GpuBackend& operator=(const GpuBackend&) = delete;
+
  private:
+  // ---- errors ------------------------------------------------------------------
+
+  struct LostInfo {
+    std::string call;
+    long code = 0;
+    std::string what;
+  };
+
+  void mark_lost(Status status, const char* call) const noexcept {
+    std::lock_guard lock(lost_mutex_);
+    if (lost_.load(std::memory_order_relaxed)) return;
+    try {
+      lost_info_ = LostInfo{call, static_cast<long>(status), Api::error_string(status)};
+    } catch (...) {  // the flag below still tells every later call
+    }
+    lost_.store(true, std::memory_order_release);
+  }
+
+  [[noreturn]] void throw_lost() const {
+    std::lock_guard lock(lost_mutex_);
+    throw DeviceLost(Api::name, lost_info_.call, lost_info_.code, lost_info_.what);
+  }
+
+  // Classifies a failed status: DeviceLost for a sticky error, else BackendError.
+  [[noreturn]] void fail(Status status, const char* call) const {
+    Api::clear_error();
+    if (Api::is_device_lost(status)) {
+      mark_lost(status, call);
+      throw DeviceLost(Api::name, call, static_cast<long>(status), Api::error_string(status));
+    }
+    throw BackendError(Api::name, call, static_cast<long>(status), Api::error_string(status));
+  }
+
+  void check(Status status, const char* call) const {
+    if (status != Api::success) fail(status, call);
+  }
+
+  bool check_nothrow(Status status, const char* call, const char* file, int line) const noexcept {
+    if (status == Api::success) return true;
+    Api::clear_error();
+    if (Api::is_device_lost(status)) {
+      if (lost_.load(std::memory_order_acquire)) return false;  // reported when it was lost
+      mark_lost(status, call);
+    }
+    detail::log_vendor_failure(Api::name, call, static_cast<long>(status),
+                               Api::error_string(status), file, line);
+    return false;
+  }
+
+  // ---- the current device --------------------------------------------------------
+
+  // Makes the backend's device current on this thread for its lifetime and
+  // restores the caller's device afterwards. `checked` scopes (every throwing
+  // entry point, through enter()) first fail with DeviceLost on a lost device
+  // and throw when the device cannot be made current; `unchecked` ones (frees,
+  // destructors) never throw and carry on.
+  class DeviceScope {
+   public:
+    enum Mode { checked, unchecked };
+
+    DeviceScope(const GpuBackend& backend, Mode mode) : backend_(backend) {
+      if (mode == checked && backend.lost_.load(std::memory_order_acquire)) backend.throw_lost();
+      Status status = Api::get_device(&previous_);
+      if (status != Api::success) {
+        Api::clear_error();
+        previous_ = backend.device_;  // nothing to restore
+      }
+      if (previous_ == backend.device_) {
+        if (mode == checked && status != Api::success) backend.fail(status, "Api::get_device");
+        return;
+      }
+      status = Api::set_device(backend.device_);
+      switched_ = status == Api::success;
+      if (!switched_ && mode == checked) backend.fail(status, "Api::set_device");
+      if (!switched_) Api::clear_error();
+    }
+    ~DeviceScope() {
+      if (switched_) backend_.KVPORT_GPU_CHECK_NOTHROW(Api::set_device(previous_));
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+
+   private:
+    const GpuBackend& backend_;
+    int previous_ = 0;
+    bool switched_ = false;
+  };
+
+  // Every throwing entry point starts here.
+  [[nodiscard]] DeviceScope enter() const { return DeviceScope(*this, DeviceScope::checked); }
+
+  // ---- handles -------------------------------------------------------------------
+
   static Stream_t as_stream(void* native) { return static_cast<Stream_t>(native); }
   static Event_t as_event(void* native) { return static_cast<Event_t>(native); }
 
-  Stream_t stream_of(void* native) const {
-    if (native == static_cast<void*>(default_stream_)) return default_stream_;
+  // A live stream and its serial (0: the default stream). Serials are never
+  // reused, unlike the native handle of a destroyed stream.
+  struct StreamRef {
+    Stream_t native;
+    std::uint64_t serial;
+  };
+
+  StreamRef stream_ref(void* native) const {
+    if (native == static_cast<void*>(default_stream_)) return {default_stream_, 0};
     std::lock_guard lock(handles_mutex_);
-    if (streams_.count(native) == 0) {
+    const auto it = streams_.find(native);
+    if (it == streams_.end()) {
       throw InvalidArgument(fmt::format("{}: stream {} is not a live stream", Api::name, native));
     }
-    return as_stream(native);
+    return {as_stream(native), it->second};
   }
+
+  Stream_t stream_of(void* native) const { return stream_ref(native).native; }
 
   Event_t event_of(void* native) const {
     std::lock_guard lock(handles_mutex_);
@@ -128,106 +245,192 @@ class GpuBackend final : public Backend {
     return as_event(native);
   }
 
-  // ---- staging: descriptor uploads through pinned memory ---------------------
+  // ---- staging: descriptor uploads through pinned memory ---------------------------
 
-  struct Staging {
+  struct Slot {
     void* host = nullptr;    // pinned
-    void* device = nullptr;  // descriptor table the kernel reads
+    void* device = nullptr;  // what the kernel reads
     std::size_t capacity = 0;
-    Event_t done{};  // recorded after the kernel that read `device`
-    bool pending = false;
+    Event_t done{};        // recorded after the kernel that read `device`
+    bool pending = false;  // `done` recorded and maybe not reached yet
+    bool in_use = false;   // owned by one call between acquire and release
+    std::uint64_t last_use = 0;
   };
 
-  // Copies `bytes` of descriptors into a staging slot that no in-flight work
-  // still uses, uploads them on `stream`, runs `launch(device_copy)`, and
-  // guards the slot with an event. One lock: no other thread can take the slot
-  // between the upload and the event record.
+  void release_buffers(Slot& s) const noexcept {
+    if (s.host != nullptr) KVPORT_GPU_CHECK_NOTHROW(Api::host_free(s.host));
+    if (s.device != nullptr) KVPORT_GPU_CHECK_NOTHROW(Api::free(s.device));
+    s.host = s.device = nullptr;
+    s.capacity = 0;
+  }
+
+  // A slot that no queued work reads any more, with room for `bytes`, owned
+  // by the caller until release_slot. Never blocks while a finished slot
+  // exists: the ring grows instead (up to kMaxStagingSlots, or beyond when
+  // every slot is owned by another call); only a full ring of slots in flight
+  // makes the caller wait for the oldest, outside the lock.
+  Slot& acquire_slot(std::size_t bytes) {
+    Slot* chosen = nullptr;
+    bool must_wait = false;
+    {
+      std::lock_guard lock(staging_mutex_);
+      Slot* oldest = nullptr;
+      for (const std::unique_ptr<Slot>& s : slots_) {
+        if (s->in_use) continue;
+        if (s->pending) {
+          const Status query = Api::event_query(s->done);
+          if (query == Api::not_ready) {
+            if (oldest == nullptr || s->last_use < oldest->last_use) oldest = s.get();
+            continue;
+          }
+          if (query != Api::success) fail(query, "Api::event_query (staging slot)");
+          s->pending = false;
+        }
+        if (chosen == nullptr || (chosen->capacity < bytes && s->capacity >= bytes)) {
+          chosen = s.get();
+        }
+      }
+      if (chosen == nullptr && (slots_.size() < kMaxStagingSlots || oldest == nullptr)) {
+        auto slot = std::make_unique<Slot>();
+        KVPORT_GPU_CHECK(Api::event_create(&slot->done, Api::event_disable_timing));
+        slots_.push_back(std::move(slot));
+        chosen = slots_.back().get();
+      } else if (chosen == nullptr) {
+        chosen = oldest;
+        must_wait = true;
+      }
+      chosen->in_use = true;
+    }
+    try {
+      if (must_wait) {
+        KVPORT_GPU_CHECK(Api::event_synchronize(chosen->done));
+        chosen->pending = false;
+      }
+      if (chosen->capacity < bytes) {
+        std::size_t capacity = std::max(chosen->capacity, kMinStagingBytes);
+        while (capacity < bytes)
+          capacity *= 2;
+        release_buffers(*chosen);
+        KVPORT_GPU_CHECK(Api::host_alloc(&chosen->host, capacity));
+        KVPORT_GPU_CHECK(Api::malloc(&chosen->device, capacity));
+        chosen->capacity = capacity;
+      }
+    } catch (...) {
+      release_buffers(*chosen);
+      release_slot(*chosen, false);
+      throw;
+    }
+    return *chosen;
+  }
+
+  void release_slot(Slot& s, bool pending) {
+    std::lock_guard lock(staging_mutex_);
+    s.pending = pending;
+    s.in_use = false;
+    s.last_use = ++staging_clock_;
+  }
+
+  // Copies `bytes` of descriptors into a staging slot, uploads them on
+  // `stream`, runs `launch(device_copy)`, and guards the slot with an event.
   template <class Launch>
   void upload_and_launch(const void* data, std::size_t bytes, Stream_t stream, Launch launch) {
-    std::lock_guard lock(staging_mutex_);
-    Staging& s = staging_[next_slot_++ % staging_.size()];
-    if (s.pending) {
-      KVPORT_TRY(Api, Api::event_synchronize(s.done));
-      s.pending = false;
-    }
-    if (s.capacity < bytes) {
-      std::size_t capacity = s.capacity == 0 ? 64 * 1024 : s.capacity;
-      while (capacity < bytes)
-        capacity *= 2;
-      if (s.host != nullptr) KVPORT_TRY(Api, Api::host_free(s.host));
-      if (s.device != nullptr) KVPORT_TRY(Api, Api::free(s.device));
-      s.host = s.device = nullptr;
-      s.capacity = 0;
-      KVPORT_TRY(Api, Api::host_alloc(&s.host, capacity));
-      KVPORT_TRY(Api, Api::malloc(&s.device, capacity));
-      s.capacity = capacity;
-    }
+    Slot& s = acquire_slot(bytes);
     std::memcpy(s.host, data, bytes);
-    KVPORT_TRY(Api, Api::memcpy_async(s.device, s.host, bytes, stream));
-    const typename Api::Status launched = launch(s.device);
+    const Status uploaded = Api::memcpy_async(s.device, s.host, bytes, stream);
+    if (uploaded != Api::success) {
+      release_slot(s, false);
+      fail(uploaded, "Api::memcpy_async (descriptor upload)");
+    }
+    const Status launched = launch(s.device);
     // Record even when the launch failed: the upload is in flight either way.
-    KVPORT_TRY(Api, Api::event_record(s.done, stream));
-    s.pending = true;
-    detail::check_vendor<Api>(launched, "kernel launch");
+    const Status recorded = Api::event_record(s.done, stream);
+    if (recorded != Api::success) {
+      // Nothing guards the slot: drain the stream before anyone reuses it.
+      KVPORT_GPU_CHECK_NOTHROW(Api::stream_synchronize(stream));
+      release_slot(s, false);
+      fail(recorded, "Api::event_record (staging slot)");
+    }
+    release_slot(s, true);
+    check(launched, "kernel launch");
   }
 
   // ---- Backend -----------------------------------------------------------------
 
   int do_device_count() const override {
     int count = 0;
-    KVPORT_TRY(Api, Api::get_device_count(&count));
+    KVPORT_GPU_CHECK(Api::get_device_count(&count));
     return count;
   }
 
+  bool do_device_lost() const noexcept override { return lost_.load(std::memory_order_acquire); }
+
   MemInfo do_mem_info() const override {
-    KVPORT_TRY(Api, Api::set_device(device_));
+    const DeviceScope scope = enter();
     std::size_t free_bytes = 0, total = 0;
-    KVPORT_TRY(Api, Api::mem_get_info(&free_bytes, &total));
+    KVPORT_GPU_CHECK(Api::mem_get_info(&free_bytes, &total));
     return MemInfo{free_bytes, total};
   }
 
+  // Only the runtime's out-of-memory code is OutOfMemory: a scheduler evicts
+  // and retries on it, which would be wrong on a lost or broken context.
+  [[noreturn]] void fail_allocation(Status status, const char* call, std::size_t bytes) const {
+    Api::clear_error();
+    if (!Api::is_out_of_memory(status)) fail(status, call);
+    std::size_t free_bytes = 0, total = 0;
+    if (Api::mem_get_info(&free_bytes, &total) != Api::success) Api::clear_error();
+    throw OutOfMemory(Api::name, bytes, free_bytes);
+  }
+
   DevicePtr do_alloc(std::size_t bytes) override {
-    KVPORT_TRY(Api, Api::set_device(device_));
+    const DeviceScope scope = enter();
     void* p = nullptr;
-    const typename Api::Status status = Api::malloc(&p, bytes);
-    if (status != Api::success) {
-      Api::clear_error();
-      std::size_t free_bytes = 0, total = 0;
-      if (Api::mem_get_info(&free_bytes, &total) != Api::success) Api::clear_error();
-      throw OutOfMemory(Api::name, bytes, free_bytes);
+    const Status status = Api::malloc(&p, bytes);
+    if (status != Api::success) fail_allocation(status, "Api::malloc", bytes);
+    try {
+      tracker_.add(DevicePtr::from(p), bytes);
+    } catch (...) {
+      KVPORT_GPU_CHECK_NOTHROW(Api::free(p));
+      throw;
     }
-    tracker_.add(DevicePtr::from(p), bytes);
     return DevicePtr::from(p);
   }
 
+  // True once the allocation is forgotten: a vendor failure (a lost device)
+  // is logged, not reported as "not a live allocation".
   bool do_free(DevicePtr ptr) noexcept override {
     if (!tracker_.remove(ptr)) return false;
-    return KVPORT_TRY_NOTHROW(Api, Api::free(ptr.get()));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    KVPORT_GPU_CHECK_NOTHROW(Api::free(ptr.get()));
+    return true;
   }
 
   void* do_alloc_host(std::size_t bytes) override {
-    KVPORT_TRY(Api, Api::set_device(device_));
+    const DeviceScope scope = enter();
     void* p = nullptr;
-    const typename Api::Status status = Api::host_alloc(&p, bytes);
-    if (status != Api::success) {
-      Api::clear_error();
-      throw OutOfMemory(Api::name, bytes, 0);
+    const Status status = Api::host_alloc(&p, bytes);
+    if (status != Api::success) fail_allocation(status, "Api::host_alloc", bytes);
+    try {
+      host_tracker_.add(DevicePtr::from(p), bytes);
+    } catch (...) {
+      KVPORT_GPU_CHECK_NOTHROW(Api::host_free(p));
+      throw;
     }
-    host_tracker_.add(DevicePtr::from(p), bytes);
     return p;
   }
 
   bool do_free_host(void* ptr) noexcept override {
     if (!host_tracker_.remove(DevicePtr::from(ptr))) return false;
-    return KVPORT_TRY_NOTHROW(Api, Api::host_free(ptr));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    KVPORT_GPU_CHECK_NOTHROW(Api::host_free(ptr));
+    return true;
   }
 
   void* do_create_stream() override {
-    KVPORT_TRY(Api, Api::set_device(device_));
+    const DeviceScope scope = enter();
     Stream_t s{};
-    KVPORT_TRY(Api, Api::stream_create(&s));
+    KVPORT_GPU_CHECK(Api::stream_create(&s, Api::stream_non_blocking));
     std::lock_guard lock(handles_mutex_);
-    streams_.insert(static_cast<void*>(s));
+    streams_.emplace(static_cast<void*>(s), ++last_stream_serial_);
     return static_cast<void*>(s);
   }
 
@@ -236,38 +439,38 @@ class GpuBackend final : public Backend {
       std::lock_guard lock(handles_mutex_);
       if (streams_.erase(native) == 0) return;
     }
-    KVPORT_TRY_NOTHROW(Api, Api::stream_destroy(as_stream(native)));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    // Work still queued completes first; the runtime releases the stream then.
+    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(as_stream(native)));
   }
 
   void* do_default_stream() override { return static_cast<void*>(default_stream_); }
 
   void do_synchronize(void* stream) override {
-    KVPORT_TRY(Api, Api::stream_synchronize(stream_of(stream)));
+    const Stream_t s = stream_of(stream);
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::stream_synchronize(s));
   }
 
-  // Creates an event with `create` (Api::event_create or
-  // Api::timing_event_create) and records it as live.
-  void* new_event(typename Api::Status (*create)(Event_t*), const char* call) {
-    KVPORT_TRY(Api, Api::set_device(device_));
+  void* new_event(unsigned flags) {
+    const DeviceScope scope = enter();
     Event_t e{};
-    detail::check_vendor<Api>(create(&e), call);
+    KVPORT_GPU_CHECK(Api::event_create(&e, flags));
     std::lock_guard lock(handles_mutex_);
     events_.insert(static_cast<void*>(e));
     return static_cast<void*>(e);
   }
 
-  void* do_create_event() override { return new_event(&Api::event_create, "Api::event_create"); }
-
-  void* do_create_timing_event() override {
-    return new_event(&Api::timing_event_create, "Api::timing_event_create");
-  }
+  void* do_create_event() override { return new_event(Api::event_disable_timing); }
+  void* do_create_timing_event() override { return new_event(Api::event_default); }
 
   double do_elapsed_seconds(void* start, void* end) override {
     const Event_t a = event_of(start), b = event_of(end);
-    KVPORT_TRY(Api, Api::event_synchronize(a));
-    KVPORT_TRY(Api, Api::event_synchronize(b));
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::event_synchronize(a));
+    KVPORT_GPU_CHECK(Api::event_synchronize(b));
     float ms = 0.0f;
-    KVPORT_TRY(Api, Api::event_elapsed_ms(&ms, a, b));
+    KVPORT_GPU_CHECK(Api::event_elapsed_ms(&ms, a, b));
     return static_cast<double>(ms) / 1000.0;
   }
 
@@ -276,26 +479,37 @@ class GpuBackend final : public Backend {
       std::lock_guard lock(handles_mutex_);
       if (events_.erase(native) == 0) return;
     }
-    KVPORT_TRY_NOTHROW(Api, Api::event_destroy(as_event(native)));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(as_event(native)));
   }
 
   void do_record_event(void* event, void* stream) override {
-    KVPORT_TRY(Api, Api::event_record(event_of(event), stream_of(stream)));
+    const Event_t e = event_of(event);
+    const Stream_t s = stream_of(stream);
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::event_record(e, s));
   }
 
   void do_wait_event(void* stream, void* event) override {
-    KVPORT_TRY(Api, Api::stream_wait_event(stream_of(stream), event_of(event)));
+    const Stream_t s = stream_of(stream);
+    const Event_t e = event_of(event);
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::stream_wait_event(s, e));
   }
 
   void do_synchronize_event(void* event) override {
-    KVPORT_TRY(Api, Api::event_synchronize(event_of(event)));
+    const Event_t e = event_of(event);
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::event_synchronize(e));
   }
 
   void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                        void* stream) override {
     tracker_.check(ptr, bytes, "memset_async");
+    const Stream_t s = stream_of(stream);
     if (bytes == 0) return;
-    KVPORT_TRY(Api, Api::memset_async(ptr.get(), value, bytes, stream_of(stream)));
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::memset_async(ptr.get(), value, bytes, s));
   }
 
   void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,
@@ -314,30 +528,42 @@ class GpuBackend final : public Backend {
       }
     }
     if (descriptors.empty()) return;
-    upload_and_launch(
-        descriptors.data(), descriptors.size() * sizeof(FillDescriptor), s, [&](void* table) {
-          return static_cast<typename Api::Status>(Api::launch_fill(
-              static_cast<const FillDescriptor*>(table), descriptors.size(), chunks, value, s));
-        });
+    const DeviceScope scope = enter();
+    if (descriptors.size() <= kMaxInlineFills) {
+      KVPORT_GPU_CHECK(
+          Api::launch_fill_by_value(descriptors.data(), descriptors.size(), chunks, value, s));
+      return;
+    }
+    upload_and_launch(descriptors.data(), descriptors.size() * sizeof(FillDescriptor), s,
+                      [&](void* table) {
+                        return Api::launch_fill_table(static_cast<const FillDescriptor*>(table),
+                                                      descriptors.size(), chunks, value, s);
+                      });
   }
 
   void do_copy_h2d_async(DevicePtr dst, const void* src, std::size_t bytes, void* stream) override {
     tracker_.check(dst, bytes, "copy_h2d_async");
+    const Stream_t s = stream_of(stream);
     if (bytes == 0) return;
-    KVPORT_TRY(Api, Api::memcpy_async(dst.get(), src, bytes, stream_of(stream)));
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::memcpy_async(dst.get(), src, bytes, s));
   }
 
   void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) override {
     tracker_.check(src, bytes, "copy_d2h_async");
+    const Stream_t s = stream_of(stream);
     if (bytes == 0) return;
-    KVPORT_TRY(Api, Api::memcpy_async(dst, src.get(), bytes, stream_of(stream)));
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::memcpy_async(dst, src.get(), bytes, s));
   }
 
   void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) override {
     tracker_.check(src, bytes, "copy_d2d_async (source)");
     tracker_.check(dst, bytes, "copy_d2d_async (destination)");
+    const Stream_t s = stream_of(stream);
     if (bytes == 0) return;
-    KVPORT_TRY(Api, Api::memcpy_async(dst.get(), src.get(), bytes, stream_of(stream)));
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::memcpy_async(dst.get(), src.get(), bytes, s));
   }
 
   void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) override {
@@ -356,79 +582,143 @@ class GpuBackend final : public Backend {
       }
     }
     if (descriptors.empty()) return;
-    upload_and_launch(
-        descriptors.data(), descriptors.size() * sizeof(CopyDescriptor), s, [&](void* table) {
-          return static_cast<typename Api::Status>(Api::launch_copy(
-              static_cast<const CopyDescriptor*>(table), descriptors.size(), chunks, s));
-        });
+    const DeviceScope scope = enter();
+    if (descriptors.size() <= kMaxInlineCopies) {
+      KVPORT_GPU_CHECK(
+          Api::launch_copy_by_value(descriptors.data(), descriptors.size(), chunks, s));
+      return;
+    }
+    upload_and_launch(descriptors.data(), descriptors.size() * sizeof(CopyDescriptor), s,
+                      [&](void* table) {
+                        return Api::launch_copy_table(static_cast<const CopyDescriptor*>(table),
+                                                      descriptors.size(), chunks, s);
+                      });
   }
 
   void do_inject_async_fault(void* stream) override {
-    detail::check_vendor<Api>(
-        static_cast<typename Api::Status>(Api::launch_fault(stream_of(stream))),
-        "fault kernel launch");
+    const Stream_t s = stream_of(stream);
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::launch_fault(s));
   }
 
   // ---- block pools: the table lives on the device --------------------------------
 
   struct DevicePools {
-    std::vector<BlockPool> pools;  // for re-checking against live allocations
-    std::size_t num_blocks = 0;
-    void* table = nullptr;  // PoolDescriptor[pools.size()] in device memory
+    std::vector<AllocationTracker::Use> pools;  // each pool's extent and allocation serial
+    void* table = nullptr;                      // PoolDescriptor[pools.size()] in device memory
     std::uint64_t chunks_per_block = 0;
+    // The tracker generation the pools were last checked at: while no
+    // allocation has been freed since, they cannot have become invalid.
+    std::atomic<std::uint64_t> checked_generation{0};
+    // One event per stream that ran a fill over `table`, recorded after its
+    // last fill: the table is freed only after every one of them.
+    struct LastUse {
+      std::uint64_t stream_serial;
+      Event_t event;
+    };
+    std::mutex last_use_mutex;
+    std::vector<LastUse> last_use;
   };
 
-  void check_pools(const DevicePools& d, const char* op) const {
+  // Re-checks the pools against the live allocations, but only when an
+  // allocation was freed since the last check (the common case costs one
+  // shared lock and a compare, not 2 x layers range lookups).
+  void check_pools(DevicePools& d) const {
     auto lock = tracker_.read_lock();
-    for (const BlockPool& p : d.pools) {
-      tracker_.check_locked(p.base, (d.num_blocks - 1) * p.stride + p.bytes, op);
+    const std::uint64_t generation = tracker_.generation_locked();
+    if (generation == d.checked_generation.load(std::memory_order_acquire)) return;
+    for (const AllocationTracker::Use& use : d.pools)
+      tracker_.recheck_locked(use);
+    d.checked_generation.store(generation, std::memory_order_release);
+  }
+
+  void note_last_use(DevicePools& d, const StreamRef& stream) {
+    std::lock_guard lock(d.last_use_mutex);
+    typename DevicePools::LastUse* use = nullptr;
+    for (auto& u : d.last_use) {
+      if (u.stream_serial == stream.serial) {
+        use = &u;  // the stream is in order: a later record covers the earlier work
+        break;
+      }
     }
+    for (auto it = d.last_use.begin(); use == nullptr && it != d.last_use.end(); ++it) {
+      if (Api::event_query(it->event) == Api::success) {
+        use = &*it;  // that stream's fills are done: reuse its event
+        use->stream_serial = stream.serial;
+      } else {
+        Api::clear_error();
+      }
+    }
+    if (use == nullptr) {
+      Event_t e{};
+      KVPORT_GPU_CHECK(Api::event_create(&e, Api::event_disable_timing));
+      d.last_use.push_back({stream.serial, e});
+      use = &d.last_use.back();
+    }
+    KVPORT_GPU_CHECK(Api::event_record(use->event, stream.native));
   }
 
   void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
     auto d = std::make_unique<DevicePools>();
-    d->pools.assign(pools.begin(), pools.end());
-    d->num_blocks = num_blocks;
-    check_pools(*d, "register_block_pools");
     std::vector<PoolDescriptor> descriptors;
     descriptors.reserve(pools.size());
-    for (const BlockPool& p : pools) {
-      descriptors.push_back(
-          PoolDescriptor{p.base.address(), p.bytes, p.stride, d->chunks_per_block});
-      d->chunks_per_block += chunks_for(p.bytes);
+    {
+      auto lock = tracker_.read_lock();
+      for (const BlockPool& p : pools) {
+        const std::size_t extent = (num_blocks - 1) * p.stride + p.bytes;
+        const std::uint64_t serial = tracker_.check_locked(p.base, extent, "register_block_pools");
+        d->pools.push_back(AllocationTracker::Use{p.base, extent,
+                                                  "fill_blocks_async (a registered pool)", serial});
+        descriptors.push_back(
+            PoolDescriptor{p.base.address(), p.bytes, p.stride, d->chunks_per_block});
+        d->chunks_per_block += chunks_for(p.bytes);
+      }
+      d->checked_generation.store(tracker_.generation_locked(), std::memory_order_relaxed);
     }
     const std::size_t bytes = descriptors.size() * sizeof(PoolDescriptor);
-    KVPORT_TRY(Api, Api::set_device(device_));
-    KVPORT_TRY(Api, Api::malloc(&d->table, bytes));
-    try {
-      // One-time upload, then wait: the host vector dies with this call.
-      KVPORT_TRY(Api, Api::memcpy_async(d->table, descriptors.data(), bytes, default_stream_));
-      KVPORT_TRY(Api, Api::stream_synchronize(default_stream_));
-    } catch (...) {
-      KVPORT_TRY_NOTHROW(Api, Api::free(d->table));
-      throw;
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(Api::malloc(&d->table, bytes));
+    // One-time upload, then wait: the host vector dies with this call.
+    Status status = Api::memcpy_async(d->table, descriptors.data(), bytes, default_stream_);
+    if (status == Api::success) status = Api::stream_synchronize(default_stream_);
+    if (status != Api::success) {
+      KVPORT_GPU_CHECK_NOTHROW(Api::free(d->table));
+      fail(status, "Api::memcpy_async (pool table upload)");
     }
     return d.release();
   }
 
   void do_unregister_block_pools(void* native) noexcept override {
     std::unique_ptr<DevicePools> d(static_cast<DevicePools*>(native));
-    // Fills using the table may still be queued: wait for them (cudaFree
-    // would synchronize the device anyway).
-    KVPORT_TRY_NOTHROW(Api, Api::set_device(device_));
-    KVPORT_TRY_NOTHROW(Api, Api::free(d->table));
+    const DeviceScope scope(*this, DeviceScope::unchecked);
+    // Fills that read the table may still be queued: wait for the last one on
+    // every stream that ran one, rather than rely on the free synchronizing
+    // the device (a stream-ordered free would not).
+    for (const auto& use : d->last_use) {
+      KVPORT_GPU_CHECK_NOTHROW(Api::event_synchronize(use.event));
+      KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(use.event));
+    }
+    KVPORT_GPU_CHECK_NOTHROW(Api::free(d->table));
   }
 
   void do_fill_blocks_async(void* native, std::span<const std::uint32_t> ids, std::uint8_t value,
                             void* stream) override {
-    const auto& d = *static_cast<const DevicePools*>(native);
-    const Stream_t s = stream_of(stream);
-    check_pools(d, "fill_blocks_async");
-    upload_and_launch(ids.data(), ids.size_bytes(), s, [&](void* uploaded) {
-      return static_cast<typename Api::Status>(Api::launch_fill_blocks(
-          static_cast<const PoolDescriptor*>(d.table), d.pools.size(), d.chunks_per_block,
-          static_cast<const std::uint32_t*>(uploaded), ids.size(), value, s));
-    });
+    auto& d = *static_cast<DevicePools*>(native);
+    const StreamRef s = stream_ref(stream);
+    check_pools(d);
+    const DeviceScope scope = enter();
+    const auto* table = static_cast<const PoolDescriptor*>(d.table);
+    if (ids.size() <= kMaxInlineIds) {
+      KVPORT_GPU_CHECK(Api::launch_fill_blocks_by_value(table, d.pools.size(), d.chunks_per_block,
+                                                        ids.data(), ids.size(), value, s.native));
+    } else {
+      upload_and_launch(ids.data(), ids.size_bytes(), s.native, [&](void* uploaded) {
+        return Api::launch_fill_blocks_table(table, d.pools.size(), d.chunks_per_block,
+                                             static_cast<const std::uint32_t*>(uploaded),
+                                             ids.size(), value, s.native);
+      });
+    }
+    note_last_use(d, s);
   }
 
   const int device_;
@@ -437,12 +727,20 @@ class GpuBackend final : public Backend {
   Stream_t default_stream_{};
 
   mutable std::mutex handles_mutex_;
-  std::unordered_set<void*> streams_;
+  std::unordered_map<void*, std::uint64_t> streams_;  // native handle -> serial
+  std::uint64_t last_stream_serial_ = 0;
   std::unordered_set<void*> events_;
 
   std::mutex staging_mutex_;
-  std::array<Staging, 4> staging_{};
-  std::size_t next_slot_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::uint64_t staging_clock_ = 0;
+
+  mutable std::mutex lost_mutex_;
+  mutable std::atomic<bool> lost_{false};
+  mutable LostInfo lost_info_;
 };
+
+#undef KVPORT_GPU_CHECK
+#undef KVPORT_GPU_CHECK_NOTHROW
 
 }  // namespace kvport::gpu

@@ -20,6 +20,21 @@ BackendError::BackendError(std::string_view backend, std::string_view call, long
       native_code_(native_code),
       native_string_(native_string) {}
 
+BackendError::BackendError(std::string message, std::string_view backend, std::string_view call,
+                           long native_code, std::string_view native_string)
+    : Error(std::move(message)),
+      backend_(backend),
+      call_(call),
+      native_code_(native_code),
+      native_string_(native_string) {}
+
+DeviceLost::DeviceLost(std::string_view backend, std::string_view call, long native_code,
+                       std::string_view native_string)
+    : BackendError(fmt::format("{}: device lost: {} failed: error {} ({}); the device context is "
+                               "unusable and every later call on this backend fails",
+                               backend, call, native_code, native_string),
+                   backend, call, native_code, native_string) {}
+
 namespace detail {
 
 void log_vendor_failure(std::string_view backend, std::string_view call, long code,

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <sys/wait.h>
+
 #include "gpusim_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
@@ -434,29 +436,51 @@ TEST_P(Conformance, TimingEventsMeasureDeviceWork) {
 }
 
 TEST_P(Conformance, SynchronizeSurfacesAnAsynchronousError) {
-  if (!info_.is_gpu) {
+  if (!info_.is_gpu && b().name() != "gpusim") {
     Stream s = b().create_stream();
     b().inject_async_fault(s);  // returns at once; the error comes later
     EXPECT_THROW(s.synchronize(), BackendError);
     EXPECT_NO_THROW(s.synchronize());  // reported once
+    EXPECT_FALSE(b().device_lost());
     return;
   }
-  // A GPU fault is sticky: the context is lost. Run it in a process of its own.
+  if (!info_.is_gpu) {
+    // gpusim models a GPU fault: sticky and context-wide, the device is lost.
+    Stream s = b().create_stream();
+    b().inject_async_fault(s);
+    EXPECT_THROW(s.synchronize(), DeviceLost);
+    EXPECT_THROW(b().synchronize(stream()), DeviceLost);  // every stream, every later call
+    EXPECT_THROW(b().alloc(64), DeviceLost);              // never OutOfMemory
+    EXPECT_TRUE(b().device_lost());
+    return;
+  }
+  // A GPU fault is sticky: the context is lost. Run it in a process of its
+  // own. On CUDA the synchronize reports it (DeviceLost). On ROCm a
+  // device-side trap usually aborts the process from the runtime before any
+  // status comes back: on hip, death by a signal is the expected outcome too.
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   const std::string name = GetParam();
+  const bool abort_allowed = name == "hip";
   EXPECT_EXIT(
       {
         auto gpu = make_backend(name);
         gpu->inject_async_fault(gpu->default_stream());
         try {
           gpu->synchronize(gpu->default_stream());
-        } catch (const BackendError& e) {
+        } catch (const DeviceLost& e) {
           std::fprintf(stderr, "surfaced: %s\n", e.what());
-          std::_Exit(0);
+          std::_Exit(gpu->device_lost() ? 0 : 4);
+        } catch (const BackendError& e) {
+          std::fprintf(stderr, "not reported as device lost: %s\n", e.what());
+          std::_Exit(5);
         }
         std::_Exit(3);
       },
-      ::testing::ExitedWithCode(0), "surfaced");
+      [abort_allowed](int status) {
+        if (WIFEXITED(status)) return WEXITSTATUS(status) == 0;
+        return abort_allowed && WIFSIGNALED(status);
+      },
+      abort_allowed ? "" : "surfaced");
 }
 
 // ---- contract details ----------------------------------------------------------------

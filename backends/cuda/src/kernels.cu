@@ -3,6 +3,7 @@
 
 #define KVPORT_KERNEL_NS cuda_kernels
 #define KVPORT_STREAM_T cudaStream_t
-#define KVPORT_GET_LAST_ERROR cudaGetLastError
+#define KVPORT_LAUNCH_KERNEL cudaLaunchKernel
+#define KVPORT_GRID_CONSTANT __grid_constant__
 #define KVPORT_DEVICE_TRAP __trap()
 #include "gpu_kernels.inc"

@@ -4,6 +4,7 @@
 
 #define KVPORT_KERNEL_NS hip_kernels
 #define KVPORT_STREAM_T hipStream_t
-#define KVPORT_GET_LAST_ERROR hipGetLastError
+#define KVPORT_LAUNCH_KERNEL hipLaunchKernel
+#define KVPORT_GRID_CONSTANT
 #define KVPORT_DEVICE_TRAP __builtin_trap()
 #include "gpu_kernels.inc"

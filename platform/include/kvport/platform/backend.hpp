@@ -128,6 +128,11 @@ class Backend {
   /// Free and total bytes of the selected device.
   MemInfo mem_info() const { return do_mem_info(); }
 
+  /// True once the backend has seen a sticky, context-wide device error (see
+  /// DeviceLost): from then on every device call throws DeviceLost. Always
+  /// false on the host backend.
+  bool device_lost() const noexcept { return do_device_lost(); }
+
   // ---- memory -------------------------------------------------------------
 
   /// Allocates `bytes` (> 0), aligned to kAllocAlignment. Contents are
@@ -265,6 +270,7 @@ class Backend {
 
   virtual int do_device_count() const = 0;
   virtual MemInfo do_mem_info() const = 0;
+  virtual bool do_device_lost() const noexcept { return false; }
   virtual DevicePtr do_alloc(std::size_t bytes) = 0;
   virtual bool do_free(DevicePtr ptr) noexcept = 0;
   virtual void* do_alloc_host(std::size_t bytes) = 0;

@@ -63,11 +63,29 @@ class BackendError : public Error {
   long native_code() const noexcept { return native_code_; }
   const std::string& native_string() const noexcept { return native_string_; }
 
+ protected:
+  /// For subclasses that word the message themselves.
+  BackendError(std::string message, std::string_view backend, std::string_view call,
+               long native_code, std::string_view native_string);
+
  private:
   std::string backend_;
   std::string call_;
   long native_code_;
   std::string native_string_;
+};
+
+/// The device context is gone: a sticky, context-wide error (a kernel fault,
+/// an illegal address, an ECC error) was seen. It is not a per-stream error
+/// and nothing recovers it in this process: every later call on the backend
+/// throws DeviceLost again (no out-of-memory, no retry), and
+/// Backend::device_lost() turns true. A scheduler must not evict and retry on
+/// it; the engine has to restart the process (or the worker owning the
+/// device). Carries the call and native code of the error that lost it.
+class DeviceLost : public BackendError {
+ public:
+  DeviceLost(std::string_view backend, std::string_view call, long native_code,
+             std::string_view native_string);
 };
 
 namespace detail {
