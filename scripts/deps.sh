@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvport builds with, if any are missing.
-# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots]
+# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots] [--peer]
 #   --hip adds hipcc + libamdhip64-dev; --fuzz clang + its libFuzzer runtime;
-#   --plots python3-matplotlib for scripts/bench.sh
+#   --plots python3-matplotlib for scripts/bench.sh; --peer python3-torch
+#   (CPU-only PyTorch 1.13, for /usr/bin/python3) for the PyTorch peer of the
+#   zeroing bench (benchmarks/peer) and its ctests (label peer)
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -15,6 +17,7 @@ for arg in "$@"; do
   case "$arg" in
     --hip) packages+=(hipcc libamdhip64-dev) ;;
     --plots) packages+=(python3 python3-matplotlib) ;;
+    --peer) packages+=(python3 python3-torch) ;;
     --fuzz) packages+=(clang-15 libclang-common-15-dev) ;;  # clang 15 (std::source_location); its libFuzzer runtime
     *) echo "deps.sh: unknown option '$arg'" >&2; exit 2 ;;
   esac

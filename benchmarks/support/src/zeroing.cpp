@@ -112,8 +112,10 @@ StrategyResult ZeroingBench::run_limit(std::size_t bytes) {
 
 ZeroingResult ZeroingBench::measure(std::size_t batch, IdPattern pattern, int repetitions) {
   if (repetitions <= 0) throw InvalidArgument("ZeroingBench::measure: repetitions must be > 0");
-  const std::vector<BlockId> block_ids = ids(batch, pattern);
   ZeroingResult result;
+  result.block_ids = ids(batch, pattern);
+  result.num_blocks = cache_->num_blocks();
+  const std::vector<BlockId>& block_ids = result.block_ids;
   result.model = model_;
   result.layout = layout_;
   result.batch = batch;

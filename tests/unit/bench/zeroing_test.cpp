@@ -29,6 +29,8 @@ TEST_P(ZeroingCalls, BatchedIsOneCallReferenceIsTwoPerLayerPerBlockLimitIsOne) {
         EXPECT_EQ(r.limit.calls, 1.0);
         EXPECT_EQ(r.reference.calls, 2.0 * layers * static_cast<double>(batch));
         EXPECT_EQ(r.bytes, batch * shape.config.bytes_per_block());
+        EXPECT_EQ(r.block_ids, bench.ids(batch, pattern));
+        EXPECT_EQ(r.num_blocks, 32u);
         EXPECT_GT(r.batched_over_limit(), 0.0);
         EXPECT_GT(r.batched_over_reference(), 0.0);
       }

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "cli_test_util.hpp"
 
@@ -34,8 +35,9 @@ TEST(cli_bench, QuickJsonOnHostReportsEveryCaseWithItsCallsAndRatios) {
   std::set<std::uint64_t> batches;
   for (const nlohmann::json& c : j) {
     SCOPED_TRACE(c.dump());
-    for (const char* field : {"model", "layout", "batch", "ids", "bytes", "reference", "batched",
-                              "limit", "batched_over_limit", "batched_over_reference"}) {
+    for (const char* field :
+         {"model", "layout", "batch", "ids", "bytes", "num_blocks", "reference", "batched", "limit",
+          "batched_over_limit", "batched_over_reference", "block_ids"}) {
       ASSERT_TRUE(c.contains(field)) << field;
     }
     for (const char* strategy : {"reference", "batched", "limit"}) {
@@ -50,6 +52,22 @@ TEST(cli_bench, QuickJsonOnHostReportsEveryCaseWithItsCallsAndRatios) {
     ids.insert(c["ids"].get<std::string>());
     batches.insert(batch);
     EXPECT_EQ(c["backend"], "host");
+
+    // The ids zeroed, for a peer to zero the same ones (benchmarks/peer): the
+    // cache holds 2 x the largest batch; contiguous ids are 0..batch-1,
+    // scattered ones every other block, each once.
+    EXPECT_EQ(c["num_blocks"].get<std::uint64_t>(), 8u);
+    const auto block_ids = c["block_ids"].get<std::vector<std::uint64_t>>();
+    ASSERT_EQ(block_ids.size(), batch);
+    const std::set<std::uint64_t> distinct(block_ids.begin(), block_ids.end());
+    EXPECT_EQ(distinct.size(), batch);
+    for (std::uint64_t i = 0; i < batch; ++i) {
+      if (c["ids"] == "contiguous") {
+        EXPECT_EQ(block_ids[i], i);
+      } else {
+        EXPECT_TRUE(distinct.contains(2 * i)) << 2 * i;
+      }
+    }
 
     // llama-3 blocks: layers x 2 (K + V) x 16 tokens x 8 heads x 128 x 2 bytes.
     EXPECT_EQ(c["bytes"].get<std::uint64_t>(), batch * layers_of(model) * 2 * 16 * 8 * 128 * 2);

@@ -389,12 +389,14 @@ class BenchCommand final : public Command {
                        {"batch", r.batch},
                        {"ids", to_string(r.ids)},
                        {"bytes", r.bytes},
+                       {"num_blocks", r.num_blocks},
                        {"repetitions", plan.repetitions},
                        {"reference", strategy_json(r.reference)},
                        {"batched", strategy_json(r.batched)},
                        {"limit", strategy_json(r.limit)},
                        {"batched_over_limit", r.batched_over_limit()},
-                       {"batched_over_reference", r.batched_over_reference()}});
+                       {"batched_over_reference", r.batched_over_reference()},
+                       {"block_ids", r.block_ids}});
     }
     out << cases.dump(2) << '\n';
   }
