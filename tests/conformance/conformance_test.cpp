@@ -1,10 +1,6 @@
-// The backend conformance suite: the executable form of the Backend contract
-// (platform/include/kvport/platform/backend.hpp). One test body, instantiated
-// for every compiled backend; a backend without a device reports each test as
-// skipped, with the reason.
-//
-// Every check reads the device memory back to the host and compares it with a
-// host-side model of what the bytes must be.
+// The core of the backend conformance suite (see conformance.cpp for the
+// other files): allocation, memset, batched fills, copies, ordering on one
+// stream and across two, contract details, and PagedKvCache end to end.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -19,141 +15,17 @@
 
 #include <sys/wait.h>
 
-#include "gpusim_backend.hpp"
+#include "conformance.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
-#include "kvport/platform/fault_injecting_backend.hpp"
-#include "kvport/platform/registry.hpp"
 #include "kvport/testing/support.hpp"
 
-namespace kvport {
+namespace kvport::conformance {
 namespace {
 
 using kvport::testing::message_of;
 using ::testing::HasSubstr;
-using Bytes = std::vector<std::uint8_t>;
-
-constexpr std::size_t kKiB = 1024;
-constexpr std::size_t kMiB = 1024 * kKiB;
-
-// Test-only backends the suite also runs, beside every compiled one: gpusim is
-// the GPU backend's code over a CPU simulation of the vendor API; fault_host is
-// the FaultInjectingBackend decorator over the host backend with no fault
-// planned, which must be indistinguishable from the host backend. (Names are
-// test-name suffixes, so "fault_host" rather than its name(), "fault(host)".)
-struct TestBackend {
-  const char* name;
-  std::unique_ptr<Backend> (*make)();
-};
-const TestBackend kTestBackends[] = {
-    {"gpusim", [] { return testing::make_gpusim_backend(); }},
-    {"fault_host",
-     []() -> std::unique_ptr<Backend> {
-       return std::make_unique<FaultInjectingBackend>(make_backend("host"));
-     }},
-};
-
-std::vector<std::string> backend_names() {
-  std::vector<std::string> names;
-  for (const BackendInfo& info : compiled_backends())
-    names.push_back(info.name);
-  for (const TestBackend& t : kTestBackends)
-    names.emplace_back(t.name);
-  return names;
-}
-
-BackendInfo info_of(const std::string& name) {
-  for (BackendInfo& info : compiled_backends()) {
-    if (info.name == name) return info;
-  }
-  return BackendInfo{name, false, true, ""};  // a test backend: always available
-}
-
-std::unique_ptr<Backend> make_any_backend(const std::string& name) {
-  for (const TestBackend& t : kTestBackends) {
-    if (name == t.name) return t.make();
-  }
-  return make_backend(name);
-}
-
-Bytes random_bytes(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  Bytes out(n);
-  for (auto& b : out)
-    b = static_cast<std::uint8_t>(rng());
-  return out;
-}
-
-class Conformance : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    info_ = info_of(GetParam());
-    if (!info_.available) GTEST_SKIP() << info_.unavailable_reason;
-    backend_ = make_any_backend(GetParam());
-  }
-
-  void TearDown() override {
-    if (!backend_) return;
-    for (DevicePtr p : owned_)
-      backend_->free(p);
-  }
-
-  Backend& b() { return *backend_; }
-  StreamView stream() { return backend_->default_stream(); }
-
-  // An allocation freed at the end of the test.
-  DevicePtr alloc(std::size_t bytes) {
-    owned_.push_back(b().alloc(bytes));
-    return owned_.back();
-  }
-
-  // A device buffer holding `content`.
-  DevicePtr upload(const Bytes& content) {
-    DevicePtr p = alloc(content.size());
-    b().copy_h2d(p, content.data(), content.size(), stream());
-    return p;
-  }
-
-  Bytes download(DevicePtr p, std::size_t bytes) {
-    Bytes out(bytes);
-    b().copy_d2h(out.data(), p, bytes, stream());
-    return out;
-  }
-
-  // Regions of odd sizes at odd offsets, with gaps between them that must
-  // stay untouched, given to fill_async in random order: one call.
-  void check_batched_fill(std::size_t count, std::size_t max_size, std::uint32_t seed) {
-    std::mt19937 rng(seed);
-    std::vector<std::pair<std::size_t, std::size_t>> layout;  // offset, size
-    std::size_t cursor = rng() % 7;
-    for (std::size_t i = 0; i < count; ++i) {
-      const std::size_t size = 1 + rng() % max_size;
-      layout.emplace_back(cursor, size);
-      cursor += size + rng() % 6;
-    }
-    Bytes expected = random_bytes(cursor + 16, seed + 1);
-    DevicePtr p = upload(expected);
-    std::vector<FillRegion> regions;
-    for (auto [offset, size] : layout) {
-      regions.push_back(FillRegion{p.offset(offset), size});
-      std::fill_n(expected.begin() + static_cast<std::ptrdiff_t>(offset), size, 0x3C);
-    }
-    std::shuffle(regions.begin(), regions.end(), rng);
-    const CallCounts before = b().call_counts();
-    b().fill_async(regions, 0x3C, stream());
-    EXPECT_EQ(b().call_counts().fill - before.fill, 1u);
-    const Bytes back = download(p, expected.size());
-    const auto mismatch = std::mismatch(back.begin(), back.end(), expected.begin());
-    EXPECT_TRUE(mismatch.first == back.end())
-        << "first wrong byte at offset " << (mismatch.first - back.begin()) << " of "
-        << back.size();
-  }
-
-  BackendInfo info_;
-  std::unique_ptr<Backend> backend_;
-  std::vector<DevicePtr> owned_;
-};
 
 // ---- allocation ------------------------------------------------------------------
 
@@ -189,7 +61,7 @@ TEST_P(Conformance, ManyAllocations) {
   constexpr std::size_t kCount = 1000, kBytes = 4 * kKiB;
   std::vector<DevicePtr> ptrs;
   for (std::size_t i = 0; i < kCount; ++i) {
-    ptrs.push_back(alloc(kBytes));
+    ptrs.push_back(b().alloc(kBytes));  // freed below, not by the fixture
     b().memset_async(ptrs.back(), static_cast<std::uint8_t>(i), kBytes, stream());
   }
   for (std::size_t i = 0; i < kCount; i += 97) {
@@ -197,7 +69,6 @@ TEST_P(Conformance, ManyAllocations) {
   }
   for (DevicePtr p : ptrs)
     EXPECT_TRUE(b().free(p));
-  owned_.clear();
 }
 
 TEST_P(Conformance, FreeRejectsForeignInteriorAndDoubleFrees) {
@@ -591,11 +462,5 @@ TEST_P(Conformance, PagedKvCacheZeroPoisonReadWriteEveryLayer) {
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
-  return info.param;
-}
-
-INSTANTIATE_TEST_SUITE_P(Backends, Conformance, ::testing::ValuesIn(backend_names()), param_name);
-
 }  // namespace
-}  // namespace kvport
+}  // namespace kvport::conformance
