@@ -3,29 +3,24 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
-
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "host_stream.hpp"
 #include "kvport/platform/allocation_tracker.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "streaming_fill.hpp"
 
 namespace kvport {
 namespace {
@@ -33,230 +28,17 @@ namespace {
 constexpr const char* kName = "host";
 constexpr const char* kPinnedName = "host (pinned host memory)";
 
-// ---- streaming fills -----------------------------------------------------------------
-
-// Batches of block regions larger than the last-level cache are set with
-// streaming (non-temporal) stores: the lines would not stay cached anyway, and
-// ordinary stores read every line before writing it. Measured on this
-// project's 2-core AVX-512 machine for 256 scattered llama-3-70b blocks:
-// memset 0.80x of one contiguous memset, AVX2 streaming 0.82x, AVX-512
-// streaming 0.87x (docs/performance.md). One contiguous memset stays a plain
-// memset, which glibc already does best.
-using StreamingFill = void (*)(unsigned char*, std::uint8_t, std::size_t);
-
-#if defined(__x86_64__) && defined(__GNUC__)
-// The aligned middle of [p, p + n) for vectors of `width` bytes; the head and
-// tail around it are set with memset.
-struct Middle {
-  std::size_t head;
-  std::size_t vectors;
-};
-inline Middle split(unsigned char* p, std::uint8_t value, std::size_t n, std::size_t width) {
-  const std::size_t misalign = reinterpret_cast<std::uintptr_t>(p) % width;
-  std::size_t head = misalign == 0 ? 0 : width - misalign;
-  if (head > n) head = n;
-  const std::size_t vectors = (n - head) / width;
-  std::memset(p, value, head);
-  std::memset(p + head + vectors * width, value, n - head - vectors * width);
-  return Middle{head, vectors};
-}
-
-// (The loops are written out in each function: a target attribute does not
-// reach into a lambda.)
-__attribute__((target("avx512f"))) void streaming_fill_avx512(unsigned char* p, std::uint8_t value,
-                                                              std::size_t n) {
-  const Middle m = split(p, value, n, 64);
-  const __m512i pattern = _mm512_set1_epi32(static_cast<int>(0x01010101u * value));
-  auto* q = reinterpret_cast<__m512i*>(p + m.head);
-  for (std::size_t i = 0; i < m.vectors; ++i)
-    _mm512_stream_si512(q + i, pattern);
-}
-
-__attribute__((target("avx2"))) void streaming_fill_avx2(unsigned char* p, std::uint8_t value,
-                                                         std::size_t n) {
-  const Middle m = split(p, value, n, 32);
-  const __m256i pattern = _mm256_set1_epi8(static_cast<char>(value));
-  auto* q = reinterpret_cast<__m256i*>(p + m.head);
-  for (std::size_t i = 0; i < m.vectors; ++i)
-    _mm256_stream_si256(q + i, pattern);
-}
-
-StreamingFill streaming_fill() noexcept {
-  static const StreamingFill fill = []() -> StreamingFill {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) return &streaming_fill_avx512;
-    if (__builtin_cpu_supports("avx2")) return &streaming_fill_avx2;
-    return nullptr;
-  }();
-  return fill;
-}
-
-// Streaming stores are weakly ordered: fence before the stream moves on.
-void streaming_fence() noexcept {
-  _mm_sfence();
-}
-#else
-StreamingFill streaming_fill() noexcept {
-  return nullptr;
-}
-void streaming_fence() noexcept {}
-#endif
-
-// Batch size from which fill_blocks_async streams: KVPORT_HOST_STREAMING_THRESHOLD
-// (a byte size), else 3/4 of the last-level cache (glibc's threshold for a
-// single memset), else 32 MiB.
-std::size_t streaming_threshold() {
-  if (const char* env = std::getenv("KVPORT_HOST_STREAMING_THRESHOLD"); env != nullptr && *env) {
-    try {
-      return parse_byte_size(env);
-    } catch (const InvalidArgument& e) {
-      throw InvalidArgument(std::string("KVPORT_HOST_STREAMING_THRESHOLD: ") + e.what());
-    }
-  }
-  const long llc = ::sysconf(_SC_LEVEL3_CACHE_SIZE);
-  return llc > 0 ? static_cast<std::size_t>(llc) / 4 * 3 : std::size_t{32} << 20;
-}
-
-// ---- one stream: a worker thread draining a FIFO queue -------------------------
-
-class HostStream {
- public:
-  using Op = std::function<void()>;
-
-  HostStream() : worker_([this] { run(); }) {}
-
-  ~HostStream() {
-    {
-      std::lock_guard lock(mutex_);
-      stopping_ = true;
-    }
-    wake_worker_.notify_one();
-    worker_.join();
-    if (first_error_) {
-      try {
-        std::rethrow_exception(first_error_);
-      } catch (const std::exception& e) {
-        log::error(
-            fmt::format("host: stream destroyed with an unsynchronized error: {}", e.what()));
-      } catch (...) {
-        log::error("host: stream destroyed with an unsynchronized unknown error");
-      }
-    }
-  }
-
-  HostStream(const HostStream&) = delete;
-  HostStream& operator=(const HostStream&) = delete;
-
-  void enqueue(Op op) {
-    {
-      std::lock_guard lock(mutex_);
-      queue_.push_back(std::move(op));
-      ++enqueued_;
-    }
-    wake_worker_.notify_one();
-  }
-
-  // Waits for everything queued so far; rethrows and clears the first error.
-  void synchronize() {
-    std::unique_lock lock(mutex_);
-    const std::uint64_t target = enqueued_;
-    idle_.wait(lock, [&] { return completed_ >= target; });
-    if (first_error_) std::rethrow_exception(std::exchange(first_error_, nullptr));
-  }
-
- private:
-  void run() {
-    std::unique_lock lock(mutex_);
-    for (;;) {
-      wake_worker_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued has run
-      Op op = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      std::exception_ptr error;
-      try {
-        op();
-      } catch (...) {
-        error = std::current_exception();
-      }
-      op = nullptr;  // release captures outside the lock
-      lock.lock();
-      if (error && !first_error_) {
-        first_error_ = error;
-      } else if (error) {
-        try {
-          std::rethrow_exception(error);
-        } catch (const std::exception& e) {
-          log::error(fmt::format("host: further asynchronous error on a stream: {}", e.what()));
-        } catch (...) {
-        }
-      }
-      ++completed_;
-      idle_.notify_all();
-    }
-  }
-
-  std::mutex mutex_;
-  std::condition_variable wake_worker_;
-  std::condition_variable idle_;
-  std::deque<Op> queue_;
-  std::uint64_t enqueued_ = 0;
-  std::uint64_t completed_ = 0;
-  bool stopping_ = false;
-  std::exception_ptr first_error_;
-  std::thread worker_;  // last: starts after every other member exists
-};
-
-// ---- events ------------------------------------------------------------------------
-
-// One `record`: signalled when its stream reaches it.
-class Completion {
- public:
-  void signal() {
-    {
-      std::lock_guard lock(mutex_);
-      done_ = true;
-      when_ = std::chrono::steady_clock::now();
-    }
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return done_; });
-  }
-  // When the stream reached the record; waits for it.
-  std::chrono::steady_clock::time_point when() {
-    std::unique_lock lock(mutex_);
-    cv_.wait(lock, [&] { return done_; });
-    return when_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::chrono::steady_clock::time_point when_;
-};
-
-// An event is its latest record. A wait captures that record when the wait
-// is made (CUDA's semantics): re-recording the event later, on another
-// stream, neither releases nor extends a wait already queued.
-struct HostEvent {
-  std::mutex mutex;
-  std::shared_ptr<Completion> latest;  // null: never recorded
-
-  std::shared_ptr<Completion> current() {
-    std::lock_guard lock(mutex);
-    return latest;
-  }
-};
+using host::Completion;
+using host::HostEvent;
+using host::HostStream;
+using host::StreamingFill;
 
 // ---- the backend -------------------------------------------------------------------
 
 class HostBackend final : public Backend {
  public:
   explicit HostBackend(std::size_t capacity)
-      : Backend(kName), capacity_(capacity), streaming_threshold_(streaming_threshold()) {
+      : Backend(kName), capacity_(capacity), streaming_threshold_(host::streaming_threshold()) {
     streams_.emplace(handle(kDefaultStreamId), std::make_shared<HostStream>());
   }
 
@@ -280,9 +62,10 @@ class HostBackend final : public Backend {
       std::free(reinterpret_cast<void*>(base));
     const auto pinned = host_tracker_.live();
     if (!pinned.empty()) {
-      log::warn(fmt::format("host: backend destroyed with {} live pinned host allocations; "
-                            "freeing them",
-                            pinned.size()));
+      log::warn(
+          fmt::format("host: backend destroyed with {} live pinned host allocations; "
+                      "freeing them",
+                      pinned.size()));
     }
     for (const auto& [base, bytes] : pinned)
       std::free(reinterpret_cast<void*>(base));
@@ -396,8 +179,8 @@ class HostBackend final : public Backend {
   // "device" is host memory too. Not counted against the device capacity.
   void* do_alloc_host(std::size_t bytes) override {
     if (bytes > SIZE_MAX - (kHostAllocAlignment - 1)) throw OutOfMemory(kName, bytes, 0);
-    const std::size_t size = (bytes + kHostAllocAlignment - 1) / kHostAllocAlignment *
-                             kHostAllocAlignment;
+    const std::size_t size =
+        (bytes + kHostAllocAlignment - 1) / kHostAllocAlignment * kHostAllocAlignment;
     void* p = std::aligned_alloc(kHostAllocAlignment, size);
     if (p == nullptr) throw OutOfMemory(kName, bytes, 0);
     try {
@@ -544,7 +327,7 @@ class HostBackend final : public Backend {
     for (const BlockPool& p : table.pools)
       block_bytes += p.bytes;
     const StreamingFill stream_fill =
-        block_bytes * ids.size() >= streaming_threshold_ ? streaming_fill() : nullptr;
+        block_bytes * ids.size() >= streaming_threshold_ ? host::streaming_fill() : nullptr;
     enqueue_checked(stream, "fill_blocks_async", std::move(uses),
                     [pools = table.pools, ids = std::vector<std::uint32_t>(ids.begin(), ids.end()),
                      value, stream_fill](const std::vector<Use>&) {
@@ -565,7 +348,7 @@ class HostBackend final : public Backend {
                           i = j;
                         }
                       }
-                      if (stream_fill != nullptr) streaming_fence();
+                      if (stream_fill != nullptr) host::streaming_fence();
                     });
   }
 
@@ -661,9 +444,8 @@ std::unique_ptr<Backend> make_default_host_backend() {
 
 std::unique_ptr<Backend> make_host_backend_on(int device) {
   if (device != 0) {
-    throw InvalidArgument(
-        fmt::format("host: device ordinal {} out of range (the host backend has 1 device, 0)",
-                    device));
+    throw InvalidArgument(fmt::format(
+        "host: device ordinal {} out of range (the host backend has 1 device, 0)", device));
   }
   return make_host_backend();
 }
