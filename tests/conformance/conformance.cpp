@@ -6,6 +6,8 @@
 // The tests live in one file per topic:
 //   conformance_test.cpp  allocation, memset, batched fills, copies, ordering,
 //                         contract details, PagedKvCache end to end
+//   contract_test.cpp     use after free at call time, destroyed streams,
+//                         moved-from handles, DeviceBuffer frees, call counts
 //   scale_test.cpp        offsets beyond 4 GiB, > 2^20 regions, 100 000 block
 //                         ids, large misaligned batched copies, a 1 GiB fill
 //   streams_test.cpp      staging under load, events across streams, never
