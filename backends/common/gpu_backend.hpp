@@ -99,8 +99,8 @@ class GpuBackend final : public Backend {
       release_buffers(*s);
       KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(s->done));
     }
-    for (const auto& [stream, serial] : streams_)
-      KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(as_stream(stream)));
+    for (const auto& [handle, stream] : streams_)
+      KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(stream));
     for (void* event : events_)
       KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(as_event(event)));
     KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(default_stream_));
@@ -215,24 +215,31 @@ class GpuBackend final : public Backend {
 
   // ---- handles -------------------------------------------------------------------
 
-  static Stream_t as_stream(void* native) { return static_cast<Stream_t>(native); }
   static Event_t as_event(void* native) { return static_cast<Event_t>(native); }
 
-  // A live stream and its serial (0: the default stream). Serials are never
-  // reused, unlike the native handle of a destroyed stream.
+  // Streams are named by a serial, never reused, rather than by the vendor's
+  // handle, which the runtime hands out again after a destroy: a stale
+  // StreamView of a destroyed stream must not reach its successor. The
+  // handle Backend sees is the serial; 1 is the default stream.
+  static constexpr std::uintptr_t kDefaultStreamSerial = 1;
+  static void* stream_handle(std::uintptr_t serial) { return reinterpret_cast<void*>(serial); }
+
+  // A live stream and its serial.
   struct StreamRef {
     Stream_t native;
     std::uint64_t serial;
   };
 
-  StreamRef stream_ref(void* native) const {
-    if (native == static_cast<void*>(default_stream_)) return {default_stream_, 0};
-    std::lock_guard lock(handles_mutex_);
-    const auto it = streams_.find(native);
-    if (it == streams_.end()) {
-      throw InvalidArgument(fmt::format("{}: stream {} is not a live stream", Api::name, native));
+  StreamRef stream_ref(void* handle) const {
+    if (handle == stream_handle(kDefaultStreamSerial)) {
+      return {default_stream_, kDefaultStreamSerial};
     }
-    return {as_stream(native), it->second};
+    std::lock_guard lock(handles_mutex_);
+    const auto it = streams_.find(handle);
+    if (it == streams_.end()) {
+      throw InvalidArgument(fmt::format("{}: stream {} is not a live stream", Api::name, handle));
+    }
+    return {it->second, reinterpret_cast<std::uintptr_t>(handle)};
   }
 
   Stream_t stream_of(void* native) const { return stream_ref(native).native; }
@@ -430,21 +437,26 @@ class GpuBackend final : public Backend {
     Stream_t s{};
     KVPORT_GPU_CHECK(Api::stream_create(&s, Api::stream_non_blocking));
     std::lock_guard lock(handles_mutex_);
-    streams_.emplace(static_cast<void*>(s), ++last_stream_serial_);
-    return static_cast<void*>(s);
+    void* handle = stream_handle(++last_stream_serial_);
+    streams_.emplace(handle, s);
+    return handle;
   }
 
-  void do_destroy_stream(void* native) noexcept override {
+  void do_destroy_stream(void* handle) noexcept override {
+    Stream_t s{};
     {
       std::lock_guard lock(handles_mutex_);
-      if (streams_.erase(native) == 0) return;
+      const auto it = streams_.find(handle);
+      if (it == streams_.end()) return;
+      s = it->second;
+      streams_.erase(it);
     }
     const DeviceScope scope(*this, DeviceScope::unchecked);
     // Work still queued completes first; the runtime releases the stream then.
-    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(as_stream(native)));
+    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(s));
   }
 
-  void* do_default_stream() override { return static_cast<void*>(default_stream_); }
+  void* do_default_stream() override { return stream_handle(kDefaultStreamSerial); }
 
   void do_synchronize(void* stream) override {
     const Stream_t s = stream_of(stream);
@@ -727,8 +739,8 @@ class GpuBackend final : public Backend {
   Stream_t default_stream_{};
 
   mutable std::mutex handles_mutex_;
-  std::unordered_map<void*, std::uint64_t> streams_;  // native handle -> serial
-  std::uint64_t last_stream_serial_ = 0;
+  std::unordered_map<void*, Stream_t> streams_;  // handle (serial) -> vendor stream
+  std::uintptr_t last_stream_serial_ = kDefaultStreamSerial;
   std::unordered_set<void*> events_;
 
   std::mutex staging_mutex_;

@@ -88,13 +88,6 @@ TEST_P(Conformance, DestroyedStreamIsRejected) {
 TEST_P(Conformance, DestroyedStreamIsRejectedAfterANewStreamIsCreated) {
   // A new stream may well get the destroyed one's native handle back; the
   // stale view must still be rejected, not queue work on the newcomer.
-  if (GetParam() == "gpusim" || GetParam() == "cuda" || GetParam() == "hip") {
-    // Known gap (issue 11): GpuBackend (backends/common/gpu_backend.hpp) names
-    // streams by their vendor handle, which the vendor reuses, so it accepts
-    // the stale view. The host backends name streams by serial number.
-    GTEST_SKIP() << "GpuBackend names streams by vendor handle; stale views of a reused handle "
-                    "are not rejected yet";
-  }
   const DevicePtr p = alloc(64);
   std::optional<StreamView> stale;
   {
