@@ -46,7 +46,7 @@ struct ZeroingResult {
   KvCacheLayout layout = KvCacheLayout::layer_major;
   std::size_t batch = 0;
   IdPattern ids = IdPattern::contiguous;
-  std::size_t bytes = 0;  ///< bytes zeroed per batch (all layers, K + V)
+  std::size_t bytes = 0;           ///< bytes zeroed per batch (all layers, K + V)
   std::vector<BlockId> block_ids;  ///< the ids zeroed, in the order zeroed
   std::size_t num_blocks = 0;      ///< blocks in the bench's cache (2 x its max batch)
   StrategyResult reference, batched, limit;
