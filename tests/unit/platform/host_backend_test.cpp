@@ -917,7 +917,8 @@ TEST(HostBackendStreaming, ForcedStreamingFillsExactlyTheBlockRegions) {
     const BlockPool pools[] = {{dense_buf.ptr().offset(3), 1000, 1000},
                                {sparse_buf.ptr().offset(64), 3001, 4096}};
     BlockPoolSet set = backend->register_block_pools(pools, kBlocks);
-    const std::vector<std::uint32_t> ids = {0, 1, 2, 7, 8, 20, 39};
+    // Out of order, with a repeat: the backend sorts a copy, runs merge.
+    const std::vector<std::uint32_t> ids = {20, 0, 8, 2, 39, 1, 7, 2};
     backend->fill_blocks_async(set, ids, 0xA7, s);
     for (std::uint32_t id : ids) {
       std::fill_n(dense.begin() + 3 + id * 1000, 1000, 0xA7);
@@ -929,6 +930,39 @@ TEST(HostBackendStreaming, ForcedStreamingFillsExactlyTheBlockRegions) {
     EXPECT_EQ(back_dense, dense);
     EXPECT_EQ(back_sparse, sparse);
   }
+}
+
+// Pools of 2 MiB or more are 2 MiB-aligned (eligible for transparent huge
+// pages) unless KVPORT_HOST_HUGE_PAGES=0; smaller allocations are not padded.
+TEST(HostBackendHugePages, LargeAllocationsAreHugePageAligned) {
+  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  for (const char* setting : {"", "1"}) {
+    kvport::testing::ScopedEnv env("KVPORT_HOST_HUGE_PAGES", setting);
+    auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
+    std::vector<DeviceBuffer> buffers;
+    for (const std::size_t bytes : {kHuge, kHuge + 1, 3 * kHuge + 4096}) {
+      buffers.emplace_back(*backend, bytes);
+      EXPECT_EQ(buffers.back().ptr().address() % kHuge, 0u)
+          << bytes << " bytes, '" << setting << "'";
+    }
+    // The capacity counts the bytes asked for (rounded to 256), not the padding.
+    EXPECT_EQ(backend->mem_info().free_bytes, (std::size_t{64} << 20) - (5 * kHuge + 256 + 4096));
+  }
+}
+
+TEST(HostBackendHugePages, OffStillAllocates) {
+  kvport::testing::ScopedEnv env("KVPORT_HOST_HUGE_PAGES", "0");
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
+  DeviceBuffer buffer(*backend, std::size_t{3} << 20);
+  EXPECT_EQ(buffer.ptr().address() % kAllocAlignment, 0u);
+  backend->memset_async(buffer.ptr(), 0x5A, buffer.size(), backend->default_stream());
+  backend->synchronize(backend->default_stream());
+}
+
+TEST(HostBackendHugePages, BadSettingIsRejected) {
+  kvport::testing::ScopedEnv env("KVPORT_HOST_HUGE_PAGES", "yes");
+  EXPECT_THAT(kvport::testing::message_of<InvalidArgument>([] { make_host_backend(); }),
+              ::testing::HasSubstr("KVPORT_HOST_HUGE_PAGES"));
 }
 
 TEST(HostBackendStreaming, BadThresholdIsRejected) {
