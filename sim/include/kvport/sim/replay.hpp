@@ -1,115 +1,40 @@
-// Replay of a Mooncake request trace over a PrefixCache: the simulation
-// behind `kvport replay`, as a library so that benchmarks can call it.
+// Replay of a Mooncake request trace (mooncake_trace.hpp) over a
+// PrefixCache: the simulation behind `kvport replay`.
 //
-// A trace is JSON Lines, one request per line (the Mooncake format):
-//   {"timestamp": 27482, "input_length": 6955, "output_length": 52,
-//    "hash_ids": [46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 2353, 2354]}
-// `timestamp` is the arrival time in ms, the lengths are tokens, and hash_ids
-// has one id per `trace_block_tokens` (512 in Mooncake) tokens of the prompt:
-// equal ids at equal positions mean equal content. Each id becomes
-// deterministic pseudo token ids (trace_token), so requests whose ids agree
-// share a prompt prefix, block for block.
-//
-// The simulation is a discrete-event, single-threaded serving loop; the same
-// trace and options always give the same result (apart from the wall-clock
-// fields). docs/cli.md (`kvport replay`) describes the model in full.
+// Requests run under the one scheduler loop of scheduler.hpp, with these
+// choices (RetirePoint::before_admission, retry_head_after_release):
+//   - arrival: requests arrive at their timestamp (sorted stably); one that
+//     could not run even alone in an empty cache (blocks for input_length +
+//     output_length > capacity_blocks) is rejected at arrival; idle time
+//     between arrivals is skipped, not simulated step by step.
+//   - tokens: a request's prompt is its trace tokens, then unique tokens
+//     (trace_tokens.hpp); every generated token is unique to the request.
+//   - admission: FIFO, at most `concurrency` running. The head reuses its
+//     cached prefix (BlockTable::reuse_cached_prefix) and prefills the rest;
+//     when the blocks for the rest are not available (free or evictable), it
+//     gives the prefix back and waits until a running request releases
+//     blocks. Its first admission counts its prompt and hit blocks and its
+//     queueing delay; a re-admission after preemption counts its prefill as
+//     recomputed.
+//   - decode: one token per running request per step, appended to its
+//     BlockTable; a token that starts a block needs one free or evictable
+//     block, else the newest request is preempted. Full blocks are registered
+//     in the prefix cache; released requests give their blocks back last
+//     block first, so the prefix stays cached longest.
+// The same trace and options always give the same result (apart from the
+// wall-clock fields).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <iosfwd>
-#include <memory>
-#include <optional>
 #include <span>
-#include <string>
-#include <vector>
 
-#include "kvport/core/block_hash.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
 
-namespace kvport::cli {
-
-/// The longest trace line the reader accepts (bytes, without the newline).
-/// A longer line is an error naming it: a trace is never read whole, and one
-/// runaway line must not be either.
-inline constexpr std::size_t kMaxTraceLineBytes = std::size_t{1} << 20;
-
-/// The most tokens one request may have (input_length + output_length):
-/// 16 Mi tokens, 64 MiB of token ids. Longer requests are rejected when the
-/// trace is read, before anything is allocated for them.
-inline constexpr std::size_t kMaxRequestTokens = std::size_t{1} << 24;
-
-/// One request of a trace.
-struct TraceRequest {
-  double timestamp_ms = 0.0;      ///< arrival, >= 0
-  std::size_t input_length = 0;   ///< prompt tokens, >= 1
-  std::size_t output_length = 0;  ///< tokens to generate, >= 0
-  std::vector<std::uint64_t> hash_ids;
-  std::size_t line = 0;  ///< 1-based line of the trace it came from
-};
-
-/// Reads a Mooncake trace one line at a time, in chunks of 64 KiB, so that a
-/// trace of any size is never held in memory as text. Blank lines (only
-/// whitespace) are skipped; fields other than the four above are ignored.
-///
-/// Every error is an InvalidArgument of one line; an error in a line reads
-/// "NAME:LINE: <what>" (malformed JSON, not an object, a missing field, a
-/// wrong type, a negative or fractional length, input_length 0, a request
-/// longer than kMaxRequestTokens, hash_ids not an array of integers in
-/// [0, 2^64), a negative or non-numeric timestamp, a line longer than
-/// kMaxTraceLineBytes).
-class MooncakeTraceReader {
- public:
-  /// Opens the file at `path`. Throws InvalidArgument "cannot read trace
-  /// 'PATH': ..." when it is missing, a directory or unreadable. A FIFO is
-  /// read to its end.
-  explicit MooncakeTraceReader(const std::string& path);
-  /// Reads `in` (tests, generated traces); `name` stands for the file in
-  /// messages. `in` must outlive the reader.
-  MooncakeTraceReader(std::istream& in, std::string name);
-  ~MooncakeTraceReader();
-  MooncakeTraceReader(const MooncakeTraceReader&) = delete;
-  MooncakeTraceReader& operator=(const MooncakeTraceReader&) = delete;
-
-  /// The next request, or nullopt at the end of the trace.
-  std::optional<TraceRequest> next();
-
-  /// The name used in messages (the path, or the name given).
-  const std::string& name() const noexcept;
-
- private:
-  struct Source;
-  bool next_line(std::string& line);
-
-  std::unique_ptr<Source> source_;
-  std::string name_;
-  std::size_t line_number_ = 0;
-};
-
-/// Every request of the trace at `path`, in file order. Throws
-/// InvalidArgument as the reader does, and "trace 'PATH': no requests" for a
-/// trace without any.
-std::vector<TraceRequest> read_mooncake_trace(const std::string& path);
-/// As above, from a stream; `name` stands for the file in messages.
-std::vector<TraceRequest> read_mooncake_trace(std::istream& in, const std::string& name);
-
-/// The token at `offset` (< trace_block_tokens) of every trace block whose
-/// hash id is `hash_id`: a SplitMix64 mix of both, in [0, 2^31).
-TokenId trace_token(std::uint64_t hash_id, std::size_t offset) noexcept;
-
-/// The token at `position` of request number `request_index` (its index in
-/// the trace, in file order) that no other request has: prompt tokens beyond
-/// the last hash id, and every generated token. In [0, 2^31).
-TokenId unique_token(std::size_t request_index, std::size_t position) noexcept;
-
-/// Writes the first `count` tokens of the sequence of request number
-/// `request_index` to `out` (replacing its contents): the prompt (trace
-/// tokens, then unique tokens where hash_ids runs out) and, past
-/// input_length, its generated tokens. `trace_block_tokens` > 0.
-void sequence_tokens(const TraceRequest& request, std::size_t request_index,
-                     std::size_t trace_block_tokens, std::size_t count, std::vector<TokenId>& out);
+namespace kvport::sim {
 
 struct ReplayOptions {
   std::size_t capacity_blocks = 0;       ///< blocks of the KV cache, in [1, kMaxCapacityBlocks]
@@ -197,15 +122,12 @@ struct ReplayResult {
 };
 
 /// Replays `requests` (in trace order; the simulation sorts them by
-/// timestamp, stably) on a fresh PagedKvCache of options.capacity_blocks
-/// blocks on `backend` (1 layer, 1 KV head, head dim 1, f16: its contents do
-/// not matter, only the block bookkeeping), with a PrefixCache over it.
-/// Throws InvalidArgument for bad options or no requests, and whatever the
-/// cache's construction throws (OutOfMemory). The requests must satisfy what
-/// the reader checks (input_length >= 1, lengths <= kMaxRequestTokens).
+/// timestamp, stably) under the rules at the top of this file on a fresh PagedKvCache of
+/// options.capacity_blocks blocks on `backend` (1 layer, 1 KV head, head dim 1, f16: its contents
+/// do not matter, only the block bookkeeping), with a PrefixCache over it. Throws InvalidArgument
+/// for bad options or no requests, and whatever the cache's construction throws (OutOfMemory). The
+/// requests must satisfy what the reader checks (input_length >= 1, lengths <= kMaxRequestTokens).
 ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOptions& options,
                         Backend& backend);
-/// As above, on a host backend of its own.
-ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOptions& options);
 
-}  // namespace kvport::cli
+}  // namespace kvport::sim
