@@ -149,8 +149,7 @@ TEST(sim_scheduler, PreemptsTheNewestAndAdmitsNothingInThatStep) {
   EXPECT_EQ(stats.completed, 2u);
   EXPECT_EQ(stats.preemptions, 1u);
   EXPECT_THAT(std::vector<std::string>(w.log.begin(), w.log.begin() + 12),
-              ElementsAre("a0", "a1", "|", "d0", "d1", "|", "r1", "d0", "|", "d0", "r0",
-                          "c0@40"));
+              ElementsAre("a0", "a1", "|", "d0", "d1", "|", "r1", "d0", "|", "d0", "r0", "c0@40"));
   // Step 1 tries both, step 3 none (it preempted), step 4 request 1 again.
   EXPECT_EQ(w.admit_attempts, 3u);
 }
