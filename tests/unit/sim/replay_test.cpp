@@ -59,6 +59,40 @@ TEST(sim_replay, ReaderYieldsRequestsWithLineNumbers) {
       InvalidArgument);
 }
 
+TEST(sim_replay, ReaderHardensEachLineLikeTheConfigReader) {
+  // The same parse as --hf-config files (json_input.hpp): a NUL byte and deep
+  // nesting are errors naming the line.
+  const std::string nul =
+      "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, "
+      "\"hash_ids\": []}" +
+      std::string(1, '\0') + "junk\n";
+  std::istringstream with_nul(line(0, 1, 1, "[]") + nul);
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(with_nul, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_STREQ(e.what(),
+                       "mem:2: malformed JSON: NUL byte at offset 71 (not a JSON text file)");
+          throw;
+        }
+      },
+      InvalidArgument);
+  std::istringstream deep(
+      line(0, 1, 1, "[]")
+          .insert(1, "\"x\": " + std::string(16, '[') + std::string(16, ']') + ", "));
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(deep, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_STREQ(e.what(), "mem:1: JSON nested deeper than 16 levels");
+          throw;
+        }
+      },
+      InvalidArgument);
+}
+
 TEST(sim_replay, EqualIdsGiveEqualTokens) {
   TraceRequest a;
   a.input_length = 1000;
