@@ -1,21 +1,23 @@
-// Trace replay over the prefix cache (kvport::cli::run_replay): requests per
+// Trace replay over the prefix cache (kvport::sim::run_replay): requests per
 // second of host time on a generated Mooncake-like trace, from a cache so
 // small that decode preempts to one that keeps most shared prefixes.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "kvport/cli/replay.hpp"
-#include "kvport/cli/split_mix.hpp"
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/sim/replay.hpp"
+#include "kvport/sim/split_mix.hpp"
 
 namespace kvport::bench {
 namespace {
 
-using cli::TraceRequest;
+using sim::TraceRequest;
 
-using Random = cli::SplitMix64;
+using Random = sim::SplitMix64;
 
 // 2000 requests shaped like Mooncake's: most continue one of 64 shared
 // documents (2-8 trace blocks of 512 tokens), a third are the next turn of
@@ -75,13 +77,14 @@ const std::vector<TraceRequest>& trace() {
 
 // Arg: the cache's capacity in blocks of 16 tokens.
 void BM_ReplayMooncakeLike(benchmark::State& state) {
-  cli::ReplayOptions options;
+  sim::ReplayOptions options;
   options.capacity_blocks = static_cast<std::size_t>(state.range(0));
   options.block_size = 16;
   options.concurrency = 64;
-  cli::ReplayResult result;
+  sim::ReplayResult result;
+  const std::unique_ptr<Backend> backend = make_host_backend();
   for (auto _ : state) {
-    result = cli::run_replay(trace(), options);
+    result = sim::run_replay(trace(), options, *backend);
     benchmark::DoNotOptimize(result.hit_blocks);
   }
   if (!result.ok()) state.SkipWithError("the prefix cache's invariants failed");

@@ -1,5 +1,5 @@
 // Block zeroing, three strategies on the same cache in the same run (see
-// benchmarks/support/include/kvport/bench/zeroing.hpp): reference (2 x layers
+// sim/include/kvport/sim/zeroing.hpp): reference (2 x layers
 // x blocks memsets), batched (PagedKvCache::zero_blocks, one call) and limit
 // (one contiguous memset of the same bytes). The benchmark's time is the
 // device time of one iteration of all three strategies (manual time from
@@ -19,12 +19,18 @@
 #include <memory>
 #include <string>
 
-#include "kvport/bench/zeroing.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/platform/registry.hpp"
+#include "kvport/sim/zeroing.hpp"
 
 namespace kvport::bench {
 namespace {
+
+using sim::IdPattern;
+using sim::StrategyResult;
+using sim::zeroing_shapes;
+using sim::ZeroingBench;
+using sim::ZeroingShape;
 
 constexpr std::size_t kMaxBatch = 256;
 

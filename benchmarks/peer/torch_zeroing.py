@@ -71,7 +71,7 @@ class Unavailable(Exception):
 
 @dataclass(frozen=True)
 class Shape:
-    """A model's KV-cache block shape, as in kvport::bench::zeroing_shapes()."""
+    """A model's KV-cache block shape, as in kvport::sim::zeroing_shapes()."""
 
     name: str
     layers: int

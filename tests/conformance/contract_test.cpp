@@ -66,42 +66,40 @@ TEST_P(Conformance, UseAfterFreeIsRejectedAtCallTime) {
 
 // ---- stream and event handles ---------------------------------------------------------
 
+// A view of a stream that was created and destroyed.
+StreamView destroyed_stream_view(Backend& backend) {
+  Stream s = backend.create_stream();
+  return s.view();
+}
+
+// Every call that takes a stream rejects `stale` (a destroyed stream's view)
+// with "not a live stream": a fill into `p` (64 bytes), synchronize, and an
+// event's record and wait.
+void expect_stream_rejected(Backend& backend, DevicePtr p, StreamView stale) {
+  EXPECT_THAT(message_of<InvalidArgument>([&] { backend.memset_async(p, 0, 64, stale); }),
+              HasSubstr("not a live stream"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { backend.synchronize(stale); }),
+              HasSubstr("not a live stream"));
+  Event e = backend.create_event();
+  EXPECT_THAT(message_of<InvalidArgument>([&] { e.record(stale); }),
+              HasSubstr("not a live stream"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { e.wait(stale); }), HasSubstr("not a live stream"));
+}
+
 TEST_P(Conformance, DestroyedStreamIsRejected) {
   // The contract (StreamView, stream.hpp): backends reject a view that names
   // a destroyed stream.
   const DevicePtr p = alloc(64);
-  std::optional<StreamView> stale;
-  {
-    Stream s = b().create_stream();
-    stale = s.view();
-  }
-  EXPECT_THAT(message_of<InvalidArgument>([&] { b().memset_async(p, 0, 64, *stale); }),
-              HasSubstr("not a live stream"));
-  EXPECT_THAT(message_of<InvalidArgument>([&] { b().synchronize(*stale); }),
-              HasSubstr("not a live stream"));
-  Event e = b().create_event();
-  EXPECT_THAT(message_of<InvalidArgument>([&] { e.record(*stale); }),
-              HasSubstr("not a live stream"));
-  EXPECT_THAT(message_of<InvalidArgument>([&] { e.wait(*stale); }), HasSubstr("not a live stream"));
+  expect_stream_rejected(b(), p, destroyed_stream_view(b()));
 }
 
 TEST_P(Conformance, DestroyedStreamIsRejectedAfterANewStreamIsCreated) {
   // A new stream may well get the destroyed one's native handle back; the
   // stale view must still be rejected, not queue work on the newcomer.
   const DevicePtr p = alloc(64);
-  std::optional<StreamView> stale;
-  {
-    Stream s = b().create_stream();
-    stale = s.view();
-  }
+  const StreamView stale = destroyed_stream_view(b());
   Stream fresh = b().create_stream();
-  EXPECT_THAT(message_of<InvalidArgument>([&] { b().memset_async(p, 0, 64, *stale); }),
-              HasSubstr("not a live stream"));
-  EXPECT_THAT(message_of<InvalidArgument>([&] { b().synchronize(*stale); }),
-              HasSubstr("not a live stream"));
-  Event e = b().create_event();
-  EXPECT_THAT(message_of<InvalidArgument>([&] { e.record(*stale); }),
-              HasSubstr("not a live stream"));
+  expect_stream_rejected(b(), p, stale);
   b().memset_async(p, 0x2B, 64, fresh);
   EXPECT_NO_THROW(fresh.synchronize());
   EXPECT_EQ(download(p, 64), Bytes(64, 0x2B));

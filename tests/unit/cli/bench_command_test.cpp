@@ -12,7 +12,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// Layers of the bench's model shapes (kvport::bench::zeroing_shapes()).
+// Layers of the bench's model shapes (kvport::sim::zeroing_shapes()).
 std::uint64_t layers_of(const std::string& model) {
   if (model == "llama-3-8b" || model == "llama-3-8b-mixed") return 32;
   if (model == "llama-3-70b") return 80;

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/model_presets.hpp"
 #include "kvport/testing/support.hpp"
 
 namespace kvport::cli {
@@ -16,7 +17,7 @@ using kvport::testing::message_of;
 using ::testing::HasSubstr;
 
 TEST(cli_model_spec, PresetsAreSortedAndComplete) {
-  const auto presets = model_presets();
+  const auto presets = sim::model_presets();
   EXPECT_TRUE(std::is_sorted(presets.begin(), presets.end(),
                              [](const auto& a, const auto& b) { return a.name < b.name; }));
   for (const char* name : {"llama-3-8b", "llama-3-70b", "qwen2.5-7b", "mistral-7b"}) {

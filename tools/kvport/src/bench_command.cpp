@@ -1,6 +1,6 @@
 // `kvport bench`: a short version of the block-zeroing comparison of the
 // Google Benchmark suite (benchmarks/zeroing_bench.cpp), run in-process with
-// kvport::bench::ZeroingBench on one backend: (a) reference, (b) batched and
+// kvport::sim::ZeroingBench on one backend: (a) reference, (b) batched and
 // (c) limit on the same cache in the same run, and the ratios between them.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -20,22 +20,22 @@
 #include <vector>
 
 #include "command.hpp"
-#include "kvport/bench/zeroing.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/registry.hpp"
+#include "kvport/sim/zeroing.hpp"
 #include "text.hpp"
 
 namespace kvport::cli {
 namespace {
 
-using bench::IdPattern;
-using bench::StrategyResult;
-using bench::ZeroingBench;
-using bench::ZeroingResult;
-using bench::ZeroingShape;
+using sim::IdPattern;
+using sim::StrategyResult;
+using sim::ZeroingBench;
+using sim::ZeroingResult;
+using sim::ZeroingShape;
 
 // What a run measures: every shape x layout x batch x id pattern selected.
 struct BenchPlan {
@@ -91,7 +91,7 @@ std::vector<std::size_t> parse_batches(std::string_view text) {
 }
 
 ZeroingShape find_shape(std::string_view name) {
-  std::vector<ZeroingShape> shapes = bench::zeroing_shapes();
+  std::vector<ZeroingShape> shapes = sim::zeroing_shapes();
   const std::string wanted = text::lower(text::trim(name));
   std::vector<std::string> names;
   for (ZeroingShape& shape : shapes) {
@@ -256,7 +256,7 @@ class BenchCommand final : public Command {
       plan.shapes.push_back(find_shape("llama-3-8b"));
       plan.shapes.push_back(find_shape("llama-3-70b"));
     } else {
-      plan.shapes = bench::zeroing_shapes();
+      plan.shapes = sim::zeroing_shapes();
     }
     if (!layout_.empty()) {
       plan.layouts = {parse_layout_value(layout_, "--layout")};

@@ -35,7 +35,7 @@ struct CommandInfo {
 /// The subcommands, one factory per <name>_command.cpp: `kvport plan`
 /// (capacity planning), `kvport demo` (a serving loop on a real cache),
 /// `kvport conformance` (the backend conformance suite), `kvport bench`
-/// (the block-zeroing comparison of kvport::bench::ZeroingBench) and `kvport
+/// (the block-zeroing comparison of kvport::sim::ZeroingBench) and `kvport
 /// replay` (a Mooncake trace over the prefix cache, replay.hpp).
 std::unique_ptr<Command> make_plan_command();
 std::unique_ptr<Command> make_demo_command();

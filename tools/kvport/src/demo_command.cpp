@@ -1,5 +1,5 @@
 // `kvport demo`: builds a PagedKvCache on a backend, runs the simulated
-// serving loop of serving_sim.hpp on it and checks the cache's invariants.
+// serving workload of kvport/sim/serving_sim.hpp on it and checks the cache's invariants.
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -12,15 +12,18 @@
 #include "kvport/cli/capacity_plan.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
-#include "kvport/cli/serving_sim.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/serving_sim.hpp"
 #include "shape_json.hpp"
 #include "text.hpp"
 
 namespace kvport::cli {
 namespace {
+
+using sim::ServingSimOptions;
+using sim::ServingSimResult;
 
 // A demo of 100 requests takes about a second on the host backend, mostly
 // zeroing blocks; past this many it would run for hours.
@@ -90,7 +93,7 @@ class DemoCommand final : public Command {
       PagedKvCache cache(report.shape.config, plan.num_blocks, *backend);
       const Stream stream = backend->create_stream();
       backend->reset_call_counts();
-      report.result = run_serving_simulation(cache, stream, report.options);
+      report.result = sim::run_serving_simulation(cache, stream, report.options);
       report.fill_calls = backend->call_counts().fill;
       report.counters = cache.counters();
       report.invariants = cache.check_invariants();

@@ -18,27 +18,15 @@
 #include <vector>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/file_error.hpp"
+#include "kvport/sim/json_input.hpp"
+#include "kvport/sim/model_presets.hpp"
 #include "text.hpp"
 
 namespace kvport::cli {
 namespace {
 
 using nlohmann::json;
-
-// Sorted by name; `kvport plan --model x` lists them in this order.
-constexpr std::array kPresets{
-    ModelPreset{"llama-3-70b", 80, 8, 128},     ModelPreset{"llama-3-8b", 32, 8, 128},
-    ModelPreset{"llama-3.1-405b", 126, 8, 128}, ModelPreset{"mistral-7b", 32, 8, 128},
-    ModelPreset{"mixtral-8x7b", 32, 8, 128},    ModelPreset{"qwen2.5-0.5b", 24, 2, 64},
-    ModelPreset{"qwen2.5-72b", 80, 8, 128},     ModelPreset{"qwen2.5-7b", 28, 4, 128},
-};
-
-bool iequals(std::string_view a, std::string_view b) noexcept {
-  return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](char x, char y) {
-    return std::tolower(static_cast<unsigned char>(x)) ==
-           std::tolower(static_cast<unsigned char>(y));
-  });
-}
 
 // The config keys kvport reads, at the top level or under "text_config".
 constexpr std::array<std::string_view, 7> kShapeKeys{
@@ -60,14 +48,6 @@ std::string short_dump(const json& value) {
   return text;
 }
 
-// nlohmann's messages quote the token they stopped at, which can be the whole
-// rest of a long string; the position and the reason come first.
-std::string short_json_error(std::string_view what) {
-  constexpr std::size_t kMax = 200;
-  if (what.size() <= kMax) return std::string(what);
-  return std::string(what.substr(0, kMax - 3)) + "...";
-}
-
 // `key` of `object` as a count > 0; empty when absent or null.
 std::optional<std::size_t> positive_field(const json& object, const char* key,
                                           std::string_view source) {
@@ -85,19 +65,13 @@ std::optional<std::size_t> positive_field(const json& object, const char* key,
 
 }  // namespace
 
-std::span<const ModelPreset> model_presets() noexcept {
-  return kPresets;
-}
-
 ModelSpec find_model_preset(std::string_view name) {
-  for (const ModelPreset& preset : kPresets) {
-    if (iequals(preset.name, name)) {
-      return ModelSpec{std::string(preset.name), "preset",        preset.num_layers,
-                       preset.num_kv_heads,      preset.head_dim, preset.head_dim};
-    }
+  if (const std::optional<sim::ModelPreset> preset = sim::find_model_preset(name)) {
+    return ModelSpec{std::string(preset->name), "preset",         preset->num_layers,
+                     preset->num_kv_heads,      preset->head_dim, preset->head_dim};
   }
   std::vector<std::string_view> names;
-  for (const ModelPreset& preset : kPresets)
+  for (const sim::ModelPreset& preset : sim::model_presets())
     names.push_back(preset.name);
   // A long name is cut so that the list of known presets stays on the line.
   const std::string shown =
@@ -107,13 +81,6 @@ ModelSpec find_model_preset(std::string_view name) {
 }
 
 HfConfigFields parse_hf_config(std::string_view json_text, std::string_view source) {
-  // nlohmann's lexer ends the input at a NUL byte, so "{...}\0garbage" would
-  // parse; a JSON text never contains one.
-  if (const std::size_t nul = json_text.find('\0'); nul != std::string_view::npos) {
-    throw InvalidArgument(
-        fmt::format("HF config '{}': not valid JSON: NUL byte at offset {} (not a JSON text file)",
-                    source, nul));
-  }
   const std::size_t last = json_text.find_last_not_of(" \t\r\n");
   if (last == std::string_view::npos) {
     throw InvalidArgument(fmt::format("HF config '{}': not valid JSON: the file is empty", source));
@@ -121,38 +88,23 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   // Trailing white space cannot make a text valid or invalid; it need not go
   // through the lexer byte by byte.
   json_text = json_text.substr(0, last + 1);
-  // The parser is iterative, but the DOM it builds costs ~100 bytes per value
-  // and per level: keep only the keys kvport reads (everything is still
-  // checked to be JSON) and refuse absurd nesting.
+  // The DOM costs ~100 bytes per value and per level: keep only the keys
+  // kvport reads (everything is still checked to be JSON).
   std::string top_key;
-  const json::parser_callback_t keep_shape_keys = [&](int depth, json::parse_event_t event,
-                                                      json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
-        if (depth >= static_cast<int>(kMaxHfConfigDepth)) {
-          throw InvalidArgument(fmt::format("HF config '{}': JSON nested deeper than {} levels",
-                                            source, kMaxHfConfigDepth));
-        }
-        return true;
-      case json::parse_event_t::key:
-        if (depth == 1) {
-          top_key = parsed.get<std::string>();
-          return top_key == "text_config" || is_shape_key(top_key);
-        }
-        if (depth == 2 && top_key == "text_config") return is_shape_key(parsed.get<std::string>());
-        return true;
-      default:
-        return true;
+  const std::string prefix = fmt::format("HF config '{}': ", source);
+  sim::JsonInputOptions input;
+  input.prefix = prefix;
+  input.malformed = "not valid JSON";
+  input.max_depth = kMaxHfConfigDepth;
+  input.keep_key = [&](int depth, const std::string& key) {
+    if (depth == 1) {
+      top_key = key;
+      return top_key == "text_config" || is_shape_key(top_key);
     }
+    if (depth == 2 && top_key == "text_config") return is_shape_key(key);
+    return true;
   };
-  json root;
-  try {
-    root = json::parse(json_text, keep_shape_keys);
-  } catch (const json::exception& e) {
-    throw InvalidArgument(
-        fmt::format("HF config '{}': not valid JSON: {}", source, short_json_error(e.what())));
-  }
+  const json root = sim::parse_json_input(json_text, input);
   if (!root.is_object()) {
     throw InvalidArgument(
         fmt::format("HF config '{}': expected a JSON object, got {}", source, root.type_name()));
@@ -233,10 +185,10 @@ HfConfigFields load_hf_config(const std::filesystem::path& path) {
   if (fd.get() < 0) {
     const int error = errno;
     if (error == EISDIR) throw cannot_read("is a directory (pass the config.json file)");
-    throw cannot_read(cli::text::errno_text(error));
+    throw cannot_read(sim::errno_text(error));
   }
   struct stat info {};
-  if (::fstat(fd.get(), &info) != 0) throw cannot_read(cli::text::errno_text(errno));
+  if (::fstat(fd.get(), &info) != 0) throw cannot_read(sim::errno_text(errno));
   if (S_ISDIR(info.st_mode)) throw cannot_read("is a directory (pass the config.json file)");
   const auto too_large = [&](const std::string& size) {
     return InvalidArgument(fmt::format(
@@ -257,7 +209,7 @@ HfConfigFields load_hf_config(const std::filesystem::path& path) {
     const ::ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
     if (n < 0) {
       if (errno == EINTR) continue;
-      throw cannot_read(cli::text::errno_text(errno));
+      throw cannot_read(sim::errno_text(errno));
     }
     if (n == 0) break;
     text.append(chunk.data(), static_cast<std::size_t>(n));

@@ -1,5 +1,6 @@
 // `kvport replay`: replays a Mooncake request trace over a PrefixCache
-// (replay.hpp) and reports prefix-cache hits, evictions and preemptions.
+// (kvport/sim/replay.hpp, on a host backend) and reports prefix-cache hits, evictions and
+// preemptions.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -12,14 +13,20 @@
 
 #include "cache_options.hpp"
 #include "command.hpp"
+#include "kvport/backends/host_backend.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
-#include "kvport/cli/replay.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
+#include "kvport/sim/replay.hpp"
 #include "text_table.hpp"
 
 namespace kvport::cli {
 namespace {
+
+using sim::ReplayOptions;
+using sim::ReplayResult;
+using sim::TraceRequest;
 
 // Below this many requests a replay takes well under a second: no bar unless
 // --progress asks for one.
@@ -106,7 +113,7 @@ class ReplayCommand final : public Command {
     options.check_every = parse_count(check_every_.value, "--check-every");
     options.validate();  // before reading a trace that may be large
 
-    const std::vector<TraceRequest> requests = read_mooncake_trace(trace_.value);
+    const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
 
     // The last of --progress / --no-progress wins, so that scripts can append.
     std::optional<bool> progress;
@@ -122,7 +129,8 @@ class ReplayCommand final : public Command {
     }
     ReplayResult result;
     try {
-      result = run_replay(requests, options);
+      const std::unique_ptr<Backend> backend = make_host_backend();
+      result = sim::run_replay(requests, options, *backend);
     } catch (...) {
       bar.finish();
       throw;

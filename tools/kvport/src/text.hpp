@@ -20,23 +20,6 @@ inline std::string_view trim(std::string_view s) noexcept {
   return s;
 }
 
-/// A short description of an errno value from opening or reading a file.
-inline std::string errno_text(int error) {
-  switch (error) {
-    case ENOENT:
-      return "no such file";
-    case EACCES:
-    case EPERM:
-      return "permission denied";
-    case ENOTDIR:
-      return "a component of the path is not a directory";
-    case EISDIR:
-      return "is a directory";
-    default:
-      return std::system_category().message(error);
-  }
-}
-
 /// ASCII lower case.
 inline std::string lower(std::string_view s) {
   std::string out(s);

@@ -1,4 +1,6 @@
 // The Backend contract: what every device plugin (host, CUDA, HIP) provides.
+// The RAII buffers (device_buffer.hpp, host_buffer.hpp) and the block-pool
+// types (block_pool.hpp) have headers of their own; this one includes them.
 //
 // Public calls are non-virtual: they validate arguments that every backend
 // validates the same way (null pointers, a stream of another backend,
@@ -13,7 +15,10 @@
 #include <string>
 #include <string_view>
 
+#include "kvport/platform/block_pool.hpp"
+#include "kvport/platform/device_buffer.hpp"
 #include "kvport/platform/device_ptr.hpp"
+#include "kvport/platform/host_buffer.hpp"
 #include "kvport/platform/stream.hpp"
 
 namespace kvport {
@@ -35,58 +40,6 @@ struct CopyRegion {
   DevicePtr dst;
   DevicePtr src;
   std::size_t bytes = 0;
-};
-
-/// A pool of equally spaced block regions: block b's region is
-/// [base + b * stride, + bytes). A KV cache is a few of these (one K and one V
-/// pool per layer, or one pool in block-major layout).
-struct BlockPool {
-  DevicePtr base;
-  std::size_t bytes = 0;   ///< region size, > 0
-  std::size_t stride = 0;  ///< distance between blocks, >= bytes
-};
-
-class Backend;
-
-/// Block pools registered with a backend for `fill_blocks_async`. On GPUs the
-/// pool table lives on the device, so a fill uploads only block ids. Move-only;
-/// unregisters on destruction; must not outlive its backend nor the memory its
-/// pools describe.
-class BlockPoolSet {
- public:
-  BlockPoolSet() noexcept = default;
-  BlockPoolSet(BlockPoolSet&& other) noexcept { swap(other); }
-  BlockPoolSet& operator=(BlockPoolSet&& other) noexcept {
-    BlockPoolSet(std::move(other)).swap(*this);
-    return *this;
-  }
-  BlockPoolSet(const BlockPoolSet&) = delete;
-  BlockPoolSet& operator=(const BlockPoolSet&) = delete;
-  ~BlockPoolSet();
-
-  Backend* backend() const noexcept { return backend_; }
-  void* native() const noexcept { return native_; }
-  std::size_t num_blocks() const noexcept { return num_blocks_; }
-  std::size_t num_pools() const noexcept { return num_pools_; }
-  /// Whether every pool's stride equals its region size, so that runs of
-  /// consecutive block ids are one contiguous region per pool.
-  bool dense() const noexcept { return dense_; }
-
-  void swap(BlockPoolSet& other) noexcept {
-    std::swap(backend_, other.backend_);
-    std::swap(native_, other.native_);
-    std::swap(num_blocks_, other.num_blocks_);
-    std::swap(num_pools_, other.num_pools_);
-    std::swap(dense_, other.dense_);
-  }
-
- private:
-  friend class Backend;
-  Backend* backend_ = nullptr;
-  void* native_ = nullptr;
-  std::size_t num_blocks_ = 0;
-  std::size_t num_pools_ = 0;
-  bool dense_ = false;
 };
 
 /// How many contract calls a backend has served. Each public call counts once,
@@ -312,81 +265,6 @@ class Backend {
   std::string name_;
   struct Counters;
   std::unique_ptr<Counters> counters_;
-};
-
-/// RAII ownership of one pinned host allocation (Backend::alloc_host).
-/// Move-only; frees in the destructor, so the copies that use it must be
-/// finished by then.
-class HostBuffer {
- public:
-  HostBuffer() noexcept = default;
-  /// Allocates `bytes` of pinned memory on `backend` (see Backend::alloc_host
-  /// for errors).
-  HostBuffer(Backend& backend, std::size_t bytes)
-      : backend_(&backend), ptr_(backend.alloc_host(bytes)), bytes_(bytes) {}
-  HostBuffer(HostBuffer&& other) noexcept { swap(other); }
-  HostBuffer& operator=(HostBuffer&& other) noexcept {
-    HostBuffer(std::move(other)).swap(*this);
-    return *this;
-  }
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  ~HostBuffer() {
-    if (backend_ != nullptr) backend_->free_host(ptr_);
-  }
-
-  void* data() const noexcept { return ptr_; }
-  std::size_t size() const noexcept { return bytes_; }
-  /// The memory as bytes, for filling or checking from the host.
-  std::span<std::uint8_t> bytes() const noexcept {
-    return {static_cast<std::uint8_t*>(ptr_), bytes_};
-  }
-  Backend* backend() const noexcept { return backend_; }
-
-  void swap(HostBuffer& other) noexcept {
-    std::swap(backend_, other.backend_);
-    std::swap(ptr_, other.ptr_);
-    std::swap(bytes_, other.bytes_);
-  }
-
- private:
-  Backend* backend_ = nullptr;
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-/// RAII ownership of one allocation. Move-only; frees in the destructor.
-class DeviceBuffer {
- public:
-  DeviceBuffer() noexcept = default;
-  /// Allocates `bytes` on `backend` (see Backend::alloc for errors).
-  DeviceBuffer(Backend& backend, std::size_t bytes)
-      : backend_(&backend), ptr_(backend.alloc(bytes)), bytes_(bytes) {}
-  DeviceBuffer(DeviceBuffer&& other) noexcept { swap(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    DeviceBuffer(std::move(other)).swap(*this);
-    return *this;
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (backend_ != nullptr) backend_->free(ptr_);
-  }
-
-  DevicePtr ptr() const noexcept { return ptr_; }
-  std::size_t size() const noexcept { return bytes_; }
-  Backend* backend() const noexcept { return backend_; }
-
-  void swap(DeviceBuffer& other) noexcept {
-    std::swap(backend_, other.backend_);
-    std::swap(ptr_, other.ptr_);
-    std::swap(bytes_, other.bytes_);
-  }
-
- private:
-  Backend* backend_ = nullptr;
-  DevicePtr ptr_;
-  std::size_t bytes_ = 0;
 };
 
 }  // namespace kvport

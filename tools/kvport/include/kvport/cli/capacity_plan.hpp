@@ -7,13 +7,11 @@
 #include <span>
 #include <vector>
 
+#include "kvport/core/block_id_limit.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 
 namespace kvport::cli {
-
-/// PagedKvCache addresses blocks with 32-bit ids; it rejects more blocks.
-inline constexpr std::size_t kMaxCacheBlocks = 0xFFFF'FFFFu;
 
 /// One layer's share of a block.
 struct LayerBlockBytes {

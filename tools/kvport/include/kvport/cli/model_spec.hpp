@@ -5,7 +5,6 @@
 #include <cstddef>
 #include <filesystem>
 #include <optional>
-#include <span>
 #include <string>
 #include <string_view>
 
@@ -36,18 +35,8 @@ struct ModelSpec {
   std::size_t head_dim_v = 0;
 };
 
-/// One built-in model.
-struct ModelPreset {
-  std::string_view name;
-  std::size_t num_layers;
-  std::size_t num_kv_heads;
-  std::size_t head_dim;
-};
-
-/// The built-in presets, sorted by name.
-std::span<const ModelPreset> model_presets() noexcept;
-
-/// The preset called `name` (case-insensitive). Throws InvalidArgument naming
+/// The preset called `name` (case-insensitive) of the one table,
+/// kvport::sim::model_presets(). Throws InvalidArgument naming
 /// the unknown name and listing the known ones.
 ModelSpec find_model_preset(std::string_view name);
 

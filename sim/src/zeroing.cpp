@@ -1,32 +1,33 @@
-#include "kvport/bench/zeroing.hpp"
+#include "kvport/sim/zeroing.hpp"
 
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <stdexcept>
+#include <string_view>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/model_presets.hpp"
 
-namespace kvport::bench {
+namespace kvport::sim {
 namespace {
 
-KvCacheConfig llama(std::size_t layers) {
-  KvCacheConfig c;
-  c.num_layers = layers;
-  c.block_size = 16;
-  c.num_kv_heads = 8;
-  c.head_dim_k = c.head_dim_v = 128;
-  c.dtype = KvCacheDtype::bf16;
-  return c;
+KvCacheConfig preset(std::string_view name) {
+  const std::optional<ModelPreset> found = find_model_preset(name);
+  if (!found) throw std::logic_error("zeroing_shapes: a model preset is missing");
+  return preset_config(*found);
 }
 
 }  // namespace
 
 std::vector<ZeroingShape> zeroing_shapes() {
-  KvCacheConfig mixed = llama(32);
+  KvCacheConfig mixed = preset("llama-3-8b");
   mixed.dtype = KvCacheDtype::fp8_e4m3;
-  mixed.layer_dtypes.assign(32, KvCacheDtype::fp8_e4m3);
+  mixed.layer_dtypes.assign(mixed.num_layers, KvCacheDtype::fp8_e4m3);
   mixed.layer_dtypes.front() = mixed.layer_dtypes.back() = KvCacheDtype::bf16;
-  return {{"llama-3-8b", llama(32)}, {"llama-3-70b", llama(80)}, {"llama-3-8b-mixed", mixed}};
+  return {{"llama-3-8b", preset("llama-3-8b")},
+          {"llama-3-70b", preset("llama-3-70b")},
+          {"llama-3-8b-mixed", mixed}};
 }
 
 const char* to_string(IdPattern ids) noexcept {
@@ -150,4 +151,4 @@ ZeroingResult ZeroingBench::measure(std::size_t batch, IdPattern pattern, int re
   return result;
 }
 
-}  // namespace kvport::bench
+}  // namespace kvport::sim

@@ -18,7 +18,7 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 
-namespace kvport::bench {
+namespace kvport::sim {
 
 /// A model shape the zeroing benchmarks run on.
 struct ZeroingShape {
@@ -26,9 +26,9 @@ struct ZeroingShape {
   KvCacheConfig config;
 };
 
-/// llama-3-8b (32 layers, 8 KV heads, head dim 128, bf16, 16 tokens per
-/// block), llama-3-70b (80 layers), and llama-3-8b-mixed (bf16 first and last
-/// layers, fp8_e4m3 elsewhere).
+/// llama-3-8b and llama-3-70b from the model presets (model_presets.hpp;
+/// bf16, 16 tokens per block), and llama-3-8b-mixed (llama-3-8b with bf16
+/// first and last layers, fp8_e4m3 elsewhere).
 std::vector<ZeroingShape> zeroing_shapes();
 
 enum class IdPattern { contiguous, scattered };
@@ -96,4 +96,4 @@ class ZeroingBench {
   Event start_, stop_;
 };
 
-}  // namespace kvport::bench
+}  // namespace kvport::sim

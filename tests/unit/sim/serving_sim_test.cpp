@@ -1,13 +1,13 @@
-// The simulated serving loop, driven directly on a host-backend cache.
-#include "kvport/cli/serving_sim.hpp"
+// The demo workload under the scheduler loop, driven directly on a
+// host-backend cache.
+#include "kvport/sim/serving_sim.hpp"
 
 #include <gtest/gtest.h>
 
 #include "kvport/backends/host_backend.hpp"
-#include "kvport/cli/capacity_plan.hpp"
 #include "kvport/platform/error.hpp"
 
-namespace kvport::cli {
+namespace kvport::sim {
 namespace {
 
 KvCacheConfig small_config() {
@@ -19,7 +19,7 @@ KvCacheConfig small_config() {
   return c;
 }
 
-TEST(cli_serving_sim, ServesEveryRequestAndLeavesTheCacheEmpty) {
+TEST(sim_serving_sim, ServesEveryRequestAndLeavesTheCacheEmpty) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
   PagedKvCache cache(small_config(), 64, *backend, PagedKvCacheOptions{.trace = true});
   const Stream stream = backend->create_stream();
@@ -42,7 +42,7 @@ TEST(cli_serving_sim, ServesEveryRequestAndLeavesTheCacheEmpty) {
   EXPECT_EQ(cache.counters().exhaustion_events, r.alloc_failures);
 }
 
-TEST(cli_serving_sim, RejectsAUsedCacheAndZeroRequests) {
+TEST(sim_serving_sim, RejectsAUsedCacheAndZeroRequests) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{64} << 20});
   PagedKvCache cache(small_config(), 8, *backend);
   const Stream stream = backend->create_stream();
@@ -53,23 +53,5 @@ TEST(cli_serving_sim, RejectsAUsedCacheAndZeroRequests) {
   cache.free_block(held);
 }
 
-TEST(cli_capacity_plan, CollapsesRunsOfIdenticalLayers) {
-  KvCacheConfig c = small_config();
-  c.num_layers = 5;
-  c.layer_dtypes = {KvCacheDtype::bf16, KvCacheDtype::fp8_e4m3, KvCacheDtype::fp8_e4m3,
-                    KvCacheDtype::bf16, KvCacheDtype::bf16};
-  const CapacityPlan plan = make_capacity_plan(c, std::size_t{1} << 20);
-  const auto ranges = collapse_layers(plan.layers);
-  ASSERT_EQ(ranges.size(), 3u);
-  EXPECT_EQ(ranges[0].first, 0u);
-  EXPECT_EQ(ranges[0].last, 0u);
-  EXPECT_EQ(ranges[1].first, 1u);
-  EXPECT_EQ(ranges[1].last, 2u);
-  EXPECT_EQ(ranges[1].bytes.dtype, KvCacheDtype::fp8_e4m3);
-  EXPECT_EQ(ranges[2].count(), 2u);
-  EXPECT_EQ(plan.bytes_per_block, c.bytes_per_block());
-  EXPECT_EQ(plan.num_blocks, (std::size_t{1} << 20) / c.bytes_per_block());
-}
-
 }  // namespace
-}  // namespace kvport::cli
+}  // namespace kvport::sim

@@ -1,6 +1,6 @@
 // The zeroing benchmarks' regression guard that needs no timing: the backend
 // calls each strategy makes per batch, counted by the backend.
-#include "kvport/bench/zeroing.hpp"
+#include "kvport/sim/zeroing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/platform/error.hpp"
 
-namespace kvport::bench {
+namespace kvport::sim {
 namespace {
 
 class ZeroingCalls : public ::testing::TestWithParam<KvCacheLayout> {};
@@ -74,4 +74,4 @@ TEST(ZeroingBench, EveryStrategyZeroesWhatItClaims) {
 }
 
 }  // namespace
-}  // namespace kvport::bench
+}  // namespace kvport::sim

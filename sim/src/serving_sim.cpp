@@ -1,27 +1,24 @@
-#include "kvport/cli/serving_sim.hpp"
-#include "kvport/cli/split_mix.hpp"
+#include "kvport/sim/serving_sim.hpp"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <limits>
 #include <optional>
 #include <stdexcept>
 #include <utility>
 
 #include "kvport/platform/backend.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/scheduler.hpp"
+#include "kvport/sim/split_mix.hpp"
 
-namespace kvport::cli {
+namespace kvport::sim {
 namespace {
 
-using Random = cli::SplitMix64;
-
-std::size_t div_ceil(std::size_t a, std::size_t b) noexcept {
-  return a / b + (a % b != 0);
-}
+using Random = SplitMix64;
 
 struct SharedPrompt {
   std::vector<BlockId> blocks;
@@ -36,13 +33,12 @@ struct Request {
   std::size_t generated = 0;      // output tokens whose K/V is in the cache
   std::vector<BlockId> table;     // shared prompt blocks, then its own
   std::size_t shared_blocks = 0;  // leading entries of `table` that are shared
-  bool prefilled_this_step = false;
 
   std::size_t own_blocks() const noexcept { return table.size() - shared_blocks; }
   std::size_t context_tokens() const noexcept { return prompt_tokens + generated; }
 };
 
-class Simulation {
+class Simulation final : public Workload {
  public:
   Simulation(PagedKvCache& cache, StreamView stream, const ServingSimOptions& options)
       : cache_(cache),
@@ -55,15 +51,17 @@ class Simulation {
   ServingSimResult run() {
     const auto start = std::chrono::steady_clock::now();
     result_.requests = options_.requests;
+    requests_.reserve(options_.requests);
     pin_shared_prompts();
-    while (result_.completed < options_.requests) {
-      ++result_.steps;
-      arrive();
-      if (!reserve_decode_slots()) admit();  // vLLM admits nothing in a step that preempted
-      zero_new_blocks();
-      forward();
-      verify_refcounts();
-    }
+    SchedulerOptions scheduling;
+    scheduling.max_running = options_.max_running;
+    scheduling.retire = RetirePoint::after_admission;
+    scheduling.retry_head_after_release = false;
+    Scheduler scheduler(*this, scheduling);
+    const SchedulerStats stats = scheduler.run();
+    result_.steps = static_cast<std::size_t>(stats.steps);
+    result_.completed = stats.completed;
+    result_.preemptions = stats.preemptions;
     release_shared_prompts();
     const auto loop_end = std::chrono::steady_clock::now();
     cache_.backend().synchronize(stream_);
@@ -72,6 +70,117 @@ class Simulation {
     result_.elapsed_s = std::chrono::duration<double>(end - start).count();
     check_counters();
     return std::move(result_);
+  }
+
+  std::size_t num_requests() const override { return options_.requests; }
+
+  void arrive(Scheduler& scheduler) override {
+    if (arrived_ == options_.requests) return;
+    std::size_t count = random_.uniform(0, 3);
+    if (count == 0 && scheduler.idle()) count = 1;  // no idle steps
+    for (std::size_t i = 0; i < count && arrived_ < options_.requests; ++i) {
+      Request request;
+      request.id = arrived_++;
+      if (!shared_.empty()) {
+        const std::size_t pick = random_.uniform(0, shared_.size());  // == size(): no prompt
+        if (pick < shared_.size()) request.shared = pick;
+      }
+      std::size_t prompt = random_.uniform(1, std::max<std::size_t>(1, options_.max_prompt_tokens));
+      std::size_t output = random_.uniform(1, std::max<std::size_t>(1, options_.max_output_tokens));
+      prompt = std::min(prompt, std::max<std::size_t>(1, max_own_tokens_ / 2));
+      output = std::min(output, max_own_tokens_ - prompt);
+      request.prompt_tokens = prompt;
+      request.output_tokens = output;
+      requests_.push_back(std::move(request));
+      scheduler.enqueue(requests_.back().id);
+    }
+  }
+
+  void idle(Scheduler& /*scheduler*/) override {
+    // arrive() always brings a request into an idle scheduler while any is left.
+    throw std::logic_error("demo: no request running or waiting before all completed (a bug)");
+  }
+
+  // The slot for the token a running request feeds this step: its own blocks
+  // must cover its context plus that token.
+  bool reserve_token(RequestId id) override {
+    Request& request = requests_[id];
+    const std::size_t needed = div_ceil(request.context_tokens() + 1, block_size_);
+    while (request.own_blocks() < needed) {
+      const auto block = alloc();
+      if (!block) return false;
+      request.table.push_back(*block);
+    }
+    return true;
+  }
+
+  void decode_token(RequestId id) override {
+    ++requests_[id].generated;
+    ++result_.generated_tokens;
+  }
+
+  bool finished(RequestId id) const override {
+    const Request& request = requests_[id];
+    return request.generated >= request.output_tokens;
+  }
+
+  // The waiting request's prompt fits when its blocks are free, keeping a
+  // small watermark for running requests to grow, unless nothing runs.
+  bool try_admit(RequestId id, const Scheduler& scheduler) override {
+    Request& request = requests_[id];
+    const std::size_t needed = div_ceil(request.context_tokens(), block_size_);
+    const std::size_t reserve = scheduler.running().empty() ? 0 : cache_.num_blocks() / 100;
+    if (cache_.num_free_blocks() < needed + reserve) return false;
+    if (request.shared) {
+      SharedPrompt& prompt = shared_[*request.shared];
+      for (BlockId block : prompt.blocks) {
+        cache_.inc_ref(block);
+        ++result_.inc_refs;
+        request.table.push_back(block);
+      }
+      request.shared_blocks = prompt.blocks.size();
+      ++prompt.users;
+    }
+    for (std::size_t b = 0; b < needed; ++b) {
+      const auto block = alloc();
+      if (!block) throw std::logic_error("demo: a block counted as free could not be allocated");
+      request.table.push_back(*block);
+    }
+    result_.prompt_tokens += request.context_tokens();
+    return true;
+  }
+
+  // Frees the request's table; shared prompt blocks drop back to the pinned
+  // reference.
+  void release(RequestId id) override {
+    Request& request = requests_[id];
+    cache_.free_blocks(request.table);
+    result_.dec_refs += request.table.size();
+    expected_frees_ += request.own_blocks();
+    if (request.shared) --shared_[*request.shared].users;
+    request.table.clear();
+    request.shared_blocks = 0;
+  }
+
+  // ONE zero_blocks call for every block handed out this step.
+  void after_admission(const Scheduler& /*scheduler*/) override {
+    if (new_blocks_.empty()) return;
+    cache_.zero_blocks(new_blocks_, stream_);
+    ++result_.zero_batches;
+    result_.zeroed_blocks += new_blocks_.size();
+    new_blocks_.clear();
+  }
+
+  bool end_step(const Scheduler& scheduler) override {
+    verify_refcounts(scheduler);
+    return true;
+  }
+
+  std::string stall_message(RequestId head, const Scheduler& scheduler) const override {
+    const Request& request = requests_[head];
+    return fmt::format("demo: scheduler stalled at step {}: request {} needs {} blocks, {} free",
+                       scheduler.step(), request.id,
+                       div_ceil(request.context_tokens(), block_size_), cache_.num_free_blocks());
   }
 
  private:
@@ -130,137 +239,9 @@ class Simulation {
     }
   }
 
-  void arrive() {
-    if (arrived_ == options_.requests) return;
-    std::size_t count = random_.uniform(0, 3);
-    if (count == 0 && running_.empty() && waiting_.empty()) count = 1;  // no idle steps
-    for (std::size_t i = 0; i < count && arrived_ < options_.requests; ++i) {
-      Request request;
-      request.id = arrived_++;
-      if (!shared_.empty()) {
-        const std::size_t pick = random_.uniform(0, shared_.size());  // == size(): no prompt
-        if (pick < shared_.size()) request.shared = pick;
-      }
-      std::size_t prompt = random_.uniform(1, std::max<std::size_t>(1, options_.max_prompt_tokens));
-      std::size_t output = random_.uniform(1, std::max<std::size_t>(1, options_.max_output_tokens));
-      prompt = std::min(prompt, std::max<std::size_t>(1, max_own_tokens_ / 2));
-      output = std::min(output, max_own_tokens_ - prompt);
-      request.prompt_tokens = prompt;
-      request.output_tokens = output;
-      waiting_.push_back(std::move(request));
-    }
-  }
-
-  void release(Request& request) {
-    cache_.free_blocks(request.table);
-    result_.dec_refs += request.table.size();
-    expected_frees_ += request.own_blocks();
-    if (request.shared) --shared_[*request.shared].users;
-    request.table.clear();
-    request.shared_blocks = 0;
-  }
-
-  // The newest running request goes back to the front of the queue; it will
-  // recompute its prompt and the tokens it had generated.
-  void preempt_newest() {
-    Request victim = std::move(running_.back());
-    running_.pop_back();
-    release(victim);
-    ++result_.preemptions;
-    waiting_.push_front(std::move(victim));
-  }
-
-  // Every running request needs a slot for the token it feeds this step.
-  // Returns whether a request was preempted for lack of blocks.
-  bool reserve_decode_slots() {
-    bool preempted = false;
-    for (std::size_t i = 0; i < running_.size(); ++i) {
-      running_[i].prefilled_this_step = false;
-      const std::size_t needed = div_ceil(running_[i].context_tokens() + 1, block_size_);
-      while (i < running_.size() && running_[i].own_blocks() < needed) {
-        if (const auto block = alloc()) {
-          running_[i].table.push_back(*block);
-          continue;
-        }
-        // Exhausted: preempt the newest request, which may be this one.
-        preempt_newest();
-        preempted = true;
-      }
-    }
-    return preempted;
-  }
-
-  // Admits waiting requests in order while their prompt fits. A small
-  // watermark keeps room for running requests to grow, unless nothing runs.
-  void admit() {
-    const std::size_t watermark = cache_.num_blocks() / 100;
-    while (!waiting_.empty() && running_.size() < options_.max_running) {
-      Request& request = waiting_.front();
-      const std::size_t needed = div_ceil(request.context_tokens(), block_size_);
-      const std::size_t reserve = running_.empty() ? 0 : watermark;
-      if (cache_.num_free_blocks() < needed + reserve) {
-        // Lengths are capped so that a request fits an otherwise empty cache.
-        if (running_.empty()) {
-          throw std::logic_error(
-              fmt::format("demo: scheduler stalled at step {}: request {} needs {} blocks, {} free",
-                          result_.steps, request.id, needed, cache_.num_free_blocks()));
-        }
-        break;
-      }
-      if (request.shared) {
-        SharedPrompt& prompt = shared_[*request.shared];
-        for (BlockId block : prompt.blocks) {
-          cache_.inc_ref(block);
-          ++result_.inc_refs;
-          request.table.push_back(block);
-        }
-        request.shared_blocks = prompt.blocks.size();
-        ++prompt.users;
-      }
-      for (std::size_t b = 0; b < needed; ++b) {
-        const auto block = alloc();
-        if (!block) throw std::logic_error("demo: a block counted as free could not be allocated");
-        request.table.push_back(*block);
-      }
-      result_.prompt_tokens += request.context_tokens();
-      request.prefilled_this_step = true;
-      running_.push_back(std::move(request));
-      waiting_.pop_front();
-    }
-  }
-
-  // ONE zero_blocks call for every block handed out this step.
-  void zero_new_blocks() {
-    if (new_blocks_.empty()) return;
-    cache_.zero_blocks(new_blocks_, stream_);
-    ++result_.zero_batches;
-    result_.zeroed_blocks += new_blocks_.size();
-    new_blocks_.clear();
-  }
-
-  // The model runs: decoding requests write one more token; finished requests
-  // free their blocks (shared prompt blocks drop back to the prefix cache's
-  // single reference).
-  void forward() {
-    std::vector<Request> still_running;
-    still_running.reserve(running_.size());
-    for (Request& request : running_) {
-      if (!request.prefilled_this_step) {
-        ++request.generated;
-        ++result_.generated_tokens;
-      }
-      if (request.generated >= request.output_tokens) {
-        release(request);
-        ++result_.completed;
-      } else {
-        still_running.push_back(std::move(request));
-      }
-    }
-    running_ = std::move(still_running);
-  }
-
   // The cache's refcounts must match the simulation's own bookkeeping.
-  void verify_refcounts() {
+  void verify_refcounts(const Scheduler& scheduler) {
+    const std::uint64_t step = scheduler.step();
     std::size_t expected_in_use = 0;
     for (std::size_t p = 0; p < shared_.size(); ++p) {
       const SharedPrompt& prompt = shared_[p];
@@ -269,22 +250,23 @@ class Simulation {
         const std::uint32_t rc = cache_.ref_count(block);
         if (rc != 1 + prompt.users) {
           discrepancy(fmt::format("step {}: shared prompt {} block {} has refcount {}, expected {}",
-                                  result_.steps, p, block, rc, 1 + prompt.users));
+                                  step, p, block, rc, 1 + prompt.users));
         }
       }
     }
-    for (const Request& request : running_) {
+    for (const RequestId id : scheduler.running()) {
+      const Request& request = requests_[id];
       expected_in_use += request.own_blocks();
       for (std::size_t i = request.shared_blocks; i < request.table.size(); ++i) {
         const std::uint32_t rc = cache_.ref_count(request.table[i]);
         if (rc != 1) {
-          discrepancy(fmt::format("step {}: request {} block {} has refcount {}, expected 1",
-                                  result_.steps, request.id, request.table[i], rc));
+          discrepancy(fmt::format("step {}: request {} block {} has refcount {}, expected 1", step,
+                                  request.id, request.table[i], rc));
         }
       }
     }
     if (cache_.num_blocks_in_use() != expected_in_use) {
-      discrepancy(fmt::format("step {}: {} blocks in use, the requests hold {}", result_.steps,
+      discrepancy(fmt::format("step {}: {} blocks in use, the requests hold {}", step,
                               cache_.num_blocks_in_use(), expected_in_use));
     }
   }
@@ -321,8 +303,7 @@ class Simulation {
   std::vector<SharedPrompt> shared_;
   std::size_t max_own_tokens_ = 0;
   std::size_t arrived_ = 0;
-  std::deque<Request> waiting_;
-  std::vector<Request> running_;  // oldest first
+  std::vector<Request> requests_;  // by id, in order of arrival
   std::vector<BlockId> new_blocks_;
   std::uint64_t expected_frees_ = 0;
   ServingSimResult result_;
@@ -341,4 +322,4 @@ ServingSimResult run_serving_simulation(PagedKvCache& cache, StreamView stream,
   return Simulation(cache, stream, options).run();
 }
 
-}  // namespace kvport::cli
+}  // namespace kvport::sim

@@ -1,19 +1,29 @@
-// A simulated LLM serving loop over a PagedKvCache: the workload behind
+// A simulated LLM serving workload over a bare PagedKvCache (refcounts,
+// inc_ref sharing, batched zeroing; no prefix cache): the workload behind
 // `kvport demo`.
 //
-// Each step, like a vLLM-style scheduler:
-//   1. new requests arrive (0-3 per step) into the waiting queue;
-//   2. every running request reserves room for its next token, oldest first;
-//      when the cache is exhausted the newest running request is preempted
-//      (its blocks freed, it goes back to the front of the queue and later
-//      recomputes its prompt plus the tokens it had generated);
-//   3. if nothing was preempted, waiting requests are admitted while blocks
-//      are free: a request that continues a shared system prompt inc_ref's the
-//      prompt's blocks and allocates only its own;
-//   4. every block allocated in the step is zeroed by ONE zero_blocks call;
-//   5. running requests generate one token; finished ones free their table.
-// Request lengths come from a seeded generator, capped so that one request
-// always fits in the cache alone; the same seed gives the same run.
+// It runs under the one scheduler loop of scheduler.hpp, with these choices
+// (RetirePoint::after_admission, the head retried every step):
+//   - arrival: 0-3 new requests per step (1 when nothing runs or waits), from
+//     a seeded generator; lengths are capped so that one request always fits
+//     in the cache alone (beside the pinned system prompts). The same seed
+//     gives the same run.
+//   - system prompts: up to `shared_prompts` prompts of 1-4 blocks (at most a
+//     quarter of the cache) are allocated once and held for the whole run, as
+//     a prefix cache would; a request that continues one inc_ref's its blocks
+//     and allocates only its own.
+//   - decode: a running request reserves the block for its next token by
+//     allocating it (try_alloc_block); when the cache is exhausted the newest
+//     running request is preempted (its blocks freed; it recomputes its
+//     prompt plus the tokens it had generated when admitted again).
+//   - admission: FIFO while its blocks are free, keeping 1% of the cache free
+//     for running requests to grow unless nothing runs.
+//   - zeroing: every block allocated in a step is zeroed by ONE zero_blocks
+//     call after admission.
+//   - completion: at the end of the step, finished requests free their table
+//     (shared blocks drop back to the pinned reference).
+// After every step the cache's refcounts are checked against the workload's
+// own bookkeeping.
 #pragma once
 
 #include <cstddef>
@@ -24,7 +34,7 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/stream.hpp"
 
-namespace kvport::cli {
+namespace kvport::sim {
 
 struct ServingSimOptions {
   std::size_t requests = 100;      ///< requests to serve (> 0)
@@ -71,10 +81,10 @@ struct ServingSimResult {
   }
 };
 
-/// Runs the loop on a fresh `cache` (no block in use), queuing zeroing on
+/// Runs the workload on a fresh `cache` (no block in use), queuing zeroing on
 /// `stream`. Leaves every block free. Throws InvalidArgument for zero
 /// requests or max_running, and std::logic_error if the scheduler stalls (a bug).
 ServingSimResult run_serving_simulation(PagedKvCache& cache, StreamView stream,
                                         const ServingSimOptions& options);
 
-}  // namespace kvport::cli
+}  // namespace kvport::sim

@@ -1,0 +1,14 @@
+// Integer division rounded up (blocks for a number of tokens, chunks for a
+// number of bytes), at the bottom layer so that every layer can use it.
+#pragma once
+
+#include <cstddef>
+
+namespace kvport {
+
+/// ceil(a / b) for b > 0, without the overflow of (a + b - 1) / b.
+constexpr std::size_t div_ceil(std::size_t a, std::size_t b) noexcept {
+  return a / b + (a % b != 0);
+}
+
+}  // namespace kvport

@@ -1,0 +1,133 @@
+// Replay of a Mooncake request trace (mooncake_trace.hpp) over a
+// PrefixCache: the simulation behind `kvport replay`.
+//
+// Requests run under the one scheduler loop of scheduler.hpp, with these
+// choices (RetirePoint::before_admission, retry_head_after_release):
+//   - arrival: requests arrive at their timestamp (sorted stably); one that
+//     could not run even alone in an empty cache (blocks for input_length +
+//     output_length > capacity_blocks) is rejected at arrival; idle time
+//     between arrivals is skipped, not simulated step by step.
+//   - tokens: a request's prompt is its trace tokens, then unique tokens
+//     (trace_tokens.hpp); every generated token is unique to the request.
+//   - admission: FIFO, at most `concurrency` running. The head reuses its
+//     cached prefix (BlockTable::reuse_cached_prefix) and prefills the rest;
+//     when the blocks for the rest are not available (free or evictable), it
+//     gives the prefix back and waits until a running request releases
+//     blocks. Its first admission counts its prompt and hit blocks and its
+//     queueing delay; a re-admission after preemption counts its prefill as
+//     recomputed.
+//   - decode: one token per running request per step, appended to its
+//     BlockTable; a token that starts a block needs one free or evictable
+//     block, else the newest request is preempted. Full blocks are registered
+//     in the prefix cache; released requests give their blocks back last
+//     block first, so the prefix stays cached longest.
+// The same trace and options always give the same result (apart from the
+// wall-clock fields).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/platform/backend.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
+
+namespace kvport::sim {
+
+struct ReplayOptions {
+  std::size_t capacity_blocks = 0;       ///< blocks of the KV cache, in [1, kMaxCapacityBlocks]
+  std::size_t block_size = 16;           ///< tokens per block, in [1, kMaxBlockSize]
+  std::size_t trace_block_tokens = 512;  ///< tokens per hash id (> 0)
+  std::size_t concurrency = 64;          ///< most requests running at once (> 0)
+  std::uint64_t step_ms = 10;            ///< simulated time of one decode step (> 0)
+  /// Run PrefixCache::check_invariants() every this many steps (0: only at
+  /// the end). Each check is O(capacity_blocks).
+  std::size_t check_every = 0;
+  /// Called after each request finishes (completed or rejected) with the
+  /// number finished so far and the total. May be empty.
+  std::function<void(std::size_t done, std::size_t total)> progress;
+
+  /// 2^22 blocks: the simulation keeps about 100 bytes of bookkeeping per
+  /// block (refcount, free list, LRU entry, hash map entry).
+  static constexpr std::size_t kMaxCapacityBlocks = std::size_t{1} << 22;
+  static constexpr std::size_t kMaxBlockSize = std::size_t{1} << 16;
+  /// capacity_blocks * block_size at most 2^28 tokens (1 GiB of pools at 4
+  /// bytes per token in the minimal cache).
+  static constexpr std::size_t kMaxCapacityTokens = std::size_t{1} << 28;
+
+  /// Throws InvalidArgument naming the option (as its --flag) that is out of
+  /// range.
+  void validate() const;
+};
+
+struct ReplayResult {
+  std::size_t requests = 0;   ///< in the trace
+  std::size_t completed = 0;  ///< generated all their output tokens
+  /// Could not run even alone in an empty cache: blocks for input_length +
+  /// output_length tokens > capacity_blocks. Never admitted.
+  std::size_t rejected = 0;
+  std::size_t preemptions = 0;
+  std::uint64_t steps = 0;    ///< decode steps simulated
+  double simulated_ms = 0.0;  ///< last finish - first arrival, simulated time
+
+  // Prefix reuse, counted once per request, at its first admission.
+  std::uint64_t prompt_blocks = 0;  ///< full blocks of the prompts
+  std::uint64_t hit_blocks = 0;     ///< of those, found in the cache
+  std::uint64_t prompt_tokens = 0;  ///< input_length of the admitted requests
+  std::uint64_t hit_tokens = 0;     ///< hit_blocks * block_size
+
+  /// Tokens prefilled (appended at admission), recomputation included.
+  std::uint64_t prefill_tokens = 0;
+  /// Of those, tokens a preempted request prefilled again on re-admission.
+  std::uint64_t recomputed_tokens = 0;
+  std::uint64_t generated_tokens = 0;
+
+  // Block operations.
+  std::uint64_t lookups = 0;        ///< prefix lookups (admission attempts, re-admissions included)
+  std::uint64_t allocations = 0;    ///< blocks allocated (PagedKvCache allocs, after evictions)
+  std::uint64_t releases = 0;       ///< block references given back by sequences
+  std::uint64_t evictions = 0;      ///< cached blocks evicted to make room
+  std::uint64_t cache_inserts = 0;  ///< full blocks registered in the prefix cache
+  std::size_t peak_blocks_in_use = 0;  ///< most blocks running requests held at once
+  std::size_t cached_blocks_at_end = 0;
+
+  // Queueing delay, arrival to first admission, of admitted requests (ms).
+  double mean_queue_ms = 0.0;
+  double max_queue_ms = 0.0;
+
+  double wall_s = 0.0;  ///< host time of the simulation (not of reading the trace)
+
+  /// PrefixCache::check_invariants() at the end, or at the first periodic
+  /// check that failed (then the run stopped there: stopped_at_step != 0).
+  InvariantReport invariants;
+  std::uint64_t stopped_at_step = 0;
+
+  double hit_rate() const noexcept { return ratio(hit_blocks, prompt_blocks); }
+  double token_hit_rate() const noexcept { return ratio(hit_tokens, prompt_tokens); }
+  /// lookups + allocations + releases.
+  std::uint64_t operations() const noexcept { return lookups + allocations + releases; }
+  double operations_per_s() const noexcept { return per_s(operations()); }
+  double requests_per_s() const noexcept { return per_s(requests); }
+  bool ok() const noexcept { return invariants.ok && stopped_at_step == 0; }
+
+ private:
+  static double ratio(std::uint64_t a, std::uint64_t b) noexcept {
+    return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b);
+  }
+  double per_s(std::uint64_t n) const noexcept {
+    return wall_s > 0.0 ? static_cast<double>(n) / wall_s : 0.0;
+  }
+};
+
+/// Replays `requests` (in trace order; the simulation sorts them by
+/// timestamp, stably) under the rules at the top of this file on a fresh PagedKvCache of
+/// options.capacity_blocks blocks on `backend` (1 layer, 1 KV head, head dim 1, f16: its contents
+/// do not matter, only the block bookkeeping), with a PrefixCache over it. Throws InvalidArgument
+/// for bad options or no requests, and whatever the cache's construction throws (OutOfMemory). The
+/// requests must satisfy what the reader checks (input_length >= 1, lengths <= kMaxRequestTokens).
+ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOptions& options,
+                        Backend& backend);
+
+}  // namespace kvport::sim

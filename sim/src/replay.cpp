@@ -1,0 +1,267 @@
+#include "kvport/sim/replay.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "kvport/core/block_table.hpp"
+#include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/sim/scheduler.hpp"
+#include "kvport/sim/trace_tokens.hpp"
+
+namespace kvport::sim {
+
+void ReplayOptions::validate() const {
+  if (capacity_blocks == 0 || capacity_blocks > kMaxCapacityBlocks) {
+    throw InvalidArgument(fmt::format("--capacity-blocks: must be in [1, {}], got {}",
+                                      kMaxCapacityBlocks, capacity_blocks));
+  }
+  if (block_size == 0 || block_size > kMaxBlockSize) {
+    throw InvalidArgument(
+        fmt::format("--block-size: must be in [1, {}], got {}", kMaxBlockSize, block_size));
+  }
+  if (capacity_blocks > kMaxCapacityTokens / block_size) {
+    throw InvalidArgument(
+        fmt::format("--capacity-blocks {} x --block-size {} is more than {} tokens of cache",
+                    capacity_blocks, block_size, kMaxCapacityTokens));
+  }
+  if (trace_block_tokens == 0) throw InvalidArgument("--trace-block-tokens: must be positive");
+  if (concurrency == 0) throw InvalidArgument("--concurrency: must be positive");
+  if (step_ms == 0) throw InvalidArgument("--step-ms: must be positive");
+}
+
+namespace {
+
+// The prefix-cache replay as a Workload of the one scheduler loop.
+class ReplayWorkload final : public Workload {
+ public:
+  ReplayWorkload(std::span<const TraceRequest> requests, const ReplayOptions& options,
+                 PrefixCache& prefix, StreamView stream)
+      : requests_(requests),
+        options_(options),
+        prefix_(prefix),
+        stream_(stream),
+        bs_(options.block_size),
+        state_(requests.size()) {}
+
+  ReplayResult run() {
+    const auto start = std::chrono::steady_clock::now();
+    result_.requests = requests_.size();
+    order_.resize(requests_.size());
+    std::iota(order_.begin(), order_.end(), std::size_t{0});
+    std::stable_sort(order_.begin(), order_.end(), [&](std::size_t a, std::size_t b) {
+      return requests_[a].timestamp_ms < requests_[b].timestamp_ms;
+    });
+    const double first_arrival = requests_[order_.front()].timestamp_ms;
+    last_finish_ = first_arrival;
+
+    SchedulerOptions scheduling;
+    scheduling.max_running = options_.concurrency;
+    scheduling.step_ms = static_cast<double>(options_.step_ms);
+    scheduling.start_ms = first_arrival;
+    scheduling.retire = RetirePoint::before_admission;
+    scheduling.retry_head_after_release = true;
+    Scheduler scheduler(*this, scheduling);
+    const SchedulerStats stats = scheduler.run();
+    result_.steps = stats.steps;
+    result_.completed = stats.completed;
+    result_.rejected = stats.rejected;
+    result_.preemptions = stats.preemptions;
+
+    for (const RequestId id : scheduler.running())  // only left after a failed periodic check
+      state_[id].table.reset();
+    prefix_.kv_cache().backend().synchronize(stream_);
+    result_.wall_s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+    const PrefixCacheCounters& counters = prefix_.counters();
+    result_.lookups = counters.lookups;
+    result_.evictions = counters.evictions;
+    result_.cache_inserts = counters.inserts;
+    result_.allocations = prefix_.kv_cache().counters().allocs;
+    result_.cached_blocks_at_end = prefix_.num_cached_blocks();
+    result_.simulated_ms = last_finish_ - first_arrival;
+    if (admitted_ != 0) result_.mean_queue_ms = queue_ms_sum_ / static_cast<double>(admitted_);
+    if (result_.stopped_at_step == 0) {
+      result_.invariants = prefix_.check_invariants();
+      if (result_.invariants.blocks_in_use != 0) {
+        result_.invariants.add_violation(
+            fmt::format("{} blocks are still in use after the last request finished",
+                        result_.invariants.blocks_in_use));
+      }
+    }
+    return std::move(result_);
+  }
+
+  std::size_t num_requests() const override { return requests_.size(); }
+
+  void arrive(Scheduler& scheduler) override {
+    for (; next_ < order_.size() && requests_[order_[next_]].timestamp_ms <= scheduler.now_ms();
+         ++next_) {
+      const std::size_t index = order_[next_];
+      const TraceRequest& r = requests_[index];
+      // Alone in an empty cache it would still run out of blocks, and
+      // preempting itself would only start it over.
+      if (div_ceil(r.input_length + r.output_length, bs_) > options_.capacity_blocks) {
+        scheduler.reject();
+        finished(r.timestamp_ms);
+        continue;
+      }
+      scheduler.enqueue(index);
+    }
+  }
+
+  void idle(Scheduler& scheduler) override {
+    if (next_ == order_.size()) throw std::logic_error("kvport replay: requests lost (a bug)");
+    scheduler.advance_to(requests_[order_[next_]].timestamp_ms);  // jump to the next arrival
+  }
+
+  bool reserve_token(RequestId id) override {
+    return state_[id].table->blocks_needed(1) <= prefix_.num_available_blocks();
+  }
+
+  void decode_token(RequestId id) override {
+    RequestState& state = state_[id];
+    BlockTable& table = *state.table;
+    const TokenId token = unique_token(id, table.num_tokens());
+    table.append_tokens({&token, 1}, stream_);       // a full block is registered in the cache
+    if (table.last_block_fill() == 1) track_peak();  // took a new block
+    ++state.generated;
+    ++result_.generated_tokens;
+  }
+
+  bool finished(RequestId id) const override {
+    return state_[id].generated == requests_[id].output_length;
+  }
+
+  bool try_admit(RequestId id, const Scheduler& scheduler) override {
+    const TraceRequest& request = requests_[id];
+    RequestState& state = state_[id];
+    const std::size_t context = request.input_length + state.generated;
+    sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
+    BlockTable table(prefix_);
+    const std::size_t hit = table.reuse_cached_prefix(scratch_);
+    const std::span<const TokenId> rest = std::span<const TokenId>(scratch_).subspan(hit);
+    if (table.blocks_needed(rest.size()) > prefix_.num_available_blocks()) {
+      result_.releases += table.num_blocks();
+      table.release();
+      return false;
+    }
+    table.append_tokens(rest, stream_);
+    track_peak();
+    if (!state.admitted) {
+      state.admitted = true;
+      ++admitted_;
+      result_.prompt_blocks += request.input_length / bs_;
+      result_.hit_blocks += hit / bs_;
+      result_.prompt_tokens += request.input_length;
+      result_.hit_tokens += hit;
+      const double queued = scheduler.now_ms() - request.timestamp_ms;
+      queue_ms_sum_ += queued;
+      result_.max_queue_ms = std::max(result_.max_queue_ms, queued);
+    } else {
+      result_.recomputed_tokens += rest.size();
+    }
+    result_.prefill_tokens += rest.size();
+    state.table.emplace(std::move(table));
+    return true;
+  }
+
+  void release(RequestId id) override {
+    std::optional<BlockTable>& table = state_[id].table;
+    result_.releases += table->num_blocks();
+    table->release();  // last block first: the prefix stays cached longest
+    table.reset();
+  }
+
+  void on_complete(RequestId /*id*/, double at_ms) override { finished(at_ms); }
+
+  bool end_step(const Scheduler& scheduler) override {
+    if (options_.check_every == 0 || scheduler.step() % options_.check_every != 0) return true;
+    InvariantReport report = prefix_.check_invariants();
+    if (report.ok) return true;
+    result_.invariants = std::move(report);
+    result_.stopped_at_step = scheduler.step();
+    return false;
+  }
+
+  std::string stall_message(RequestId head, const Scheduler& /*scheduler*/) const override {
+    return fmt::format(
+        "kvport replay: request on line {} cannot be admitted into an empty cache (a bug)",
+        requests_[head].line);
+  }
+
+ private:
+  struct RequestState {
+    std::size_t generated = 0;
+    bool admitted = false;            // admitted at least once
+    std::optional<BlockTable> table;  // while running
+  };
+
+  void finished(double at) {
+    ++finished_;
+    last_finish_ = std::max(last_finish_, at);
+    if (options_.progress) options_.progress(finished_, requests_.size());
+  }
+
+  void track_peak() {
+    const std::size_t in_use = options_.capacity_blocks - prefix_.num_available_blocks();
+    result_.peak_blocks_in_use = std::max(result_.peak_blocks_in_use, in_use);
+  }
+
+  std::span<const TraceRequest> requests_;
+  const ReplayOptions& options_;
+  PrefixCache& prefix_;
+  StreamView stream_;
+  std::size_t bs_;
+  std::vector<RequestState> state_;
+  std::vector<std::size_t> order_;  // request indices by arrival
+  std::size_t next_ = 0;            // the next of order_ to arrive
+  double last_finish_ = 0.0;
+  double queue_ms_sum_ = 0.0;
+  std::size_t finished_ = 0;  // completed or rejected
+  std::size_t admitted_ = 0;  // requests admitted at least once
+  std::vector<TokenId> scratch_;
+  ReplayResult result_;
+};
+
+}  // namespace
+
+ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOptions& options,
+                        Backend& backend) {
+  options.validate();
+  if (requests.empty()) throw InvalidArgument("kvport replay: no requests");
+  for (const TraceRequest& r : requests) {
+    if (r.input_length == 0 || r.input_length > kMaxRequestTokens ||
+        r.output_length > kMaxRequestTokens - r.input_length) {
+      throw InvalidArgument(fmt::format(
+          "request of line {}: input_length {} and output_length {} must be >= 1 and together "
+          "at most {}",
+          r.line, r.input_length, r.output_length, kMaxRequestTokens));
+    }
+  }
+  // The smallest cache: only the block bookkeeping matters, not the data.
+  KvCacheConfig config;
+  config.num_layers = 1;
+  config.num_kv_heads = 1;
+  config.head_dim_k = config.head_dim_v = 1;
+  config.dtype = KvCacheDtype::f16;
+  config.block_size = options.block_size;
+  PagedKvCacheOptions cache_options;
+  cache_options.trace = false;  // 16 history entries per block would dwarf the simulation
+  PagedKvCache cache(config, options.capacity_blocks, backend, cache_options);
+  PrefixCache prefix(cache);
+  const Stream stream = backend.create_stream();
+  ReplayWorkload replay(requests, options, prefix, stream);
+  return replay.run();
+}
+
+}  // namespace kvport::sim

@@ -1,0 +1,159 @@
+// The Mooncake trace reader, token synthesis and the prefix-cache replay
+// workload, called as a library (the `kvport replay` report is tested in
+// tests/unit/cli/replay_test.cpp).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
+#include "kvport/sim/replay.hpp"
+#include "kvport/sim/trace_tokens.hpp"
+
+namespace kvport::sim {
+namespace {
+
+using ::testing::HasSubstr;
+
+// One trace line.
+std::string line(double timestamp, std::size_t input, std::size_t output,
+                 const std::string& hash_ids) {
+  std::ostringstream s;
+  s << R"({"timestamp": )" << timestamp << R"(, "input_length": )" << input
+    << R"(, "output_length": )" << output << R"(, "hash_ids": )" << hash_ids << "}\n";
+  return s.str();
+}
+
+TEST(sim_replay, ReaderYieldsRequestsWithLineNumbers) {
+  std::istringstream in(line(5, 100, 2, "[1, 2]") + "\n" + line(3.5, 7, 0, "[]"));
+  MooncakeTraceReader reader(in, "mem");
+  const auto a = reader.next();
+  ASSERT_TRUE(a);
+  EXPECT_EQ(a->line, 1u);
+  EXPECT_EQ(a->input_length, 100u);
+  EXPECT_EQ(a->output_length, 2u);
+  EXPECT_EQ(a->hash_ids, (std::vector<std::uint64_t>{1, 2}));
+  const auto b = reader.next();
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->line, 3u);
+  EXPECT_DOUBLE_EQ(b->timestamp_ms, 3.5);
+  EXPECT_FALSE(reader.next());
+  EXPECT_FALSE(reader.next());
+
+  std::istringstream bad(line(0, 1, 1, "[]") + "{\n");
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(bad, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_THAT(e.what(), HasSubstr("mem:2: malformed JSON"));
+          throw;
+        }
+      },
+      InvalidArgument);
+}
+
+TEST(sim_replay, ReaderHardensEachLineLikeTheConfigReader) {
+  // The same parse as --hf-config files (json_input.hpp): a NUL byte and deep
+  // nesting are errors naming the line.
+  const std::string nul =
+      "{\"timestamp\": 0, \"input_length\": 1, \"output_length\": 1, "
+      "\"hash_ids\": []}" +
+      std::string(1, '\0') + "junk\n";
+  std::istringstream with_nul(line(0, 1, 1, "[]") + nul);
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(with_nul, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_STREQ(e.what(),
+                       "mem:2: malformed JSON: NUL byte at offset 71 (not a JSON text file)");
+          throw;
+        }
+      },
+      InvalidArgument);
+  std::istringstream deep(
+      line(0, 1, 1, "[]")
+          .insert(1, "\"x\": " + std::string(16, '[') + std::string(16, ']') + ", "));
+  EXPECT_THROW(
+      {
+        try {
+          (void)read_mooncake_trace(deep, "mem");
+        } catch (const InvalidArgument& e) {
+          EXPECT_STREQ(e.what(), "mem:1: JSON nested deeper than 16 levels");
+          throw;
+        }
+      },
+      InvalidArgument);
+}
+
+TEST(sim_replay, EqualIdsGiveEqualTokens) {
+  TraceRequest a;
+  a.input_length = 1000;
+  a.hash_ids = {7, 8};
+  TraceRequest b = a;
+  b.hash_ids = {7, 9};
+  std::vector<TokenId> ta, tb, ta2;
+  sequence_tokens(a, 0, 512, 1010, ta);
+  sequence_tokens(b, 1, 512, 1000, tb);
+  sequence_tokens(a, 5, 512, 1000, ta2);
+  ASSERT_EQ(ta.size(), 1010u);
+  EXPECT_TRUE(std::equal(ta.begin(), ta.begin() + 512, tb.begin()));
+  EXPECT_FALSE(std::equal(ta.begin() + 512, ta.begin() + 1000, tb.begin() + 512));
+  EXPECT_TRUE(std::equal(ta2.begin(), ta2.end(), ta.begin()));  // the index does not matter
+  EXPECT_EQ(ta[3], trace_token(7, 3));
+  EXPECT_EQ(ta[515], trace_token(8, 3));
+  EXPECT_EQ(ta[1005], unique_token(0, 1005));  // generated tokens are the request's own
+  EXPECT_NE(unique_token(0, 1005), unique_token(1, 1005));
+
+  std::set<TokenId> distinct;
+  for (TokenId t : ta) {
+    EXPECT_LT(t, 1u << 31);
+    distinct.insert(t);
+  }
+  EXPECT_GT(distinct.size(), 1000u);  // no visible pattern or collisions
+}
+
+TEST(sim_replay, RunReplayOnGeneratedRequests) {
+  std::vector<TraceRequest> requests;
+  for (std::size_t i = 0; i < 50; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = static_cast<double>(i * 7 % 13);
+    r.input_length = 100 + i;
+    r.output_length = 3;
+    r.hash_ids = {i % 3};
+    requests.push_back(r);
+  }
+  ReplayOptions options;
+  options.capacity_blocks = 1024;  // no eviction
+  options.trace_block_tokens = 64;
+  std::size_t calls = 0;
+  options.progress = [&](std::size_t done, std::size_t total) {
+    ++calls;
+    EXPECT_EQ(done, calls);
+    EXPECT_EQ(total, 50u);
+  };
+  const auto backend = make_host_backend();
+  const ReplayResult result = run_replay(requests, options, *backend);
+  EXPECT_EQ(calls, 50u);
+  EXPECT_TRUE(result.ok()) << result.invariants.to_string();
+  EXPECT_EQ(result.completed, 50u);
+  EXPECT_EQ(result.hit_blocks, 47u * 4u);  // each id's 4 blocks hit after its first request
+  EXPECT_EQ(result.operations(), result.lookups + result.allocations + result.releases);
+
+  options.capacity_blocks = 0;
+  EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
+  options.capacity_blocks = 1024;
+  EXPECT_THROW((void)run_replay({}, options, *backend), InvalidArgument);
+  requests[3].input_length = 0;
+  EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvport::sim
