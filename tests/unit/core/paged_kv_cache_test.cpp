@@ -676,6 +676,26 @@ TEST(ComputeNumBlocks, DividesTheBudgetByBytesPerBlock) {
             3u);
 }
 
+TEST(ComputeNumBlocks, TheWorkedExampleInDocsFormatsMd) {
+  // docs/formats.md, "Per block, all layers": every pool is rounded up to
+  // 256 bytes, so 10 x bytes_per_block is not enough for 10 blocks.
+  const KvCacheConfig layer_major = test::mixed_config();
+  const KvCacheConfig block_major = test::mixed_config(KvCacheLayout::block_major);
+  EXPECT_EQ(layer_major.bytes_per_block(), 1328u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13280), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13567), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13568), 10u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13280), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13311), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13312), 10u);
+  // And the allocator agrees: 10 layer-major blocks take exactly 13 568 bytes.
+  std::unique_ptr<Backend> exact = test::host_backend(13568);
+  EXPECT_NO_THROW(PagedKvCache(layer_major, 10, *exact));
+  std::unique_ptr<Backend> short_by_one = test::host_backend(13567);
+  EXPECT_THROW(PagedKvCache(layer_major, 10, *short_by_one), OutOfMemory);
+  EXPECT_NO_THROW(PagedKvCache(layer_major, 9, *short_by_one));
+}
+
 TEST(ComputeNumBlocks, InvalidConfigThrows) {
   KvCacheConfig config = test::llama3_8b_config();
   config.head_dim_k = 0;
