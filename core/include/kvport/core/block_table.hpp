@@ -115,9 +115,10 @@ class BlockTable {
 
   /// As above, with a copy (if any) on the backend's default stream, which
   /// this call then synchronizes, so the copy is complete whatever stream the
-  /// caller uses next. An asynchronous error of that copy is rethrown
-  /// (BackendError) with the strong guarantee. Pass a stream to avoid the
-  /// wait.
+  /// caller uses next. An asynchronous error that synchronize reports (the
+  /// copy's, or an earlier one still pending on the default stream) is
+  /// rethrown (BackendError) with the strong guarantee. Pass a stream to avoid
+  /// the wait.
   std::size_t reuse_cached_prefix(std::span<const TokenId> prompt);
 
   /// How reuse_cached_prefix treats a fully cached prompt; compute_last_token
