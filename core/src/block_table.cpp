@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "kvport/core/prefix_cache.hpp"
@@ -47,7 +48,8 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
       hashes_(std::exchange(other.hashes_, {})),
       prompt_(std::exchange(other.prompt_, {})),
       prompt_hashes_(std::exchange(other.prompt_hashes_, {})),
-      copy_on_writes_(std::exchange(other.copy_on_writes_, 0)) {}
+      copy_on_writes_(std::exchange(other.copy_on_writes_, 0)),
+      hit_mode_(other.hit_mode_) {}
 
 BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   if (this != &other) {
@@ -62,6 +64,7 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
     prompt_ = std::exchange(other.prompt_, {});
     prompt_hashes_ = std::exchange(other.prompt_hashes_, {});
     copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
+    hit_mode_ = other.hit_mode_;
   }
   return *this;
 }
@@ -103,7 +106,26 @@ std::size_t BlockTable::blocks_needed(std::size_t num_tokens) const {
   return plan_append(num_tokens).blocks();
 }
 
+const char* to_string(PrefixHitMode mode) noexcept {
+  switch (mode) {
+    case PrefixHitMode::compute_last_token:
+      return "compute_last_token";
+    case PrefixHitMode::full:
+      return "full";
+  }
+  return "unknown";
+}
+
+std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream) {
+  return reuse_cached_prefix(prompt, stream, /*wait_for_copy=*/false);
+}
+
 std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
+  return reuse_cached_prefix(prompt, cache_->backend().default_stream(), /*wait_for_copy=*/true);
+}
+
+std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream,
+                                            bool wait_for_copy) {
   if (!blocks_.empty() || !tokens_.empty()) {
     throw InvalidArgument(fmt::format(
         "BlockTable::reuse_cached_prefix: the table already holds {} tokens; a cached prefix can "
@@ -113,18 +135,51 @@ std::size_t BlockTable::reuse_cached_prefix(std::span<const TokenId> prompt) {
   if (prefix_ == nullptr) return 0;
   std::vector<BlockHash> prompt_hashes = hash_full_blocks(prompt, block_size_, extra_key_);
   PrefixMatch match = prefix_->lookup_hashes(prompt_hashes);
+  // The whole prompt hit: the engine would have no token left to compute.
+  const bool whole_prompt = hit_mode_ == PrefixHitMode::compute_last_token &&
+                            match.num_tokens == prompt.size() && !match.blocks.empty();
+  std::optional<BlockId> copy;  // the private copy of the last block, if taken
+  std::size_t hit = match.num_tokens;
   try {
-    tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(match.num_tokens));
+    if (whole_prompt) {
+      hit = prompt.size() - 1;
+      if (block_size_ > 1) copy = prefix_->try_alloc_block();
+      if (copy) {
+        const BlockCopy c{match.blocks.back(), *copy};
+        cache_->copy_blocks({&c, 1}, stream);
+        if (wait_for_copy) cache_->backend().synchronize(stream);
+      } else {
+        hit = prompt.size() - block_size_;  // stop before the last block
+      }
+    }
+    tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit));
     prompt_.assign(prompt.begin(), prompt.end());
   } catch (...) {
     tokens_.clear();
+    if (copy) release_one(*copy);
     prefix_->release_blocks(match.blocks);
     throw;
+  }
+
+  // Commit: nothing below allocates or throws.
+  if (whole_prompt) {
+    // The last block is no longer full in this table: its hash is not the
+    // table's, and the table's reference on the cached block goes back (it
+    // stays cached; the copy was queued before, in stream order).
+    match.hashes.pop_back();
+    const BlockId cached = match.blocks.back();
+    if (copy) {
+      match.blocks.back() = *copy;
+      ++copy_on_writes_;
+    } else {
+      match.blocks.pop_back();
+    }
+    release_one(cached);
   }
   prompt_hashes_ = std::move(prompt_hashes);
   blocks_ = std::move(match.blocks);
   hashes_ = std::move(match.hashes);
-  return match.num_tokens;
+  return hit;
 }
 
 void BlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
@@ -191,6 +246,7 @@ void BlockTable::register_full_blocks() noexcept {
 
 BlockTable BlockTable::fork() const {
   BlockTable child(cache_, prefix_, extra_key_);
+  child.hit_mode_ = hit_mode_;
   child.blocks_ = blocks_;
   child.tokens_ = tokens_;
   child.hashes_ = hashes_;

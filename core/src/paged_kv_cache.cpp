@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <exception>
 #include <limits>
+#include <utility>
 
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
@@ -21,6 +23,22 @@ std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, 
                     num_blocks, block_bytes));
   }
   return num_blocks * block_bytes;
+}
+
+// Waits for the work queued on `stream` while an exception propagates: its
+// own error (if any) is dropped in favour of the one in flight, after being
+// logged.
+void wait_before_unwinding(Backend& backend, StreamView stream) noexcept {
+  try {
+    backend.synchronize(stream);
+  } catch (const std::exception& e) {
+    try {
+      log::warn(
+          fmt::format("PagedKvCache: while unwinding, the stream also reported: {}", e.what()));
+    } catch (...) {
+    }
+  } catch (...) {
+  }
 }
 
 }  // namespace
@@ -132,7 +150,58 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
 }
 
 PagedKvCache::~PagedKvCache() {
+  drain_streams_noexcept();
   release_pools();
+}
+
+bool PagedKvCache::prepare_to_note(StreamView stream) {
+  if (std::find(queued_streams_.begin(), queued_streams_.end(), stream) != queued_streams_.end()) {
+    return false;
+  }
+  queued_streams_.reserve(queued_streams_.size() + 1);
+  return true;
+}
+
+void PagedKvCache::note_stream(StreamView stream, bool is_new) noexcept {
+  // Only once the backend accepted the work: a call it rejected queued
+  // nothing, and its stream may be foreign or stale. Capacity was reserved.
+  if (is_new) queued_streams_.push_back(stream);
+}
+
+void PagedKvCache::synchronize() {
+  std::exception_ptr first;
+  for (StreamView stream : queued_streams_) {
+    try {
+      backend_->synchronize(stream);
+    } catch (const InvalidArgument&) {
+      // Destroyed since it was used: Stream's destructor waited for its work.
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  queued_streams_.clear();
+  if (first) std::rethrow_exception(first);
+}
+
+void PagedKvCache::drain_streams_noexcept() noexcept {
+  for (StreamView stream : queued_streams_) {
+    try {
+      backend_->synchronize(stream);
+    } catch (const InvalidArgument&) {
+      // Destroyed since it was used: Stream's destructor waited for its work.
+    } catch (const std::exception& e) {
+      try {
+        log::error(fmt::format(
+            "~PagedKvCache: a stream this cache queued work on reported an error while the "
+            "destructor waited for it before freeing the pools (logged, a destructor cannot "
+            "throw; call PagedKvCache::synchronize() first to handle it): {}",
+            e.what()));
+      } catch (...) {
+      }
+    } catch (...) {
+    }
+  }
+  queued_streams_.clear();
 }
 
 PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
@@ -150,7 +219,8 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       pool_set_(std::move(other.pool_set_)),
       scratch_ids_(std::move(other.scratch_ids_)),
       scratch_regions_(std::move(other.scratch_regions_)),
-      last_fill_regions_(other.last_fill_regions_) {
+      last_fill_regions_(other.last_fill_regions_),
+      queued_streams_(std::exchange(other.queued_streams_, {})) {
   other.num_blocks_ = 0;
   other.pools_.clear();
   other.free_list_.clear();
@@ -339,7 +409,9 @@ void PagedKvCache::fill_blocks(std::span<const BlockId> blocks, std::uint8_t val
   for (std::size_t i = 1; i < scratch_ids_.size(); ++i) {
     runs += scratch_ids_[i] != scratch_ids_[i - 1] + 1 ? 1 : 0;
   }
+  const bool is_new = prepare_to_note(stream);
   backend_->fill_blocks_async(pool_set_, scratch_ids_, value, stream);
+  note_stream(stream, is_new);
   last_fill_regions_ = runs * pool_set_.num_pools();
 }
 
@@ -401,7 +473,9 @@ void PagedKvCache::copy_blocks(std::span<const BlockCopy> copies, StreamView str
                                             pool.v_bytes});
     }
   }
+  const bool is_new = prepare_to_note(stream);
   backend_->copy_batch_async(scratch_regions_, stream);
+  note_stream(stream, is_new);
 }
 
 PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId block,
@@ -412,7 +486,12 @@ PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId bloc
   out.k.resize(pools_[layer].k_bytes);
   out.v.resize(pools_[layer].v_bytes);
   backend_->copy_d2h_async(out.k.data(), k_cache_ptr(layer, block), out.k.size(), stream);
-  backend_->copy_d2h_async(out.v.data(), v_cache_ptr(layer, block), out.v.size(), stream);
+  try {
+    backend_->copy_d2h_async(out.v.data(), v_cache_ptr(layer, block), out.v.size(), stream);
+  } catch (...) {
+    wait_before_unwinding(*backend_, stream);  // the K copy still writes into `out`
+    throw;
+  }
   backend_->synchronize(stream);
   return out;
 }
@@ -428,7 +507,12 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
         layer, pool.k_bytes, pool.v_bytes, k.size(), v.size()));
   }
   backend_->copy_h2d_async(k_cache_ptr(layer, block), k.data(), k.size(), stream);
-  backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
+  try {
+    backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
+  } catch (...) {
+    wait_before_unwinding(*backend_, stream);  // the K copy still reads `k`
+    throw;
+  }
   backend_->synchronize(stream);
 }
 

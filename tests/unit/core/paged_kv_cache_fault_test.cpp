@@ -311,5 +311,66 @@ TEST_F(PagedKvCacheFaultTest, AFailedWriteBlockLeavesTheBlockAndTheCacheAsTheyWe
   }
 }
 
+// ---- work still queued at destruction, synchronize() ------------------------------------------
+
+TEST_F(PagedKvCacheFaultTest, TheDestructorWaitsForQueuedWorkAndLogsItsErrorInsteadOfThrowing) {
+  test::LogRecorder log(log::Level::warn);
+  Stream stream = fb_.create_stream();  // outlives the cache
+  {
+    PagedKvCache cache(test::small_config(), 8, fb_, no_trace());
+    fb_.set_plan(FaultKind::fill, {.nth = 1, .mode = FaultMode::deferred});
+    cache.zero_blocks(kBatch, stream);
+    fb_.clear_plans();
+    fb_.reset_fault_counts();
+  }  // no synchronize: the destructor's
+  EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 1u);
+  const std::vector<std::string> logged =
+      log.find(log::Level::error, "injected deferred fault: fill call #1");
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_THAT(logged[0], HasSubstr("~PagedKvCache"));
+  EXPECT_NO_THROW(stream.synchronize()) << "the error came out once, in the log";
+  expect_nothing_allocated();
+}
+
+TEST_F(PagedKvCacheFaultTest, SynchronizeWaitsForEveryStreamThenRethrowsTheFirstError) {
+  Stream a = fb_.create_stream();
+  Stream b = fb_.create_stream();
+  PagedKvCache cache(test::small_config(), 8, fb_, no_trace());
+  fb_.set_plan(FaultKind::fill, {.nth = 1, .mode = FaultMode::deferred});
+  cache.zero_blocks(kBatch, a);
+  fb_.clear_plans();
+  cache.poison_block(7, b);
+  ASSERT_EQ(cache.queued_streams().size(), 2u);
+  fb_.reset_fault_counts();
+  EXPECT_THAT(message_of<BackendError>([&] { cache.synchronize(); }),
+              HasSubstr("injected deferred fault: fill call #1"));
+  EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 2u) << "b was waited for too";
+  EXPECT_TRUE(cache.queued_streams().empty());
+  EXPECT_NO_THROW(cache.synchronize());
+  EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 2u) << "nothing queued since";
+  EXPECT_NO_THROW(a.synchronize()) << "reported once";
+}
+
+TEST_F(PagedKvCacheFaultTest, AReadOrWriteWhoseSecondCopyFailsWaitsForTheFirst) {
+  Scenario s(fb_, test::small_config());
+  for (const bool write : {false, true}) {
+    SCOPED_TRACE(write ? "write_block" : "read_block");
+    fb_.set_plan(FaultKind::copy, {.nth = 2});  // the V copy; the K copy is queued
+    fb_.reset_fault_counts();
+    const std::vector<std::uint8_t> k(s.cache.k_block_bytes(1), 0xAB),
+        v(s.cache.v_block_bytes(1), 0xCD);
+    if (write) {
+      EXPECT_THROW(s.cache.write_block(1, 2, k, v, s.stream), BackendError);
+    } else {
+      EXPECT_THROW((void)s.cache.read_block(1, 2, s.stream), BackendError);
+    }
+    fb_.clear_plans();
+    EXPECT_EQ(fb_.counts(FaultKind::copy).faults, 1u);
+    EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 1u)
+        << "the queued K copy was waited for before its buffer could go";
+    EXPECT_TRUE(s.cache.queued_streams().empty()) << "nothing of it is left queued";
+  }
+}
+
 }  // namespace
 }  // namespace kvport

@@ -12,6 +12,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <set>
 #include <string>
@@ -555,6 +556,106 @@ TEST(PagedKvCacheConstruction, ConfigAndShapeAccessors) {
   EXPECT_EQ(cache.dtype_for_layer(2), KvCacheDtype::fp8_e4m3);
 }
 
+// ---- work still queued at destruction, synchronize() ------------------------------------------
+
+TEST(PagedKvCacheQueuedWork, TheDestructorWaitsForAFillStillQueuedBeforeFreeingThePools) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  const std::size_t busy_bytes = 128 * kMiB;
+  const DevicePtr busy = backend->alloc(busy_bytes);
+  {
+    PagedKvCache cache(test::llama3_8b_config(), 16, *backend);  // 32 MiB of pools
+    std::vector<BlockId> all(16);
+    std::iota(all.begin(), all.end(), 0u);
+    backend->memset_async(busy, 1, busy_bytes, stream);  // keeps the stream busy
+    cache.zero_blocks(all, stream);                      // so the fill is still queued
+    cache.poison_blocks(all, stream);
+    ASSERT_EQ(cache.queued_streams().size(), 1u);
+    backend->reset_call_counts();
+  }  // no synchronize
+  EXPECT_EQ(backend->call_counts().synchronize, 1u) << "the destructor waited for the stream";
+  // Had the pools gone first, the host backend would report the fill's use
+  // after free here.
+  EXPECT_NO_THROW(stream.synchronize());
+  EXPECT_TRUE(backend->free(busy));
+}
+
+TEST(PagedKvCacheQueuedWork, SynchronizeWaitsForEveryStreamUsedOnceAndForgetsThem) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream a = backend->create_stream();
+  Stream b = backend->create_stream();
+  PagedKvCache cache(test::small_config(), 8, *backend);
+  EXPECT_TRUE(cache.queued_streams().empty());
+  cache.zero_block(0, a);
+  cache.poison_block(1, b);
+  cache.zero_blocks(std::vector<BlockId>{2, 3}, a);
+  const BlockCopy copy{0, 4};
+  cache.copy_blocks({&copy, 1}, b);
+  cache.zero_blocks({}, backend->default_stream());  // queues nothing
+  ASSERT_EQ(cache.queued_streams().size(), 2u) << "each stream once, in first-use order";
+  EXPECT_TRUE(cache.queued_streams()[0] == a.view());
+  EXPECT_TRUE(cache.queued_streams()[1] == b.view());
+  backend->reset_call_counts();
+  cache.synchronize();
+  EXPECT_EQ(backend->call_counts().synchronize, 2u);
+  EXPECT_TRUE(cache.queued_streams().empty());
+  cache.synchronize();
+  EXPECT_EQ(backend->call_counts().synchronize, 2u) << "nothing was queued since";
+  // read_block and write_block wait for their own copies.
+  (void)cache.read_block(0, 4, a);
+  cache.write_block(0, 4, std::vector<std::uint8_t>(cache.k_block_bytes(0)),
+                    std::vector<std::uint8_t>(cache.v_block_bytes(0)), b);
+  EXPECT_TRUE(cache.queued_streams().empty());
+}
+
+TEST(PagedKvCacheQueuedWork, AStreamDestroyedSinceIsSkipped) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  PagedKvCache cache(test::small_config(), 8, *backend);
+  {
+    Stream s = backend->create_stream();
+    cache.zero_block(0, s);
+  }  // Stream's destructor waited for the fill
+  ASSERT_EQ(cache.queued_streams().size(), 1u);
+  EXPECT_NO_THROW(cache.synchronize());
+  EXPECT_TRUE(cache.queued_streams().empty());
+  Stream s = backend->create_stream();
+  {
+    PagedKvCache other(test::small_config(), 8, *backend);
+    {
+      Stream gone = backend->create_stream();
+      other.poison_block(1, gone);
+    }
+    other.zero_block(1, s);
+  }  // the destructor skips the destroyed stream and waits for s
+  EXPECT_NO_THROW(s.synchronize());
+}
+
+TEST(PagedKvCacheQueuedWork, ACallTheBackendRejectsRemembersNoStream) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  PagedKvCache cache(test::small_config(), 8, *backend);
+  {
+    std::unique_ptr<Backend> other = test::host_backend();
+    Stream foreign = other->create_stream();
+    EXPECT_THROW(cache.zero_block(0, foreign), InvalidArgument);
+    const BlockCopy copy{0, 1};
+    EXPECT_THROW(cache.copy_blocks({&copy, 1}, foreign), InvalidArgument);
+  }  // the foreign backend is gone: the destructor must not touch its stream
+  EXPECT_TRUE(cache.queued_streams().empty());
+}
+
+TEST(PagedKvCacheQueuedWork, AMoveCarriesTheQueuedStreams) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream s = backend->create_stream();
+  PagedKvCache cache(test::small_config(), 8, *backend);
+  cache.zero_block(0, s);
+  PagedKvCache moved(std::move(cache));
+  EXPECT_EQ(moved.queued_streams().size(), 1u);
+  EXPECT_TRUE(cache.queued_streams().empty());  // NOLINT(bugprone-use-after-move): documented
+  backend->reset_call_counts();
+  moved.synchronize();
+  EXPECT_EQ(backend->call_counts().synchronize, 1u);
+}
+
 // ---- compute_num_blocks ---------------------------------------------------------------------
 
 TEST(ComputeNumBlocks, DividesTheBudgetByBytesPerBlock) {
@@ -573,6 +674,26 @@ TEST(ComputeNumBlocks, DividesTheBudgetByBytesPerBlock) {
             2u);
   EXPECT_EQ(PagedKvCache::compute_num_blocks(test::mixed_config(KvCacheLayout::block_major), 4096),
             3u);
+}
+
+TEST(ComputeNumBlocks, TheWorkedExampleInDocsFormatsMd) {
+  // docs/formats.md, "Per block, all layers": every pool is rounded up to
+  // 256 bytes, so 10 x bytes_per_block is not enough for 10 blocks.
+  const KvCacheConfig layer_major = test::mixed_config();
+  const KvCacheConfig block_major = test::mixed_config(KvCacheLayout::block_major);
+  EXPECT_EQ(layer_major.bytes_per_block(), 1328u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13280), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13567), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(layer_major, 13568), 10u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13280), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13311), 9u);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(block_major, 13312), 10u);
+  // And the allocator agrees: 10 layer-major blocks take exactly 13 568 bytes.
+  std::unique_ptr<Backend> exact = test::host_backend(13568);
+  EXPECT_NO_THROW(PagedKvCache(layer_major, 10, *exact));
+  std::unique_ptr<Backend> short_by_one = test::host_backend(13567);
+  EXPECT_THROW(PagedKvCache(layer_major, 10, *short_by_one), OutOfMemory);
+  EXPECT_NO_THROW(PagedKvCache(layer_major, 9, *short_by_one));
 }
 
 TEST(ComputeNumBlocks, InvalidConfigThrows) {

@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 #include <vector>
 
@@ -109,6 +110,45 @@ TEST_P(PrefixCacheFaultTest, ADeferredCopyFailureSurfacesAtTheNextSynchronize) {
   EXPECT_THROW(fb.synchronize(stream), BackendError);
   fb.synchronize(stream);  // reported once, then the stream works again
   EXPECT_TRUE(pc.check_invariants().ok) << "host-side state stays consistent";
+}
+
+TEST_P(PrefixCacheFaultTest, AFailedCopyOfAFullyCachedPromptsLastBlockChangesNothing) {
+  {
+    BlockTable warm(pc);
+    warm.append_tokens(tokens(8), stream);
+  }  // blocks 0 and 1 cached and evictable
+  const Snapshot before = Snapshot::of(pc);
+  auto sorted = [](std::vector<BlockId> v) {
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  auto expect_as_before = [&] {
+    const Snapshot now = Snapshot::of(pc);
+    EXPECT_EQ(now.refcounts, before.refcounts);
+    EXPECT_EQ(now.free_blocks, before.free_blocks);
+    EXPECT_EQ(sorted(now.lru), sorted(before.lru));
+    EXPECT_EQ(now.cached, before.cached);
+    const InvariantReport r = pc.check_invariants();
+    EXPECT_TRUE(r.ok) << r.to_string();
+  };
+  // At the call, on the caller's stream.
+  fb.set_plan(FaultKind::copy, {.nth = 1});
+  BlockTable t(pc);
+  EXPECT_THROW(t.reuse_cached_prefix(tokens(8), stream), BackendError);
+  EXPECT_TRUE(t.empty());
+  EXPECT_EQ(t.copy_on_writes(), 0u);
+  expect_as_before();
+  // On the device, with the one-argument form: its synchronize sees it.
+  fb.set_plan(FaultKind::copy, {.nth = 1, .mode = FaultMode::deferred});
+  EXPECT_THROW(t.reuse_cached_prefix(tokens(8)), BackendError);
+  EXPECT_TRUE(t.empty());
+  expect_as_before();
+  // The stream form returns; the error is the stream's, as for append_tokens.
+  fb.set_plan(FaultKind::copy, {.nth = 1, .mode = FaultMode::deferred});
+  EXPECT_EQ(t.reuse_cached_prefix(tokens(8), stream), 7u);
+  EXPECT_THROW(fb.synchronize(stream), BackendError);
+  fb.clear_plans();
+  EXPECT_TRUE(pc.check_invariants().ok);
 }
 
 TEST_P(PrefixCacheFaultTest, AFailedZeroOrPoisonChangesNoPrefixCacheState) {

@@ -14,6 +14,25 @@ namespace kvport {
 
 class PrefixCache;
 
+/// How much of a fully cached prompt BlockTable::reuse_cached_prefix may hit.
+enum class PrefixHitMode {
+  /// The default, for engines: the hit leaves at least the prompt's last token
+  /// to compute, since the model must run on at least one token to give the
+  /// logits of the next one (vLLM caps its hit at num_tokens - 1 for the same
+  /// reason). Only a block-aligned prompt whose every block is cached is
+  /// affected: its hit becomes n - 1 tokens, and the last block, which the
+  /// recomputed token writes into, is taken as a private copy of the cached
+  /// block (copy-on-write), never the shared cached block itself.
+  compute_last_token,
+  /// Every cached full block is hit, up to the whole prompt, and shared. For
+  /// callers that move or inspect KV without computing anything (nothing may
+  /// write into a hit block).
+  full,
+};
+
+/// "compute_last_token" or "full" ("unknown" outside the enum).
+const char* to_string(PrefixHitMode mode) noexcept;
+
 /// The blocks of one sequence (a request, or one branch of a parallel-sampling
 /// or beam-search request) and the tokens they hold.
 ///
@@ -35,6 +54,14 @@ class PrefixCache;
 ///
 /// Not thread-safe. The cache (and prefix cache) must outlive the table. The
 /// destructor releases every block.
+///
+/// Work still queued (a copy-on-write copy, the engine's own kernels) when the
+/// table releases its blocks or is destroyed: releasing frees no memory (the
+/// pools belong to the PagedKvCache, whose destructor waits for the work it
+/// queued), so the table neither waits nor needs to. A released block can go
+/// to a new owner at once: the new owner's work must be ordered after the
+/// queued work, which holds when both use one stream (otherwise record an
+/// event or synchronize first), as with any block freed while in flight.
 class BlockTable {
  public:
   /// An empty table over `cache`.
@@ -52,11 +79,52 @@ class BlockTable {
   BlockTable& operator=(BlockTable&& other) noexcept;
 
   /// Starts an empty table with the longest cached prefix of full blocks of
-  /// `prompt` (PrefixCache::lookup) and returns how many tokens it covers (a
-  /// multiple of the block size). The rest of the prompt is then appended with
-  /// append_tokens. Returns 0 over a plain PagedKvCache. Throws InvalidArgument
-  /// when the table is not empty.
+  /// `prompt` (PrefixCache::lookup) and returns how many tokens it covers: the
+  /// table then holds that many tokens, and the rest of the prompt is appended
+  /// with append_tokens. Returns 0 over a plain PagedKvCache.
+  ///
+  /// With prefix_hit_mode() == full the hit is every cached full block (a
+  /// multiple of the block size, up to the whole prompt). With the default,
+  /// compute_last_token, a hit of the whole prompt (n tokens, block-aligned,
+  /// every block cached) is capped at n - 1 tokens:
+  ///  - the last block is copied into a fresh block (one batched copy of all
+  ///    layers, K and V, on `stream`) and the table holds the copy, refcount 1,
+  ///    with block_size - 1 tokens; the engine recomputes one token, whose KV
+  ///    goes into the copy's last slot, and the cached block stays untouched.
+  ///    Chosen over stopping the hit before that block (vLLM's choice, whose
+  ///    hit is n - block_size) because one block copy is cheaper than
+  ///    recomputing block_size - 1 tokens, more so for large blocks, and the
+  ///    hit the caller sees is the n - 1 an engine expects. Counted in
+  ///    copy_on_writes().
+  ///  - when no block is free or evictable for the copy, the hit stops before
+  ///    the last block instead (n - block_size tokens, the last block's
+  ///    reference is given back). This call then does not throw
+  ///    CacheExhausted: blocks_needed() of the rest reports the block the
+  ///    append needs, so the caller's usual admission check sees the shortage
+  ///    where it already handles it.
+  ///  - with block_size 1 the hit stops before the last block (that is
+  ///    already n - 1 tokens; a copy would hold nothing).
+  ///
+  /// Throws InvalidArgument when the table is not empty; a backend error of
+  /// the copy (BackendError, or InvalidArgument for a bad stream) propagates
+  /// with the strong guarantee (the table stays empty, every reference taken
+  /// is given back). As for append_tokens, the cached block's reference is
+  /// given back as soon as the copy is queued: work that could reuse that
+  /// block must be ordered after the copy (same stream, or an event).
+  std::size_t reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream);
+
+  /// As above, with a copy (if any) on the backend's default stream, which
+  /// this call then synchronizes, so the copy is complete whatever stream the
+  /// caller uses next. An asynchronous error that synchronize reports (the
+  /// copy's, or an earlier one still pending on the default stream) is
+  /// rethrown (BackendError) with the strong guarantee. Pass a stream to avoid
+  /// the wait.
   std::size_t reuse_cached_prefix(std::span<const TokenId> prompt);
+
+  /// How reuse_cached_prefix treats a fully cached prompt; compute_last_token
+  /// unless set. fork() and moves carry it over; release() keeps it.
+  PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
+  void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
 
   /// Appends `tokens`: fills the last block, then allocates blocks as needed
   /// (from the prefix cache, evicting, when there is one). If the last block
@@ -85,7 +153,9 @@ class BlockTable {
   /// Tokens in the last block (block_size when it is full; 0 when empty).
   std::size_t last_block_fill() const noexcept;
   std::size_t block_size() const noexcept { return block_size_; }
-  /// Copy-on-write copies this table made.
+  /// Copy-on-write copies this table made (append_tokens into a shared
+  /// block, and reuse_cached_prefix's copy of a fully cached prompt's last
+  /// block).
   std::uint64_t copy_on_writes() const noexcept { return copy_on_writes_; }
   PagedKvCache& kv_cache() const noexcept { return *cache_; }
   /// The prefix cache, or nullptr over a plain PagedKvCache.
@@ -106,6 +176,8 @@ class BlockTable {
   BlockId alloc_one();
   void release_one(BlockId block) noexcept;
   void register_full_blocks() noexcept;
+  std::size_t reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream,
+                                  bool wait_for_copy);
 
   PagedKvCache* cache_;
   PrefixCache* prefix_;
@@ -122,6 +194,7 @@ class BlockTable {
   std::vector<TokenId> prompt_;
   std::vector<BlockHash> prompt_hashes_;
   std::uint64_t copy_on_writes_ = 0;
+  PrefixHitMode hit_mode_ = PrefixHitMode::compute_last_token;
 };
 
 }  // namespace kvport

@@ -76,6 +76,18 @@ struct PagedKvCacheOptions {
 /// Not thread-safe: one scheduler thread owns it (as in vLLM and the
 /// reference). Device work goes to the stream passed in; host-side state
 /// changes are immediate.
+///
+/// Work still queued at destruction: the cache remembers every stream it
+/// queued device work on (zero/poison and copy_blocks; read_block and
+/// write_block wait for their own copies, also when they throw) since the
+/// last synchronize(), and the destructor synchronizes each of them before it
+/// frees the pools, so queued fills and copies never run on freed memory.
+/// An error a stream reports then is logged (error level), not thrown:
+/// call synchronize() before destruction to see it. A remembered stream that
+/// was destroyed meanwhile is skipped (Stream's destructor already waited for
+/// its work). Work the caller queued on the pools itself (kernels through
+/// k_cache_ptr, its own copies) on other streams is the caller's to finish
+/// before destroying the cache.
 class PagedKvCache {
  public:
   /// Validates `config` and allocates the pools on `backend`: 2 * num_layers
@@ -88,6 +100,9 @@ class PagedKvCache {
   /// are unspecified until zeroed.
   PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                PagedKvCacheOptions options = {});
+  /// Synchronizes every stream in queued_streams() (see the class comment;
+  /// blocks until the queued work is done), then frees the pools. Never
+  /// throws.
   ~PagedKvCache();
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;
@@ -201,18 +216,35 @@ class PagedKvCache {
   void copy_blocks(std::span<const BlockCopy> copies, StreamView stream);
 
   /// Copies `layer`'s K and V bytes of `block` to the host, synchronizing
-  /// `stream` (work queued before on it is ordered first).
+  /// `stream` (work queued before on it is ordered first). When the second
+  /// copy cannot be queued, the stream is still synchronized before the
+  /// error propagates, so the first copy never writes into freed memory.
   struct HostBlock {
     std::vector<std::uint8_t> k;
     std::vector<std::uint8_t> v;
   };
   HostBlock read_block(std::size_t layer, BlockId block, StreamView stream) const;
 
-  /// Copies host bytes into `layer`'s K and V of `block` and synchronizes.
-  /// The spans must be exactly k_block_bytes(layer) / v_block_bytes(layer)
-  /// long (InvalidArgument otherwise).
+  /// Copies host bytes into `layer`'s K and V of `block` and synchronizes
+  /// (also when queueing the second copy throws, so the spans are never read
+  /// after the call). The spans must be exactly k_block_bytes(layer) /
+  /// v_block_bytes(layer) long (InvalidArgument otherwise).
   void write_block(std::size_t layer, BlockId block, std::span<const std::uint8_t> k,
                    std::span<const std::uint8_t> v, StreamView stream);
+
+  /// Waits for the device work this cache queued: synchronizes every stream
+  /// in queued_streams() and forgets them. Streams destroyed since are
+  /// skipped (their destructor waited). Every stream is synchronized even
+  /// when one fails; then the first error is rethrown (BackendError, as
+  /// Backend::synchronize throws it). Costs one backend synchronize per
+  /// remembered stream; a no-op when nothing was queued since the last call.
+  void synchronize();
+
+  /// The streams this cache queued device work on since construction or the
+  /// last synchronize(), in first-use order, without duplicates (an engine
+  /// that makes short-lived streams should call synchronize() now and then,
+  /// or this list grows by one per stream).
+  std::span<const StreamView> queued_streams() const noexcept { return queued_streams_; }
 
   // ---- diagnostics -------------------------------------------------------------
 
@@ -249,6 +281,9 @@ class PagedKvCache {
   void fill_blocks(std::span<const BlockId> blocks, std::uint8_t value, StreamView stream,
                    const char* op);
   void release_pools() noexcept;
+  bool prepare_to_note(StreamView stream);
+  void note_stream(StreamView stream, bool is_new) noexcept;
+  void drain_streams_noexcept() noexcept;
 
   KvCacheConfig config_;
   std::size_t num_blocks_ = 0;
@@ -267,6 +302,7 @@ class PagedKvCache {
   std::vector<BlockId> scratch_ids_;
   std::vector<CopyRegion> scratch_regions_;
   std::size_t last_fill_regions_ = 0;
+  std::vector<StreamView> queued_streams_;  // see queued_streams()
 };
 
 // ---- hot paths --------------------------------------------------------------------

@@ -92,7 +92,8 @@ class KvModel {
 
   // ---- tables ----
 
-  /// BlockTable::reuse_cached_prefix on an empty table.
+  /// BlockTable::reuse_cached_prefix on an empty table, in the default
+  /// PrefixHitMode (compute_last_token).
   std::size_t lookup(Table& t, std::span<const TokenId> prompt) {
     std::vector<BlockId> found;
     const std::size_t full = prompt.size() / block_size_;
@@ -108,9 +109,27 @@ class KvModel {
     hits += found.size();
     misses += full - found.size();
     t.blocks = found;
-    t.tokens.assign(prompt.begin(),
-                    prompt.begin() + static_cast<std::ptrdiff_t>(found.size() * block_size_));
-    return found.size() * block_size_;
+    std::size_t hit = found.size() * block_size_;
+    // PrefixHitMode::compute_last_token (the default): a hit of the whole
+    // prompt leaves its last token to compute. The last block becomes a
+    // private copy when a block can be had (not with block_size 1), else the
+    // hit stops before it; either way the table's reference on the cached
+    // block goes back.
+    if (!found.empty() && hit == prompt.size()) {
+      const BlockId cached = t.blocks.back();
+      const std::optional<BlockId> copy = block_size_ > 1 ? alloc() : std::nullopt;
+      if (copy) {
+        t.blocks.back() = *copy;
+        ++copy_on_writes;
+        hit = prompt.size() - 1;
+      } else {
+        t.blocks.pop_back();
+        hit -= block_size_;
+      }
+      release(cached);
+    }
+    t.tokens.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit));
+    return hit;
   }
 
   /// BlockTable::append_tokens; false where it throws CacheExhausted.
