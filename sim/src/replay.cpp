@@ -148,7 +148,10 @@ class ReplayWorkload final : public Workload {
     const std::size_t context = request.input_length + state.generated;
     sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
     BlockTable table(prefix_);
-    const std::size_t hit = table.reuse_cached_prefix(scratch_);
+    table.set_prefix_hit_mode(options_.prefix_hit_mode);
+    const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
+    const bool copied_last_block = table.copy_on_writes() != 0;
+    const std::size_t hit_blocks = table.num_blocks();  // a copied last block was a hit too
     const std::span<const TokenId> rest = std::span<const TokenId>(scratch_).subspan(hit);
     if (table.blocks_needed(rest.size()) > prefix_.num_available_blocks()) {
       result_.releases += table.num_blocks();
@@ -161,7 +164,8 @@ class ReplayWorkload final : public Workload {
       state.admitted = true;
       ++admitted_;
       result_.prompt_blocks += request.input_length / bs_;
-      result_.hit_blocks += hit / bs_;
+      result_.hit_blocks += hit_blocks;
+      if (copied_last_block) ++result_.last_block_copies;
       result_.prompt_tokens += request.input_length;
       result_.hit_tokens += hit;
       const double queued = scheduler.now_ms() - request.timestamp_ms;
@@ -195,8 +199,10 @@ class ReplayWorkload final : public Workload {
 
   std::string stall_message(RequestId head, const Scheduler& /*scheduler*/) const override {
     return fmt::format(
-        "kvport replay: request on line {} cannot be admitted into an empty cache (a bug)",
-        requests_[head].line);
+        "kvport replay: request on line {} cannot be admitted into an empty cache (a bug): "
+        "free {}, evictable {}, in use {}, capacity {}",
+        requests_[head].line, prefix_.kv_cache().num_free_blocks(), prefix_.num_evictable_blocks(),
+        prefix_.kv_cache().num_blocks_in_use(), options_.capacity_blocks);
   }
 
  private:

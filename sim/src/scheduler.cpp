@@ -31,6 +31,8 @@ SchedulerStats Scheduler::run() {
   while (stats_.completed + stats_.rejected < total) {
     workload_.arrive(*this);
     if (idle()) {
+      // The last arrivals may all have been rejected: then the run is over.
+      if (stats_.completed + stats_.rejected == total) break;
       workload_.idle(*this);
       continue;
     }
@@ -38,7 +40,9 @@ SchedulerStats Scheduler::run() {
     const bool preempted = decode();
     if (options_.retire == RetirePoint::before_admission) retire_finished();
     if (!preempted) admit();  // as vLLM: nothing is admitted in a step that preempted
-    if (running_.empty() && !waiting_.empty()) {
+    // A step that preempted every running request admits nothing; the next
+    // one will. Otherwise an empty cache that cannot take the head is a stall.
+    if (!preempted && running_.empty() && !waiting_.empty()) {
       throw std::logic_error(workload_.stall_message(waiting_.front(), *this));
     }
     workload_.after_admission(*this);

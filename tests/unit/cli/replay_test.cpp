@@ -53,29 +53,13 @@ TEST(cli_replay, JsonReportOnTheSmallTraceIsConsistent) {
   ASSERT_EQ(r.code, 0) << r.err << r.out;
   EXPECT_EQ(r.err, "");
   const auto j = r.json();
-  for (const char* key : {"requests",
-                          "completed",
-                          "rejected",
-                          "prompt_blocks",
-                          "hit_blocks",
-                          "hit_rate",
-                          "prompt_tokens",
-                          "hit_tokens",
-                          "token_hit_rate",
-                          "evictions",
-                          "preemptions",
-                          "peak_blocks_in_use",
-                          "lookups",
-                          "allocations",
-                          "releases",
-                          "operations",
-                          "operations_per_s",
-                          "requests_per_s",
-                          "wall_s",
-                          "simulated_ms",
-                          "steps",
-                          "invariants_ok",
-                          "ok"}) {
+  for (
+      const char* key :
+      {"requests",        "completed",     "rejected",    "prompt_blocks",      "hit_blocks",
+       "hit_rate",        "prompt_tokens", "hit_tokens",  "token_hit_rate",     "last_block_copies",
+       "prefix_hit_mode", "evictions",     "preemptions", "peak_blocks_in_use", "lookups",
+       "allocations",     "releases",      "operations",  "operations_per_s",   "requests_per_s",
+       "wall_s",          "simulated_ms",  "steps",       "invariants_ok",      "ok"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(u(j, "requests"), 200u);
@@ -90,7 +74,10 @@ TEST(cli_replay, JsonReportOnTheSmallTraceIsConsistent) {
   EXPECT_LE(u(j, "hit_blocks"), u(j, "prompt_blocks"));
   EXPECT_DOUBLE_EQ(j["hit_rate"].get<double>(), static_cast<double>(u(j, "hit_blocks")) /
                                                     static_cast<double>(u(j, "prompt_blocks")));
-  EXPECT_EQ(u(j, "hit_tokens"), u(j, "hit_blocks") * 16);
+  // A fully cached prompt hits one token less than its blocks (the default,
+  // compute_last_token): one token per last-block copy.
+  EXPECT_EQ(j["prefix_hit_mode"], "compute_last_token");
+  EXPECT_EQ(u(j, "hit_tokens"), u(j, "hit_blocks") * 16 - u(j, "last_block_copies"));
   EXPECT_LE(u(j, "prompt_blocks") * 16, u(j, "prompt_tokens"));
   EXPECT_DOUBLE_EQ(
       j["token_hit_rate"].get<double>(),
@@ -239,7 +226,11 @@ TEST(cli_replay, ZeroOutputCompletesAtAdmissionAndIdleTimeIsSkipped) {
   EXPECT_EQ(u(j, "completed"), 2u);
   EXPECT_EQ(u(j, "steps"), 2u);
   EXPECT_DOUBLE_EQ(j["simulated_ms"].get<double>(), 100010.0);
+  // The second prompt is fully cached: both blocks hit, the last as a copy,
+  // and its last token is computed again.
   EXPECT_EQ(u(j, "hit_blocks"), 2u);
+  EXPECT_EQ(u(j, "hit_tokens"), 31u);
+  EXPECT_EQ(u(j, "last_block_copies"), 1u);
 }
 
 TEST(cli_replay, RequestsRunInTimestampOrderStably) {
@@ -254,6 +245,49 @@ TEST(cli_replay, RequestsRunInTimestampOrderStably) {
   const auto j = r.json();
   EXPECT_EQ(u(j, "hit_blocks"), 2u);
   EXPECT_DOUBLE_EQ(j["max_queue_ms"].get<double>(), 10.0);
+}
+
+// The second request's prompt is fully cached by the first. By default its
+// last token is left to compute (a private copy of the last block); with
+// --full-prefix-hits every block is shared and nothing is prefilled.
+TEST(cli_replay, FullyCachedPromptHitModes) {
+  const TempFile trace("trace.jsonl", line(0, 32, 1, "[1]") + line(100, 32, 1, "[1]"));
+  for (const bool full : {false, true}) {
+    SCOPED_TRACE(full ? "full" : "default");
+    const CliResult r =
+        full ? replay(trace.path(), {"--capacity-blocks", "8", "--json", "--full-prefix-hits"})
+             : replay(trace.path(), {"--capacity-blocks", "8", "--json"});
+    ASSERT_EQ(r.code, 0) << r.err;
+    const auto j = r.json();
+    EXPECT_EQ(j["prefix_hit_mode"], full ? "full" : "compute_last_token");
+    EXPECT_EQ(u(j, "hit_blocks"), 2u);
+    EXPECT_EQ(u(j, "hit_tokens"), full ? 32u : 31u);
+    EXPECT_EQ(u(j, "last_block_copies"), full ? 0u : 1u);
+    EXPECT_EQ(u(j, "prefill_tokens"), full ? 32u : 33u);  // 32 for the first request
+    // 3 for the first (2 + a decode block); the second: a decode block (+ the copy).
+    EXPECT_EQ(u(j, "allocations"), full ? 4u : 5u);
+    EXPECT_EQ(j["invariants_ok"], true);
+  }
+  const CliResult text = replay(trace.path(), {"--capacity-blocks", "8", "--full-prefix-hits"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("prefix hits: full"));
+}
+
+// Regressions: the last requests all rejected used to end in "requests lost
+// (a bug)"; a step that preempted every running request used to be taken
+// for a request that can never run.
+TEST(cli_replay, AllRejectedAndFullPreemptionRunToTheEnd) {
+  const std::string& trace = kSmallTrace;
+  const CliResult tiny = replay(trace, {"--capacity-blocks", "8", "--json"});
+  ASSERT_EQ(tiny.code, 0) << tiny.err;
+  EXPECT_EQ(u(tiny.json(), "rejected"), 200u);
+  const CliResult tight = replay(trace, {"--capacity-blocks", "300", "--block-size", "32",
+                                         "--concurrency", "8", "--step-ms", "5", "--json"});
+  ASSERT_EQ(tight.code, 0) << tight.err;
+  const auto j = tight.json();
+  EXPECT_EQ(u(j, "completed") + u(j, "rejected"), 200u);
+  EXPECT_GT(u(j, "preemptions"), 0u);
+  EXPECT_EQ(j["invariants_ok"], true);
 }
 
 TEST(cli_replay, BlankLinesCrlfAndExtraFieldsAreAccepted) {

@@ -175,6 +175,33 @@ TEST(sim_scheduler, RejectedRequestsEndTheRunAndEndStepCanStopIt) {
   EXPECT_EQ(b.running().size(), 1u);  // left running for the workload to clean up
 }
 
+TEST(sim_scheduler, AllRejectedEndsTheRunWithoutIdling) {
+  // Every request is refused at arrival: the run ends there, without asking
+  // the workload to skip idle time (the toy's idle() throws).
+  ToyWorkload w(3, {{5, 1}, {6, 1}});
+  w.reject_above_ = 4;
+  Scheduler s(w, SchedulerOptions{});
+  const SchedulerStats stats = s.run();
+  EXPECT_EQ(stats.rejected, 2u);
+  EXPECT_EQ(stats.steps, 0u);
+}
+
+TEST(sim_scheduler, AStepThatPreemptsAndEmptiesTheBatchIsNotAStall) {
+  // 3 blocks. Step 2: request 0 takes the last free block and finishes,
+  // request 1 finds none and preempts itself; request 0 then retires, so
+  // nothing runs and request 1 waits in a step that may not admit. Step 3
+  // admits it again.
+  ToyWorkload w(3, {{1, 1}, {1, 2}});
+  Scheduler s(w, SchedulerOptions{.max_running = 2});
+  const SchedulerStats stats = s.run();
+  EXPECT_EQ(stats.completed, 2u);
+  EXPECT_EQ(stats.preemptions, 1u);
+  EXPECT_EQ(stats.steps, 5u);
+  EXPECT_THAT(std::vector<std::string>(w.log.begin(), w.log.begin() + 9),
+              ElementsAre("a0", "a1", "|", "d0", "r1", "r0", "c0@20", "|", "a1"));
+  EXPECT_EQ(w.free_, 3u);
+}
+
 TEST(sim_scheduler, NothingToGenerateCompletesInTheStepOfAdmission) {
   ToyWorkload w(3, {{1, 0}});
   Scheduler s(w, SchedulerOptions{});

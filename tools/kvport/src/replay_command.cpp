@@ -87,6 +87,9 @@ class ReplayCommand final : public Command {
     check_every_.value = "0";
     add(app, "--check-every", check_every_, "STEPS",
         "Also check the prefix cache's invariants every STEPS steps (default 0: at the end only)");
+    app.add_flag("--full-prefix-hits", full_prefix_hits_,
+                 "Hit every cached block of a fully cached prompt (default: leave its last token "
+                 "to compute, the last block a private copy, as an engine needs)");
     static const std::string progress_help =
         "Progress bar on stderr (default: when stderr is a terminal and the trace has at least "
         "1000 requests)";
@@ -111,6 +114,7 @@ class ReplayCommand final : public Command {
     options.concurrency = parse_positive_count(concurrency_.value, "--concurrency");
     options.step_ms = parse_positive_count(step_ms_.value, "--step-ms");
     options.check_every = parse_count(check_every_.value, "--check-every");
+    if (full_prefix_hits_) options.prefix_hit_mode = PrefixHitMode::full;
     options.validate();  // before reading a trace that may be large
 
     const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
@@ -152,15 +156,22 @@ class ReplayCommand final : public Command {
     flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   }
 
+  static std::string hit_mode_text(PrefixHitMode mode) {
+    return mode == PrefixHitMode::full
+               ? "full (every cached block, --full-prefix-hits)"
+               : "compute_last_token (a fully cached prompt leaves its last token to compute)";
+  }
+
   static std::string percent(double ratio) { return fmt::format("{:.1f}%", 100.0 * ratio); }
 
   void print_text(std::ostream& out, const ReplayOptions& o, const ReplayResult& r) const {
     out << fmt::format(
         "kvport replay: {} requests from {}\n"
         "cache {} blocks x {} tokens, {} tokens per hash id, up to {} running, {} ms per "
-        "step\n\n",
+        "step\n"
+        "prefix hits: {}\n\n",
         r.requests, trace_.value, o.capacity_blocks, o.block_size, o.trace_block_tokens,
-        o.concurrency, o.step_ms);
+        o.concurrency, o.step_ms, hit_mode_text(o.prefix_hit_mode));
     TextTable table({"", "value", "detail"},
                     {TextTable::Align::left, TextTable::Align::right, TextTable::Align::left});
     table.add_row({"requests", std::to_string(r.requests),
@@ -169,6 +180,8 @@ class ReplayCommand final : public Command {
                    fmt::format("{} of {} full prompt blocks", r.hit_blocks, r.prompt_blocks)});
     table.add_row({"token hit rate", percent(r.token_hit_rate()),
                    fmt::format("{} of {} prompt tokens", r.hit_tokens, r.prompt_tokens)});
+    table.add_row({"last-block copies", std::to_string(r.last_block_copies),
+                   "fully cached prompts, last token left to compute"});
     table.add_row({"evictions", std::to_string(r.evictions),
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
     table.add_row({"preemptions", std::to_string(r.preemptions),
@@ -198,6 +211,7 @@ class ReplayCommand final : public Command {
     j["trace_block_tokens"] = o.trace_block_tokens;
     j["concurrency"] = o.concurrency;
     j["step_ms"] = o.step_ms;
+    j["prefix_hit_mode"] = to_string(o.prefix_hit_mode);
     j["requests"] = r.requests;
     j["completed"] = r.completed;
     j["rejected"] = r.rejected;
@@ -207,6 +221,7 @@ class ReplayCommand final : public Command {
     j["prompt_tokens"] = r.prompt_tokens;
     j["hit_tokens"] = r.hit_tokens;
     j["token_hit_rate"] = r.token_hit_rate();
+    j["last_block_copies"] = r.last_block_copies;
     j["evictions"] = r.evictions;
     j["preemptions"] = r.preemptions;
     j["prefill_tokens"] = r.prefill_tokens;
@@ -235,6 +250,7 @@ class ReplayCommand final : public Command {
 
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
       check_every_;
+  bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;
   CLI::Option* progress_on_ = nullptr;
   CLI::Option* progress_off_ = nullptr;

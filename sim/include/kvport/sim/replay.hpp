@@ -30,6 +30,7 @@
 #include <functional>
 #include <span>
 
+#include "kvport/core/block_table.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
@@ -45,6 +46,11 @@ struct ReplayOptions {
   /// Run PrefixCache::check_invariants() every this many steps (0: only at
   /// the end). Each check is O(capacity_blocks).
   std::size_t check_every = 0;
+  /// How a fully cached prompt is hit (BlockTable::PrefixHitMode): by default
+  /// its last token is left to compute (n - 1 tokens hit, the last block a
+  /// private copy), as an engine needs; `full` hits every cached block
+  /// (`kvport replay --full-prefix-hits`).
+  PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
   /// Called after each request finishes (completed or rejected) with the
   /// number finished so far and the total. May be empty.
   std::function<void(std::size_t done, std::size_t total)> progress;
@@ -74,9 +80,14 @@ struct ReplayResult {
 
   // Prefix reuse, counted once per request, at its first admission.
   std::uint64_t prompt_blocks = 0;  ///< full blocks of the prompts
-  std::uint64_t hit_blocks = 0;     ///< of those, found in the cache
+  std::uint64_t hit_blocks = 0;     ///< of those, found in the cache (copied ones included)
   std::uint64_t prompt_tokens = 0;  ///< input_length of the admitted requests
-  std::uint64_t hit_tokens = 0;     ///< hit_blocks * block_size
+  /// Tokens the hits cover: hit_blocks * block_size, less one token for each
+  /// fully cached prompt hit in PrefixHitMode::compute_last_token.
+  std::uint64_t hit_tokens = 0;
+  /// Fully cached prompts whose last block was hit as a private copy
+  /// (compute_last_token; 0 with full hits).
+  std::uint64_t last_block_copies = 0;
 
   /// Tokens prefilled (appended at admission), recomputation included.
   std::uint64_t prefill_tokens = 0;

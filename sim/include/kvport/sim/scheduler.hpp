@@ -6,9 +6,10 @@
 //
 // Each step of `step_ms` simulated milliseconds:
 //   1. arrive:  the workload enqueues the requests that arrived (FIFO queue).
-//               With nothing running or waiting afterwards, the workload is
-//               asked to skip the idle time (Workload::idle) and no step is
-//               counted.
+//               With nothing running or waiting afterwards, the run ends if
+//               every request completed or was rejected; otherwise the
+//               workload is asked to skip the idle time (Workload::idle) and
+//               no step is counted.
 //   2. decode:  every running request, oldest first, reserves room for one
 //               more token (Workload::reserve_token). While it cannot, the
 //               newest running request is preempted - possibly the request
@@ -27,8 +28,10 @@
 //               some running request gave blocks back. With
 //               before_admission, a request admitted with nothing to generate
 //               completes at once.
-//      After admission, nothing running and a request waiting means the head
-//      can never run: std::logic_error (a bug in the workload's limits).
+//      After an admission step (one that did not preempt), nothing running
+//      and a request waiting means the head can never run: std::logic_error
+//      (a bug in the workload's limits). A step that preempted every running
+//      request leaves them waiting; the next step admits them.
 //   5. Workload::after_admission (e.g. one zeroing batch for the step).
 //   6. retire (RetirePoint::after_admission): as 3, at the end of the step,
 //               so blocks freed by completions serve the next step's
