@@ -253,6 +253,9 @@ void BM_PrefixCacheHitRelease(benchmark::State& state) {
   if (fresh.pc.counters().hits != state.iterations() * kPhasePrompts * kPromptBlocks)
     state.SkipWithError("a prompt of the hit workload missed");
   report(state, fresh_ns, legacy_ns);
+  // The new design's bookkeeping per block (PrefixCache::memory_usage()).
+  state.counters["bytes_per_block"] =
+      static_cast<double>(fresh.pc.memory_usage().total()) / static_cast<double>(num_blocks);
 }
 BENCHMARK(BM_PrefixCacheHitRelease)->ArgName("blocks")->Arg(4096)->Arg(262144);
 

@@ -60,32 +60,39 @@ echo "new: $new_bin"
 echo "trace: $trace ($(wc -l < "$trace") requests), --capacity-blocks $capacity"
 echo "load before: $(uptime)"
 
-# One run: prints "<wall seconds> <the replay's own wall_s> <fingerprint>".
+# One run: prints "<wall s> <CPU s (user + sys)> <the replay's own wall_s> <fingerprint> ...".
+# CPU time is the steadier figure on a shared machine: wall time also counts
+# the time the process waited for a core.
 run_one() {
-  local bin="$1" out start end
-  start=$(date +%s.%N)
-  out="$("$bin" replay --trace "$trace" --capacity-blocks "$capacity" --json 2> /dev/null)"
-  end=$(date +%s.%N)
-  python3 -c '
-import hashlib, json, sys
-r = json.loads(sys.stdin.read())
+  python3 - "$1" "$trace" "$capacity" <<'PY'
+import hashlib, json, os, subprocess, sys, time
+binary, trace, capacity = sys.argv[1:4]
+start = time.perf_counter()
+p = subprocess.Popen([binary, "replay", "--trace", trace, "--capacity-blocks", capacity, "--json"],
+                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+out = p.stdout.read()
+_, status, usage = os.wait4(p.pid, 0)
+wall = time.perf_counter() - start
+if status != 0: sys.exit(f"{binary} replay failed (status {status})")
+r = json.loads(out)
 if not r.get("ok"): sys.exit("replay failed: " + json.dumps(r))
 timing = {"wall_s", "requests_per_s", "operations_per_s", "trace"}
 core = {k: v for k, v in r.items() if k not in timing}
-print(f"{float(sys.argv[2]) - float(sys.argv[1]):.3f} {r[\"wall_s\"]:.3f} "
-      + hashlib.sha1(json.dumps(core, sort_keys=True).encode()).hexdigest()[:12]
-      + f" hit_rate={r[\"hit_rate\"]:.4f} evictions={r[\"evictions\"]}")
-' "$start" "$end" <<< "$out"
+print("%.3f %.3f %.3f %s hit_rate=%.4f evictions=%d" % (
+    wall, usage.ru_utime + usage.ru_stime, r["wall_s"],
+    hashlib.sha1(json.dumps(core, sort_keys=True).encode()).hexdigest()[:12],
+    r["hit_rate"], r["evictions"]))
+PY
 }
 
-old_walls=() new_walls=() old_in=() new_in=() prints=()
+old_walls=() new_walls=() old_cpu=() new_cpu=() prints=()
 for i in $(seq 1 "$runs"); do
-  read -r w s fp rest < <(run_one "$old_bin")
-  old_walls+=("$w"); old_in+=("$s"); prints+=("$fp")
-  echo "run $i old: ${w} s wall (replay ${s} s) result $fp $rest"
-  read -r w s fp rest < <(run_one "$new_bin")
-  new_walls+=("$w"); new_in+=("$s"); prints+=("$fp")
-  echo "run $i new: ${w} s wall (replay ${s} s) result $fp $rest"
+  read -r w c s fp rest < <(run_one "$old_bin")
+  old_walls+=("$w"); old_cpu+=("$c"); prints+=("$fp")
+  echo "run $i old: ${w} s wall, ${c} s CPU (replay loop ${s} s) result $fp $rest"
+  read -r w c s fp rest < <(run_one "$new_bin")
+  new_walls+=("$w"); new_cpu+=("$c"); prints+=("$fp")
+  echo "run $i new: ${w} s wall, ${c} s CPU (replay loop ${s} s) result $fp $rest"
 done
 echo "load after: $(uptime)"
 
@@ -95,6 +102,6 @@ if [ "$(printf '%s\n' "${prints[@]}" | sort -u | wc -l)" -ne 1 ]; then
 fi
 median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 mo=$(median "${old_walls[@]}") mn=$(median "${new_walls[@]}")
-io=$(median "${old_in[@]}") in_=$(median "${new_in[@]}")
+co=$(median "${old_cpu[@]}") cn=$(median "${new_cpu[@]}")
 echo "median wall: old ${mo} s, new ${mn} s, old/new = $(awk -v a="$mo" -v b="$mn" 'BEGIN { printf "%.2f", a / b }')x"
-echo "median replay wall_s: old ${io} s, new ${in_} s, old/new = $(awk -v a="$io" -v b="$in_" 'BEGIN { printf "%.2f", a / b }')x"
+echo "median CPU:  old ${co} s, new ${cn} s, old/new = $(awk -v a="$co" -v b="$cn" 'BEGIN { printf "%.2f", a / b }')x"
