@@ -11,7 +11,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
-  libspdlog-dev libfmt-dev libboost-dev libcli11-dev nlohmann-json3-dev libxxhash-dev
+  libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev
 )
 for arg in "$@"; do
   case "$arg" in

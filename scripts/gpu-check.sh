@@ -44,7 +44,7 @@ packages=(
   "libspdlog-dev spdlog/spdlog.h"
   "libfmt-dev fmt/format.h"
   "libxxhash-dev xxhash.h"
-  "libboost-dev boost/version.hpp"
+  "libabsl-dev absl/container/flat_hash_set.h"
   "libcli11-dev CLI/CLI.hpp"
   "nlohmann-json3-dev nlohmann/json.hpp"
   "libgtest-dev gtest/gtest.h"

@@ -1,9 +1,10 @@
 #include "kvport/core/prefix_cache.hpp"
 
+#include <absl/container/flat_hash_set.h>
 #include <fmt/format.h>
 
-#include <boost/intrusive/list.hpp>
-#include <unordered_map>
+#include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "kvport/platform/error.hpp"
@@ -12,25 +13,74 @@
 namespace kvport {
 namespace {
 
-// One per block. The hook links the block into the LRU list while it is
-// evictable; boost's safe-link mode asserts (in debug builds) that a linked
-// node is never destroyed or linked twice.
-struct Entry : boost::intrusive::list_base_hook<> {
+// One per block, indexed by block id. `gen` counts the block's joins of the
+// LRU queue, so a queue slot left over from an earlier join is recognised as
+// stale (lazy deletion, below).
+struct Entry {
   BlockHash hash;
+  std::uint32_t gen = 0;
   bool cached = false;
+  bool linked = false;  // evictable: its newest queue slot is live
 };
 
-using LruList = boost::intrusive::list<Entry, boost::intrusive::constant_time_size<true>>;
+// The hash index is a set of block ids whose key is the block's hash, kept in
+// the per-block entries: a slot is 4 bytes instead of 24 (hash + id), so the
+// table at half load costs ~10 bytes per block and mostly stays in cache. A
+// lookup by hash is heterogeneous (is_transparent). The keys are uniform
+// XXH3-128 hashes, so the table's hash is their low word, unmixed.
+struct IdHash {
+  using is_transparent = void;
+  const Entry* entries;
+  std::size_t operator()(BlockId b) const noexcept { return entries[b].hash.low; }
+  std::size_t operator()(const BlockHash& h) const noexcept { return h.low; }
+};
+
+struct IdEq {
+  using is_transparent = void;
+  const Entry* entries;
+  bool operator()(BlockId a, BlockId b) const noexcept {
+    return entries[a].hash == entries[b].hash;
+  }
+  bool operator()(BlockId a, const BlockHash& h) const noexcept { return entries[a].hash == h; }
+  bool operator()(const BlockHash& h, BlockId b) const noexcept { return entries[b].hash == h; }
+};
+
+using HashIndex = absl::flat_hash_set<BlockId, IdHash, IdEq>;
+
+// A slot of the LRU queue: live while entries[block] is linked with this gen.
+struct QueueSlot {
+  BlockId block;
+  std::uint32_t gen;
+};
 
 }  // namespace
 
+// The LRU order is a FIFO queue of release events with lazy deletion: a block
+// that becomes evictable is appended (the tail is the most recently used); a
+// lookup hit only clears the block's `linked` flag, leaving its slot behind as
+// stale, and eviction skips stale slots at the head. So a hit touches no
+// neighbour (a linked list's unlink writes two other blocks' entries, two
+// cache misses on a large cache), and the order of the live slots is exactly
+// the order a doubly-linked LRU list would hold. The queue is compacted when
+// more than half of it is stale, which keeps it under 2 * evictable + 64
+// slots (the consumed head included) and every operation amortized O(1).
 struct PrefixCache::State {
-  explicit State(PagedKvCache& cache) : kv(&cache), entries(cache.num_blocks()) {
-    map.reserve(cache.num_blocks());  // at most one hash per block: never rehashes
+  explicit State(PagedKvCache& cache)
+      : kv(&cache),
+        entries(cache.num_blocks()),
+        index(0, IdHash{entries.data()}, IdEq{entries.data()}) {
+    // At most one hash per block. Reserving 1/8 above that keeps the load
+    // under the 25/32 at which absl grows instead of dropping tombstones in
+    // place, and at least 32 keeps the table above one group (16 slots),
+    // where absl always grows: the index never reallocates after this.
+    const std::size_t n = cache.num_blocks();
+    index.reserve(std::max<std::size_t>(n + n / 8 + 1, 32));
+    // link() never holds more than 2 * num_blocks + 65 slots (see there), so
+    // with this capacity it never reallocates: a release does not throw.
+    queue.reserve(2 * n + 65);
   }
-  ~State() { lru.clear(); }  // unlink before the entries go
 
-  BlockId id_of(const Entry& e) const { return static_cast<BlockId>(&e - entries.data()); }
+  BlockId id_of(std::size_t i) const { return static_cast<BlockId>(i); }
 
   void check(BlockId block, const char* op) const {
     if (block >= entries.size()) {
@@ -39,25 +89,82 @@ struct PrefixCache::State {
     }
   }
 
+  bool live(const QueueSlot& q) const {
+    const Entry& e = entries[q.block];
+    return e.linked && e.gen == q.gen;
+  }
+
+  // Appends `block` (cached, refcount 1) at the most recently used end.
+  // Before the push the queue holds at most 2 * evictable + 64 slots (else it
+  // is compacted to evictable - 1), so it never passes 2 * num_blocks + 65.
+  void link(BlockId block) noexcept {
+    Entry& e = entries[block];
+    ++e.gen;
+    e.linked = true;
+    ++evictable;
+    if (queue.size() > 2 * evictable + 64 || pushes_since_compaction >= kMaxPushes) compact();
+    queue.push_back({block, e.gen});
+    ++pushes_since_compaction;
+  }
+
+  void unlink(Entry& e) {
+    e.linked = false;
+    --evictable;
+  }
+
+  // Drops the stale slots and the consumed head. Also run every 2^31 pushes,
+  // so that no stale slot outlives 2^32 joins of its block (a wrapped gen).
+  void compact() noexcept {
+    std::size_t out = 0;
+    for (std::size_t i = head; i < queue.size(); ++i) {
+      if (live(queue[i])) queue[out++] = queue[i];
+    }
+    queue.resize(out);
+    head = 0;
+    pushes_since_compaction = 0;
+  }
+
+  // The least recently used evictable block; the queue must hold one.
+  BlockId pop_lru() {
+    while (!live(queue[head]))
+      ++head;
+    const BlockId block = queue[head++].block;
+    unlink(entries[block]);
+    return block;
+  }
+
   // Drops the least recently used evictable block's hash and returns the
   // block to the free list.
   void evict_one(const std::source_location& where) {
-    Entry& e = lru.front();
-    lru.pop_front();
-    map.erase(e.hash);
+    const BlockId block = pop_lru();
+    // Evictions come in runs (a prefill evicts one block per block) and the
+    // next victims are known: fetch the entry of the one kFar ahead and,
+    // its entry having arrived by now, the index slot of the one kNear ahead,
+    // so that a run of evictions does not wait on each of those misses.
+    constexpr std::size_t kNear = 8;
+    constexpr std::size_t kFar = 16;
+    if (head + kFar < queue.size()) __builtin_prefetch(&entries[queue[head + kFar].block]);
+    if (head + kNear < queue.size()) index.prefetch(entries[queue[head + kNear].block].hash);
+    Entry& e = entries[block];
+    index.erase(block);
     e.cached = false;
     ++counters.evictions;
-    kv->return_evicted_block(id_of(e), where);
+    kv->return_evicted_block(block, where);
   }
 
   void make_room(const std::source_location& where) {
-    if (kv->num_free_blocks() == 0 && !lru.empty()) evict_one(where);
+    if (kv->num_free_blocks() == 0 && evictable != 0) evict_one(where);
   }
 
+  static constexpr std::size_t kMaxPushes = std::size_t{1} << 31;
+
   PagedKvCache* kv;
-  std::vector<Entry> entries;  // never resized: the LRU list points into it
-  LruList lru;                 // front: least recently used
-  std::unordered_map<BlockHash, BlockId, BlockHashHasher> map;
+  std::vector<Entry> entries;    // never resized: the index's hasher points into it
+  HashIndex index;               // the cached blocks, keyed by their hash
+  std::vector<QueueSlot> queue;  // [head, end): oldest release first, some stale
+  std::size_t head = 0;
+  std::size_t evictable = 0;  // live slots in the queue
+  std::size_t pushes_since_compaction = 0;
   PrefixCacheCounters counters;
 };
 
@@ -65,12 +172,13 @@ PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(c
 
 PrefixCache::~PrefixCache() {
   State& s = *state_;
-  for (Entry& e : s.entries) {
+  for (std::size_t b = 0; b < s.entries.size(); ++b) {
+    Entry& e = s.entries[b];
     if (!e.cached) continue;
-    if (e.is_linked()) s.lru.erase(s.lru.iterator_to(e));
     e.cached = false;
+    e.linked = false;
     try {
-      s.kv->return_evicted_block(s.id_of(e));
+      s.kv->return_evicted_block(s.id_of(b));
     } catch (...) {  // logging failed: the reference is dropped regardless
     }
   }
@@ -88,11 +196,24 @@ PrefixMatch PrefixCache::lookup_hashes(std::span<const BlockHash> hashes,
                                        std::source_location where) {
   State& s = *state_;
   PrefixMatch match;
-  for (const BlockHash& h : hashes) {
-    auto it = s.map.find(h);
-    if (it == s.map.end()) break;
-    match.blocks.push_back(it->second);
+  // On a cache larger than the CPU's caches each probe misses; prefetching a
+  // few hashes ahead overlaps those misses (a lookup usually hits on).
+  constexpr std::size_t kAhead = 16;
+  for (std::size_t i = 0; i < std::min(kAhead, hashes.size()); ++i)
+    s.index.prefetch(hashes[i]);
+  match.blocks.reserve(hashes.size());
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    if (i + kAhead < hashes.size()) s.index.prefetch(hashes[i + kAhead]);
+    auto it = s.index.find(hashes[i]);
+    if (it == s.index.end()) break;
+    match.blocks.push_back(*it);
   }
+  // The blocks after the match are usually prefilled and registered next:
+  // start fetching where the first of their hashes go in the index.
+  constexpr std::size_t kRegisterAhead = 64;
+  const std::size_t end = std::min(hashes.size(), match.blocks.size() + 1 + kRegisterAhead);
+  for (std::size_t i = match.blocks.size() + 1; i < end; ++i)
+    s.index.prefetch(hashes[i]);
   match.hashes.assign(hashes.begin(),
                       hashes.begin() + static_cast<std::ptrdiff_t>(match.blocks.size()));
   // Nothing below allocates; inc_ref throws only when a refcount would pass
@@ -103,7 +224,7 @@ PrefixMatch PrefixCache::lookup_hashes(std::span<const BlockHash> hashes,
       const BlockId b = match.blocks[taken];
       s.kv->inc_ref(b, where);
       Entry& e = s.entries[b];
-      if (e.is_linked()) s.lru.erase(s.lru.iterator_to(e));
+      if (e.linked) s.unlink(e);
     }
   } catch (...) {
     for (std::size_t i = taken; i-- > 0;)
@@ -140,15 +261,18 @@ bool PrefixCache::insert(const BlockHash& hash, BlockId block, std::source_locat
   }
   Entry& e = s.entries[block];
   if (e.cached) return false;
-  auto [it, inserted] = s.map.emplace(hash, block);
+  // The index hashes and compares a block by entries[block].hash, so the hash
+  // goes in first; an uncached block's hash is never read, so a failed insert
+  // leaves nothing behind.
+  e.hash = hash;
+  auto [it, inserted] = s.index.insert(block);
   if (!inserted) return false;
   try {
     s.kv->inc_ref(block, where);
   } catch (...) {
-    s.map.erase(it);
+    s.index.erase(it);
     throw;
   }
-  e.hash = hash;
   e.cached = true;
   ++s.counters.inserts;
   return true;
@@ -172,7 +296,7 @@ void PrefixCache::release(BlockId block, std::source_location where) {
     return;
   }
   s.kv->dec_ref(block, where);
-  if (refs == 2) s.lru.push_back(e);  // only the cache's reference is left
+  if (refs == 2) s.link(block);  // only the cache's reference is left
 }
 
 void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_location where) {
@@ -184,7 +308,7 @@ void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_loc
 
 std::size_t PrefixCache::evict(std::size_t max_blocks, std::source_location where) {
   std::size_t n = 0;
-  for (; n < max_blocks && !state_->lru.empty(); ++n)
+  for (; n < max_blocks && state_->evictable != 0; ++n)
     state_->evict_one(where);
   return n;
 }
@@ -204,34 +328,36 @@ std::optional<BlockHash> PrefixCache::hash_of(BlockId block) const {
 }
 
 std::optional<BlockId> PrefixCache::find(const BlockHash& hash) const {
-  auto it = state_->map.find(hash);
-  if (it == state_->map.end()) return std::nullopt;
-  return it->second;
+  auto it = state_->index.find(hash);
+  if (it == state_->index.end()) return std::nullopt;
+  return *it;
 }
 
 bool PrefixCache::is_evictable(BlockId block) const {
   state_->check(block, "is_evictable");
-  return state_->entries[block].is_linked();
+  return state_->entries[block].linked;
 }
 
 std::vector<BlockId> PrefixCache::lru_order() const {
+  const State& s = *state_;
   std::vector<BlockId> order;
-  order.reserve(state_->lru.size());
-  for (const Entry& e : state_->lru)
-    order.push_back(state_->id_of(e));
+  order.reserve(s.evictable);
+  for (std::size_t i = s.head; i < s.queue.size(); ++i) {
+    if (s.live(s.queue[i])) order.push_back(s.queue[i].block);
+  }
   return order;
 }
 
 std::size_t PrefixCache::num_cached_blocks() const noexcept {
-  return state_->map.size();
+  return state_->index.size();
 }
 
 std::size_t PrefixCache::num_evictable_blocks() const noexcept {
-  return state_->lru.size();
+  return state_->evictable;
 }
 
 std::size_t PrefixCache::num_available_blocks() const noexcept {
-  return state_->kv->num_free_blocks() + state_->lru.size();
+  return state_->kv->num_free_blocks() + state_->evictable;
 }
 
 std::size_t PrefixCache::block_size() const noexcept {
@@ -246,6 +372,18 @@ const PrefixCacheCounters& PrefixCache::counters() const noexcept {
   return state_->counters;
 }
 
+PrefixCacheMemory PrefixCache::memory_usage() const noexcept {
+  const State& s = *state_;
+  PrefixCacheMemory m;
+  m.entry_bytes = s.entries.capacity() * sizeof(Entry);
+  // absl's table: one control byte per slot plus a cloned group (16 bytes)
+  // and a sentinel, then the slots.
+  const std::size_t slots = s.index.capacity();
+  m.index_bytes = slots == 0 ? 0 : slots * (1 + sizeof(BlockId)) + 16;
+  m.lru_bytes = s.queue.capacity() * sizeof(QueueSlot);
+  return m;
+}
+
 // ---- diagnostics ----------------------------------------------------------------------------
 
 InvariantReport PrefixCache::check_invariants() const {
@@ -256,46 +394,55 @@ InvariantReport PrefixCache::check_invariants() const {
   for (BlockId b = 0; b < s.entries.size(); ++b) {
     const Entry& e = s.entries[b];
     const std::uint32_t rc = s.kv->ref_count(b);
-    if (e.is_linked()) ++linked;
+    if (e.linked) ++linked;
     if (!e.cached) {
-      if (e.is_linked())
+      if (e.linked)
         report.add_violation(fmt::format("block {} is in the LRU list but not cached", b));
       continue;
     }
     ++cached;
-    auto it = s.map.find(e.hash);
-    if (it == s.map.end() || it->second != b) {
+    auto it = s.index.find(e.hash);
+    if (it == s.index.end() || *it != b) {
       report.add_violation(
           fmt::format("cached block {} (hash {}) is not what the hash map holds for its hash", b,
                       e.hash.to_string()));
     }
     if (rc == 0) {
       report.add_violation(fmt::format("cached block {} is free (refcount 0)", b));
-    } else if (rc == 1 && !e.is_linked()) {
+    } else if (rc == 1 && !e.linked) {
       report.add_violation(fmt::format(
           "cached block {} is held only by the cache but is not in the LRU list (released around "
           "the prefix cache?)",
           b));
-    } else if (rc >= 2 && e.is_linked()) {
+    } else if (rc >= 2 && e.linked) {
       report.add_violation(
           fmt::format("block {} is in the LRU list while in use (refcount {})", b, rc));
     }
   }
-  if (s.map.size() != cached) {
-    report.add_violation(
-        fmt::format("the hash map has {} entries but {} blocks are cached", s.map.size(), cached));
+  if (s.index.size() != cached) {
+    report.add_violation(fmt::format("the hash map has {} entries but {} blocks are cached",
+                                     s.index.size(), cached));
   }
-  for (const auto& [hash, b] : s.map) {
-    if (b >= s.entries.size() || !s.entries[b].cached || !(s.entries[b].hash == hash)) {
-      report.add_violation(fmt::format("hash {} maps to block {}, which is not cached under it",
-                                       hash.to_string(), b));
+  for (BlockId b : s.index) {
+    if (b >= s.entries.size() || !s.entries[b].cached) {
+      report.add_violation(fmt::format("the hash map holds block {}, which is not cached", b));
     }
   }
-  if (linked != s.lru.size()) {
-    report.add_violation(
-        fmt::format("the LRU list has {} entries but {} blocks are linked", s.lru.size(), linked));
+  std::size_t live = 0;
+  for (std::size_t i = s.head; i < s.queue.size(); ++i) {
+    const QueueSlot& q = s.queue[i];
+    if (q.block >= s.entries.size()) {
+      report.add_violation(fmt::format("the LRU queue holds block {}, out of range", q.block));
+    } else if (s.live(q)) {
+      ++live;
+    }
   }
-  report.evictable_blocks = s.lru.size();
+  if (linked != s.evictable || live != s.evictable) {
+    report.add_violation(fmt::format(
+        "the LRU list counts {} evictable blocks, but {} blocks are linked and {} queue slots live",
+        s.evictable, linked, live));
+  }
+  report.evictable_blocks = s.evictable;
   report.cached_blocks = cached;
   report.blocks_in_use -= std::min(report.blocks_in_use, report.evictable_blocks);
   if (report.free_blocks + report.evictable_blocks + report.blocks_in_use !=

@@ -4,7 +4,11 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <list>
+#include <map>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -268,6 +272,156 @@ TEST_F(PrefixCacheTest, OutOfRangeQueriesThrow) {
   EXPECT_EQ(&pc.kv_cache(), &cache);
   EXPECT_EQ(pc.num_available_blocks(), 8u);
   EXPECT_DOUBLE_EQ(pc.counters().hit_rate(), 0.0);
+}
+
+// A plain model of the contract: a hash -> block map, per-block sequence
+// references, and an LRU std::list (evictable blocks, least recently used
+// first). Random traffic with thousands of evictions and hits must leave the
+// prefix cache's LRU order, eviction choices and lookups equal to it.
+TEST(PrefixCacheModel, LruOrderAndEvictionsMatchAReferenceUnderRandomTraffic) {
+  constexpr std::size_t kBlocks = 64;
+  std::unique_ptr<Backend> backend = host_backend();
+  PagedKvCache cache(small_config(), kBlocks, *backend);
+  PrefixCache pc(cache);
+
+  std::map<std::uint64_t, BlockId> block_of;  // by hash.low (high = ~low)
+  std::map<BlockId, std::uint64_t> hash_of;
+  std::vector<std::uint32_t> holds(kBlocks, 0);  // the test's sequence references
+  std::vector<BlockId> held;                     // one entry per reference
+  std::list<BlockId> lru;
+  std::uint64_t next_hash = 1;
+  std::size_t evictions = 0;
+  std::size_t hits = 0;
+  const auto key = [](std::uint64_t low) { return BlockHash{low, ~low}; };
+  const auto drop = [&](BlockId b) {
+    block_of.erase(hash_of.at(b));
+    hash_of.erase(b);
+  };
+  std::mt19937_64 rng(20261201);
+
+  for (int step = 0; step < 40000; ++step) {
+    // Sequences hold at most ~3/4 of the cache, so that allocations evict.
+    const unsigned op = held.size() > 3 * kBlocks / 4 ? 50 : static_cast<unsigned>(rng() % 100);
+    if (op < 35) {  // a new block, registered under a fresh hash (or a cached one)
+      if (pc.num_available_blocks() == 0) continue;
+      std::optional<BlockId> victim;
+      if (cache.num_free_blocks() == 0) victim = lru.front();
+      const BlockId b = pc.alloc_block();
+      if (victim) {  // the evicted block goes back to the LIFO free list, and out again
+        ASSERT_EQ(b, *victim) << "step " << step;
+        lru.pop_front();
+        drop(b);
+        ++evictions;
+      }
+      ASSERT_FALSE(pc.is_cached(b));
+      ++holds[b];
+      held.push_back(b);
+      if (rng() % 8 == 0 && !block_of.empty()) {
+        const std::uint64_t h = block_of.begin()->first;
+        EXPECT_FALSE(pc.insert(key(h), b)) << "a cached hash is not registered twice";
+      } else {
+        const std::uint64_t h = next_hash++;
+        ASSERT_TRUE(pc.insert(key(h), b));
+        block_of[h] = b;
+        hash_of[b] = h;
+      }
+    } else if (op < 70) {  // sequences give a few references back
+      for (std::size_t k = 1 + rng() % 4; k > 0 && !held.empty(); --k) {
+        const std::size_t i = rng() % held.size();
+        const BlockId b = held[i];
+        held[i] = held.back();
+        held.pop_back();
+        pc.release(b);
+        if (--holds[b] == 0 && hash_of.count(b) != 0) lru.push_back(b);
+      }
+    } else if (op < 95) {  // a lookup of a chain: cached hashes, then maybe a miss
+      std::vector<BlockHash> chain;
+      std::vector<BlockId> expect;
+      const std::size_t n = 1 + rng() % 6;
+      for (std::size_t k = 0; k < n && !block_of.empty(); ++k) {
+        auto it = block_of.begin();
+        std::advance(it, static_cast<std::ptrdiff_t>(rng() % block_of.size()));
+        chain.push_back(key(it->first));
+        expect.push_back(it->second);
+      }
+      if (rng() % 2 == 0) {  // a miss stops the match; what follows is not taken
+        chain.push_back(key(next_hash + 1000000));
+        if (!block_of.empty()) chain.push_back(key(block_of.begin()->first));
+      }
+      const PrefixMatch m = pc.lookup_hashes(chain);
+      ASSERT_EQ(m.blocks, expect) << "step " << step;
+      for (BlockId b : m.blocks) {
+        if (holds[b]++ == 0) lru.remove(b);  // the first sequence reference: no longer evictable
+        held.push_back(b);
+        ++hits;
+      }
+    } else {  // an explicit eviction of a few blocks
+      const std::size_t k = rng() % 4;
+      const std::size_t expect = std::min(k, lru.size());
+      ASSERT_EQ(pc.evict(k), expect);
+      for (std::size_t j = 0; j < expect; ++j) {
+        EXPECT_FALSE(pc.is_cached(lru.front()));
+        drop(lru.front());
+        lru.pop_front();
+        ++evictions;
+      }
+    }
+    ASSERT_EQ(pc.lru_order(), std::vector<BlockId>(lru.begin(), lru.end())) << "step " << step;
+    ASSERT_EQ(pc.num_cached_blocks(), block_of.size());
+    if (step % 500 == 0) {
+      const InvariantReport r = pc.check_invariants();
+      ASSERT_TRUE(r.ok) << "step " << step << ": " << r.to_string();
+    }
+  }
+  EXPECT_GT(evictions, 1000u) << "the traffic must exercise eviction";
+  EXPECT_GT(hits, 10000u);
+  EXPECT_EQ(pc.counters().evictions, evictions);
+  pc.release_blocks(held);
+  EXPECT_INVARIANTS(pc);
+}
+
+// The bookkeeping is sized at construction: churn (hits that leave stale LRU
+// queue slots behind, evictions, re-registrations) never grows it.
+TEST(PrefixCacheMemoryUsage, IsFixedAtConstructionAndSmallPerBlock) {
+  constexpr std::size_t kBlocks = 1024;
+  std::unique_ptr<Backend> backend = host_backend();
+  PagedKvCache cache(small_config(), kBlocks, *backend);
+  PrefixCache pc(cache);
+  const PrefixCacheMemory before = pc.memory_usage();
+  EXPECT_EQ(before.total(), before.entry_bytes + before.index_bytes + before.lru_bytes);
+  EXPECT_GE(before.entry_bytes, kBlocks * sizeof(BlockHash)) << "every block keeps its hash";
+  EXPECT_GE(before.index_bytes, kBlocks * sizeof(BlockId)) << "room for every block's hash";
+  EXPECT_GE(before.lru_bytes, kBlocks * sizeof(BlockId));
+  EXPECT_LE(before.total(), kBlocks * 64) << "at most 64 bytes per block";
+
+  // Fill the cache, then hit one block over and over (each hit + release
+  // leaves a stale queue slot), and evict through new registrations.
+  std::uint64_t h = 1;
+  for (std::size_t i = 0; i < kBlocks; ++i) {
+    const BlockId b = pc.alloc_block();
+    ASSERT_TRUE(pc.insert(BlockHash{h, h}, b));
+    ++h;
+    pc.release(b);
+  }
+  const BlockHash hot{5, 5};
+  for (int i = 0; i < 100000; ++i) {
+    const PrefixMatch m = pc.lookup_hashes({&hot, 1});
+    ASSERT_EQ(m.blocks.size(), 1u);
+    pc.release(m.blocks[0]);
+  }
+  for (std::size_t i = 0; i < 4 * kBlocks; ++i) {
+    const BlockId b = pc.alloc_block();
+    ASSERT_TRUE(pc.insert(BlockHash{h, h}, b));
+    ++h;
+    pc.release(b);
+  }
+  EXPECT_EQ(pc.counters().evictions, 4 * kBlocks);
+  EXPECT_EQ(pc.num_cached_blocks(), kBlocks);
+  const PrefixCacheMemory after = pc.memory_usage();
+  EXPECT_EQ(after.entry_bytes, before.entry_bytes);
+  EXPECT_EQ(after.index_bytes, before.index_bytes);
+  EXPECT_EQ(after.lru_bytes, before.lru_bytes);
+  EXPECT_INVARIANTS(pc);
 }
 
 }  // namespace

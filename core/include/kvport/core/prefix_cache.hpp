@@ -31,6 +31,17 @@ struct PrefixCacheCounters {
   }
 };
 
+/// Bytes the prefix cache's own bookkeeping holds (not the KV pools, not the
+/// PagedKvCache's refcounts and free list), from the containers' capacities;
+/// the allocator's per-allocation overhead is not included.
+struct PrefixCacheMemory {
+  std::size_t entry_bytes = 0;  ///< per-block records: hash, cached/evictable flags
+  std::size_t index_bytes = 0;  ///< the hash -> block index (an open-addressing table)
+  std::size_t lru_bytes = 0;    ///< the LRU queue
+  /// The sum of the three.
+  std::size_t total() const noexcept { return entry_bytes + index_bytes + lru_bytes; }
+};
+
 /// The longest cached prefix lookup() found.
 struct PrefixMatch {
   /// One block per matched full block, in sequence order; the caller owns one
@@ -144,6 +155,10 @@ class PrefixCache {
   std::size_t block_size() const noexcept;
   PagedKvCache& kv_cache() const noexcept;
   const PrefixCacheCounters& counters() const noexcept;
+  /// The bookkeeping's memory. It is all allocated at construction and does
+  /// not change afterwards: about 50 bytes per block of the PagedKvCache
+  /// (docs/performance.md has the breakdown), whether or not it is cached.
+  PrefixCacheMemory memory_usage() const noexcept;
 
   /// PagedKvCache::check_invariants() plus: every evictable block is cached
   /// with refcount 1; every cached block with refcount 1 is evictable and
