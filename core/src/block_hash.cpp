@@ -1,6 +1,12 @@
 #include "kvport/core/block_hash.hpp"
 
 #include <fmt/format.h>
+
+// XXH3 compiled into this file (xxhash.h's documented inline mode): a block's
+// message is under 600 bytes, where the call into libxxhash and its generic
+// length dispatch cost as much as the hashing (replay profile,
+// docs/performance.md). The hash values are the library's.
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 #include <array>
