@@ -3,8 +3,11 @@
 // step.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
 #include <list>
 #include <map>
 #include <numeric>
@@ -79,6 +82,26 @@ TEST(BlockHash, IsStableAcrossRuns) {
   EXPECT_EQ(chain[0], hash_block(std::nullopt, tokens(4, 100)));
   EXPECT_EQ(chain[1], hash_block(chain[0], tokens(4, 104)));
   EXPECT_THROW(hash_full_blocks(t, 0), InvalidArgument);
+}
+
+// The documented message, hashed by the shared libxxhash (this test's call is
+// not inlined), equals hash_block's (XXH3 compiled in), and the pinned value
+// holds: four little-endian u64 (parent low, parent high, extra key, has
+// parent), then the tokens as little-endian u32.
+TEST(BlockHash, IsXxh3OfTheDocumentedMessage) {
+  const std::vector<TokenId> t = {1, 2, 3, 4};
+  const auto reference = [&](std::array<std::uint64_t, 4> head) {
+    std::vector<unsigned char> message(sizeof(head) + t.size() * sizeof(TokenId));
+    std::memcpy(message.data(), head.data(), sizeof(head));
+    std::memcpy(message.data() + sizeof(head), t.data(), t.size() * sizeof(TokenId));
+    const XXH128_hash_t h = XXH3_128bits(message.data(), message.size());
+    return BlockHash{h.low64, h.high64};
+  };
+  const BlockHash root = hash_block(std::nullopt, t);
+  EXPECT_EQ(root, reference({0, 0, 0, 0}));
+  const BlockHash child = hash_block(root, t, 9);
+  EXPECT_EQ(child, reference({root.low, root.high, 9, 1}));
+  EXPECT_EQ(root.to_string(), "4b9e1a54fe62e2216332e9587f26353a");
 }
 
 TEST_F(PrefixCacheTest, FullBlocksAreCachedAndHitAcrossSequences) {
