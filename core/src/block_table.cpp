@@ -1,4 +1,5 @@
 #include "kvport/core/block_table.hpp"
+#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 
@@ -97,7 +98,7 @@ BlockTable::AppendPlan BlockTable::plan_append(std::size_t num_tokens) const {
   const std::size_t room = blocks_.empty() ? 0 : block_size_ - last_block_fill();
   const std::size_t beyond = num_tokens > room ? num_tokens - room : 0;
   AppendPlan plan;
-  plan.fresh_blocks = (beyond + block_size_ - 1) / block_size_;
+  plan.fresh_blocks = div_ceil(beyond, block_size_);
   plan.copy_on_write = num_tokens > 0 && room > 0 && cache_->ref_count(blocks_.back()) > 1;
   return plan;
 }

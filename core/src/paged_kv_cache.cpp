@@ -1,4 +1,6 @@
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/block_id_limit.hpp"
+#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 
@@ -73,7 +75,7 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
     : config_(std::move(config)), num_blocks_(num_blocks), backend_(&backend), trace_(0, false) {
   config_.validate();
   if (num_blocks == 0) throw InvalidArgument("PagedKvCache: num_blocks must be > 0");
-  if (num_blocks > std::numeric_limits<BlockId>::max()) {
+  if (num_blocks > kMaxCacheBlocks) {
     throw InvalidArgument(
         fmt::format("PagedKvCache: num_blocks = {} exceeds the 32-bit block id range", num_blocks));
   }
@@ -243,9 +245,7 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
   // that the result always fits. At most 2 * num_layers * 255 bytes of
   // rounding, so the loop runs a few times at most for realistic blocks.
   auto pools_bytes = [&](std::size_t n) {
-    auto round = [](std::size_t b) {
-      return (b + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
-    };
+    auto round = [](std::size_t b) { return round_up(b, kAllocAlignment); };
     if (config.layout == KvCacheLayout::block_major) return round(n * per_block);
     std::size_t total = 0;
     for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
@@ -255,8 +255,7 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
   };
   // No device has 8 EiB; clamping keeps the rounding below from overflowing.
   available_bytes = std::min(available_bytes, std::numeric_limits<std::size_t>::max() / 2);
-  std::size_t n =
-      std::min<std::size_t>(available_bytes / per_block, std::numeric_limits<BlockId>::max());
+  std::size_t n = std::min<std::size_t>(available_bytes / per_block, kMaxCacheBlocks);
   // n * per_block <= available_bytes, so the products below cannot overflow
   // until rounding, which adds less than kAllocAlignment per pool.
   while (n > 0 && (available_bytes - n * per_block < 2 * config.num_layers * kAllocAlignment) &&

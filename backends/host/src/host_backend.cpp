@@ -1,4 +1,5 @@
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -110,14 +111,14 @@ class HostBackend final : public Backend {
   void* allocate_pool_memory(std::size_t size) const noexcept {
     if (size < kHugePage || !huge_pages_) return std::aligned_alloc(kAllocAlignment, size);
     if (size > SIZE_MAX - kHugePage) return nullptr;
-    const std::size_t whole = (size + kHugePage - 1) / kHugePage * kHugePage;
+    const std::size_t whole = round_up(size, kHugePage);
     void* p = std::aligned_alloc(kHugePage, whole);
     if (p != nullptr) (void)::madvise(p, whole, MADV_HUGEPAGE);
     return p;
   }
 
   static std::size_t rounded(std::size_t bytes) noexcept {
-    return (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
+    return round_up(bytes, kAllocAlignment);
   }
 
   // Checks `uses` now (throwing InvalidArgument at call time), then queues
@@ -207,8 +208,7 @@ class HostBackend final : public Backend {
   // "device" is host memory too. Not counted against the device capacity.
   void* do_alloc_host(std::size_t bytes) override {
     if (bytes > SIZE_MAX - (kHostAllocAlignment - 1)) throw OutOfMemory(kName, bytes, 0);
-    const std::size_t size =
-        (bytes + kHostAllocAlignment - 1) / kHostAllocAlignment * kHostAllocAlignment;
+    const std::size_t size = round_up(bytes, kHostAllocAlignment);
     void* p = std::aligned_alloc(kHostAllocAlignment, size);
     if (p == nullptr) throw OutOfMemory(kName, bytes, 0);
     try {

@@ -39,6 +39,14 @@ TEST(sim_helpers, DivCeilRoundsUpWithoutOverflow) {
   EXPECT_EQ(div_ceil(kMax, 2), kMax / 2 + 1);
 }
 
+TEST(sim_helpers, RoundUpToAMultiple) {
+  EXPECT_EQ(round_up(0, 256), 0u);
+  EXPECT_EQ(round_up(1, 256), 256u);
+  EXPECT_EQ(round_up(256, 256), 256u);
+  EXPECT_EQ(round_up(257, 256), 512u);
+  EXPECT_EQ(round_up((std::size_t{2} << 20) + 1, std::size_t{2} << 20), std::size_t{4} << 20);
+}
+
 TEST(sim_helpers, ModelPresetsAreOneSortedTable) {
   const auto presets = model_presets();
   ASSERT_FALSE(presets.empty());

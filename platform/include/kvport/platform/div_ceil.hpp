@@ -11,4 +11,10 @@ constexpr std::size_t div_ceil(std::size_t a, std::size_t b) noexcept {
   return a / b + (a % b != 0);
 }
 
+/// `a` rounded up to a multiple of `b` (b > 0). The caller keeps the result
+/// in range (a + b - 1 fits in size_t).
+constexpr std::size_t round_up(std::size_t a, std::size_t b) noexcept {
+  return div_ceil(a, b) * b;
+}
+
 }  // namespace kvport
