@@ -1,5 +1,6 @@
 // The capacity plan behind `kvport plan` and `kvport demo`.
 #include "kvport/cli/capacity_plan.hpp"
+#include "kvport/testing/sim_support.hpp"
 
 #include <gtest/gtest.h>
 
@@ -7,12 +8,7 @@ namespace kvport::cli {
 namespace {
 
 KvCacheConfig small_config() {
-  KvCacheConfig c;
-  c.num_layers = 2;
-  c.num_kv_heads = 1;
-  c.head_dim_k = c.head_dim_v = 16;
-  c.block_size = 16;
-  return c;
+  return kvport::testing::tiny_sim_config();
 }
 
 TEST(cli_capacity_plan, CollapsesRunsOfIdenticalLayers) {

@@ -7,6 +7,7 @@
 #include "cli_test_util.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
+#include "kvport/testing/sim_support.hpp"
 
 #ifndef KVPORT_TEST_DATA_DIR
 #error "KVPORT_TEST_DATA_DIR must name tests/data"
@@ -27,14 +28,8 @@ CliResult replay(const std::string& trace, std::initializer_list<std::string> mo
   return run_cli(args);
 }
 
-// One trace line.
-std::string line(double timestamp, std::size_t input, std::size_t output,
-                 const std::string& hash_ids) {
-  std::ostringstream s;
-  s << R"({"timestamp": )" << timestamp << R"(, "input_length": )" << input
-    << R"(, "output_length": )" << output << R"(, "hash_ids": )" << hash_ids << "}\n";
-  return s.str();
-}
+using kvport::testing::mooncake_line;
+constexpr auto line = &mooncake_line;  // one trace line
 
 nlohmann::json without_timing(nlohmann::json j) {
   for (const char* key : {"wall_s", "requests_per_s", "operations_per_s"})

@@ -32,26 +32,33 @@ std::vector<std::uint8_t> pattern(std::size_t bytes, std::uint8_t seed) {
   return p;
 }
 
+// Every layer's K of block `b` gets pattern(seed), its V pattern(seed + 1).
+void write_block_pattern(PagedKvCache& cache, BlockId b, std::uint8_t seed, StreamView stream) {
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
+    cache.write_block(layer, b, pattern(cache.k_block_bytes(layer), seed),
+                      pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)),
+                      stream);
+  }
+}
+void expect_block_pattern(PagedKvCache& cache, BlockId b, std::uint8_t seed, StreamView stream) {
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
+    const PagedKvCache::HostBlock hb = cache.read_block(layer, b, stream);
+    EXPECT_EQ(hb.k, pattern(cache.k_block_bytes(layer), seed))
+        << "block " << b << " layer " << layer;
+    EXPECT_EQ(hb.v, pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)))
+        << "block " << b << " layer " << layer;
+  }
+}
+
 class BlockTableTest : public ::testing::TestWithParam<KvCacheLayout> {
  protected:
   std::unique_ptr<Backend> backend = host_backend();
   Stream stream = backend->create_stream();
   PagedKvCache cache{small_config(GetParam()), 6, *backend};
 
-  void write_pattern(BlockId b, std::uint8_t seed) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      cache.write_block(layer, b, pattern(cache.k_block_bytes(layer), seed),
-                        pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)),
-                        stream);
-    }
-  }
+  void write_pattern(BlockId b, std::uint8_t seed) { write_block_pattern(cache, b, seed, stream); }
   void expect_pattern(BlockId b, std::uint8_t seed) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      const PagedKvCache::HostBlock hb = cache.read_block(layer, b, stream);
-      EXPECT_EQ(hb.k, pattern(cache.k_block_bytes(layer), seed)) << "layer " << layer;
-      EXPECT_EQ(hb.v, pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)))
-          << "layer " << layer;
-    }
+    expect_block_pattern(cache, b, seed, stream);
   }
 };
 
@@ -230,21 +237,9 @@ class FullyCachedPromptTest : public ::testing::Test {
     if (keep_holding) held_ = std::move(t);
     return blocks;
   }
-  void write_pattern(BlockId b, std::uint8_t seed) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      cache.write_block(layer, b, pattern(cache.k_block_bytes(layer), seed),
-                        pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)),
-                        stream);
-    }
-  }
+  void write_pattern(BlockId b, std::uint8_t seed) { write_block_pattern(cache, b, seed, stream); }
   void expect_pattern(BlockId b, std::uint8_t seed) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      const PagedKvCache::HostBlock hb = cache.read_block(layer, b, stream);
-      EXPECT_EQ(hb.k, pattern(cache.k_block_bytes(layer), seed))
-          << "block " << b << " layer " << layer;
-      EXPECT_EQ(hb.v, pattern(cache.v_block_bytes(layer), static_cast<std::uint8_t>(seed + 1)))
-          << "block " << b << " layer " << layer;
-    }
+    expect_block_pattern(cache, b, seed, stream);
   }
   void expect_invariants() {
     const InvariantReport r = pc.check_invariants();

@@ -15,20 +15,15 @@
 #include "kvport/sim/mooncake_trace.hpp"
 #include "kvport/sim/replay.hpp"
 #include "kvport/sim/trace_tokens.hpp"
+#include "kvport/testing/sim_support.hpp"
 
 namespace kvport::sim {
 namespace {
 
 using ::testing::HasSubstr;
 
-// One trace line.
-std::string line(double timestamp, std::size_t input, std::size_t output,
-                 const std::string& hash_ids) {
-  std::ostringstream s;
-  s << R"({"timestamp": )" << timestamp << R"(, "input_length": )" << input
-    << R"(, "output_length": )" << output << R"(, "hash_ids": )" << hash_ids << "}\n";
-  return s.str();
-}
+using kvport::testing::mooncake_line;
+constexpr auto line = &mooncake_line;  // one trace line
 
 TEST(sim_replay, ReaderYieldsRequestsWithLineNumbers) {
   std::istringstream in(line(5, 100, 2, "[1, 2]") + "\n" + line(3.5, 7, 0, "[]"));

@@ -1,6 +1,7 @@
 // The demo workload under the scheduler loop, driven directly on a
 // host-backend cache.
 #include "kvport/sim/serving_sim.hpp"
+#include "kvport/testing/sim_support.hpp"
 
 #include <gtest/gtest.h>
 
@@ -11,12 +12,7 @@ namespace kvport::sim {
 namespace {
 
 KvCacheConfig small_config() {
-  KvCacheConfig c;
-  c.num_layers = 2;
-  c.num_kv_heads = 1;
-  c.head_dim_k = c.head_dim_v = 16;
-  c.block_size = 16;
-  return c;
+  return kvport::testing::tiny_sim_config();
 }
 
 TEST(sim_serving_sim, ServesEveryRequestAndLeavesTheCacheEmpty) {
