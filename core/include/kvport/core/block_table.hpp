@@ -118,7 +118,11 @@ class BlockTable {
   /// caller uses next. An asynchronous error that synchronize reports (the
   /// copy's, or an earlier one still pending on the default stream) is
   /// rethrown (BackendError) with the strong guarantee. Pass a stream to avoid
-  /// the wait.
+  /// the wait. The copy reads the cached block on the default stream: work
+  /// queued on another stream that writes that block (a zero_blocks of it
+  /// before it was cached, the engine's own kernels) must be complete or
+  /// ordered before the default stream first; a caller that works on one
+  /// stream passes it instead.
   std::size_t reuse_cached_prefix(std::span<const TokenId> prompt);
 
   /// How reuse_cached_prefix treats a fully cached prompt; compute_last_token

@@ -404,7 +404,7 @@ class KvDriver {
             std::max<std::size_t>(2, cache_->num_blocks() * model_.block_size() / 2);
         const std::vector<TokenId> prompt = document(op.a % kDocuments, 1 + op.b % max_prompt);
         const std::size_t expect = model_.lookup(t.model, prompt);
-        const std::size_t got = t.real->reuse_cached_prefix(prompt);
+        const std::size_t got = t.real->reuse_cached_prefix(prompt, stream_);
         if (got != expect)
           return fail("reused " + std::to_string(got) + " tokens, model " + std::to_string(expect));
         const std::span<const TokenId> rest = std::span<const TokenId>(prompt).subspan(got);
