@@ -589,7 +589,7 @@ TEST(PagedKvCacheQueuedWork, SynchronizeWaitsForEveryStreamUsedOnceAndForgetsThe
   cache.zero_block(0, a);
   cache.poison_block(1, b);
   cache.zero_blocks(std::vector<BlockId>{2, 3}, a);
-  const BlockCopy copy{0, 4};
+  const BlockCopy copy{1, 4};  // block 1 was written on b too: ordered
   cache.copy_blocks({&copy, 1}, b);
   cache.zero_blocks({}, backend->default_stream());  // queues nothing
   ASSERT_EQ(cache.queued_streams().size(), 2u) << "each stream once, in first-use order";
