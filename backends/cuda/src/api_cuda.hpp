@@ -92,16 +92,16 @@ struct ApiCuda {
     attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     std::size_t attrs_index = 0;
 #if CUDART_VERSION >= 13000
-    const Status status =
+    const Status batched =
         cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attrs, &attrs_index, 1, s);
 #else
     std::size_t fail_index = 0;
-    const Status status = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs),
-                                               const_cast<std::size_t*>(sizes), count, &attrs,
-                                               &attrs_index, 1, &fail_index, s);
+    const Status batched = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs),
+                                                const_cast<std::size_t*>(sizes), count, &attrs,
+                                                &attrs_index, 1, &fail_index, s);
 #endif
-    if (status != cudaErrorNotSupported && status != cudaErrorCallRequiresNewerDriver) {
-      return status;
+    if (batched != cudaErrorNotSupported && batched != cudaErrorCallRequiresNewerDriver) {
+      return batched;
     }
     (void)cudaGetLastError();  // fall back to one copy per region
 #endif
