@@ -21,6 +21,7 @@ namespace {
 
 using kvport::testing::message_of;
 using ::testing::AllOf;
+using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
 constexpr std::size_t kBlock = 16 * kKiB + 64;  // a block that is not a power of two
@@ -150,9 +151,16 @@ TEST_P(Conformance, HostCopyBatchIsCheckedAtCallTimeAndQueuesNothingOnError) {
                      "null host pointer");
   rejected_both_ways({{DevicePtr{}, host.data(), 64}}, "null device pointer");
   rejected_both_ways({{keep, nullptr, 0}}, "null host pointer");  // even for zero bytes
-  rejected_both_ways(
-      {{keep, host.data(), 64}, {DevicePtr::from(host.data()), host.data() + 64, 64}},
-      "bad pointer");  // host memory is not device memory
+  // Host memory is not device memory: "bad pointer", or "use after free" when
+  // the heap handed out an address that a freed device allocation once held.
+  const HostCopyRegion not_device[] = {{keep, host.data(), 64},
+                                       {DevicePtr::from(host.data()), host.data() + 64, 64}};
+  EXPECT_THAT(message_of<InvalidArgument>([&] { b().copy_batch_h2d_async(not_device, s); }),
+              AllOf(HasSubstr("copy_batch_h2d_async"),
+                    AnyOf(HasSubstr("bad pointer"), HasSubstr("use after free"))));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { b().copy_batch_d2h_async(not_device, s); }),
+              AllOf(HasSubstr("copy_batch_d2h_async"),
+                    AnyOf(HasSubstr("bad pointer"), HasSubstr("use after free"))));
 
   // Overlapping destinations: device ranges on the way in, host ranges out.
   const HostCopyRegion same_device[] = {{keep, host.data(), 128},
