@@ -607,6 +607,33 @@ class GpuBackend final : public Backend {
                       });
   }
 
+  void do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
+                                HostCopyDirection direction, void* stream) override {
+    const bool to_device = direction == HostCopyDirection::host_to_device;
+    const char* op = to_device ? "copy_batch_h2d_async" : "copy_batch_d2h_async";
+    const Stream_t s = stream_of(stream);
+    std::vector<void*> dsts;
+    std::vector<const void*> srcs;
+    std::vector<std::size_t> sizes;
+    dsts.reserve(regions.size());
+    srcs.reserve(regions.size());
+    sizes.reserve(regions.size());
+    {
+      auto lock = tracker_.read_lock();
+      for (const HostCopyRegion& r : regions) {
+        tracker_.check_locked(r.device, r.bytes, op);
+        if (r.bytes == 0) continue;
+        dsts.push_back(to_device ? r.device.get() : r.host);
+        srcs.push_back(to_device ? static_cast<const void*>(r.host) : r.device.get());
+        sizes.push_back(r.bytes);
+      }
+    }
+    if (sizes.empty()) return;
+    const DeviceScope scope = enter();
+    KVPORT_GPU_CHECK(
+        Api::memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), sizes.size(), s));
+  }
+
   void do_inject_async_fault(void* stream) override {
     const Stream_t s = stream_of(stream);
     const DeviceScope scope = enter();

@@ -25,7 +25,8 @@ concept VendorApi = requires(typename A::Status status, typename A::Stream strea
                              unsigned flags, float* ms_out, std::uint8_t value,
                              const FillDescriptor* fills, const CopyDescriptor* copies,
                              const PoolDescriptor* pools, const std::uint32_t* ids,
-                             std::uint64_t count) {
+                             std::uint64_t count, void* const* ptr_list,
+                             const void* const* cptr_list, const std::size_t* sizes) {
   // ---- identity and status codes
   requires std::equality_comparable<typename A::Status>;
   { A::success } -> std::convertible_to<typename A::Status>;
@@ -74,6 +75,13 @@ concept VendorApi = requires(typename A::Status status, typename A::Stream strea
   // ---- asynchronous work
   { A::memset_async(ptr, device, bytes, stream) } -> std::same_as<typename A::Status>;
   { A::memcpy_async(ptr, cptr, bytes, stream) } -> std::same_as<typename A::Status>;
+  /// `bytes` copies dsts[i] <- srcs[i] of sizes[i] bytes (each > 0), queued by
+  /// one call, in any order among themselves: cudaMemcpyBatchAsync where the
+  /// runtime has it, else one memcpy_async per copy. On a failure part of the
+  /// batch may already be queued; the status is the first failure's.
+  {
+    A::memcpy_batch_async(ptr_list, cptr_list, sizes, bytes, stream)
+    } -> std::same_as<typename A::Status>;
 
   // ---- kernels (gpu_kernels.inc). Each returns the status of the launch
   // itself (cudaLaunchKernel / hipLaunchKernel), never a stale error another

@@ -19,6 +19,7 @@ struct Backend::Counters {
   std::atomic<std::uint64_t> fill{0};
   std::atomic<std::uint64_t> copy{0};
   std::atomic<std::uint64_t> copy_batch{0};
+  std::atomic<std::uint64_t> copy_host_batch{0};
   std::atomic<std::uint64_t> synchronize{0};
   std::atomic<std::uint64_t> host_alloc{0};
   std::atomic<std::uint64_t> host_free{0};
@@ -273,6 +274,53 @@ void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView s
   do_copy_batch_async(regions, native);
 }
 
+void Backend::copy_batch_h2d_async(std::span<const HostCopyRegion> regions, StreamView stream) {
+  copy_host_batch_checked(regions, HostCopyDirection::host_to_device, stream,
+                          "copy_batch_h2d_async");
+}
+
+void Backend::copy_batch_d2h_async(std::span<const HostCopyRegion> regions, StreamView stream) {
+  copy_host_batch_checked(regions, HostCopyDirection::device_to_host, stream,
+                          "copy_batch_d2h_async");
+}
+
+void Backend::copy_host_batch_checked(std::span<const HostCopyRegion> regions,
+                                      HostCopyDirection direction, StreamView stream,
+                                      const char* op) {
+  void* native = check_stream(stream, op);
+  const bool to_device = direction == HostCopyDirection::host_to_device;
+  struct Range {
+    std::uintptr_t begin, end;
+    std::size_t index;
+  };
+  std::vector<Range> dsts;
+  dsts.reserve(regions.size());
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    const HostCopyRegion& r = regions[i];
+    if (r.device.is_null() || r.host == nullptr) {
+      throw InvalidArgument(fmt::format("{}: {}: region {} of {} has a null {} pointer", name_, op,
+                                        i, regions.size(), r.host == nullptr ? "host" : "device"));
+    }
+    const auto device_end = range_end(name_, op, r.device, r.bytes);
+    const auto host_end = range_end(name_, op, DevicePtr::from(r.host), r.bytes);
+    if (r.bytes == 0) continue;
+    dsts.push_back(to_device ? Range{r.device.address(), device_end, i}
+                             : Range{reinterpret_cast<std::uintptr_t>(r.host), host_end, i});
+  }
+  std::sort(dsts.begin(), dsts.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < dsts.size(); ++i) {
+    if (dsts[i].begin < dsts[i - 1].end) {
+      throw InvalidArgument(fmt::format("{}: {}: {} destinations of regions {} and {} overlap",
+                                        name_, op, to_device ? "device" : "host", dsts[i - 1].index,
+                                        dsts[i].index));
+    }
+  }
+  if (regions.empty()) return;
+  bump(counters_->copy_host_batch);
+  do_copy_host_batch_async(regions, direction, native);
+}
+
 // ---- block pools ----------------------------------------------------------------
 
 BlockPoolSet::~BlockPoolSet() {
@@ -352,6 +400,7 @@ CallCounts Backend::call_counts() const noexcept {
   out.fill = get(counters_->fill);
   out.copy = get(counters_->copy);
   out.copy_batch = get(counters_->copy_batch);
+  out.copy_host_batch = get(counters_->copy_host_batch);
   out.synchronize = get(counters_->synchronize);
   out.host_alloc = get(counters_->host_alloc);
   out.host_free = get(counters_->host_free);
@@ -360,8 +409,8 @@ CallCounts Backend::call_counts() const noexcept {
 
 void Backend::reset_call_counts() noexcept {
   for (auto* c : {&counters_->alloc, &counters_->free, &counters_->memset, &counters_->fill,
-                  &counters_->copy, &counters_->copy_batch, &counters_->synchronize,
-                  &counters_->host_alloc, &counters_->host_free}) {
+                  &counters_->copy, &counters_->copy_batch, &counters_->copy_host_batch,
+                  &counters_->synchronize, &counters_->host_alloc, &counters_->host_free}) {
     c->store(0, std::memory_order_relaxed);
   }
 }

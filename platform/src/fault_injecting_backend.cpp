@@ -508,6 +508,19 @@ void FaultInjectingBackend::do_copy_batch_async(std::span<const CopyRegion> regi
   inner_->copy_batch_async(regions, stream->inner);
 }
 
+void FaultInjectingBackend::do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
+                                                     HostCopyDirection direction, void* native) {
+  const bool to_device = direction == HostCopyDirection::host_to_device;
+  const char* op = to_device ? "copy_batch_h2d_async" : "copy_batch_d2h_async";
+  const auto stream = stream_of(native, op);
+  if (inject_async(decide(FaultKind::copy), op, *stream)) return;
+  if (to_device) {
+    inner_->copy_batch_h2d_async(regions, stream->inner);
+  } else {
+    inner_->copy_batch_d2h_async(regions, stream->inner);
+  }
+}
+
 void FaultInjectingBackend::do_inject_async_fault(void* native) {
   inner_->inject_async_fault(stream_of(native, "inject_async_fault")->inner);
 }

@@ -185,6 +185,11 @@ TEST_P(Conformance, CallCountsCountEachPublicCallOnce) {
   for (std::size_t i = 0; i < 16; ++i)
     copies.push_back({c.offset(i * 256), a.offset(i * 256), 128});
   b().copy_batch_async(copies, s);
+  std::vector<HostCopyRegion> host_copies;
+  for (std::size_t i = 0; i < 8; ++i)
+    host_copies.push_back({a.offset(1024 + i * 256), host.data() + i * 8, 8});
+  b().copy_batch_h2d_async(host_copies, s);
+  b().copy_batch_d2h_async(host_copies, s);
   b().synchronize(s);
   const DevicePtr p = b().alloc(10);
   b().free(p);
@@ -193,10 +198,11 @@ TEST_P(Conformance, CallCountsCountEachPublicCallOnce) {
   EXPECT_EQ(counts.fill, 1u);
   EXPECT_EQ(counts.copy, 3u);
   EXPECT_EQ(counts.copy_batch, 1u);
+  EXPECT_EQ(counts.copy_host_batch, 2u);
   EXPECT_EQ(counts.synchronize, 1u);
   EXPECT_EQ(counts.alloc, 1u);
   EXPECT_EQ(counts.free, 1u);
-  EXPECT_EQ(counts.device_ops(), 6u);
+  EXPECT_EQ(counts.device_ops(), 8u);
   b().reset_call_counts();
   EXPECT_EQ(b().call_counts().device_ops(), 0u);
   EXPECT_EQ(b().call_counts().alloc, 0u);

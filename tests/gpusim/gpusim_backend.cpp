@@ -314,6 +314,19 @@ struct ApiSim {
     std::memcpy(d, src, n);
     return ok;
   }
+  // One simulated runtime call for the whole batch, as cudaMemcpyBatchAsync.
+  static Status memcpy_batch_async(void* const* dsts, const void* const* srcs,
+                                   const std::size_t* sizes, std::size_t count, Stream st) {
+    {
+      Sim& s = sim();
+      std::lock_guard lock(s.mutex);
+      if (const Status status = on_device(s, st->device); status != ok) return set_error(status);
+      ++s.stats.batch_copies;
+    }
+    for (std::size_t i = 0; i < count; ++i)
+      std::memcpy(dsts[i], srcs[i], sizes[i]);
+    return ok;
+  }
 
   // A launch: device checks and injected failures first, then the work.
   template <class Work>

@@ -43,6 +43,7 @@ struct GpusimStats {
   std::uint64_t launches = 0;            ///< kernel launches (any kind)
   std::uint64_t uploads = 0;             ///< memcpy_async from host to device memory
   std::uint64_t pinned_allocs = 0;       ///< host_alloc calls that succeeded
+  std::uint64_t batch_copies = 0;        ///< memcpy_batch_async calls (any number of regions)
   std::uint64_t blocking_waits = 0;      ///< event_synchronize on an event still in flight
   std::uint64_t wrong_device_calls = 0;  ///< calls rejected: another device was current
 };

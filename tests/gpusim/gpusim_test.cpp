@@ -235,6 +235,36 @@ KvCacheConfig small_config(KvCacheLayout layout) {
   return c;
 }
 
+TEST_F(Gpusim, AHostCopyBatchIsOneRuntimeCallSkippingZeroByteRegions) {
+  auto b = make_gpusim_backend(64 * kMiB);
+  DeviceBuffer d(*b, kMiB);
+  HostBuffer host(*b, kMiB);
+  auto* h = static_cast<std::uint8_t*>(host.data());
+  for (std::size_t i = 0; i < kMiB; ++i)
+    h[i] = static_cast<std::uint8_t>(i * 7);
+  std::vector<HostCopyRegion> regions;
+  for (std::size_t i = 0; i < 100; ++i)
+    regions.push_back({d.ptr().offset(i * 4096), h + (99 - i) * 4096,
+                       i % 10 == 0 ? std::size_t{0} : std::size_t{4096}});
+  testing::gpusim_reset_stats();
+  b->copy_batch_h2d_async(regions, b->default_stream());
+  EXPECT_EQ(gpusim_stats().batch_copies, 1u);
+  EXPECT_EQ(gpusim_stats().uploads, 0u);  // no per-region memcpy_async
+  const Bytes back = download(*b, d.ptr(), 100 * 4096);
+  for (std::size_t i = 1; i < 100; i += 9) {
+    if (i % 10 == 0) continue;
+    EXPECT_EQ(Bytes(back.begin() + static_cast<std::ptrdiff_t>(i * 4096),
+                    back.begin() + static_cast<std::ptrdiff_t>((i + 1) * 4096)),
+              Bytes(h + (99 - i) * 4096, h + (100 - i) * 4096))
+        << i;
+  }
+  // Only zero-byte regions: checked, counted, but nothing reaches the runtime.
+  const HostCopyRegion nothing[] = {{d.ptr(), h, 0}};
+  testing::gpusim_reset_stats();
+  b->copy_batch_d2h_async(nothing, b->default_stream());
+  EXPECT_EQ(gpusim_stats().batch_copies, 0u);
+}
+
 TEST_F(Gpusim, ZeroingOneBlockIsOneLaunchWithNoUpload) {
   for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
     auto b = make_gpusim_backend(256 * kMiB);

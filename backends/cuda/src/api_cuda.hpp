@@ -79,6 +79,38 @@ struct ApiCuda {
   static Status memcpy_async(void* d, const void* src, std::size_t n, Stream s) {
     return cudaMemcpyAsync(d, src, n, cudaMemcpyDefault, s);
   }
+  // One cudaMemcpyBatchAsync (CUDA 12.8+) for the whole batch. Its signature
+  // changed in CUDA 13 (const arrays, no failIdx out-parameter): the one place
+  // that knows. A runtime or driver without it (older toolkit, or
+  // cudaErrorNotSupported / cudaErrorCallRequiresNewerDriver at run time)
+  // gets one cudaMemcpyAsync per region instead. The sources are read in
+  // stream order (cudaMemcpySrcAccessOrderStream), as cudaMemcpyAsync does.
+  static Status memcpy_batch_async(void* const* dsts, const void* const* srcs,
+                                   const std::size_t* sizes, std::size_t count, Stream s) {
+#if CUDART_VERSION >= 12080
+    cudaMemcpyAttributes attrs{};
+    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    std::size_t attrs_index = 0;
+#if CUDART_VERSION >= 13000
+    const Status batched =
+        cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attrs, &attrs_index, 1, s);
+#else
+    std::size_t fail_index = 0;
+    const Status batched = cudaMemcpyBatchAsync(const_cast<void**>(dsts), const_cast<void**>(srcs),
+                                                const_cast<std::size_t*>(sizes), count, &attrs,
+                                                &attrs_index, 1, &fail_index, s);
+#endif
+    if (batched != cudaErrorNotSupported && batched != cudaErrorCallRequiresNewerDriver) {
+      return batched;
+    }
+    (void)cudaGetLastError();  // fall back to one copy per region
+#endif
+    for (std::size_t i = 0; i < count; ++i) {
+      const Status status = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyDefault, s);
+      if (status != cudaSuccess) return status;
+    }
+    return cudaSuccess;
+  }
 
   static Status launch_fill_table(const gpu::FillDescriptor* d, std::uint64_t count,
                                   std::uint64_t chunks, std::uint8_t value, Stream s) {

@@ -74,6 +74,15 @@ struct ApiHip {
   static Status memcpy_async(void* d, const void* src, std::size_t n, Stream s) {
     return hipMemcpyAsync(d, src, n, hipMemcpyDefault, s);
   }
+  // ROCm has no batched memcpy call: one hipMemcpyAsync per region.
+  static Status memcpy_batch_async(void* const* dsts, const void* const* srcs,
+                                   const std::size_t* sizes, std::size_t count, Stream s) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const Status status = hipMemcpyAsync(dsts[i], srcs[i], sizes[i], hipMemcpyDefault, s);
+      if (status != hipSuccess) return status;
+    }
+    return hipSuccess;
+  }
 
   static Status launch_fill_table(const gpu::FillDescriptor* d, std::uint64_t count,
                                   std::uint64_t chunks, std::uint8_t value, Stream s) {

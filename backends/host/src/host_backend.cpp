@@ -433,6 +433,33 @@ class HostBackend final : public Backend {
     });
   }
 
+  // One stream operation for the whole batch: the device ranges are checked
+  // now and again before it runs if anything was freed meanwhile (then the
+  // batch copies nothing and fails at the stream's next synchronize).
+  void do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
+                                HostCopyDirection direction, void* stream) override {
+    const bool to_device = direction == HostCopyDirection::host_to_device;
+    const char* op = to_device ? "copy_batch_h2d_async" : "copy_batch_d2h_async";
+    std::vector<Use> uses;
+    std::vector<void*> hosts;
+    uses.reserve(regions.size());
+    hosts.reserve(regions.size());
+    for (const HostCopyRegion& r : regions) {
+      uses.push_back({r.device, r.bytes, op});
+      hosts.push_back(r.host);
+    }
+    enqueue_checked(stream, op, std::move(uses),
+                    [hosts = std::move(hosts), to_device](const std::vector<Use>& u) {
+                      for (std::size_t i = 0; i < u.size(); ++i) {
+                        if (to_device) {
+                          std::memcpy(u[i].ptr.get(), hosts[i], u[i].bytes);
+                        } else {
+                          std::memcpy(hosts[i], u[i].ptr.get(), u[i].bytes);
+                        }
+                      }
+                    });
+  }
+
   const std::size_t capacity_;
   const std::size_t streaming_threshold_;
   const bool huge_pages_;  // KVPORT_HOST_HUGE_PAGES

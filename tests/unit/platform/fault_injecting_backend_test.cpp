@@ -129,6 +129,12 @@ TEST_F(FaultInjectingBackendTest, WithoutAPlanEveryCallIsCountedAndForwarded) {
   BlockPoolSet set = fb_.register_block_pools(pools, 4);
   const std::uint32_t ids[] = {2};
   fb_.fill_blocks_async(set, ids, 9, s);
+  // Host batches both ways: a's bytes 100..115 out, then into c's 48..63.
+  Bytes staging(16, 0);
+  const HostCopyRegion out[] = {{a.offset(100), staging.data(), 16}};
+  fb_.copy_batch_d2h_async(out, s);
+  const HostCopyRegion in[] = {{c.offset(48), staging.data(), 16}};
+  fb_.copy_batch_h2d_async(in, s);
   s.synchronize();
   Event e = fb_.create_event();
   e.record(s);
@@ -138,13 +144,15 @@ TEST_F(FaultInjectingBackendTest, WithoutAPlanEveryCallIsCountedAndForwarded) {
   std::fill_n(expect_a.begin(), 10, 3);
   std::fill_n(expect_a.begin() + 100, 10, 3);
   std::copy_n(expect_a.begin(), 16, expect_c.begin());  // the batch copy ran after the fill
+  std::copy_n(expect_a.begin() + 100, 16, expect_c.begin() + 48);  // through the host
   std::fill_n(expect_a.begin() + 128, 64, 9);
   EXPECT_EQ(read(a), expect_a);
   EXPECT_EQ(read(c), expect_c);
 
   EXPECT_EQ(fb_.counts(FaultKind::alloc).calls, 2u);
   EXPECT_EQ(fb_.counts(FaultKind::fill).calls, 2u + 2u);  // two memsets, fill, fill_blocks
-  EXPECT_EQ(fb_.counts(FaultKind::copy).calls, 1u);
+  EXPECT_EQ(fb_.counts(FaultKind::copy).calls, 3u);       // copy batch, two host batches
+  EXPECT_EQ(fb_.inner().call_counts().copy_host_batch, 2u);
   EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 2u + 2u);  // two buffers, stream, event
   EXPECT_EQ(fb_.counts(FaultKind::stream_create).calls, 1u);
   EXPECT_EQ(fb_.counts(FaultKind::event_create).calls, 1u);
@@ -341,8 +349,12 @@ TEST_F(FaultInjectingBackendTest, EveryFillAndCopyCallIsCovered) {
   EXPECT_THROW(fb_.copy_d2d_async(c, a, 8, s), BackendError);
   EXPECT_THROW(fb_.copy_batch_async(copies, s), BackendError);
   EXPECT_THROW(fb_.copy_h2d(a, host_bytes.data(), 8, s), BackendError);
+  const HostCopyRegion host_regions[] = {{a, host_bytes.data(), 8}};
+  EXPECT_THROW(fb_.copy_batch_h2d_async(host_regions, s), BackendError);
+  EXPECT_THROW(fb_.copy_batch_d2h_async(host_regions, s), BackendError);
+  EXPECT_EQ(fb_.inner().call_counts().copy_host_batch, 0u);  // nothing reached the inner backend
   EXPECT_EQ(fb_.counts(FaultKind::fill).faults, 3u);
-  EXPECT_EQ(fb_.counts(FaultKind::copy).faults, 5u);
+  EXPECT_EQ(fb_.counts(FaultKind::copy).faults, 7u);
   fb_.clear_plans();
   fb_.synchronize(s);
   EXPECT_EQ(read(a), Bytes(kBytes, 0));

@@ -42,6 +42,24 @@ struct CopyRegion {
   std::size_t bytes = 0;
 };
 
+/// Which way a batch of host copies moves bytes (copy_batch_h2d_async /
+/// copy_batch_d2h_async).
+enum class HostCopyDirection {
+  host_to_device,
+  device_to_host,
+};
+
+/// One region of a batched copy between device memory and host memory:
+/// `bytes` bytes between `device` and `host`, in the direction of the call
+/// that takes it. `host` may be any host memory; memory from alloc_host
+/// (pinned) is what lets the GPU backends copy it asynchronously and at full
+/// link speed (pageable memory is staged by the runtimes and may block).
+struct HostCopyRegion {
+  DevicePtr device;
+  void* host = nullptr;
+  std::size_t bytes = 0;
+};
+
 /// How many contract calls a backend has served. Each public call counts once,
 /// whatever it costs inside: a `fill_async` of 40 000 regions is one fill call.
 /// Used by benchmarks and tests to prove that batching happens.
@@ -52,12 +70,16 @@ struct CallCounts {
   std::uint64_t fill = 0;  ///< fill_async and fill_blocks_async
   std::uint64_t copy = 0;  ///< single copies in any direction
   std::uint64_t copy_batch = 0;
+  std::uint64_t copy_host_batch = 0;  ///< copy_batch_h2d_async and copy_batch_d2h_async
   std::uint64_t synchronize = 0;
   std::uint64_t host_alloc = 0;  ///< alloc_host
   std::uint64_t host_free = 0;   ///< free_host (non-null pointers)
 
-  /// Calls that queue device work: memset + fill + copy + copy_batch.
-  std::uint64_t device_ops() const noexcept { return memset + fill + copy + copy_batch; }
+  /// Calls that queue device work: memset + fill + copy + copy_batch +
+  /// copy_host_batch.
+  std::uint64_t device_ops() const noexcept {
+    return memset + fill + copy + copy_batch + copy_host_batch;
+  }
 };
 
 /// Alignment of every allocation, on every backend.
@@ -192,6 +214,24 @@ class Backend {
   /// returns.
   void copy_batch_async(std::span<const CopyRegion> regions, StreamView stream);
 
+  /// Many copies between device memory and host memory as ONE backend call,
+  /// host -> device (h2d: each region's `host` bytes into its `device` range)
+  /// or device -> host (d2h). CUDA 12.8+ queues the batch with one
+  /// cudaMemcpyBatchAsync (older runtimes and drivers: one cudaMemcpyAsync per
+  /// region inside the call); HIP queues one hipMemcpyAsync per region; the
+  /// host backend queues one stream operation. Regions run in an unspecified
+  /// order, so destinations must not overlap (InvalidArgument); sources may.
+  /// Checked at call time, before anything is queued (InvalidArgument): a null
+  /// device or host pointer in any region, a range that wraps the address
+  /// space, a device range outside one live allocation of this backend. A
+  /// zero-byte region is checked and then skipped. An empty span is a no-op
+  /// and not counted; any other call counts once (CallCounts::copy_host_batch).
+  /// The span is consumed before the call returns; the host memory must stay
+  /// valid until the stream is synchronized. A copy that fails on the stream
+  /// surfaces at its next synchronize (BackendError / DeviceLost).
+  void copy_batch_h2d_async(std::span<const HostCopyRegion> regions, StreamView stream);
+  void copy_batch_d2h_async(std::span<const HostCopyRegion> regions, StreamView stream);
+
   /// Blocking helpers: queue the copy on `stream`, then synchronize it.
   void copy_h2d(DevicePtr dst, const void* src, std::size_t bytes, StreamView stream);
   void copy_d2h(void* dst, DevicePtr src, std::size_t bytes, StreamView stream);
@@ -248,6 +288,11 @@ class Backend {
   virtual void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) = 0;
   virtual void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) = 0;
   virtual void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) = 0;
+  /// Both directions of copy_batch_h2d_async / copy_batch_d2h_async; the
+  /// regions are non-empty and have passed the checks Backend makes itself
+  /// (the device ranges against live allocations are the plugin's).
+  virtual void do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
+                                        HostCopyDirection direction, void* stream) = 0;
 
   virtual void do_inject_async_fault(void* stream) = 0;
 
@@ -261,6 +306,8 @@ class Backend {
 
   void* check_stream(StreamView stream, const char* op) const;
   void* check_event(const Event& event, const char* op) const;
+  void copy_host_batch_checked(std::span<const HostCopyRegion> regions, HostCopyDirection direction,
+                               StreamView stream, const char* op);
 
   std::string name_;
   struct Counters;

@@ -23,7 +23,8 @@ namespace kvport {
 enum class FaultKind {
   alloc,           ///< alloc, alloc_host
   fill,            ///< memset_async, fill_async, fill_blocks_async
-  copy,            ///< copy_h2d_async, copy_d2h_async, copy_d2d_async, copy_batch_async
+  copy,            ///< copy_h2d_async, copy_d2h_async, copy_d2d_async, copy_batch_async,
+                   ///< copy_batch_h2d_async, copy_batch_d2h_async
   synchronize,     ///< stream synchronize and event synchronize
   stream_create,   ///< create_stream
   event_create,    ///< create_event, create_timing_event
@@ -212,6 +213,8 @@ class FaultInjectingBackend final : public Backend {
   void do_copy_d2h_async(void* dst, DevicePtr src, std::size_t bytes, void* stream) override;
   void do_copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, void* stream) override;
   void do_copy_batch_async(std::span<const CopyRegion> regions, void* stream) override;
+  void do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
+                                HostCopyDirection direction, void* stream) override;
   void do_inject_async_fault(void* stream) override;
   void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override;
   void do_unregister_block_pools(void* native) noexcept override;
