@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <future>
 #include <utility>
 #include <vector>
 
@@ -280,36 +279,6 @@ TEST_P(Conformance, AFailedHostCopyBatchSurfacesAtSynchronizeAndWritesNothing) {
   s.synchronize();
   EXPECT_TRUE(same_bytes(Bytes(h, h + kBytes), initial));
   EXPECT_EQ(fb.counts(FaultKind::copy).faults, 2u);
-}
-
-TEST_P(Conformance, HostCopyBatchWhoseMemoryIsFreedBeforeItRunsFailsAtSynchronize) {
-  // The host backend's own asynchronous failure: the batch is queued behind
-  // held work, its device memory is freed, and it then copies nothing and
-  // reports use after free at synchronize. (On GPUs freeing waits for queued
-  // work; gpusim and the decorator run the injected fault above.)
-  if (GetParam() != "host") GTEST_SKIP() << "needs a host stream that can be held";
-  std::promise<void> gate;
-  std::shared_future<void> opened = gate.get_future().share();
-  Stream s = b().create_stream();
-  struct Opener {  // opens the gate before `s` drains, even when a check fails
-    std::promise<void>& gate;
-    bool done = false;
-    void open() {
-      if (!std::exchange(done, true)) gate.set_value();
-    }
-    ~Opener() { open(); }
-  } opener{gate};
-  host_enqueue_for_testing(b(), s, [opened] { opened.wait(); });
-  const DevicePtr doomed = b().alloc(4096);
-  std::vector<std::uint8_t> host(4096, 0x42);
-  const HostCopyRegion regions[] = {{doomed, host.data(), 4096}};
-  b().copy_batch_d2h_async(regions, s);
-  ASSERT_TRUE(b().free(doomed));
-  opener.open();
-  EXPECT_THAT(message_of<InvalidArgument>([&] { s.synchronize(); }),
-              AllOf(HasSubstr("copy_batch_d2h_async"), HasSubstr("use after free")));
-  EXPECT_EQ(host, std::vector<std::uint8_t>(4096, 0x42));
-  EXPECT_NO_THROW(s.synchronize());
 }
 
 }  // namespace

@@ -566,6 +566,26 @@ TEST_F(HostBackendTest, FreeBeforeAQueuedMemsetRunsSurfacesAtSynchronize) {
   EXPECT_THAT(read(ok.ptr(), 64), Each(3));
 }
 
+// The host backend's own asynchronous failure of a host copy batch: queued
+// behind held work, its device memory freed, it copies nothing and reports
+// use after free at synchronize. (On GPUs freeing waits for queued work; the
+// conformance suite injects the fault there.)
+TEST_F(HostBackendTest, HostCopyBatchWhoseMemoryIsFreedBeforeItRunsFailsAtSynchronize) {
+  Stream s = backend_->create_stream();
+  const DevicePtr doomed = backend_->alloc(4096);
+  std::vector<std::uint8_t> host(4096, 0x42);
+  Gate gate;
+  gate.hold(*backend_, s);
+  const HostCopyRegion regions[] = {{doomed, host.data(), 4096}};
+  backend_->copy_batch_d2h_async(regions, s);
+  ASSERT_TRUE(backend_->free(doomed));
+  gate.open();
+  EXPECT_THAT(message_of<InvalidArgument>([&] { s.synchronize(); }),
+              AllOf(HasSubstr("copy_batch_d2h_async"), HasSubstr("use after free")));
+  EXPECT_EQ(host, std::vector<std::uint8_t>(4096, 0x42));
+  EXPECT_NO_THROW(s.synchronize());
+}
+
 TEST_F(HostBackendTest, AsyncErrorThroughAnEventWait) {
   // Stream A waits on event E, recorded on stream B behind a gate. While A's
   // memset is queued behind the wait, the host frees its buffer.
