@@ -1,5 +1,4 @@
 #include "kvport/core/block_table.hpp"
-#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 
@@ -8,6 +7,7 @@
 #include <utility>
 
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 

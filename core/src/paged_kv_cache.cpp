@@ -1,6 +1,4 @@
 #include "kvport/core/paged_kv_cache.hpp"
-#include "kvport/core/block_id_limit.hpp"
-#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 
@@ -9,7 +7,9 @@
 #include <limits>
 #include <utility>
 
+#include "kvport/core/block_id_limit.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 
@@ -170,40 +170,50 @@ void PagedKvCache::note_stream(StreamView stream, bool is_new) noexcept {
   if (is_new) queued_streams_.push_back(stream);
 }
 
-void PagedKvCache::synchronize() {
-  std::exception_ptr first;
-  for (StreamView stream : queued_streams_) {
+// Synchronizes every stream in `streams` and forgets them. A stream destroyed
+// since it was used (InvalidArgument: Stream's destructor already waited for
+// its work) is skipped; every other error goes to `on_error`, and the rest of
+// the streams are still waited for.
+namespace {
+template <class OnError>
+void synchronize_each(Backend& backend, std::vector<StreamView>& streams, OnError on_error) {
+  for (StreamView stream : streams) {
     try {
-      backend_->synchronize(stream);
+      backend.synchronize(stream);
     } catch (const InvalidArgument&) {
-      // Destroyed since it was used: Stream's destructor waited for its work.
+      // Destroyed since it was used.
     } catch (...) {
-      if (!first) first = std::current_exception();
+      on_error(std::current_exception());
     }
   }
-  queued_streams_.clear();
+  streams.clear();
+}
+}  // namespace
+
+void PagedKvCache::synchronize() {
+  std::exception_ptr first;
+  synchronize_each(*backend_, queued_streams_, [&](std::exception_ptr e) {
+    if (!first) first = e;
+  });
   if (first) std::rethrow_exception(first);
 }
 
 void PagedKvCache::drain_streams_noexcept() noexcept {
-  for (StreamView stream : queued_streams_) {
+  synchronize_each(*backend_, queued_streams_, [](std::exception_ptr e) noexcept {
     try {
-      backend_->synchronize(stream);
-    } catch (const InvalidArgument&) {
-      // Destroyed since it was used: Stream's destructor waited for its work.
-    } catch (const std::exception& e) {
+      std::rethrow_exception(e);
+    } catch (const std::exception& error) {
       try {
         log::error(fmt::format(
             "~PagedKvCache: a stream this cache queued work on reported an error while the "
             "destructor waited for it before freeing the pools (logged, a destructor cannot "
             "throw; call PagedKvCache::synchronize() first to handle it): {}",
-            e.what()));
+            error.what()));
       } catch (...) {
       }
     } catch (...) {
     }
-  }
-  queued_streams_.clear();
+  });
 }
 
 PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept

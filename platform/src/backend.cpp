@@ -57,6 +57,30 @@ bool overlaps(std::uintptr_t a, std::uintptr_t a_end, std::uintptr_t b, std::uin
   return a < b_end && b < a_end;
 }
 
+// A batch region's [begin, end) and its index in the batch.
+struct Range {
+  std::uintptr_t begin, end;
+  std::size_t index;
+};
+
+void sort_by_begin(std::vector<Range>& ranges) {
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+}
+
+// Sorts `ranges` by begin and throws InvalidArgument when two overlap:
+// "<backend>: <op>: <what> of regions i and j overlap".
+void check_disjoint(std::vector<Range>& ranges, const std::string& backend, const char* op,
+                    const char* what) {
+  sort_by_begin(ranges);
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].begin < ranges[i - 1].end) {
+      throw InvalidArgument(fmt::format("{}: {}: {} of regions {} and {} overlap", backend, op,
+                                        what, ranges[i - 1].index, ranges[i].index));
+    }
+  }
+}
+
 }  // namespace
 
 Backend::Backend(std::string name)
@@ -222,10 +246,6 @@ void Backend::copy_d2d_async(DevicePtr dst, DevicePtr src, std::size_t bytes, St
 
 void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView stream) {
   void* native = check_stream(stream, "copy_batch_async");
-  struct Range {
-    std::uintptr_t begin, end;
-    std::size_t index;
-  };
   std::vector<Range> dsts, srcs;
   dsts.reserve(regions.size());
   srcs.reserve(regions.size());
@@ -241,16 +261,8 @@ void Backend::copy_batch_async(std::span<const CopyRegion> regions, StreamView s
     dsts.push_back({r.dst.address(), dst_end, i});
     srcs.push_back({r.src.address(), src_end, i});
   }
-  auto by_begin = [](const Range& a, const Range& b) { return a.begin < b.begin; };
-  std::sort(dsts.begin(), dsts.end(), by_begin);
-  std::sort(srcs.begin(), srcs.end(), by_begin);
-  for (std::size_t i = 1; i < dsts.size(); ++i) {
-    if (dsts[i].begin < dsts[i - 1].end) {
-      throw InvalidArgument(
-          fmt::format("{}: copy_batch_async: destinations of regions {} and {} overlap", name_,
-                      dsts[i - 1].index, dsts[i].index));
-    }
-  }
+  check_disjoint(dsts, name_, "copy_batch_async", "destinations");
+  sort_by_begin(srcs);
   // Sources may overlap each other, so track the furthest end seen so far.
   std::uintptr_t src_reach = 0;
   std::size_t src_reach_index = 0;
@@ -289,10 +301,6 @@ void Backend::copy_host_batch_checked(std::span<const HostCopyRegion> regions,
                                       const char* op) {
   void* native = check_stream(stream, op);
   const bool to_device = direction == HostCopyDirection::host_to_device;
-  struct Range {
-    std::uintptr_t begin, end;
-    std::size_t index;
-  };
   std::vector<Range> dsts;
   dsts.reserve(regions.size());
   for (std::size_t i = 0; i < regions.size(); ++i) {
@@ -307,15 +315,7 @@ void Backend::copy_host_batch_checked(std::span<const HostCopyRegion> regions,
     dsts.push_back(to_device ? Range{r.device.address(), device_end, i}
                              : Range{reinterpret_cast<std::uintptr_t>(r.host), host_end, i});
   }
-  std::sort(dsts.begin(), dsts.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  for (std::size_t i = 1; i < dsts.size(); ++i) {
-    if (dsts[i].begin < dsts[i - 1].end) {
-      throw InvalidArgument(fmt::format("{}: {}: {} destinations of regions {} and {} overlap",
-                                        name_, op, to_device ? "device" : "host", dsts[i - 1].index,
-                                        dsts[i].index));
-    }
-  }
+  check_disjoint(dsts, name_, op, to_device ? "device destinations" : "host destinations");
   if (regions.empty()) return;
   bump(counters_->copy_host_batch);
   do_copy_host_batch_async(regions, direction, native);

@@ -1,5 +1,4 @@
 #include "kvport/backends/host_backend.hpp"
-#include "kvport/platform/div_ceil.hpp"
 
 #include <fmt/format.h>
 #include <sys/mman.h>
@@ -21,6 +20,7 @@
 #include "host_stream.hpp"
 #include "kvport/platform/allocation_tracker.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "streaming_fill.hpp"
