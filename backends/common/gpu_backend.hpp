@@ -515,6 +515,15 @@ class GpuBackend final : public Backend {
     KVPORT_GPU_CHECK(Api::event_synchronize(e));
   }
 
+  bool do_query_event(void* event) override {
+    const Event_t e = event_of(event);
+    const DeviceScope scope = enter();
+    const Status status = Api::event_query(e);
+    if (status == Api::not_ready) return false;
+    check(status, "Api::event_query");
+    return true;
+  }
+
   void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                        void* stream) override {
     tracker_.check(ptr, bytes, "memset_async");

@@ -136,6 +136,13 @@ struct PrefixCache::State {
   // Drops the least recently used evictable block's hash and returns the
   // block to the free list.
   void evict_one(const std::source_location& where) {
+    const BlockId block = detach_one();
+    kv->return_evicted_block(block, where);
+  }
+
+  // Drops the least recently used evictable block's hash; the block keeps
+  // the cache's reference (refcount 1), now the caller's.
+  BlockId detach_one() {
     const BlockId block = pop_lru();
     // Evictions come in runs (a prefill evicts one block per block) and the
     // next victims are known: fetch the entry of the one kFar ahead and,
@@ -149,10 +156,12 @@ struct PrefixCache::State {
     index.erase(block);
     e.cached = false;
     ++counters.evictions;
-    kv->return_evicted_block(block, where);
+    return block;
   }
 
-  void make_room(const std::source_location& where) {
+  void make_room(PrefixCache& self, const std::source_location& where) {
+    if (kv->num_free_blocks() != 0) return;
+    if (tier != nullptr) tier->on_free_list_empty(self, where);
     if (kv->num_free_blocks() == 0 && evictable != 0) evict_one(where);
   }
 
@@ -166,6 +175,7 @@ struct PrefixCache::State {
   std::size_t evictable = 0;  // live slots in the queue
   std::size_t pushes_since_compaction = 0;
   PrefixCacheCounters counters;
+  PrefixCacheTier* tier = nullptr;
 };
 
 PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(cache)) {}
@@ -235,18 +245,20 @@ PrefixMatch PrefixCache::lookup_hashes(std::span<const BlockHash> hashes,
   ++s.counters.lookups;
   s.counters.hits += match.blocks.size();
   s.counters.misses += hashes.size() - match.blocks.size();
+  if (s.tier != nullptr && match.blocks.size() < hashes.size())
+    s.tier->extend_match(*this, hashes, match, where);
   return match;
 }
 
 // ---- allocation and release ------------------------------------------------------------
 
 BlockId PrefixCache::alloc_block(std::source_location where) {
-  state_->make_room(where);
+  state_->make_room(*this, where);
   return state_->kv->alloc_block(where);
 }
 
 std::optional<BlockId> PrefixCache::try_alloc_block(std::source_location where) {
-  state_->make_room(where);
+  state_->make_room(*this, where);
   return state_->kv->try_alloc_block(where);
 }
 
@@ -275,6 +287,7 @@ bool PrefixCache::insert(const BlockHash& hash, BlockId block, std::source_locat
   }
   e.cached = true;
   ++s.counters.inserts;
+  if (s.tier != nullptr) s.tier->on_insert(*this, block, hash);
   return true;
 }
 
@@ -311,6 +324,27 @@ std::size_t PrefixCache::evict(std::size_t max_blocks, std::source_location wher
   for (; n < max_blocks && state_->evictable != 0; ++n)
     state_->evict_one(where);
   return n;
+}
+
+std::size_t PrefixCache::detach_lru(std::size_t max_blocks,
+                                    std::vector<std::pair<BlockId, BlockHash>>& out,
+                                    std::source_location /*where*/) {
+  State& s = *state_;
+  const std::size_t n = std::min(max_blocks, s.evictable);
+  out.reserve(out.size() + n);  // the only allocation: nothing is detached if it throws
+  for (std::size_t i = 0; i < n; ++i) {
+    const BlockId block = s.detach_one();
+    out.emplace_back(block, s.entries[block].hash);
+  }
+  return n;
+}
+
+void PrefixCache::set_tier(PrefixCacheTier* tier) noexcept {
+  state_->tier = tier;
+}
+
+PrefixCacheTier* PrefixCache::tier() const noexcept {
+  return state_->tier;
 }
 
 // ---- state ----------------------------------------------------------------------------------
@@ -357,7 +391,9 @@ std::size_t PrefixCache::num_evictable_blocks() const noexcept {
 }
 
 std::size_t PrefixCache::num_available_blocks() const noexcept {
-  return state_->kv->num_free_blocks() + state_->evictable;
+  const State& s = *state_;
+  return s.kv->num_free_blocks() + s.evictable +
+         (s.tier != nullptr ? s.tier->reclaimable_blocks() : 0);
 }
 
 std::size_t PrefixCache::block_size() const noexcept {

@@ -187,6 +187,10 @@ void Backend::synchronize_event(const Event& event) {
   do_synchronize_event(check_event(event, "synchronize_event"));
 }
 
+bool Backend::query_event(const Event& event) {
+  return do_query_event(check_event(event, "query_event"));
+}
+
 void Backend::memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                            StreamView stream) {
   void* native = check_stream(stream, "memset_async");
@@ -477,6 +481,11 @@ void Event::wait(StreamView stream) const {
 void Event::synchronize() const {
   if (backend_ == nullptr) throw InvalidArgument("Event::synchronize on a moved-from event");
   backend_->synchronize_event(*this);
+}
+
+bool Event::query() const {
+  if (backend_ == nullptr) throw InvalidArgument("Event::query on a moved-from event");
+  return backend_->query_event(*this);
 }
 
 }  // namespace kvport

@@ -442,6 +442,10 @@ void FaultInjectingBackend::do_synchronize_event(void* event) {
   if (injection) throw_injected(*injection, "synchronize_event");
 }
 
+bool FaultInjectingBackend::do_query_event(void* event) {
+  return inner_->query_event(static_cast<FaultEvent*>(event)->inner);
+}
+
 // ---- fills --------------------------------------------------------------------------------
 
 void FaultInjectingBackend::do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,

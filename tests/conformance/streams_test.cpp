@@ -292,6 +292,35 @@ TEST_P(Conformance, WaitingOnAnEventNeverRecordedDoesNotBlock) {
   EXPECT_TRUE(same_bytes(download(p, content.size()), expected));
 }
 
+TEST_P(Conformance, QueryEventReportsCompletionWithoutWaiting) {
+  // Backend::query_event / Event::query: true for an event never recorded;
+  // once it says true for a record, the work queued before the record is
+  // complete and visible from another stream without any wait.
+  Event event = b().create_event();
+  EXPECT_TRUE(event.query());
+  constexpr std::size_t kBytes = 16 * kMiB;
+  DevicePtr p = alloc(kBytes);
+  Stream s = b().create_stream();
+  for (std::uint8_t round = 1; round <= 4; ++round)
+    b().memset_async(p, round, kBytes, s);
+  event.record(s);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  bool done = false;
+  while (!(done = b().query_event(event)) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::yield();
+  ASSERT_TRUE(done) << "the event did not complete within 20 s";
+  Stream reader = b().create_stream();  // ordered by nothing: the query is the only order
+  Bytes back(kBytes);
+  b().copy_d2h(back.data(), p, kBytes, reader);
+  EXPECT_TRUE(std::all_of(back.begin(), back.end(), [](std::uint8_t v) { return v == 4; }));
+  s.synchronize();
+  EXPECT_TRUE(event.query());  // still complete: nothing recorded since
+
+  Event moved = std::move(event);
+  EXPECT_THROW(static_cast<void>(event.query()), InvalidArgument);  // NOLINT: moved-from on purpose
+  EXPECT_TRUE(moved.query());
+}
+
 // ---- threads -----------------------------------------------------------------------------
 
 TEST_P(Conformance, CallsFromASecondThread) {

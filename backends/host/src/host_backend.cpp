@@ -299,6 +299,11 @@ class HostBackend final : public Backend {
     if (completion) completion->wait();
   }
 
+  bool do_query_event(void* event_native) override {
+    auto completion = event_of(event_native, "query_event")->current();
+    return !completion || completion->done();
+  }
+
   void do_inject_async_fault(void* stream) override {
     stream_of(stream, "inject_async_fault")->enqueue([] {
       throw BackendError(kName, "inject_async_fault", -1, "injected asynchronous fault");

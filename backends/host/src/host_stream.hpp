@@ -65,6 +65,11 @@ class Completion {
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
   }
+  /// Whether the stream reached the record, without waiting.
+  bool done() {
+    std::lock_guard lock(mutex_);
+    return done_;
+  }
   /// When the stream reached the record; waits for it.
   std::chrono::steady_clock::time_point when() {
     std::unique_lock lock(mutex_);

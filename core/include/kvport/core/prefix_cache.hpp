@@ -51,6 +51,37 @@ struct PrefixMatch {
   std::vector<BlockHash> hashes;
   /// blocks.size() * block_size.
   std::size_t num_tokens = 0;
+  /// Of `blocks`, how many (at the end) a lower tier (HostTier) copied in
+  /// for this lookup; the others were cached on the device.
+  std::size_t lower_tier_blocks = 0;
+};
+
+class PrefixCache;
+
+/// A lower tier of the prefix cache (HostTier is the one kvport has): the
+/// prefix cache calls it at three points. Installed with
+/// PrefixCache::set_tier; the tier must outlive its installation. Each call
+/// may use the PrefixCache's public API (alloc, insert, release, detach_lru),
+/// except that it must not re-enter a lookup.
+class PrefixCacheTier {
+ public:
+  virtual ~PrefixCacheTier() = default;
+  /// An allocation found the free list empty. The tier may free blocks (for
+  /// instance by writing evictable ones back and then freeing them); when the
+  /// list is still empty afterwards, the prefix cache evicts as usual.
+  virtual void on_free_list_empty(PrefixCache& cache, const std::source_location& where) = 0;
+  /// Device blocks the tier holds that it can make free or evictable on
+  /// demand (on_free_list_empty): they count in num_available_blocks().
+  virtual std::size_t reclaimable_blocks() const noexcept = 0;
+  /// `block` was just registered under `hash` by PrefixCache::insert.
+  virtual void on_insert(PrefixCache& cache, BlockId block, const BlockHash& hash) = 0;
+  /// lookup_hashes matched `match` on the device for `hashes`; the tier may
+  /// append blocks for the hashes that follow (with the caller owning one
+  /// reference on each, as for the device's) and must keep `match`
+  /// consistent (blocks, hashes, num_tokens, lower_tier_blocks). Must not
+  /// throw: on failure the match stays as it was.
+  virtual void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes,
+                            PrefixMatch& match, const std::source_location& where) noexcept = 0;
 };
 
 /// Automatic prefix caching, as in vLLM: full blocks are registered under the
@@ -88,7 +119,8 @@ class PrefixCache {
   /// The longest cached prefix of full blocks of `tokens` under `extra_key`.
   /// Takes a reference on each returned block (an evictable one leaves the
   /// LRU list). Counts the matched blocks as hits and the remaining full
-  /// blocks as misses.
+  /// blocks as misses (of the device: a lower tier, when one is set, then
+  /// extends the match with the blocks it holds and counts those itself).
   PrefixMatch lookup(std::span<const TokenId> tokens, std::uint64_t extra_key = 0,
                      std::source_location where = std::source_location::current());
 
@@ -131,9 +163,26 @@ class PrefixCache {
 
   /// Evicts up to `max_blocks` evictable blocks, least recently used first,
   /// whether or not the free list is empty (to hand memory back, or in
-  /// tests). Returns how many were evicted.
+  /// tests). Returns how many were evicted. A tier (set_tier) is not told:
+  /// the evicted blocks' contents are dropped.
   std::size_t evict(std::size_t max_blocks,
                     std::source_location where = std::source_location::current());
+
+  /// Evicts up to `max_blocks` evictable blocks, least recently used first,
+  /// like evict(), but hands the cache's reference on each to the caller
+  /// instead of freeing it: each block is appended to `out` with the hash it
+  /// was cached under and comes back uncached, refcount 1, owned by the
+  /// caller, who gives it back with release() (a lower tier copies it out
+  /// first). Counted as evictions. Returns how many were appended.
+  std::size_t detach_lru(std::size_t max_blocks, std::vector<std::pair<BlockId, BlockHash>>& out,
+                         std::source_location where = std::source_location::current());
+
+  // ---- a lower tier -------------------------------------------------------------------
+
+  /// Installs `tier` (nullptr: none) as the lower tier: see PrefixCacheTier.
+  /// HostTier installs itself and removes itself in its destructor.
+  void set_tier(PrefixCacheTier* tier) noexcept;
+  PrefixCacheTier* tier() const noexcept;
 
   // ---- state ------------------------------------------------------------------------
 
@@ -150,7 +199,8 @@ class PrefixCache {
 
   std::size_t num_cached_blocks() const noexcept;
   std::size_t num_evictable_blocks() const noexcept;
-  /// Blocks an allocation can get: free plus evictable.
+  /// Blocks an allocation can get: free plus evictable, plus the blocks a
+  /// tier holds and gives back on demand (PrefixCacheTier::reclaimable_blocks).
   std::size_t num_available_blocks() const noexcept;
   std::size_t block_size() const noexcept;
   PagedKvCache& kv_cache() const noexcept;

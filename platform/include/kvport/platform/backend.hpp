@@ -158,6 +158,12 @@ class Backend {
   void record_event(const Event& event, StreamView stream);
   void wait_event(StreamView stream, const Event& event);
   void synchronize_event(const Event& event);
+  /// Whether the stream has reached the event's last record (true for an event
+  /// never recorded), without waiting: cudaEventQuery / hipEventQuery. It
+  /// reports completion only: an asynchronous error of the work before the
+  /// record surfaces at the stream's synchronize, as ever (a GPU backend
+  /// throws here for a sticky device error, as every call does then).
+  bool query_event(const Event& event);
 
   /// An event that also records when its stream reached it, for measuring
   /// device time (CUDA/HIP events without cudaEventDisableTiming).
@@ -279,6 +285,7 @@ class Backend {
   virtual void do_record_event(void* event, void* stream) = 0;
   virtual void do_wait_event(void* stream, void* event) = 0;
   virtual void do_synchronize_event(void* event) = 0;
+  virtual bool do_query_event(void* event) = 0;
   virtual void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes,
                                void* stream) = 0;
   virtual void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,

@@ -206,6 +206,7 @@ class FaultInjectingBackend final : public Backend {
   void do_record_event(void* event, void* stream) override;
   void do_wait_event(void* stream, void* event) override;
   void do_synchronize_event(void* event) override;
+  bool do_query_event(void* event) override;
   void do_memset_async(DevicePtr ptr, std::uint8_t value, std::size_t bytes, void* stream) override;
   void do_fill_async(std::span<const FillRegion> regions, std::uint8_t value,
                      void* stream) override;

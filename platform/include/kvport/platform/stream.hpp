@@ -85,6 +85,9 @@ class Event {
   void wait(StreamView stream) const;
   /// Blocks the host until the last `record` completed.
   void synchronize() const;
+  /// Whether the last `record` completed (true if never recorded), without
+  /// waiting (Backend::query_event).
+  bool query() const;
 
   Backend* backend() const noexcept { return backend_; }
   void* native() const noexcept { return native_; }

@@ -1,0 +1,215 @@
+// HostTier: a host-memory tier under the prefix cache. Blocks evicted from
+// the device are written back to pinned host memory, and a lookup that runs
+// past the device's cached prefix continues in host memory and copies those
+// blocks back in (onload).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <source_location>
+#include <span>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvport/core/block_hash.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/backend.hpp"
+#include "kvport/platform/stream.hpp"
+
+namespace kvport {
+
+/// When a cached device block is copied to the host tier.
+enum class TierPolicy : std::uint8_t {
+  /// When it is evicted from the device (and not on the host already). The
+  /// default: only blocks the device drops cross the link.
+  write_back,
+  /// As soon as it is registered (filled): queued by the next poll() after
+  /// its PrefixCache::insert, so an eviction later needs no copy. Blocks the
+  /// device evicts before their copy (or that the host dropped) are still
+  /// written back.
+  write_through,
+};
+
+/// "write-back" / "write-through" ("unknown" outside the enum).
+const char* to_string(TierPolicy policy) noexcept;
+/// Parses "write-back" or "write-through"; nullopt for anything else.
+std::optional<TierPolicy> parse_tier_policy(std::string_view text) noexcept;
+
+/// What happens to a host block when a lookup copies it onto the device.
+enum class TierInclusion : std::uint8_t {
+  /// The host gives its slot back: the device and host tiers hold disjoint
+  /// blocks and add up to one larger cache (the default: on a Mooncake-style
+  /// trace it hits more, docs/prefix-caching.md has the figures). The block
+  /// is written back again when the device evicts it.
+  exclusive,
+  /// The host keeps its copy: a block onloaded once and evicted again costs
+  /// no second write-back, but occupies both tiers meanwhile.
+  inclusive,
+};
+
+/// "exclusive" / "inclusive".
+const char* to_string(TierInclusion inclusion) noexcept;
+
+/// Configuration of a HostTier.
+struct HostTierOptions {
+  /// Host blocks (slots), each holding one device block: every layer's K and
+  /// V, contiguously. In [1, kMaxHostBlocks].
+  std::size_t num_host_blocks = 0;
+  TierPolicy policy = TierPolicy::write_back;
+  TierInclusion inclusion = TierInclusion::exclusive;
+  /// Blocks written back at once when an allocation finds the device's free
+  /// list empty (least recently used first, one copy call for all of them):
+  /// the allocation then waits for that one copy, and the next
+  /// offload_batch - 1 allocations find free blocks. In [1, 65536].
+  std::size_t offload_batch = 32;
+  /// When > 0, poll() writes back least recently used blocks ahead of need
+  /// (without waiting) while fewer than this many device blocks are free or
+  /// being written back, so allocations rarely wait. 0: only on demand.
+  std::size_t free_watermark = 0;
+
+  static constexpr std::size_t kMaxHostBlocks = (std::size_t{1} << 32) - 2;
+  static constexpr std::size_t kMaxOffloadBatch = 65536;
+};
+
+/// Monotonic counters since construction. Bytes are the bytes copied.
+struct HostTierCounters {
+  std::uint64_t offloads = 0;        ///< blocks copied device -> host and published
+  std::uint64_t offload_bytes = 0;   ///< bytes of those
+  std::uint64_t onloads = 0;         ///< blocks copied host -> device and registered
+  std::uint64_t onload_bytes = 0;    ///< bytes of those
+  std::uint64_t host_hits = 0;       ///< blocks a lookup found on the host (== onloads)
+  std::uint64_t host_evictions = 0;  ///< host blocks dropped to make room for newer ones
+  /// Copy batches that failed (at the call, or at the stream's synchronize)
+  /// and were rolled back, and the blocks they carried.
+  std::uint64_t aborted_transfers = 0;
+  std::uint64_t aborted_blocks = 0;
+  /// Device evictions that needed no copy: the host had the block already.
+  std::uint64_t already_on_host = 0;
+  /// Device evictions dropped without a copy: every host slot was in flight.
+  std::uint64_t dropped_offloads = 0;
+  /// Times an allocation waited for write-backs in flight (the device's free
+  /// list was empty and only they could free blocks).
+  std::uint64_t offload_waits = 0;
+  /// Host hits cut short because no device block was free for the copy.
+  std::uint64_t onload_shortfalls = 0;
+};
+
+/// A host-memory tier under a PrefixCache, keyed by the same chained block
+/// hashes, with an LRU order of its own.
+///
+/// A lookup through the PrefixCache (or BlockTable::reuse_cached_prefix)
+/// returns the longest prefix cached on the device and then continues on the
+/// host: those blocks are copied into freshly allocated device blocks as one
+/// batch, registered in the device prefix cache, and appended to the match
+/// (PrefixMatch::lower_tier_blocks says how many). The lookup waits for that
+/// copy: the caller gets blocks whose contents are there.
+///
+/// States. A device block is free, evictable, in use (PrefixCache), or held
+/// by the tier while its write-back copy is in flight (counted as in use:
+/// not handed out by any allocation until the copy completed). A host slot is
+/// free, filling (its copy is in flight; invisible to lookups) or ready (in
+/// the host index and LRU order). Completion is observed with an event
+/// (poll(), non-blocking) or a synchronize of the tier's own stream (when an
+/// allocation has nothing else to take, and for an onload); only then are
+/// slots published and blocks freed. A copy that fails, at the call or at
+/// that synchronize, rolls back every transfer not yet completed: its slots
+/// are freed, its device blocks are released (a failed write-back leaves the
+/// block evicted but not cached on the host; a failed onload leaves the
+/// lookup with its device hit only), and aborted_transfers counts it.
+///
+/// Streams. Copies run on a stream the tier creates. Before each copy the
+/// tier's stream waits (an event, not a host wait) for the work queued so far
+/// on `compute_stream`, where the engine's kernels write the blocks' KV; work
+/// on other streams that writes blocks must be ordered before it.
+///
+/// Host memory: one pinned allocation (Backend::alloc_host) of
+/// num_host_blocks * slot_bytes(), made at construction.
+///
+/// Not thread-safe (like PrefixCache). The PrefixCache must outlive the tier;
+/// the constructor installs the tier in it (PrefixCache::set_tier) and the
+/// destructor waits for every copy in flight, gives back every block it
+/// holds and uninstalls it.
+class HostTier final : public PrefixCacheTier {
+ public:
+  /// Throws InvalidArgument for options out of range, for a prefix cache
+  /// that already has a tier, and when the host blocks need more memory than
+  /// the machine has; OutOfMemory when the memory cannot be pinned.
+  HostTier(PrefixCache& prefix_cache, const HostTierOptions& options, StreamView compute_stream);
+  /// As above, with the backend's default stream as the compute stream.
+  HostTier(PrefixCache& prefix_cache, const HostTierOptions& options);
+  ~HostTier() override;
+  HostTier(const HostTier&) = delete;
+  HostTier& operator=(const HostTier&) = delete;
+
+  /// Call once per engine step, after the step's kernels are queued on the
+  /// compute stream: completes the copies that finished (non-blocking),
+  /// queues the write-through copies of blocks registered since the last
+  /// call, and writes back ahead to keep free_watermark blocks free.
+  void poll();
+
+  /// Waits for every copy in flight and completes it (or rolls it back, when
+  /// the stream reports an error: the error is logged and counted, not
+  /// thrown).
+  void synchronize();
+
+  /// Writes back up to `max_blocks` least recently used evictable device
+  /// blocks now (evicting them) without waiting; they become free when the
+  /// copy completes (poll / synchronize). Returns how many were evicted.
+  std::size_t offload(std::size_t max_blocks);
+
+  // ---- state --------------------------------------------------------------------------
+
+  /// Whether `hash` is on the host and visible to lookups (its copy done).
+  bool is_on_host(const BlockHash& hash) const;
+  /// Host blocks by state.
+  std::size_t num_host_blocks() const noexcept;
+  std::size_t num_ready_blocks() const noexcept;
+  std::size_t num_filling_blocks() const noexcept;
+  std::size_t num_free_host_blocks() const noexcept;
+  /// Device blocks the tier holds while their copies are in flight or queued
+  /// (write-backs and write-throughs).
+  std::size_t num_held_device_blocks() const noexcept;
+  /// Bytes of one host block: every layer's K and V block.
+  std::size_t slot_bytes() const noexcept;
+  /// The host blocks' ready hashes, least recently used first. O(n), for
+  /// tests and diagnostics.
+  std::vector<BlockHash> host_lru_order() const;
+  const HostTierOptions& options() const noexcept;
+  const HostTierCounters& counters() const noexcept;
+  PrefixCache& prefix_cache() const noexcept;
+
+  /// PrefixCache::check_invariants() plus the tier's: every host slot in
+  /// exactly one state and free + filling + ready == num_host_blocks; the
+  /// host index holds exactly the filling and ready slots under their hashes;
+  /// the host LRU order holds exactly the ready slots; no slot is pinned
+  /// between calls; every device block the tier holds is in use and
+  /// uncached (write-back) or cached (write-through). O(num_host_blocks +
+  /// num_blocks).
+  InvariantReport check_invariants() const;
+
+  /// The regions of one block's copy between the device and a host slot at
+  /// `slot` (slot_bytes() bytes): each layer's K block then its V block, in
+  /// layer order, coalesced where the device ranges are contiguous (one
+  /// region per block in the block-major layout, 2 * num_layers in the
+  /// layer-major one). Appended to `out`.
+  static void append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
+                                   std::vector<HostCopyRegion>& out);
+  /// Bytes of one host slot for `cache`.
+  static std::size_t slot_bytes_for(const PagedKvCache& cache) noexcept;
+
+ private:
+  void on_free_list_empty(PrefixCache& cache, const std::source_location& where) override;
+  void on_insert(PrefixCache& cache, BlockId block, const BlockHash& hash) override;
+  std::size_t reclaimable_blocks() const noexcept override;
+  void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes, PrefixMatch& match,
+                    const std::source_location& where) noexcept override;
+
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace kvport

@@ -1,0 +1,696 @@
+#include "kvport/core/host_tier.hpp"
+
+#include <absl/container/flat_hash_map.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+#include <utility>
+
+#include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport {
+
+const char* to_string(TierPolicy policy) noexcept {
+  switch (policy) {
+    case TierPolicy::write_back:
+      return "write-back";
+    case TierPolicy::write_through:
+      return "write-through";
+  }
+  return "unknown";
+}
+
+std::optional<TierPolicy> parse_tier_policy(std::string_view text) noexcept {
+  if (text == "write-back") return TierPolicy::write_back;
+  if (text == "write-through") return TierPolicy::write_through;
+  return std::nullopt;
+}
+
+const char* to_string(TierInclusion inclusion) noexcept {
+  switch (inclusion) {
+    case TierInclusion::exclusive:
+      return "exclusive";
+    case TierInclusion::inclusive:
+      return "inclusive";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using SlotId = std::uint32_t;
+constexpr SlotId kNoSlot = std::numeric_limits<SlotId>::max();
+
+enum class SlotState : std::uint8_t { free, filling, ready };
+
+struct Slot {
+  BlockHash hash;
+  SlotId prev = kNoSlot;  // LRU neighbours, while ready
+  SlotId next = kNoSlot;
+  std::uint32_t pins = 0;  // onloads reading it right now (only inside a lookup)
+  SlotState state = SlotState::free;
+};
+
+// One device block in a write-back or write-through copy.
+struct Transfer {
+  BlockId block;
+  SlotId slot;
+};
+
+std::size_t physical_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return std::numeric_limits<std::size_t>::max();
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+}
+
+}  // namespace
+
+struct HostTier::State {
+  State(PrefixCache& p, const HostTierOptions& o, StreamView compute)
+      : prefix(&p),
+        kv(&p.kv_cache()),
+        backend(&kv->backend()),
+        options(o),
+        compute_stream(compute),
+        slot_bytes(slot_bytes_for(*kv)),
+        slots(o.num_host_blocks),
+        stream(backend->create_stream()),
+        compute_done(backend->create_event()),
+        copies_done(backend->create_event()) {
+    free_slots.reserve(slots.size());
+    for (std::size_t i = slots.size(); i-- > 0;)
+      free_slots.push_back(static_cast<SlotId>(i));
+    index.reserve(slots.size());
+    memory = static_cast<std::byte*>(backend->alloc_host(slots.size() * slot_bytes));
+  }
+
+  ~State() { backend->free_host(memory); }
+
+  std::byte* slot_ptr(SlotId s) const { return memory + std::size_t{s} * slot_bytes; }
+
+  // ---- host LRU (ready slots; head = least recently used) ------------------------------
+  void lru_push_back(SlotId s) {
+    Slot& slot = slots[s];
+    slot.prev = lru_tail;
+    slot.next = kNoSlot;
+    if (lru_tail != kNoSlot)
+      slots[lru_tail].next = s;
+    else
+      lru_head = s;
+    lru_tail = s;
+  }
+  void lru_remove(SlotId s) {
+    Slot& slot = slots[s];
+    if (slot.prev != kNoSlot)
+      slots[slot.prev].next = slot.next;
+    else
+      lru_head = slot.next;
+    if (slot.next != kNoSlot)
+      slots[slot.next].prev = slot.prev;
+    else
+      lru_tail = slot.prev;
+    slot.prev = slot.next = kNoSlot;
+  }
+  void touch(SlotId s) {
+    lru_remove(s);
+    lru_push_back(s);
+  }
+
+  // Frees a filling or ready slot (drops its hash from the index).
+  void free_slot(SlotId s) {
+    Slot& slot = slots[s];
+    if (slot.state == SlotState::ready) {
+      lru_remove(s);
+      --ready;
+    } else if (slot.state == SlotState::filling) {
+      --filling;
+    }
+    index.erase(slot.hash);
+    slot.state = SlotState::free;
+    slot.pins = 0;
+    free_slots.push_back(s);
+  }
+
+  // A slot for a new block under `hash`, marked filling: a free one, or the
+  // least recently used ready one no onload is reading. nullopt when every
+  // slot is filling or pinned.
+  std::optional<SlotId> acquire_slot(const BlockHash& hash) {
+    SlotId s = kNoSlot;
+    if (!free_slots.empty()) {
+      s = free_slots.back();
+      free_slots.pop_back();
+    } else {
+      for (SlotId c = lru_head; c != kNoSlot; c = slots[c].next) {
+        if (slots[c].pins == 0) {
+          s = c;
+          break;
+        }
+      }
+      if (s == kNoSlot) return std::nullopt;
+      free_slot(s);
+      free_slots.pop_back();
+      ++counters.host_evictions;
+    }
+    Slot& slot = slots[s];
+    slot.hash = hash;
+    slot.state = SlotState::filling;
+    ++filling;
+    index.emplace(hash, s);
+    return s;
+  }
+
+  // ---- copies ------------------------------------------------------------------------
+  // Queues one batch (device -> host for write-backs), ordered after the
+  // compute stream's work so far, and records copies_done after it. On a
+  // throw nothing of the batch is queued.
+  void queue_copies(std::span<const Transfer> batch, HostCopyDirection direction) {
+    regions.clear();
+    for (const Transfer& t : batch)
+      append_block_regions(*kv, t.block, slot_ptr(t.slot), regions);
+    backend->record_event(compute_done, compute_stream);
+    backend->wait_event(stream, compute_done);
+    if (direction == HostCopyDirection::device_to_host) {
+      backend->copy_batch_d2h_async(regions, stream);
+    } else {
+      backend->copy_batch_h2d_async(regions, stream);
+    }
+    try {
+      backend->record_event(copies_done, stream);
+    } catch (...) {
+      // The copy is queued: let it finish before the caller rolls back
+      // (frees its slots and blocks).
+      try {
+        backend->synchronize(stream);
+      } catch (const Error&) {  // the rollback follows anyway
+      }
+      throw;
+    }
+  }
+
+  // Completes (ok) or rolls back (!ok) every write-back and write-through in
+  // flight: slots published or freed, device blocks given back.
+  void finish_in_flight(bool ok) {
+    if (!ok && !in_flight.empty()) {
+      ++counters.aborted_transfers;
+      counters.aborted_blocks += in_flight.size();
+    }
+    for (const Transfer& t : in_flight) {
+      if (ok) {
+        Slot& slot = slots[t.slot];
+        slot.state = SlotState::ready;
+        --filling;
+        ++ready;
+        lru_push_back(t.slot);
+        ++counters.offloads;
+        counters.offload_bytes += slot_bytes;
+      } else {
+        free_slot(t.slot);
+      }
+      release_block(t.block);
+    }
+    in_flight.clear();
+  }
+
+  // Gives back the tier's reference on a device block (an uncached
+  // write-back is freed; a cached write-through may become evictable).
+  void release_block(BlockId block) noexcept {
+    try {
+      prefix->release(block);
+    } catch (const std::exception& e) {  // out of range cannot happen; logging failed
+      log::error(fmt::format("HostTier: giving back block {} failed: {}", block, e.what()));
+    }
+  }
+
+  // Synchronizes the tier's stream and completes everything in flight.
+  // Returns false when the stream reported an error (everything in flight is
+  // then rolled back).
+  bool wait_all() {
+    bool ok = true;
+    try {
+      backend->synchronize(stream);
+    } catch (const Error& e) {
+      ok = false;
+      log::error(fmt::format("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
+                             in_flight.size(), e.what()));
+    }
+    finish_in_flight(ok);
+    return ok;
+  }
+
+  // Completes what finished, without waiting.
+  void reap() {
+    if (in_flight.empty()) return;
+    bool done = false;
+    try {
+      done = backend->query_event(copies_done);
+    } catch (const Error& e) {
+      log::error(fmt::format("HostTier: query_event failed: {}", e.what()));
+      done = true;  // let synchronize report (and roll back)
+    }
+    if (done) wait_all();
+  }
+
+  // Queues the copies of `batch` (device -> host) and moves them in flight;
+  // on a throw rolls the batch back and counts it.
+  void start_offload(std::vector<Transfer>& batch) {
+    if (batch.empty()) return;
+    in_flight.reserve(in_flight.size() + batch.size());
+    try {
+      queue_copies(batch, HostCopyDirection::device_to_host);
+    } catch (const std::exception& e) {
+      log::error(fmt::format("HostTier: queueing the write-back of {} block(s) failed: {}",
+                             batch.size(), e.what()));
+      ++counters.aborted_transfers;
+      counters.aborted_blocks += batch.size();
+      for (const Transfer& t : batch) {
+        free_slot(t.slot);
+        release_block(t.block);
+      }
+      batch.clear();
+      return;
+    }
+    in_flight.insert(in_flight.end(), batch.begin(), batch.end());
+    batch.clear();
+  }
+
+  // Takes a host slot for `block` (held by the tier) under `hash`, or gives
+  // the block back when the host has it already or has no slot.
+  void stage(BlockId block, const BlockHash& hash, std::vector<Transfer>& batch) {
+    if (auto it = index.find(hash); it != index.end()) {
+      if (slots[it->second].state == SlotState::ready) touch(it->second);
+      ++counters.already_on_host;
+      release_block(block);
+      return;
+    }
+    const std::optional<SlotId> slot = acquire_slot(hash);
+    if (!slot) {
+      ++counters.dropped_offloads;
+      release_block(block);
+      return;
+    }
+    batch.push_back({block, *slot});
+  }
+
+  // Evicts up to `n` LRU device blocks and queues their write-back.
+  std::size_t write_back(std::size_t n) {
+    victims.clear();
+    const std::size_t detached = prefix->detach_lru(n, victims);
+    staged.clear();
+    staged.reserve(victims.size());
+    for (const auto& [block, hash] : victims)
+      stage(block, hash, staged);
+    start_offload(staged);
+    return detached;
+  }
+
+  // Queues the write-through copies of the blocks registered since the last
+  // call.
+  void flush_writes() {
+    if (write_queue.empty()) return;
+    staged.clear();
+    staged.reserve(write_queue.size());
+    for (const auto& [block, hash] : write_queue)
+      stage(block, hash, staged);
+    write_queue.clear();
+    start_offload(staged);
+  }
+
+  PrefixCache* prefix;
+  PagedKvCache* kv;
+  Backend* backend;
+  HostTierOptions options;
+  StreamView compute_stream;
+  std::size_t slot_bytes;
+  std::vector<Slot> slots;
+  std::vector<SlotId> free_slots;
+  absl::flat_hash_map<BlockHash, SlotId, BlockHashHasher> index;  // filling and ready slots
+  SlotId lru_head = kNoSlot;
+  SlotId lru_tail = kNoSlot;
+  std::size_t filling = 0;
+  std::size_t ready = 0;
+  std::byte* memory = nullptr;
+  Stream stream;
+  Event compute_done;               // the compute stream's work before a copy
+  Event copies_done;                // after the last copy queued
+  std::vector<Transfer> in_flight;  // write-backs and write-throughs queued, not completed
+  std::vector<std::pair<BlockId, BlockHash>> write_queue;  // write-through, not queued yet
+  bool inserting = false;  // the tier's own inserts (onload) are not written through
+  HostTierCounters counters;
+  // Scratch, kept to avoid allocating per call.
+  std::vector<std::pair<BlockId, BlockHash>> victims;
+  std::vector<Transfer> staged;
+  std::vector<HostCopyRegion> regions;
+};
+
+// ---- construction ---------------------------------------------------------------------------
+
+namespace {
+
+void validate(const PrefixCache& prefix, const HostTierOptions& o) {
+  if (o.num_host_blocks == 0 || o.num_host_blocks > HostTierOptions::kMaxHostBlocks) {
+    throw InvalidArgument(fmt::format("HostTier: num_host_blocks must be in [1, {}], got {}",
+                                      HostTierOptions::kMaxHostBlocks, o.num_host_blocks));
+  }
+  if (o.offload_batch == 0 || o.offload_batch > HostTierOptions::kMaxOffloadBatch) {
+    throw InvalidArgument(fmt::format("HostTier: offload_batch must be in [1, {}], got {}",
+                                      HostTierOptions::kMaxOffloadBatch, o.offload_batch));
+  }
+  if (to_string(o.policy) == std::string_view("unknown") ||
+      to_string(o.inclusion) == std::string_view("unknown")) {
+    throw InvalidArgument("HostTier: unknown policy or inclusion");
+  }
+  if (prefix.tier() != nullptr) {
+    throw InvalidArgument("HostTier: the prefix cache already has a tier");
+  }
+  const std::size_t slot = std::max<std::size_t>(HostTier::slot_bytes_for(prefix.kv_cache()), 1);
+  const std::size_t memory = physical_memory_bytes();
+  if (o.num_host_blocks > memory / slot) {
+    throw InvalidArgument(
+        fmt::format("HostTier: {} host blocks of {} need more memory than this machine has ({})",
+                    o.num_host_blocks, format_bytes(slot), format_bytes(memory)));
+  }
+}
+
+}  // namespace
+
+HostTier::HostTier(PrefixCache& prefix_cache, const HostTierOptions& options,
+                   StreamView compute_stream) {
+  validate(prefix_cache, options);
+  state_ = std::make_unique<State>(prefix_cache, options, compute_stream);
+  prefix_cache.set_tier(this);
+}
+
+HostTier::HostTier(PrefixCache& prefix_cache, const HostTierOptions& options)
+    : HostTier(prefix_cache, options, prefix_cache.kv_cache().backend().default_stream()) {}
+
+HostTier::~HostTier() {
+  State& s = *state_;
+  s.prefix->set_tier(nullptr);
+  s.wait_all();
+  for (const auto& [block, hash] : s.write_queue)
+    s.release_block(block);
+  s.write_queue.clear();
+}
+
+// ---- the tier's hooks -----------------------------------------------------------------------
+
+void HostTier::on_free_list_empty(PrefixCache& /*cache*/, const std::source_location& /*where*/) {
+  State& s = *state_;
+  s.flush_writes();
+  if (!s.in_flight.empty()) {
+    ++s.counters.offload_waits;
+    s.wait_all();
+    if (s.kv->num_free_blocks() != 0) return;
+  }
+  if (s.write_back(s.options.offload_batch) == 0) return;
+  if (!s.in_flight.empty()) {
+    ++s.counters.offload_waits;
+    s.wait_all();
+  }
+}
+
+std::size_t HostTier::reclaimable_blocks() const noexcept {
+  // A held block becomes free (a write-back: uncached) or evictable (a
+  // write-through no sequence holds any more: the cache's reference and the
+  // tier's) once its copy completed.
+  const State& s = *state_;
+  std::size_t n = 0;
+  auto count = [&](BlockId block) {
+    if (!s.prefix->is_cached(block) || s.kv->ref_count(block) == 2) ++n;
+  };
+  for (const Transfer& t : s.in_flight)
+    count(t.block);
+  for (const auto& [block, hash] : s.write_queue)
+    count(block);
+  return n;
+}
+
+void HostTier::on_insert(PrefixCache& /*cache*/, BlockId block, const BlockHash& hash) {
+  State& s = *state_;
+  if (s.options.policy != TierPolicy::write_through || s.inserting) return;
+  if (s.index.contains(hash)) return;
+  try {
+    s.write_queue.reserve(s.write_queue.size() + 1);
+    s.kv->inc_ref(block);  // held until its copy completed
+  } catch (const std::exception& e) {
+    log::error(fmt::format("HostTier: write-through of block {} skipped: {}", block, e.what()));
+    return;
+  }
+  s.write_queue.emplace_back(block, hash);
+}
+
+void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashes,
+                            PrefixMatch& match, const std::source_location& where) noexcept {
+  State& s = *state_;
+  const std::size_t start = match.blocks.size();
+  std::vector<SlotId> hits;
+  std::vector<Transfer> onload;
+  auto roll_back = [&] {
+    if (!onload.empty()) {
+      ++s.counters.aborted_transfers;
+      s.counters.aborted_blocks += onload.size();
+    }
+    for (const Transfer& t : onload)
+      s.release_block(t.block);  // uncached: freed, its contents never seen
+    for (SlotId h : hits)
+      if (s.slots[h].pins > 0) --s.slots[h].pins;
+  };
+  try {
+    for (std::size_t i = start; i < hashes.size(); ++i) {
+      auto it = s.index.find(hashes[i]);
+      if (it == s.index.end() || s.slots[it->second].state != SlotState::ready) break;
+      hits.push_back(it->second);
+    }
+    if (hits.empty()) return;
+    for (SlotId h : hits)
+      ++s.slots[h].pins;  // not reused by the write-backs the allocations below may start
+    onload.reserve(hits.size());
+    for (SlotId h : hits) {
+      const std::optional<BlockId> block = cache.try_alloc_block(where);
+      if (!block) {
+        s.counters.onload_shortfalls += hits.size() - onload.size();
+        break;
+      }
+      onload.push_back({*block, h});
+    }
+    if (onload.empty()) {
+      roll_back();
+      return;
+    }
+    s.queue_copies(onload, HostCopyDirection::host_to_device);
+  } catch (const std::exception& e) {
+    log::error(fmt::format("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what()));
+    roll_back();
+    return;
+  }
+  // The caller computes on these blocks next: wait for the copy. A failure
+  // rolls back this onload and everything else in flight.
+  if (!s.wait_all()) {
+    roll_back();
+    return;
+  }
+  // The copy completed: register the blocks (visible to lookups from now on).
+  for (SlotId h : hits)
+    --s.slots[h].pins;
+  s.inserting = true;
+  for (const Transfer& t : onload) {
+    const BlockHash hash = s.slots[t.slot].hash;
+    try {
+      cache.insert(hash, t.block, where);
+    } catch (const std::exception& e) {  // a refcount overflow: the block stays private
+      log::error(
+          fmt::format("HostTier: registering onloaded block {} failed: {}", t.block, e.what()));
+    }
+    match.blocks.push_back(t.block);
+    match.hashes.push_back(hash);
+    if (s.options.inclusion == TierInclusion::exclusive) {
+      s.free_slot(t.slot);
+    } else {
+      s.touch(t.slot);
+    }
+  }
+  s.inserting = false;
+  match.num_tokens = match.blocks.size() * cache.block_size();
+  match.lower_tier_blocks += onload.size();
+  s.counters.onloads += onload.size();
+  s.counters.host_hits += onload.size();
+  s.counters.onload_bytes += onload.size() * s.slot_bytes;
+}
+
+// ---- public calls ---------------------------------------------------------------------------
+
+void HostTier::poll() {
+  State& s = *state_;
+  s.reap();
+  s.flush_writes();
+  const std::size_t watermark = s.options.free_watermark;
+  if (watermark != 0) {
+    const std::size_t have = s.kv->num_free_blocks() + s.in_flight.size();
+    if (have < watermark) s.write_back(std::min(watermark - have, s.options.offload_batch));
+  }
+}
+
+void HostTier::synchronize() {
+  state_->wait_all();
+}
+
+std::size_t HostTier::offload(std::size_t max_blocks) {
+  return state_->write_back(max_blocks);
+}
+
+bool HostTier::is_on_host(const BlockHash& hash) const {
+  const State& s = *state_;
+  auto it = s.index.find(hash);
+  return it != s.index.end() && s.slots[it->second].state == SlotState::ready;
+}
+
+std::size_t HostTier::num_host_blocks() const noexcept {
+  return state_->slots.size();
+}
+std::size_t HostTier::num_ready_blocks() const noexcept {
+  return state_->ready;
+}
+std::size_t HostTier::num_filling_blocks() const noexcept {
+  return state_->filling;
+}
+std::size_t HostTier::num_free_host_blocks() const noexcept {
+  return state_->free_slots.size();
+}
+std::size_t HostTier::num_held_device_blocks() const noexcept {
+  return state_->in_flight.size() + state_->write_queue.size();
+}
+std::size_t HostTier::slot_bytes() const noexcept {
+  return state_->slot_bytes;
+}
+const HostTierOptions& HostTier::options() const noexcept {
+  return state_->options;
+}
+const HostTierCounters& HostTier::counters() const noexcept {
+  return state_->counters;
+}
+PrefixCache& HostTier::prefix_cache() const noexcept {
+  return *state_->prefix;
+}
+
+std::vector<BlockHash> HostTier::host_lru_order() const {
+  const State& s = *state_;
+  std::vector<BlockHash> order;
+  order.reserve(s.ready);
+  for (SlotId c = s.lru_head; c != kNoSlot && order.size() <= s.slots.size(); c = s.slots[c].next)
+    order.push_back(s.slots[c].hash);
+  return order;
+}
+
+// ---- regions --------------------------------------------------------------------------------
+
+std::size_t HostTier::slot_bytes_for(const PagedKvCache& cache) noexcept {
+  std::size_t bytes = 0;
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer)
+    bytes += cache.k_block_bytes(layer) + cache.v_block_bytes(layer);
+  return bytes;
+}
+
+void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
+                                    std::vector<HostCopyRegion>& out) {
+  const std::size_t first = out.size();
+  auto add = [&](DevicePtr device, std::size_t bytes) {
+    if (out.size() > first) {
+      HostCopyRegion& last = out.back();
+      if (last.device.offset(last.bytes) == device &&
+          static_cast<std::byte*>(last.host) + last.bytes == slot) {
+        last.bytes += bytes;
+        slot += bytes;
+        return;
+      }
+    }
+    out.push_back({device, slot, bytes});
+    slot += bytes;
+  };
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
+    add(cache.k_cache_ptr(layer, block), cache.k_block_bytes(layer));
+    add(cache.v_cache_ptr(layer, block), cache.v_block_bytes(layer));
+  }
+}
+
+// ---- diagnostics ----------------------------------------------------------------------------
+
+InvariantReport HostTier::check_invariants() const {
+  const State& s = *state_;
+  InvariantReport report = s.prefix->check_invariants();
+  std::size_t free = 0;
+  std::size_t filling = 0;
+  std::size_t ready = 0;
+  for (SlotId i = 0; i < s.slots.size(); ++i) {
+    const Slot& slot = s.slots[i];
+    if (slot.pins != 0)
+      report.add_violation(fmt::format("host slot {} is pinned between calls", i));
+    switch (slot.state) {
+      case SlotState::free:
+        ++free;
+        break;
+      case SlotState::filling:
+        ++filling;
+        break;
+      case SlotState::ready:
+        ++ready;
+        break;
+    }
+    if (slot.state != SlotState::free) {
+      auto it = s.index.find(slot.hash);
+      if (it == s.index.end() || it->second != i) {
+        report.add_violation(
+            fmt::format("host slot {} (hash {}) is not what the host index holds for its hash", i,
+                        slot.hash.to_string()));
+      }
+    }
+  }
+  if (free + filling + ready != s.slots.size() || free != s.free_slots.size() ||
+      filling != s.filling || ready != s.ready) {
+    report.add_violation(fmt::format(
+        "host slots: {} free ({} listed) + {} filling ({} counted) + {} ready ({} counted) != {}",
+        free, s.free_slots.size(), filling, s.filling, ready, s.ready, s.slots.size()));
+  }
+  for (SlotId f : s.free_slots) {
+    if (f >= s.slots.size() || s.slots[f].state != SlotState::free)
+      report.add_violation(fmt::format("the free slot list holds slot {}, which is not free", f));
+  }
+  if (s.index.size() != filling + ready) {
+    report.add_violation(fmt::format("the host index has {} entries for {} filling + {} ready",
+                                     s.index.size(), filling, ready));
+  }
+  std::size_t linked = 0;
+  SlotId prev = kNoSlot;
+  for (SlotId c = s.lru_head; c != kNoSlot && linked <= s.slots.size(); c = s.slots[c].next) {
+    if (s.slots[c].state != SlotState::ready)
+      report.add_violation(fmt::format("host slot {} is in the LRU order but not ready", c));
+    if (s.slots[c].prev != prev)
+      report.add_violation(fmt::format("host slot {}'s LRU links are inconsistent", c));
+    prev = c;
+    ++linked;
+  }
+  if (linked != ready || prev != s.lru_tail) {
+    report.add_violation(
+        fmt::format("the host LRU order holds {} slots for {} ready", linked, ready));
+  }
+  for (const Transfer& t : s.in_flight) {
+    if (s.slots[t.slot].state != SlotState::filling)
+      report.add_violation(fmt::format("host slot {} is in flight but not filling", t.slot));
+    if (s.kv->ref_count(t.block) == 0)
+      report.add_violation(fmt::format("block {} is in flight to the host but free", t.block));
+  }
+  for (const auto& [block, hash] : s.write_queue) {
+    if (s.kv->ref_count(block) < 2 || !s.prefix->is_cached(block)) {
+      report.add_violation(
+          fmt::format("block {} waits for its write-through but is not cached and held", block));
+    }
+  }
+  return report;
+}
+
+}  // namespace kvport
