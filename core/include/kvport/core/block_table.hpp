@@ -81,7 +81,10 @@ class BlockTable {
   /// Starts an empty table with the longest cached prefix of full blocks of
   /// `prompt` (PrefixCache::lookup) and returns how many tokens it covers: the
   /// table then holds that many tokens, and the rest of the prompt is appended
-  /// with append_tokens. Returns 0 over a plain PagedKvCache.
+  /// with append_tokens. Returns 0 over a plain PagedKvCache. With a
+  /// HostTier under the prefix cache the hit continues on the host: those
+  /// blocks are copied in (the call waits for that copy) and count as hits;
+  /// a failed copy only shortens the hit (host_tier.hpp).
   ///
   /// With prefix_hit_mode() == full the hit is every cached full block (a
   /// multiple of the block size, up to the whole prompt). With the default,

@@ -18,8 +18,11 @@ namespace kvport {
 /// Monotonic counters since construction.
 struct PrefixCacheCounters {
   std::uint64_t lookups = 0;           ///< lookup calls
-  std::uint64_t hits = 0;              ///< full blocks a lookup found cached
-  std::uint64_t misses = 0;            ///< full blocks after the longest cached prefix
+  /// Full blocks a lookup found cached on the device.
+  std::uint64_t hits = 0;
+  /// Full blocks after the device's longest cached prefix (a lower tier's
+  /// hits among them are counted by the tier: HostTierCounters::host_hits).
+  std::uint64_t misses = 0;
   std::uint64_t inserts = 0;           ///< blocks registered under a new hash
   std::uint64_t evictions = 0;         ///< cached blocks dropped to make room (or by evict())
   std::uint64_t ignored_releases = 0;  ///< release() of a block no sequence held
