@@ -462,14 +462,19 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
       if (s.slots[h].pins > 0) --s.slots[h].pins;
   };
   try {
+    // Pinned as they are found: not reused by the write-backs the allocations
+    // below may start, and a hash named twice in `hashes` (a caller's span,
+    // not a chain) ends the hit instead of onloading one slot twice.
+    hits.reserve(hashes.size() - start);
     for (std::size_t i = start; i < hashes.size(); ++i) {
       auto it = s.index.find(hashes[i]);
-      if (it == s.index.end() || s.slots[it->second].state != SlotState::ready) break;
+      if (it == s.index.end()) break;
+      Slot& slot = s.slots[it->second];
+      if (slot.state != SlotState::ready || slot.pins != 0) break;
+      ++slot.pins;
       hits.push_back(it->second);
     }
     if (hits.empty()) return;
-    for (SlotId h : hits)
-      ++s.slots[h].pins;  // not reused by the write-backs the allocations below may start
     onload.reserve(hits.size());
     for (SlotId h : hits) {
       const std::optional<BlockId> block = cache.try_alloc_block(where);
