@@ -185,9 +185,15 @@ struct HostTier::State {
     } catch (...) {
       // The copy is queued: let it finish before the caller rolls back
       // (frees its slots and blocks).
+      // An error there may be an earlier batch's, still in flight: roll those
+      // back now, or the next wait_all would see a clean stream and publish
+      // them.
       try {
         backend->synchronize(stream);
-      } catch (const Error&) {  // the rollback follows anyway
+      } catch (const Error& e) {
+        log::error(fmt::format("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
+                               in_flight.size(), e.what()));
+        finish_in_flight(false);
       }
       throw;
     }
