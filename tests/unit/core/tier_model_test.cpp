@@ -1,0 +1,91 @@
+// Property test of the two tiers: random request streams (lookups that hit
+// the device, onload from the host or miss; allocations that write back;
+// releases, offloads, evictions) applied to a PrefixCache + HostTier
+// (write-back, exclusive) and to the plain two-LRU reference model of
+// kvport/testing/tier_model.hpp, compared after every operation: which hashes
+// are on the device and on the host, both LRU orders, the free blocks, every
+// lookup's hit (device and host parts), the tier's counters; and every block
+// a lookup returns holds the bytes written for its hash. Without the model,
+// the tier's other settings (write-through, inclusive, a free watermark,
+// polls) run the same streams with the invariants and the byte checks.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "core_test_util.hpp"
+#include "kvport/testing/tier_model.hpp"
+
+namespace kvport {
+namespace {
+
+using kvport::testing::TierDriver;
+using kvport::testing::TierOp;
+using kvport::testing::TierOpKind;
+
+struct TierScenario {
+  std::uint32_t seed;
+  std::size_t device_blocks;
+  std::size_t host_blocks;
+  std::size_t offload_batch;
+  KvCacheLayout layout;
+  TierPolicy policy = TierPolicy::write_back;
+  TierInclusion inclusion = TierInclusion::exclusive;
+  std::size_t free_watermark = 0;
+};
+
+class TierModelProperty : public ::testing::TestWithParam<TierScenario> {};
+
+TEST_P(TierModelProperty, RandomRequestStreamsMatchTheTwoTierModel) {
+  const TierScenario s = GetParam();
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  PagedKvCache cache(test::small_config(s.layout), s.device_blocks, *backend);
+  HostTierOptions o;
+  o.num_host_blocks = s.host_blocks;
+  o.offload_batch = s.offload_batch;
+  o.policy = s.policy;
+  o.inclusion = s.inclusion;
+  o.free_watermark = s.free_watermark;
+  std::mt19937 rng(s.seed);
+  // request, lookup, release, offload, evict, poll, synchronize
+  std::discrete_distribution<int> pick({10, 2, 8, 2, 1, 2, 1});
+  HostTierCounters counters;
+  {
+    TierDriver driver(cache, stream, o, /*with_model=*/true);
+    for (int step = 0; step < 4000; ++step) {
+      const TierOp op{static_cast<TierOpKind>(pick(rng)), static_cast<std::uint32_t>(rng()),
+                      static_cast<std::uint32_t>(rng())};
+      const std::string diff = driver.apply(op);
+      ASSERT_EQ(diff, "") << "seed " << s.seed << " step " << step;
+    }
+    driver.tier().synchronize();
+    counters = driver.tier().counters();
+    EXPECT_GT(driver.onloaded_blocks(), 100u) << "the stream must onload";
+    const bool model = s.policy == TierPolicy::write_back &&
+                       s.inclusion == TierInclusion::exclusive && s.free_watermark == 0;
+    EXPECT_EQ(driver.with_model(), model);
+  }
+  EXPECT_GT(counters.offloads, 100u);
+  EXPECT_GT(counters.host_evictions, 0u) << "and drop host blocks";
+  EXPECT_EQ(cache.num_free_blocks(), s.device_blocks) << "everything released at the end";
+  EXPECT_TRUE(cache.check_invariants().ok);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Seeds, TierModelProperty,
+    ::testing::Values(TierScenario{1, 14, 6, 1, KvCacheLayout::layer_major},
+                      TierScenario{2, 14, 6, 2, KvCacheLayout::block_major},
+                      TierScenario{3, 16, 4, 3, KvCacheLayout::layer_major},
+                      TierScenario{4, 13, 10, 2, KvCacheLayout::block_major},
+                      TierScenario{5, 12, 3, 4, KvCacheLayout::layer_major},
+                      // Without the model: invariants and bytes only.
+                      TierScenario{6, 14, 6, 2, KvCacheLayout::layer_major,
+                                   TierPolicy::write_through},
+                      TierScenario{7, 14, 6, 2, KvCacheLayout::block_major, TierPolicy::write_back,
+                                   TierInclusion::inclusive},
+                      TierScenario{8, 16, 8, 2, KvCacheLayout::layer_major,
+                                   TierPolicy::write_through, TierInclusion::inclusive, 3}));
+
+}  // namespace
+}  // namespace kvport
