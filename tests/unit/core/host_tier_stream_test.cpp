@@ -259,6 +259,60 @@ TEST_P(HostTierSlowStream, AFillingSlotIsNeverReusedForAnotherBlock) {
   ASSERT_TIER_OK(tier);
 }
 
+// BUG (HostTier::State::queue_copies), disabled until core is fixed: when
+// recording copies_done after a queued copy throws, queue_copies synchronizes
+// the tier's stream (so that the queued copy finishes before the rollback)
+// and ignores an Error from that synchronize. But that error may belong to an
+// EARLIER batch still in flight (its copy failed on the stream): it is
+// swallowed, the next wait_all sees a clean stream, and the earlier batch is
+// published as ready with the slot bytes its failed copy never wrote; a
+// lookup then onloads garbage. (The same path runs for an onload's h2d copy
+// in extend_match.) Suggested fix: when that synchronize throws, remember it
+// (say a `stream_failed` flag that the next wait_all treats as a failure, or
+// call finish_in_flight(false) right there so that every transfer in flight
+// is rolled back and counted), instead of dropping it.
+TEST_P(HostTierSlowStream, DISABLED_AnEarlierCopysErrorIsNotLostWhenALaterCopyFailsToQueue) {
+  HostTier tier(pc, options());
+  cache_sequence(1);
+  cache_sequence(2);
+  const std::vector<BlockHash> h1 = seq_hashes(1);
+  gb.fail_next_host_copy();
+  EXPECT_EQ(tier.offload(2), 2u);  // sequence 1: its copy fails on the stream
+  gb.fail_record_event(2);         // the next batch: copies_done cannot be recorded
+  EXPECT_EQ(tier.offload(2), 2u);  // sequence 2: rolled back at the call
+  EXPECT_EQ(tier.counters().aborted_transfers, 1u);
+  tier.synchronize();
+  ASSERT_TIER_OK(tier);
+  EXPECT_FALSE(tier.is_on_host(h1[0])) << "its copy failed: it is not on the host";
+  EXPECT_FALSE(tier.is_on_host(h1[1]));
+  EXPECT_EQ(tier.counters().aborted_transfers, 2u) << "both failures rolled back and counted";
+  // Never stale data: a lookup returns the right bytes or nothing.
+  const PrefixMatch m = pc.lookup_hashes(h1);
+  for (std::size_t i = 0; i < m.blocks.size(); ++i)
+    EXPECT_TRUE(holds(m.blocks[i], tag_of(1, i))) << "block " << i << " onloaded garbage";
+  pc.release_blocks(m.blocks);
+  ASSERT_TIER_OK(tier);
+}
+
+// The control: the same failed copy alone is rolled back at the synchronize.
+TEST_P(HostTierSlowStream, AFailedCopyOnTheStreamIsRolledBackAtTheSynchronize) {
+  HostTier tier(pc, options());
+  cache_sequence(1);
+  cache_sequence(2);
+  const std::vector<BlockHash> h1 = seq_hashes(1);
+  gb.fail_next_host_copy();
+  EXPECT_EQ(tier.offload(2), 2u);
+  tier.synchronize();
+  ASSERT_TIER_OK(tier);
+  EXPECT_FALSE(tier.is_on_host(h1[0]));
+  EXPECT_EQ(tier.counters().aborted_transfers, 1u);
+  EXPECT_EQ(tier.counters().aborted_blocks, 2u);
+  const PrefixMatch m = pc.lookup_hashes(h1);
+  EXPECT_TRUE(m.blocks.empty());
+  pc.release_blocks(m.blocks);
+  ASSERT_TIER_OK(tier);
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, HostTierSlowStream,
                          ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major),
                          [](const auto& p) { return std::string(to_string(p.param)); });

@@ -15,6 +15,10 @@
 // does not wait reads or reuses memory the held copy has not touched yet,
 // which the test's data patterns expose.
 //
+// Two test faults complete it: the next host-batch copy failing on its stream
+// (fail_next_host_copy), and a record_event failing at the call
+// (fail_record_event), which FaultInjectingBackend does not offer.
+//
 // Every other call forwards to the inner backend. Streams, events and pool
 // sets are the decorator's own handles wrapping the inner backend's.
 #pragma once
@@ -28,6 +32,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <string>
 #include <utility>
 
 #include "kvport/backends/host_backend.hpp"
@@ -100,6 +105,20 @@ class GatedBackend final : public Backend {
   std::uint64_t blocked_synchronizes() const {
     std::lock_guard lock(mutex_);
     return blocked_synchronizes_;
+  }
+
+  /// Makes the `n`th record_event call from now (n >= 1) throw BackendError
+  /// at the call, recording nothing.
+  void fail_record_event(std::uint64_t n) {
+    std::lock_guard lock(mutex_);
+    record_fault_in_ = n;
+  }
+  /// Makes the next host-batch copy do nothing and fail on its stream: its
+  /// next synchronize throws BackendError (a device error of asynchronous
+  /// work).
+  void fail_next_host_copy() {
+    std::lock_guard lock(mutex_);
+    fail_next_copy_ = true;
   }
 
   /// Called (on the synchronizing thread, before the gate opens) by each
@@ -193,6 +212,11 @@ class GatedBackend final : public Backend {
   }
   void do_destroy_event(void* native) noexcept override { delete static_cast<GEvent*>(native); }
   void do_record_event(void* event, void* stream) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (record_fault_in_ != 0 && --record_fault_in_ == 0)
+        throw BackendError(name(), "record_event", -1, "injected by GatedBackend");
+    }
     inner_->record_event(e(event).inner, s(stream).inner);
   }
   void do_wait_event(void* stream, void* event) override {
@@ -234,8 +258,10 @@ class GatedBackend final : public Backend {
                                 HostCopyDirection direction, void* stream) override {
     const StreamView inner = s(stream).inner;
     std::shared_ptr<Gate> gate;
+    bool fail = false;
     {
       std::lock_guard lock(mutex_);
+      fail = std::exchange(fail_next_copy_, false);
       const bool d2h = direction == HostCopyDirection::device_to_host;
       if (gate_ != nullptr && (d2h ? holds_.d2h : holds_.h2d)) {
         gate = gate_;
@@ -245,6 +271,13 @@ class GatedBackend final : public Backend {
       }
     }
     if (gate != nullptr) host_enqueue_for_testing(*inner_, inner, [gate] { gate->wait(); });
+    if (fail) {
+      const std::string backend = name();
+      host_enqueue_for_testing(*inner_, inner, [backend] {
+        throw BackendError(backend, "copy_host_batch", -1, "injected by GatedBackend");
+      });
+      return;
+    }
     if (direction == HostCopyDirection::host_to_device) {
       inner_->copy_batch_h2d_async(regions, inner);
     } else {
@@ -274,6 +307,8 @@ class GatedBackend final : public Backend {
   std::uint64_t queries_not_done_ = 0;
   std::uint64_t blocked_synchronizes_ = 0;
   std::function<void()> on_blocked_;
+  std::uint64_t record_fault_in_ = 0;
+  bool fail_next_copy_ = false;
   std::set<GStream*> streams_;
 };
 
