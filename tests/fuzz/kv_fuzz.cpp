@@ -8,6 +8,17 @@
 //
 // Input layout: byte 0 picks the number of blocks (4..67), byte 1 the layout;
 // then 5 bytes per operation: kind, a (16 bits), b (16 bits).
+//
+// Tier mode, when bits 1..3 of byte 1 are 011 (byte 1 % 16 is 6 or 7): a
+// PrefixCache with a small HostTier (kvport/testing/tier_model.hpp). Byte 0
+// picks the device blocks (6..25), byte 2 the host blocks (1..8) and the
+// offload batch (1..4), byte 3 the policy (bit 0: write-through), the
+// inclusion (bit 1: inclusive) and the free watermark (bits 2..3); then 5
+// bytes per operation as above (requests that onload, lookups, releases,
+// offloads, evictions, polls, synchronizes). A write-back exclusive tier
+// without a watermark is compared with the two-tier reference model after
+// every operation; every setting checks both tiers' invariants after every
+// operation, that no lookup returns stale bytes, and that nothing leaks.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +29,7 @@
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/testing/kv_model.hpp"
+#include "kvport/testing/tier_model.hpp"
 
 namespace {
 
@@ -54,15 +66,55 @@ std::uint16_t u16(const std::uint8_t* p) {
   return static_cast<std::uint16_t>(p[0] | (p[1] << 8));
 }
 
-}  // namespace
-
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  kvport::log::set_level(kvport::log::Level::off);  // deliberate double frees
-  return 0;
+bool is_tier_input(const std::uint8_t* data, std::size_t size) {
+  return size >= 4 && (data[1] >> 1) % 8 == 3;
 }
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  if (size < 2) return 0;
+void fuzz_tier(const std::uint8_t* data, std::size_t size) {
+  using kvport::testing::TierDriver;
+  using kvport::testing::TierOp;
+  using kvport::testing::TierOpKind;
+  Fixture& f = fixture();
+  const std::size_t num_blocks = 6 + data[0] % 20;
+  const kvport::KvCacheLayout layout =
+      data[1] % 2 == 0 ? kvport::KvCacheLayout::layer_major : kvport::KvCacheLayout::block_major;
+  kvport::HostTierOptions options;
+  options.num_host_blocks = 1 + data[2] % 8;
+  options.offload_batch = 1 + (data[2] >> 3) % 4;
+  options.policy =
+      (data[3] & 1) != 0 ? kvport::TierPolicy::write_through : kvport::TierPolicy::write_back;
+  options.inclusion =
+      (data[3] & 2) != 0 ? kvport::TierInclusion::inclusive : kvport::TierInclusion::exclusive;
+  options.free_watermark = (data[3] >> 2) % 4;
+  kvport::PagedKvCache cache(config(layout), num_blocks, *f.backend);
+  const kvport::CallCounts before = f.backend->call_counts();
+  {
+    TierDriver driver(cache, f.stream, options, /*with_model=*/true);
+    const std::size_t ops = std::min((size - 4) / 5, kMaxOps);
+    for (std::size_t i = 0; i < ops; ++i) {
+      const std::uint8_t* p = data + 4 + 5 * i;
+      const TierOp op{static_cast<TierOpKind>(p[0] % static_cast<std::uint8_t>(TierOpKind::count)),
+                      u16(p + 1), u16(p + 3)};
+      const std::string diff = driver.apply(op);
+      if (!diff.empty()) {
+        std::fprintf(stderr, "kvport fuzz (tier): op %zu: %s\n", i, diff.c_str());
+        std::abort();
+      }
+    }
+  }
+  if (cache.num_free_blocks() != num_blocks || !cache.check_invariants().ok) {
+    std::fprintf(stderr, "kvport fuzz (tier): leaked blocks: %s\n",
+                 cache.check_invariants().to_string().c_str());
+    std::abort();
+  }
+  const kvport::CallCounts after = f.backend->call_counts();
+  if (after.host_alloc - before.host_alloc != after.host_free - before.host_free) {
+    std::fprintf(stderr, "kvport fuzz (tier): pinned host memory leaked\n");
+    std::abort();
+  }
+}
+
+void fuzz_kv(const std::uint8_t* data, std::size_t size) {
   Fixture& f = fixture();
   const std::size_t num_blocks = 4 + data[0] % 64;
   const kvport::KvCacheLayout layout =
@@ -88,6 +140,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::fprintf(stderr, "kvport fuzz: leaked blocks: %s\n",
                  cache.check_invariants().to_string().c_str());
     std::abort();
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  kvport::log::set_level(kvport::log::Level::off);  // deliberate double frees
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size < 2) return 0;
+  if (is_tier_input(data, size)) {
+    fuzz_tier(data, size);
+  } else {
+    fuzz_kv(data, size);
   }
   return 0;
 }

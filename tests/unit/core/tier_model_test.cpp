@@ -1,0 +1,163 @@
+// Property test of the two tiers: random request streams (lookups that hit
+// the device, onload from the host or miss; allocations that write back;
+// releases, offloads, evictions) applied to a PrefixCache + HostTier
+// (write-back, exclusive) and to the plain two-LRU reference model of
+// kvport/testing/tier_model.hpp, compared after every operation: which hashes
+// are on the device and on the host, both LRU orders, the free blocks, every
+// lookup's hit (device and host parts), the tier's counters; and every block
+// a lookup returns holds the bytes written for its hash. Without the model,
+// the tier's other settings (write-through, inclusive, a free watermark,
+// polls) run the same streams with the invariants and the byte checks.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+
+#include "core_test_util.hpp"
+#include "kvport/testing/tier_model.hpp"
+
+namespace kvport {
+namespace {
+
+using kvport::testing::TierDriver;
+using kvport::testing::TierOp;
+using kvport::testing::TierOpKind;
+
+struct TierScenario {
+  std::uint32_t seed;
+  std::size_t device_blocks;
+  std::size_t host_blocks;
+  std::size_t offload_batch;
+  KvCacheLayout layout;
+  TierPolicy policy = TierPolicy::write_back;
+  TierInclusion inclusion = TierInclusion::exclusive;
+  std::size_t free_watermark = 0;
+};
+
+class TierModelProperty : public ::testing::TestWithParam<TierScenario> {};
+
+TEST_P(TierModelProperty, RandomRequestStreamsMatchTheTwoTierModel) {
+  const TierScenario s = GetParam();
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  PagedKvCache cache(test::small_config(s.layout), s.device_blocks, *backend);
+  HostTierOptions o;
+  o.num_host_blocks = s.host_blocks;
+  o.offload_batch = s.offload_batch;
+  o.policy = s.policy;
+  o.inclusion = s.inclusion;
+  o.free_watermark = s.free_watermark;
+  std::mt19937 rng(s.seed);
+  // request, lookup, release, offload, evict, poll, synchronize
+  std::discrete_distribution<int> pick({10, 2, 8, 2, 1, 2, 1});
+  HostTierCounters counters;
+  {
+    TierDriver driver(cache, stream, o, /*with_model=*/true);
+    for (int step = 0; step < 4000; ++step) {
+      const TierOp op{static_cast<TierOpKind>(pick(rng)), static_cast<std::uint32_t>(rng()),
+                      static_cast<std::uint32_t>(rng())};
+      const std::string diff = driver.apply(op);
+      ASSERT_EQ(diff, "") << "seed " << s.seed << " step " << step;
+    }
+    driver.tier().synchronize();
+    counters = driver.tier().counters();
+    EXPECT_GT(driver.onloaded_blocks(), 100u) << "the stream must onload";
+    const bool model = s.policy == TierPolicy::write_back &&
+                       s.inclusion == TierInclusion::exclusive && s.free_watermark == 0;
+    EXPECT_EQ(driver.with_model(), model);
+  }
+  EXPECT_GT(counters.offloads, 100u);
+  EXPECT_GT(counters.host_evictions, 0u) << "and drop host blocks";
+  EXPECT_EQ(cache.num_free_blocks(), s.device_blocks) << "everything released at the end";
+  EXPECT_TRUE(cache.check_invariants().ok);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Seeds, TierModelProperty,
+    ::testing::Values(TierScenario{1, 14, 6, 1, KvCacheLayout::layer_major},
+                      TierScenario{2, 14, 6, 2, KvCacheLayout::block_major},
+                      TierScenario{3, 16, 4, 3, KvCacheLayout::layer_major},
+                      TierScenario{4, 13, 10, 2, KvCacheLayout::block_major},
+                      TierScenario{5, 12, 3, 4, KvCacheLayout::layer_major},
+                      // Without the model: invariants and bytes only.
+                      TierScenario{6, 14, 6, 2, KvCacheLayout::layer_major,
+                                   TierPolicy::write_through},
+                      TierScenario{7, 14, 6, 2, KvCacheLayout::block_major, TierPolicy::write_back,
+                                   TierInclusion::inclusive},
+                      TierScenario{8, 16, 8, 2, KvCacheLayout::layer_major,
+                                   TierPolicy::write_through, TierInclusion::inclusive, 3}));
+
+// BUG (HostTier::extend_match), disabled until core is fixed: a
+// lookup_hashes span that names one host block twice (PrefixCache itself
+// accepts it: a device block named twice is returned twice, with a reference
+// each) collects the same slot twice as a hit. The onload copies it into two
+// device blocks, then the exclusive tier frees the slot once per hit: the
+// second free_slot pushes it onto the free slot list again (5 listed for 4
+// slots). The next two write-backs (one at a time) are both given that slot:
+// the first block's host copy is overwritten by the second's, a lookup of the
+// first returns the second's bytes, and the host LRU links form a cycle. (In
+// one batch, the host backend rejects the overlapping destinations instead,
+// and the rollback frees the slot twice again.) Suggested fix: in
+// extend_match, pin each hit as it is collected and stop at a slot already
+// pinned (pins != 0: collected by this lookup), or stop at a hash already
+// among the hits.
+TEST(TierModelEdge, DISABLED_AHostBlockNamedTwiceInOneLookup) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  PagedKvCache cache(test::small_config(), 4, *backend);
+  PrefixCache pc(cache);
+  HostTierOptions o;
+  o.num_host_blocks = 4;
+  HostTier tier(pc, o);
+  const BlockHash a{11, 12};
+  const BlockId b = pc.alloc_block();
+  ASSERT_TRUE(pc.insert(a, b));
+  pc.release(b);
+  ASSERT_EQ(tier.offload(1), 1u);
+  tier.synchronize();
+  ASSERT_TRUE(tier.is_on_host(a));
+  const std::vector<BlockHash> twice{a, a};
+  const PrefixMatch m = pc.lookup_hashes(twice);
+  const InvariantReport r = tier.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+  EXPECT_EQ(tier.num_free_host_blocks() + tier.num_ready_blocks() + tier.num_filling_blocks(), 4u);
+  pc.release_blocks(m.blocks);
+  pc.evict(4);
+  // The consequence: two blocks written back, then looked up: each must come
+  // back with its own bytes.
+  Stream stream = backend->create_stream();
+  auto fill = [&](BlockId block, std::size_t tag) {
+    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer)
+      cache.write_block(layer, block, test::pattern(cache.k_block_bytes(layer), tag, layer, false),
+                        test::pattern(cache.v_block_bytes(layer), tag, layer, true), stream);
+  };
+  auto holds = [&](BlockId block, std::size_t tag) {
+    const auto got = cache.read_block(0, block, stream);
+    return got.k == test::pattern(cache.k_block_bytes(0), tag, 0, false);
+  };
+  const BlockHash x{21, 22};
+  const BlockHash y{31, 32};
+  const BlockId bx = pc.alloc_block();
+  const BlockId by = pc.alloc_block();
+  fill(bx, 1);
+  fill(by, 2);
+  ASSERT_TRUE(pc.insert(x, bx));
+  ASSERT_TRUE(pc.insert(y, by));
+  pc.release(bx);
+  pc.release(by);
+  ASSERT_EQ(tier.offload(1), 1u);  // one at a time (in one batch the backend would
+  tier.synchronize();              // reject the overlapping host destinations)
+  ASSERT_EQ(tier.offload(1), 1u);
+  tier.synchronize();
+  const InvariantReport after = tier.check_invariants();
+  EXPECT_TRUE(after.ok) << after.to_string();
+  for (const auto& [hash, tag] : {std::pair{x, std::size_t{1}}, std::pair{y, std::size_t{2}}}) {
+    const PrefixMatch back = pc.lookup_hashes({&hash, 1});
+    if (back.blocks.size() == 1) {
+      EXPECT_TRUE(holds(back.blocks[0], tag)) << "block " << tag << " came back with other bytes";
+    }
+    pc.release_blocks(back.blocks);
+  }
+}
+
+}  // namespace
+}  // namespace kvport
