@@ -259,19 +259,13 @@ TEST_P(HostTierSlowStream, AFillingSlotIsNeverReusedForAnotherBlock) {
   ASSERT_TIER_OK(tier);
 }
 
-// BUG (HostTier::State::queue_copies), disabled until core is fixed: when
-// recording copies_done after a queued copy throws, queue_copies synchronizes
-// the tier's stream (so that the queued copy finishes before the rollback)
-// and ignores an Error from that synchronize. But that error may belong to an
-// EARLIER batch still in flight (its copy failed on the stream): it is
-// swallowed, the next wait_all sees a clean stream, and the earlier batch is
-// published as ready with the slot bytes its failed copy never wrote; a
-// lookup then onloads garbage. (The same path runs for an onload's h2d copy
-// in extend_match.) Suggested fix: when that synchronize throws, remember it
-// (say a `stream_failed` flag that the next wait_all treats as a failure, or
-// call finish_in_flight(false) right there so that every transfer in flight
-// is rolled back and counted), instead of dropping it.
-TEST_P(HostTierSlowStream, DISABLED_AnEarlierCopysErrorIsNotLostWhenALaterCopyFailsToQueue) {
+// When recording copies_done after a queued copy throws, queue_copies
+// synchronizes the tier's stream (so the queued copy finishes before the
+// rollback). An error from that synchronize may belong to an EARLIER batch
+// still in flight whose copy failed on the stream: it was once dropped, the
+// next wait_all saw a clean stream and published that batch with bytes its
+// copy never wrote. Now every transfer in flight is rolled back and counted.
+TEST_P(HostTierSlowStream, AnEarlierCopysErrorIsNotLostWhenALaterCopyFailsToQueue) {
   HostTier tier(pc, options());
   cache_sequence(1);
   cache_sequence(2);
@@ -280,7 +274,8 @@ TEST_P(HostTierSlowStream, DISABLED_AnEarlierCopysErrorIsNotLostWhenALaterCopyFa
   EXPECT_EQ(tier.offload(2), 2u);  // sequence 1: its copy fails on the stream
   gb.fail_record_event(2);         // the next batch: copies_done cannot be recorded
   EXPECT_EQ(tier.offload(2), 2u);  // sequence 2: rolled back at the call
-  EXPECT_EQ(tier.counters().aborted_transfers, 1u);
+  // The rollback's synchronize reported sequence 1's error: both rolled back.
+  EXPECT_EQ(tier.counters().aborted_transfers, 2u);
   tier.synchronize();
   ASSERT_TIER_OK(tier);
   EXPECT_FALSE(tier.is_on_host(h1[0])) << "its copy failed: it is not on the host";

@@ -87,21 +87,13 @@ INSTANTIATE_TEST_SUITE_P(
                       TierScenario{8, 16, 8, 2, KvCacheLayout::layer_major,
                                    TierPolicy::write_through, TierInclusion::inclusive, 3}));
 
-// BUG (HostTier::extend_match), disabled until core is fixed: a
-// lookup_hashes span that names one host block twice (PrefixCache itself
+// A lookup_hashes span that names one host block twice (PrefixCache itself
 // accepts it: a device block named twice is returned twice, with a reference
-// each) collects the same slot twice as a hit. The onload copies it into two
-// device blocks, then the exclusive tier frees the slot once per hit: the
-// second free_slot pushes it onto the free slot list again (5 listed for 4
-// slots). The next two write-backs (one at a time) are both given that slot:
-// the first block's host copy is overwritten by the second's, a lookup of the
-// first returns the second's bytes, and the host LRU links form a cycle. (In
-// one batch, the host backend rejects the overlapping destinations instead,
-// and the rollback frees the slot twice again.) Suggested fix: in
-// extend_match, pin each hit as it is collected and stop at a slot already
-// pinned (pins != 0: collected by this lookup), or stop at a hash already
-// among the hits.
-TEST(TierModelEdge, DISABLED_AHostBlockNamedTwiceInOneLookup) {
+// each) once collected the same slot twice as a hit; the exclusive onload then
+// freed it twice (5 free slots listed for 4), the next two write-backs shared
+// that slot and a lookup of the first returned the second's bytes. The host
+// hit now ends at the repeated hash.
+TEST(TierModelEdge, AHostBlockNamedTwiceInOneLookup) {
   std::unique_ptr<Backend> backend = test::host_backend();
   PagedKvCache cache(test::small_config(), 4, *backend);
   PrefixCache pc(cache);
