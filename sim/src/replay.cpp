@@ -263,7 +263,15 @@ class ReplayWorkload final : public Workload {
   void on_complete(RequestId /*id*/, double at_ms) override { finished(at_ms); }
 
   bool end_step(const Scheduler& scheduler) override {
-    if (tier_ != nullptr) tier_->poll();
+    if (tier_ != nullptr) {
+      // The copies queued at the end of the previous step (write-throughs;
+      // write-backs are waited for where they start) complete by the end of
+      // this one: a step's latency, and the same run on every machine (the
+      // host backend's copies run on a worker thread, and poll() alone would
+      // see them complete at a time that depends on the machine's load).
+      tier_->synchronize();
+      tier_->poll();
+    }
     if (options_.check_every == 0 || scheduler.step() % options_.check_every != 0) return true;
     InvariantReport report = check_invariants();
     if (report.ok) return true;

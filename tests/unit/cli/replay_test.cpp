@@ -516,6 +516,25 @@ TEST(cli_replay, HostTierOnTheSmallTrace) {
   EXPECT_GT(write_back_hits, u(d, "hit_blocks"));
 }
 
+TEST(cli_replay, HostTierSameTraceSameReport) {
+  // Copies complete on the host backend's worker threads; the replay waits for
+  // them at fixed points, so every policy gives the same run every time.
+  for (const char* policy : {"write-back", "write-through"}) {
+    for (const char* inclusion : {"exclusive", "inclusive"}) {
+      SCOPED_TRACE(std::string(policy) + " " + inclusion);
+      std::set<std::string> reports;
+      for (int run = 0; run < 3; ++run) {
+        const CliResult r =
+            replay(kSmallTrace, {"--capacity-blocks", "700", "--host-tier-blocks", "2048",
+                                 "--tier-policy", policy, "--tier-inclusion", inclusion, "--json"});
+        ASSERT_EQ(r.code, 0) << r.err;
+        reports.insert(without_timing(r.json()).dump());
+      }
+      EXPECT_EQ(reports.size(), 1u);
+    }
+  }
+}
+
 TEST(cli_replay, HostTierTextReport) {
   const CliResult r = replay(kSmallTrace, {"--capacity-blocks", "700", "--concurrency", "16",
                                            "--host-tier-blocks", "4096", "--host-link-gbps", "64"});

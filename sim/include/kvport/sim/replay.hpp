@@ -24,8 +24,14 @@
 //   - host tier (host_tier_blocks > 0): a HostTier (core/host_tier.hpp) under
 //     the prefix cache: evicted blocks are written back to host slots and a
 //     lookup continues on the host past the device's cached prefix, copying
-//     those blocks back (onload). HostTier::poll() runs once per step (at its
-//     end), HostTier::synchronize() after the last request. The simulated
+//     those blocks back (onload). At the end of every step the replay waits
+//     for the copies queued at the end of the step before
+//     (HostTier::synchronize(): a copy takes at most one step, and the run
+//     does not depend on the backend's timing) and then calls
+//     HostTier::poll(); after the last request poll() and synchronize().
+//     With a tier the queue head first checks, without a lookup, that its
+//     context could fit if every evictable block were free, so that a
+//     failed attempt does not onload the host's blocks only to give them back. The simulated
 //     cache's blocks are tiny (1 layer); the transfer bytes and times are
 //     MODELED: blocks x the block bytes of `model` at block_size tokens, bf16,
 //     over host_link_gbps.
