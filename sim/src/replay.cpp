@@ -1,23 +1,55 @@
 #include "kvport/sim/replay.hpp"
 
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
 
+#include "kvport/core/block_hash.hpp"
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/sim/model_presets.hpp"
 #include "kvport/sim/scheduler.hpp"
 #include "kvport/sim/trace_tokens.hpp"
 
 namespace kvport::sim {
+
+namespace {
+
+std::size_t physical_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return std::numeric_limits<std::size_t>::max();
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
+}
+
+// Bytes of one block of the model the transfers are modeled on (bf16).
+std::size_t model_block_bytes(const ReplayOptions& options) {
+  const std::optional<ModelPreset> preset = find_model_preset(options.model);
+  if (!preset) {
+    std::string known;
+    for (const ModelPreset& p : model_presets())
+      known += (known.empty() ? "" : ", ") + std::string(p.name);
+    throw InvalidArgument(
+        fmt::format("--model: unknown model '{}' (known: {})", options.model, known));
+  }
+  return preset_config(*preset, KvCacheDtype::bf16, options.block_size).bytes_per_block();
+}
+
+}  // namespace
 
 void ReplayOptions::validate() const {
   if (capacity_blocks == 0 || capacity_blocks > kMaxCapacityBlocks) {
@@ -36,6 +68,31 @@ void ReplayOptions::validate() const {
   if (trace_block_tokens == 0) throw InvalidArgument("--trace-block-tokens: must be positive");
   if (concurrency == 0) throw InvalidArgument("--concurrency: must be positive");
   if (step_ms == 0) throw InvalidArgument("--step-ms: must be positive");
+  if (host_tier_blocks > kMaxHostTierBlocks) {
+    throw InvalidArgument(
+        fmt::format("--host-tier-blocks: must be in [0, {}] (0: no host tier), got {}",
+                    kMaxHostTierBlocks, host_tier_blocks));
+  }
+  // The simulated slot holds K and V of 1 head of dim 1, f16: 4 bytes a token.
+  const std::size_t per_block = kHostTierBookkeepingBytes + 4 * block_size;
+  if (const std::size_t memory = physical_memory_bytes(); host_tier_blocks > memory / per_block) {
+    throw InvalidArgument(fmt::format(
+        "--host-tier-blocks: {} host blocks need {} of host memory to simulate ({} per block), "
+        "more than this machine has ({})",
+        host_tier_blocks, format_bytes(host_tier_blocks * per_block), format_bytes(per_block),
+        format_bytes(memory)));
+  }
+  if (to_string(tier_policy) == std::string_view("unknown")) {
+    throw InvalidArgument("--tier-policy: unknown policy (expected write-back or write-through)");
+  }
+  if (to_string(tier_inclusion) == std::string_view("unknown")) {
+    throw InvalidArgument("--tier-inclusion: unknown inclusion (expected exclusive or inclusive)");
+  }
+  if (!std::isfinite(host_link_gbps) || host_link_gbps <= 0.0) {
+    throw InvalidArgument(
+        fmt::format("--host-link-gbps: must be a positive number of GB/s, got {}", host_link_gbps));
+  }
+  (void)model_block_bytes(*this);
 }
 
 namespace {
@@ -44,10 +101,11 @@ namespace {
 class ReplayWorkload final : public Workload {
  public:
   ReplayWorkload(std::span<const TraceRequest> requests, const ReplayOptions& options,
-                 PrefixCache& prefix, StreamView stream)
+                 PrefixCache& prefix, HostTier* tier, StreamView stream)
       : requests_(requests),
         options_(options),
         prefix_(prefix),
+        tier_(tier),
         stream_(stream),
         bs_(options.block_size),
         state_(requests.size()) {}
@@ -78,6 +136,10 @@ class ReplayWorkload final : public Workload {
 
     for (const RequestId id : scheduler.running())  // only left after a failed periodic check
       state_[id].table.reset();
+    if (tier_ != nullptr) {
+      tier_->poll();  // queues the write-throughs of the blocks registered last
+      tier_->synchronize();
+    }
     prefix_.kv_cache().backend().synchronize(stream_);
     result_.wall_s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -90,8 +152,14 @@ class ReplayWorkload final : public Workload {
     result_.cached_blocks_at_end = prefix_.num_cached_blocks();
     result_.simulated_ms = last_finish_ - first_arrival;
     if (admitted_ != 0) result_.mean_queue_ms = queue_ms_sum_ / static_cast<double>(admitted_);
+    result_.device_hit_blocks = result_.hit_blocks - result_.host_hit_blocks;
+    if (tier_ != nullptr) {
+      result_.host_tier_blocks = tier_->num_host_blocks();
+      result_.tier = tier_->counters();
+      result_.host_blocks_at_end = tier_->num_ready_blocks();
+    }
     if (result_.stopped_at_step == 0) {
-      result_.invariants = prefix_.check_invariants();
+      result_.invariants = check_invariants();
       if (result_.invariants.blocks_in_use != 0) {
         result_.invariants.add_violation(
             fmt::format("{} blocks are still in use after the last request finished",
@@ -147,9 +215,12 @@ class ReplayWorkload final : public Workload {
     RequestState& state = state_[id];
     const std::size_t context = request.input_length + state.generated;
     sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
+    if (tier_ != nullptr && !fits_after_device_prefix(context)) return false;
     BlockTable table(prefix_);
     table.set_prefix_hit_mode(options_.prefix_hit_mode);
+    const std::uint64_t host_hits_before = host_hits();
     const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
+    const std::uint64_t onloaded = host_hits() - host_hits_before;
     const bool copied_last_block = table.copy_on_writes() != 0;
     const std::size_t hit_blocks = table.num_blocks();  // a copied last block was a hit too
     const std::span<const TokenId> rest = std::span<const TokenId>(scratch_).subspan(hit);
@@ -165,6 +236,9 @@ class ReplayWorkload final : public Workload {
       ++admitted_;
       result_.prompt_blocks += request.input_length / bs_;
       result_.hit_blocks += hit_blocks;
+      // A fully cached prompt's last block may have been onloaded and then
+      // dropped (no block free for its private copy): at most hit_blocks.
+      result_.host_hit_blocks += std::min<std::uint64_t>(onloaded, hit_blocks);
       if (copied_last_block) ++result_.last_block_copies;
       result_.prompt_tokens += request.input_length;
       result_.hit_tokens += hit;
@@ -189,8 +263,17 @@ class ReplayWorkload final : public Workload {
   void on_complete(RequestId /*id*/, double at_ms) override { finished(at_ms); }
 
   bool end_step(const Scheduler& scheduler) override {
+    if (tier_ != nullptr) {
+      // The copies queued at the end of the previous step (write-throughs;
+      // write-backs are waited for where they start) complete by the end of
+      // this one: a step's latency, and the same run on every machine (the
+      // host backend's copies run on a worker thread, and poll() alone would
+      // see them complete at a time that depends on the machine's load).
+      tier_->synchronize();
+      tier_->poll();
+    }
     if (options_.check_every == 0 || scheduler.step() % options_.check_every != 0) return true;
-    InvariantReport report = prefix_.check_invariants();
+    InvariantReport report = check_invariants();
     if (report.ok) return true;
     result_.invariants = std::move(report);
     result_.stopped_at_step = scheduler.step();
@@ -212,6 +295,32 @@ class ReplayWorkload final : public Workload {
     std::optional<BlockTable> table;  // while running
   };
 
+  // With a host tier, a lookup onloads the host's part of the prefix into
+  // device blocks before the admission check below can fail; a failed attempt
+  // then gives those blocks back to the device cache (exclusive: the host
+  // copies are gone), where waiting evicts them and writes them back again,
+  // attempt after attempt. So the head first checks, without a lookup, that
+  // it could fit even if every evictable block were free: the blocks of its
+  // context past its device-cached prefix (onloaded or prefilled, either way
+  // a device block each) against num_available_blocks(). When that fails the
+  // attempt after the lookup would fail too (the lookup only takes blocks
+  // away), so nothing changes but the onloads (and lookups) not made.
+  bool fits_after_device_prefix(std::size_t context) {
+    const std::vector<BlockHash> hashes = hash_full_blocks(scratch_, bs_);
+    std::size_t on_device = 0;
+    while (on_device < hashes.size() && prefix_.find(hashes[on_device]))
+      ++on_device;
+    return div_ceil(context, bs_) - on_device <= prefix_.num_available_blocks();
+  }
+
+  std::uint64_t host_hits() const noexcept {
+    return tier_ != nullptr ? tier_->counters().host_hits : 0;
+  }
+
+  InvariantReport check_invariants() const {
+    return tier_ != nullptr ? tier_->check_invariants() : prefix_.check_invariants();
+  }
+
   void finished(double at) {
     ++finished_;
     last_finish_ = std::max(last_finish_, at);
@@ -226,6 +335,7 @@ class ReplayWorkload final : public Workload {
   std::span<const TraceRequest> requests_;
   const ReplayOptions& options_;
   PrefixCache& prefix_;
+  HostTier* tier_;  // nullptr: no host tier
   StreamView stream_;
   std::size_t bs_;
   std::vector<RequestState> state_;
@@ -266,8 +376,24 @@ ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOpti
   PagedKvCache cache(config, options.capacity_blocks, backend, cache_options);
   PrefixCache prefix(cache);
   const Stream stream = backend.create_stream();
-  ReplayWorkload replay(requests, options, prefix, stream);
-  return replay.run();
+  std::unique_ptr<HostTier> tier;
+  if (options.host_tier_blocks != 0) {
+    HostTierOptions tier_options;
+    tier_options.num_host_blocks = options.host_tier_blocks;
+    tier_options.policy = options.tier_policy;
+    tier_options.inclusion = options.tier_inclusion;
+    try {
+      tier = std::make_unique<HostTier>(prefix, tier_options, stream);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(
+          fmt::format("--host-tier-blocks {}: {}", options.host_tier_blocks, e.what()));
+    }
+  }
+  ReplayWorkload replay(requests, options, prefix, tier.get(), stream);
+  ReplayResult result = replay.run();
+  result.model_block_bytes = model_block_bytes(options);
+  result.host_link_gbps = options.host_link_gbps;
+  return result;
 }
 
 }  // namespace kvport::sim

@@ -1,4 +1,6 @@
 // `kvport replay`: Mooncake trace replay over the prefix cache.
+#include <unistd.h>
+
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -447,6 +449,139 @@ TEST(cli_replay, BadFilesAndFlags) {
                    "--step-ms: expected a positive integer");
   expect_bad_input(replay(trace.path(), {"--capacity-blocks", "8", "--check-every", "x"}),
                    "--check-every");
+}
+
+// ---- the host tier (issue 12) ----------------------------------------------------------------
+
+TEST(cli_replay, HostTierOnTheSmallTrace) {
+  const CliResult device_only =
+      replay(kSmallTrace, {"--capacity-blocks", "700", "--concurrency", "16", "--json"});
+  ASSERT_EQ(device_only.code, 0) << device_only.err;
+  const auto d = device_only.json();
+  EXPECT_FALSE(d.contains("host_tier_blocks"));  // the tier's fields only with a tier
+  EXPECT_GT(u(d, "evictions"), 0u);
+
+  std::uint64_t write_back_hits = 0;
+  for (const char* policy : {"write-back", "write-through"}) {
+    for (const char* inclusion : {"exclusive", "inclusive"}) {
+      SCOPED_TRACE(std::string(policy) + " " + inclusion);
+      const CliResult r =
+          replay(kSmallTrace, {"--capacity-blocks", "700", "--concurrency", "16",
+                               "--host-tier-blocks", "4096", "--tier-policy", policy,
+                               "--tier-inclusion", inclusion, "--check-every", "5", "--json"});
+      ASSERT_EQ(r.code, 0) << r.err << r.out;
+      EXPECT_EQ(r.err, "");
+      const auto j = r.json();
+      for (const char* key : {"host_tier_blocks",     "tier_policy",
+                              "tier_inclusion",       "model",
+                              "model_block_bytes",    "host_link_gbps",
+                              "device_hit_blocks",    "host_hit_blocks",
+                              "device_hit_rate",      "host_hit_rate",
+                              "combined_hit_rate",    "offloaded_blocks",
+                              "onloaded_blocks",      "modeled_offload_bytes",
+                              "modeled_onload_bytes", "modeled_offload_s",
+                              "modeled_onload_s",     "modeled_transfer_s",
+                              "modeled_host_bytes",   "host_blocks_at_end",
+                              "tier_counters"}) {
+        EXPECT_TRUE(j.contains(key)) << key;
+      }
+      EXPECT_EQ(j["tier_policy"], policy);
+      EXPECT_EQ(j["tier_inclusion"], inclusion);
+      EXPECT_EQ(j["model"], "llama-3-8b");
+      EXPECT_EQ(u(j, "model_block_bytes"), 2u << 20);
+      EXPECT_DOUBLE_EQ(j["host_link_gbps"].get<double>(), 50.0);
+      EXPECT_EQ(j["invariants_ok"], true);
+      EXPECT_EQ(j["ok"], true);
+      EXPECT_EQ(u(j, "requests"), 200u);
+      EXPECT_EQ(u(j, "prompt_blocks"), u(d, "prompt_blocks"));
+      // The host holds what the device evicted: more hits, some of them on the host.
+      EXPECT_GT(u(j, "host_hit_blocks"), 0u);
+      EXPECT_EQ(u(j, "device_hit_blocks") + u(j, "host_hit_blocks"), u(j, "hit_blocks"));
+      EXPECT_GE(u(j, "hit_blocks"), u(d, "hit_blocks"));
+      EXPECT_DOUBLE_EQ(j["combined_hit_rate"].get<double>(), j["hit_rate"].get<double>());
+      EXPECT_GT(u(j, "offloaded_blocks"), 0u);
+      EXPECT_GE(u(j, "onloaded_blocks"), u(j, "host_hit_blocks"));
+      EXPECT_DOUBLE_EQ(j["modeled_onload_bytes"].get<double>(),
+                       static_cast<double>(u(j, "onloaded_blocks")) * (2 << 20));
+      EXPECT_DOUBLE_EQ(
+          j["modeled_transfer_s"].get<double>(),
+          (j["modeled_offload_bytes"].get<double>() + j["modeled_onload_bytes"].get<double>()) /
+              50e9);
+      EXPECT_EQ(u(j["tier_counters"], "onloads"), u(j, "onloaded_blocks"));
+      EXPECT_EQ(u(j["tier_counters"], "aborted_transfers"), 0u);
+      if (std::string(policy) == "write-back" && std::string(inclusion) == "exclusive")
+        write_back_hits = u(j, "hit_blocks");
+    }
+  }
+  EXPECT_GT(write_back_hits, u(d, "hit_blocks"));
+}
+
+TEST(cli_replay, HostTierSameTraceSameReport) {
+  // Copies complete on the host backend's worker threads; the replay waits for
+  // them at fixed points, so every policy gives the same run every time.
+  for (const char* policy : {"write-back", "write-through"}) {
+    for (const char* inclusion : {"exclusive", "inclusive"}) {
+      SCOPED_TRACE(std::string(policy) + " " + inclusion);
+      std::set<std::string> reports;
+      for (int run = 0; run < 3; ++run) {
+        const CliResult r =
+            replay(kSmallTrace, {"--capacity-blocks", "700", "--host-tier-blocks", "2048",
+                                 "--tier-policy", policy, "--tier-inclusion", inclusion, "--json"});
+        ASSERT_EQ(r.code, 0) << r.err;
+        reports.insert(without_timing(r.json()).dump());
+      }
+      EXPECT_EQ(reports.size(), 1u);
+    }
+  }
+}
+
+TEST(cli_replay, HostTierTextReport) {
+  const CliResult r = replay(kSmallTrace, {"--capacity-blocks", "700", "--concurrency", "16",
+                                           "--host-tier-blocks", "4096", "--host-link-gbps", "64"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("host tier: 4096 blocks, write-back, exclusive; transfers modeled "
+                               "for llama-3-8b (2.00 MiB a block"));
+  EXPECT_THAT(r.out, HasSubstr("over 64 GB/s\n"));
+  for (const char* row : {"block hit rate (combined)", "  device hits", "  host hits", "offloaded",
+                          "onloaded", "transfer time", "host evictions"}) {
+    EXPECT_THAT(r.out, HasSubstr(row));
+  }
+  EXPECT_THAT(r.out, HasSubstr("Result      OK"));
+  const CliResult d = replay(kSmallTrace, {"--capacity-blocks", "700", "--host-tier-blocks", "8"});
+  ASSERT_EQ(d.code, 0) << d.err;
+  EXPECT_THAT(d.out,
+              HasSubstr("over 50 GB/s (PCIe Gen5 x16 effective; 64 GB/s raw per direction)"));
+}
+
+TEST(cli_replay, HostTierBadInput) {
+  const TempFile trace("trace.jsonl", line(0, 100, 5, "[1]"));
+  auto bad = [&](std::initializer_list<std::string> flags, const std::string& message) {
+    std::vector<std::string> args{"replay", "--trace", trace.path(), "--capacity-blocks", "8"};
+    args.insert(args.end(), flags);
+    SCOPED_TRACE(message);
+    expect_bad_input(run_cli(args), message);
+  };
+  bad({"--host-tier-blocks", "0"}, "--host-tier-blocks: expected a positive integer, got '0'");
+  bad({"--host-tier-blocks", "-4"}, "--host-tier-blocks: expected a positive integer");
+  bad({"--host-tier-blocks", "4294967295"},
+      "--host-tier-blocks: must be in [0, 4294967294] (0: no host tier), got 4294967295");
+  // 4 G host blocks take 144 bytes each to simulate: more than a test machine has.
+  if (static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+          static_cast<double>(::sysconf(_SC_PAGE_SIZE)) <
+      4294967294.0 * 144.0) {
+    bad({"--host-tier-blocks", "4294967294"}, "--host-tier-blocks: 4294967294 host blocks need");
+  }
+  bad({"--host-tier-blocks", "8", "--tier-policy", "write-around"},
+      "--tier-policy: unknown policy 'write-around' (expected write-back or write-through)");
+  bad({"--host-tier-blocks", "8", "--tier-inclusion", "both"},
+      "--tier-inclusion: unknown mode 'both' (expected exclusive or inclusive)");
+  bad({"--host-tier-blocks", "8", "--host-link-gbps", "0"},
+      "--host-link-gbps: expected a positive number, e.g. 50, got '0'");
+  bad({"--host-tier-blocks", "8", "--host-link-gbps", "fast"}, "--host-link-gbps");
+  bad({"--host-tier-blocks", "8", "--host-link-gbps", "inf"}, "--host-link-gbps");
+  bad({"--host-tier-blocks", "8", "--model", "gpt-9"}, "--model: unknown model 'gpt-9'");
+  bad({"--tier-policy", "write-back"}, "--tier-policy: needs --host-tier-blocks");
+  bad({"--host-link-gbps", "64"}, "--host-link-gbps: needs --host-tier-blocks");
 }
 
 // A 100 MB trace is streamed, never read whole: a first line of 100 MB fails

@@ -4,7 +4,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <string>
@@ -148,6 +151,110 @@ TEST(sim_replay, RunReplayOnGeneratedRequests) {
   EXPECT_THROW((void)run_replay({}, options, *backend), InvalidArgument);
   requests[3].input_length = 0;
   EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
+}
+
+// Requests cycling over `ids` distinct 4-block prefixes (64-token ids, 16-token
+// blocks), one at a time: an LRU device cache smaller than the cycle hits
+// nothing; a host tier that holds the cycle hits every prefix after the first
+// round.
+std::vector<TraceRequest> cycling_requests(std::size_t count, std::uint64_t ids) {
+  std::vector<TraceRequest> requests;
+  for (std::size_t i = 0; i < count; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = static_cast<double>(i * 100);
+    r.input_length = 64 + 10;
+    r.output_length = 3;
+    r.hash_ids = {i % ids};
+    r.line = i + 1;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+ReplayOptions cycling_options(std::size_t device, std::size_t host) {
+  ReplayOptions options;
+  options.capacity_blocks = device;
+  options.trace_block_tokens = 64;
+  options.host_tier_blocks = host;
+  options.check_every = 1;
+  return options;
+}
+
+TEST(sim_replay, HostTierHitsWhatTheDeviceEvicted) {
+  const std::vector<TraceRequest> requests = cycling_requests(200, 40);
+  const auto backend = make_host_backend();
+  const ReplayResult device_only = run_replay(requests, cycling_options(32, 0), *backend);
+  ASSERT_TRUE(device_only.ok()) << device_only.invariants.to_string();
+  EXPECT_EQ(device_only.host_hit_blocks, 0u);
+  EXPECT_EQ(device_only.device_hit_blocks, device_only.hit_blocks);
+  EXPECT_EQ(device_only.offloaded_blocks(), 0u);
+  EXPECT_EQ(device_only.modeled_transfer_s(), 0.0);
+
+  for (const TierPolicy policy : {TierPolicy::write_back, TierPolicy::write_through}) {
+    for (const TierInclusion inclusion : {TierInclusion::exclusive, TierInclusion::inclusive}) {
+      SCOPED_TRACE(std::string(to_string(policy)) + " " + to_string(inclusion));
+      ReplayOptions options = cycling_options(32, 256);
+      options.tier_policy = policy;
+      options.tier_inclusion = inclusion;
+      const ReplayResult r = run_replay(requests, options, *backend);
+      ASSERT_TRUE(r.ok()) << r.invariants.to_string();
+      EXPECT_EQ(r.completed, 200u);
+      EXPECT_EQ(r.prompt_blocks, 200u * 4u);
+      EXPECT_GT(r.host_hit_blocks, 0u);
+      EXPECT_EQ(r.device_hit_blocks + r.host_hit_blocks, r.hit_blocks);
+      EXPECT_GE(r.hit_blocks, device_only.hit_blocks);
+      // Every prefix after the first round: the host holds all 160 blocks.
+      EXPECT_EQ(r.hit_blocks, 160u * 4u);
+      EXPECT_EQ(r.host_tier_blocks, 256u);
+      EXPECT_EQ(r.tier.host_hits, r.tier.onloads);
+      EXPECT_GE(r.onloaded_blocks(), r.host_hit_blocks);
+      EXPECT_GT(r.offloaded_blocks(), 0u);
+      // The modeled bytes: llama-3-8b, bf16, 16 tokens a block = 2 MiB.
+      EXPECT_EQ(r.model_block_bytes, std::size_t{2} << 20);
+      EXPECT_DOUBLE_EQ(r.modeled_onload_bytes(),
+                       static_cast<double>(r.onloaded_blocks()) * (2 << 20));
+      EXPECT_DOUBLE_EQ(r.modeled_transfer_s(),
+                       (r.modeled_offload_bytes() + r.modeled_onload_bytes()) / 50e9);
+      EXPECT_EQ(r.tier.aborted_transfers, 0u);
+      if (policy == TierPolicy::write_through) {
+        EXPECT_GT(r.tier.already_on_host, 0u);
+      }
+    }
+  }
+}
+
+TEST(sim_replay, HostTierOptionsAreValidatedByFlag) {
+  const std::vector<TraceRequest> requests = cycling_requests(4, 2);
+  const auto backend = make_host_backend();
+  auto expect_invalid = [&](const ReplayOptions& options, const std::string& message) {
+    try {
+      (void)run_replay(requests, options, *backend);
+      ADD_FAILURE() << "no error; expected " << message;
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr(message));
+    }
+  };
+  ReplayOptions options = cycling_options(32, ReplayOptions::kMaxHostTierBlocks + 1);
+  expect_invalid(options, "--host-tier-blocks: must be in [0, 4294967294]");
+  options.host_tier_blocks = ReplayOptions::kMaxHostTierBlocks;  // 4 G blocks: 300+ GiB to simulate
+  if (static_cast<double>(::sysconf(_SC_PHYS_PAGES)) *
+          static_cast<double>(::sysconf(_SC_PAGE_SIZE)) <
+      static_cast<double>(options.host_tier_blocks) * 144.0) {
+    expect_invalid(options, "more than this machine has");
+  }
+  options.host_tier_blocks = 8;
+  options.host_link_gbps = 0.0;
+  expect_invalid(options, "--host-link-gbps: must be a positive number");
+  options.host_link_gbps = std::numeric_limits<double>::infinity();
+  expect_invalid(options, "--host-link-gbps");
+  options.host_link_gbps = 64.0;
+  options.model = "no-such-model";
+  expect_invalid(options, "--model: unknown model 'no-such-model' (known: llama-3-70b");
+  options.model = "qwen2.5-0.5b";
+  const ReplayResult r = run_replay(requests, options, *backend);
+  EXPECT_TRUE(r.ok()) << r.invariants.to_string();
+  EXPECT_EQ(r.model_block_bytes, 24u * 2u * 64u * 2u * 2u * 16u);  // layers, heads, dim, K+V, bf16
+  EXPECT_EQ(r.host_link_gbps, 64.0);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -16,6 +17,8 @@
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
+#include "kvport/core/host_tier.hpp"
+#include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 #include "kvport/sim/replay.hpp"
@@ -27,6 +30,25 @@ namespace {
 using sim::ReplayOptions;
 using sim::ReplayResult;
 using sim::TraceRequest;
+
+// Parses a positive finite decimal number (e.g. "50", "31.5"); InvalidArgument
+// naming the flag otherwise.
+double parse_positive_number(const std::string& text, std::string_view flag) {
+  double result = 0.0;
+  std::size_t used = 0;
+  bool parsed = false;
+  try {
+    result = std::stod(text, &used);
+    parsed = used == text.size() && used != 0 && text.front() != ' ';
+  } catch (const std::exception&) {
+    parsed = false;
+  }
+  if (!parsed || !std::isfinite(result) || result <= 0.0) {
+    throw InvalidArgument(
+        fmt::format("{}: expected a positive number, e.g. 50, got '{}'", flag, text));
+  }
+  return result;
+}
 
 // Below this many requests a replay takes well under a second: no bar unless
 // --progress asks for one.
@@ -70,6 +92,7 @@ class ReplayCommand final : public Command {
         "Examples:\n"
         "  kvport replay --trace mooncake_trace.jsonl --capacity-blocks 8192\n"
         "  kvport replay --trace trace.jsonl --capacity-blocks 512 --concurrency 1 --json\n"
+        "  kvport replay --trace trace.jsonl --capacity-blocks 65536 --host-tier-blocks 196608\n"
         "Exit status: 0 when the invariant checks pass, 1 when one fails, 2 on bad input.");
     add(app, "--trace", trace_, "FILE",
         "Mooncake trace, JSON Lines: timestamp (ms), input_length, output_length, hash_ids "
@@ -90,6 +113,21 @@ class ReplayCommand final : public Command {
     app.add_flag("--full-prefix-hits", full_prefix_hits_,
                  "Hit every cached block of a fully cached prompt (default: leave its last token "
                  "to compute, the last block a private copy, as an engine needs)");
+    add(app, "--host-tier-blocks", host_tier_blocks_, "N",
+        "Host-memory tier under the cache (HostTier), N blocks: evicted blocks are written back "
+        "and onloaded on a hit (default: no host tier)");
+    add(app, "--tier-policy", tier_policy_, "POLICY",
+        "write-back (copy a block to the host when the device evicts it; the default) or "
+        "write-through (copy every block once it is filled)");
+    add(app, "--tier-inclusion", tier_inclusion_, "MODE",
+        "exclusive (an onloaded block leaves the host; the default) or inclusive (the host keeps "
+        "its copy)");
+    add(app, "--host-link-gbps", host_link_gbps_, "GB/S",
+        "Host link bandwidth per direction for the modeled transfer time, 10^9 bytes/s (default "
+        "50: PCIe Gen5 x16 effective; 64 raw)");
+    add(app, "--model", model_, "NAME",
+        "Model preset whose block bytes (bf16, --block-size tokens) model the transfer bytes "
+        "(default llama-3-8b)");
     static const std::string progress_help =
         "Progress bar on stderr (default: when stderr is a terminal and the trace has at least "
         "1000 requests)";
@@ -115,6 +153,43 @@ class ReplayCommand final : public Command {
     options.step_ms = parse_positive_count(step_ms_.value, "--step-ms");
     options.check_every = parse_count(check_every_.value, "--check-every");
     if (full_prefix_hits_) options.prefix_hit_mode = PrefixHitMode::full;
+    if (host_tier_blocks_.given()) {
+      options.host_tier_blocks =
+          parse_positive_count(host_tier_blocks_.value, "--host-tier-blocks");
+    } else {
+      for (const auto& [flag, name] :
+           {std::pair{&tier_policy_, "--tier-policy"},
+            std::pair{&tier_inclusion_, "--tier-inclusion"},
+            std::pair{&host_link_gbps_, "--host-link-gbps"}, std::pair{&model_, "--model"}}) {
+        if (flag->given()) {
+          throw InvalidArgument(fmt::format("{}: needs --host-tier-blocks (a host tier)", name));
+        }
+      }
+    }
+    if (tier_policy_.given()) {
+      const std::optional<TierPolicy> policy = parse_tier_policy(tier_policy_.value);
+      if (!policy) {
+        throw InvalidArgument(
+            fmt::format("--tier-policy: unknown policy '{}' (expected write-back or write-through)",
+                        tier_policy_.value));
+      }
+      options.tier_policy = *policy;
+    }
+    if (tier_inclusion_.given()) {
+      if (tier_inclusion_.value == "exclusive") {
+        options.tier_inclusion = TierInclusion::exclusive;
+      } else if (tier_inclusion_.value == "inclusive") {
+        options.tier_inclusion = TierInclusion::inclusive;
+      } else {
+        throw InvalidArgument(
+            fmt::format("--tier-inclusion: unknown mode '{}' (expected exclusive or inclusive)",
+                        tier_inclusion_.value));
+      }
+    }
+    if (host_link_gbps_.given()) {
+      options.host_link_gbps = parse_positive_number(host_link_gbps_.value, "--host-link-gbps");
+    }
+    if (model_.given()) options.model = model_.value;
     options.validate();  // before reading a trace that may be large
 
     const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
@@ -163,25 +238,62 @@ class ReplayCommand final : public Command {
   }
 
   static std::string percent(double ratio) { return fmt::format("{:.1f}%", 100.0 * ratio); }
+  // Modeled bytes in GB (10^9, as the link's GB/s).
+  static std::string gb(double bytes) { return fmt::format("{:.1f} GB", bytes / 1e9); }
 
   void print_text(std::ostream& out, const ReplayOptions& o, const ReplayResult& r) const {
     out << fmt::format(
         "kvport replay: {} requests from {}\n"
         "cache {} blocks x {} tokens, {} tokens per hash id, up to {} running, {} ms per "
         "step\n"
-        "prefix hits: {}\n\n",
+        "prefix hits: {}\n",
         r.requests, trace_.value, o.capacity_blocks, o.block_size, o.trace_block_tokens,
         o.concurrency, o.step_ms, hit_mode_text(o.prefix_hit_mode));
+    const bool tier = o.host_tier_blocks != 0;
+    if (tier) {
+      out << fmt::format(
+          "host tier: {} blocks, {}, {}; transfers modeled for {} ({} a block, {} of host "
+          "memory) over {:g} GB/s{}\n",
+          o.host_tier_blocks, to_string(o.tier_policy), to_string(o.tier_inclusion), o.model,
+          format_bytes(r.model_block_bytes), gb(r.modeled_host_bytes()), o.host_link_gbps,
+          o.host_link_gbps == ReplayOptions::kPcieGen5x16Gbps
+              ? " (PCIe Gen5 x16 effective; 64 GB/s raw per direction)"
+              : "");
+    }
+    out << '\n';
     TextTable table({"", "value", "detail"},
                     {TextTable::Align::left, TextTable::Align::right, TextTable::Align::left});
     table.add_row({"requests", std::to_string(r.requests),
                    fmt::format("{} completed, {} rejected", r.completed, r.rejected)});
-    table.add_row({"block hit rate", percent(r.hit_rate()),
+    table.add_row({tier ? "block hit rate (combined)" : "block hit rate", percent(r.hit_rate()),
                    fmt::format("{} of {} full prompt blocks", r.hit_blocks, r.prompt_blocks)});
+    if (tier) {
+      table.add_row({"  device hits", percent(r.device_hit_rate()),
+                     fmt::format("{} blocks", r.device_hit_blocks)});
+      table.add_row({"  host hits", percent(r.host_hit_rate()),
+                     fmt::format("{} blocks (onloaded at admission)", r.host_hit_blocks)});
+    }
     table.add_row({"token hit rate", percent(r.token_hit_rate()),
                    fmt::format("{} of {} prompt tokens", r.hit_tokens, r.prompt_tokens)});
     table.add_row({"last-block copies", std::to_string(r.last_block_copies),
                    "fully cached prompts, last token left to compute"});
+    if (tier) {
+      table.add_row({"offloaded", fmt::format("{} blocks", r.offloaded_blocks()),
+                     fmt::format("{} modeled, {:.3f} s", gb(r.modeled_offload_bytes()),
+                                 r.modeled_offload_s())});
+      table.add_row({"onloaded", fmt::format("{} blocks", r.onloaded_blocks()),
+                     fmt::format("{} modeled, {:.3f} s", gb(r.modeled_onload_bytes()),
+                                 r.modeled_onload_s())});
+      table.add_row(
+          {"transfer time", fmt::format("{:.3f} s", r.modeled_transfer_s()),
+           fmt::format("modeled: offload + onload bytes at {:g} GB/s", o.host_link_gbps)});
+      const HostTierCounters& c = r.tier;
+      table.add_row({"host tier", fmt::format("{} blocks", r.host_blocks_at_end),
+                     fmt::format("on the host at the end; {} host evictions, {} already on host, "
+                                 "{} dropped, {} waits, {} onload shortfalls, {} aborted",
+                                 c.host_evictions, c.already_on_host, c.dropped_offloads,
+                                 c.offload_waits, c.onload_shortfalls, c.aborted_transfers)});
+    }
     table.add_row({"evictions", std::to_string(r.evictions),
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
     table.add_row({"preemptions", std::to_string(r.preemptions),
@@ -241,6 +353,41 @@ class ReplayCommand final : public Command {
     j["wall_s"] = r.wall_s;
     j["requests_per_s"] = r.requests_per_s();
     j["operations_per_s"] = r.operations_per_s();
+    if (o.host_tier_blocks != 0) {
+      j["host_tier_blocks"] = o.host_tier_blocks;
+      j["tier_policy"] = to_string(o.tier_policy);
+      j["tier_inclusion"] = to_string(o.tier_inclusion);
+      j["model"] = o.model;
+      j["model_block_bytes"] = r.model_block_bytes;
+      j["host_link_gbps"] = o.host_link_gbps;
+      j["device_hit_blocks"] = r.device_hit_blocks;
+      j["host_hit_blocks"] = r.host_hit_blocks;
+      j["device_hit_rate"] = r.device_hit_rate();
+      j["host_hit_rate"] = r.host_hit_rate();
+      j["combined_hit_rate"] = r.hit_rate();
+      j["offloaded_blocks"] = r.offloaded_blocks();
+      j["onloaded_blocks"] = r.onloaded_blocks();
+      j["modeled_offload_bytes"] = r.modeled_offload_bytes();
+      j["modeled_onload_bytes"] = r.modeled_onload_bytes();
+      j["modeled_offload_s"] = r.modeled_offload_s();
+      j["modeled_onload_s"] = r.modeled_onload_s();
+      j["modeled_transfer_s"] = r.modeled_transfer_s();
+      j["modeled_host_bytes"] = r.modeled_host_bytes();
+      j["host_blocks_at_end"] = r.host_blocks_at_end;
+      const HostTierCounters& c = r.tier;
+      j["tier_counters"] = {{"offloads", c.offloads},
+                            {"offload_bytes", c.offload_bytes},
+                            {"onloads", c.onloads},
+                            {"onload_bytes", c.onload_bytes},
+                            {"host_hits", c.host_hits},
+                            {"host_evictions", c.host_evictions},
+                            {"aborted_transfers", c.aborted_transfers},
+                            {"aborted_blocks", c.aborted_blocks},
+                            {"already_on_host", c.already_on_host},
+                            {"dropped_offloads", c.dropped_offloads},
+                            {"offload_waits", c.offload_waits},
+                            {"onload_shortfalls", c.onload_shortfalls}};
+    }
     j["invariants_ok"] = r.invariants.ok;
     j["invariants"] = r.invariants.to_string();
     j["stopped_at_step"] = r.stopped_at_step;
@@ -249,7 +396,7 @@ class ReplayCommand final : public Command {
   }
 
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
-      check_every_;
+      check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_;
   bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;
   CLI::Option* progress_on_ = nullptr;

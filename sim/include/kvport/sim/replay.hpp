@@ -21,6 +21,20 @@
 //     block, else the newest request is preempted. Full blocks are registered
 //     in the prefix cache; released requests give their blocks back last
 //     block first, so the prefix stays cached longest.
+//   - host tier (host_tier_blocks > 0): a HostTier (core/host_tier.hpp) under
+//     the prefix cache: evicted blocks are written back to host slots and a
+//     lookup continues on the host past the device's cached prefix, copying
+//     those blocks back (onload). At the end of every step the replay waits
+//     for the copies queued at the end of the step before
+//     (HostTier::synchronize(): a copy takes at most one step, and the run
+//     does not depend on the backend's timing) and then calls
+//     HostTier::poll(); after the last request poll() and synchronize().
+//     With a tier the queue head first checks, without a lookup, that its
+//     context could fit if every evictable block were free, so that a
+//     failed attempt does not onload the host's blocks only to give them back. The simulated
+//     cache's blocks are tiny (1 layer); the transfer bytes and times are
+//     MODELED: blocks x the block bytes of `model` at block_size tokens, bf16,
+//     over host_link_gbps.
 // The same trace and options always give the same result (apart from the
 // wall-clock fields).
 #pragma once
@@ -29,8 +43,10 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <string>
 
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
@@ -51,6 +67,25 @@ struct ReplayOptions {
   /// private copy), as an engine needs; `full` hits every cached block
   /// (`kvport replay --full-prefix-hits`).
   PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
+
+  // ---- host tier (issue 12) ------------------------------------------------------------
+  /// Host blocks of a HostTier under the prefix cache; 0: no tier. In
+  /// [0, kMaxHostTierBlocks], and what the simulation takes for them
+  /// (kHostTierBookkeepingBytes + 4 x block_size per block) must fit in this
+  /// machine's memory: the modeled host memory (host_tier_blocks x the
+  /// model's block bytes) is reported, not checked.
+  std::size_t host_tier_blocks = 0;
+  TierPolicy tier_policy = TierPolicy::write_back;
+  TierInclusion tier_inclusion = TierInclusion::exclusive;
+  /// Bandwidth of the host link, GB/s (10^9 bytes/s) per direction, for the
+  /// modeled transfer time. Default 50: the effective rate of a PCIe Gen5 x16
+  /// link for pinned copies (64 GB/s raw per direction, 128b/130b encoding
+  /// and packet overhead leave about 50-55 in practice).
+  double host_link_gbps = kPcieGen5x16Gbps;
+  /// The model preset (sim/model_presets.hpp) whose block bytes (every layer's
+  /// K and V, bf16, block_size tokens) model the bytes a transfer moves.
+  std::string model = "llama-3-8b";
+
   /// Called after each request finishes (completed or rejected) with the
   /// number finished so far and the total. May be empty.
   std::function<void(std::size_t done, std::size_t total)> progress;
@@ -62,9 +97,18 @@ struct ReplayOptions {
   /// capacity_blocks * block_size at most 2^28 tokens (1 GiB of pools at 4
   /// bytes per token in the minimal cache).
   static constexpr std::size_t kMaxCapacityTokens = std::size_t{1} << 28;
+  /// HostTierOptions::kMaxHostBlocks.
+  static constexpr std::size_t kMaxHostTierBlocks = HostTierOptions::kMaxHostBlocks;
+  /// Memory the simulation takes per host block besides the slot's bytes
+  /// (4 x block_size in the minimal cache): the tier's slot state, index
+  /// entry and free-list entry (about 65 bytes; rounded up).
+  static constexpr std::size_t kHostTierBookkeepingBytes = 80;
+  /// --host-link-gbps's default: PCIe Gen5 x16, effective.
+  static constexpr double kPcieGen5x16Gbps = 50.0;
 
   /// Throws InvalidArgument naming the option (as its --flag) that is out of
-  /// range.
+  /// range (an unknown model, a link that is not a positive finite number, a
+  /// host tier whose bookkeeping needs more memory than this machine has).
   void validate() const;
 };
 
@@ -110,12 +154,40 @@ struct ReplayResult {
 
   double wall_s = 0.0;  ///< host time of the simulation (not of reading the trace)
 
-  /// PrefixCache::check_invariants() at the end, or at the first periodic
+  // Host tier (all 0 without one). The hit split is taken at the admission
+  // that counts the hits (a request's first): device_hit_blocks +
+  // host_hit_blocks == hit_blocks. A host hit is a block onloaded by that
+  // admission's lookup; blocks an earlier, failed attempt of the same request
+  // onloaded are device hits by then.
+  std::uint64_t device_hit_blocks = 0;
+  std::uint64_t host_hit_blocks = 0;
+  std::size_t host_tier_blocks = 0;
+  std::size_t model_block_bytes = 0;  ///< bytes of one block of the model (the modeled transfers)
+  double host_link_gbps = 0.0;
+  HostTierCounters tier;  ///< the tier's counters at the end (bytes of the simulated cache)
+  std::size_t host_blocks_at_end = 0;  ///< ready host blocks after the last request
+
+  /// PrefixCache::check_invariants() (HostTier::check_invariants() with a
+  /// host tier: the prefix cache's and the tier's) at the end, or at the first periodic
   /// check that failed (then the run stopped there: stopped_at_step != 0).
   InvariantReport invariants;
   std::uint64_t stopped_at_step = 0;
 
   double hit_rate() const noexcept { return ratio(hit_blocks, prompt_blocks); }
+  double device_hit_rate() const noexcept { return ratio(device_hit_blocks, prompt_blocks); }
+  double host_hit_rate() const noexcept { return ratio(host_hit_blocks, prompt_blocks); }
+  /// Blocks written back / onloaded, and their modeled bytes and seconds.
+  std::uint64_t offloaded_blocks() const noexcept { return tier.offloads; }
+  std::uint64_t onloaded_blocks() const noexcept { return tier.onloads; }
+  double modeled_offload_bytes() const noexcept { return modeled_bytes(tier.offloads); }
+  double modeled_onload_bytes() const noexcept { return modeled_bytes(tier.onloads); }
+  double modeled_offload_s() const noexcept { return link_s(modeled_offload_bytes()); }
+  double modeled_onload_s() const noexcept { return link_s(modeled_onload_bytes()); }
+  /// Both directions one after the other (an upper bound: a PCIe link is
+  /// full duplex, and write-backs overlap compute; onloads are waited for).
+  double modeled_transfer_s() const noexcept { return modeled_offload_s() + modeled_onload_s(); }
+  /// The host tier's modeled memory: host_tier_blocks x model_block_bytes.
+  double modeled_host_bytes() const noexcept { return modeled_bytes(host_tier_blocks); }
   double token_hit_rate() const noexcept { return ratio(hit_tokens, prompt_tokens); }
   /// lookups + allocations + releases.
   std::uint64_t operations() const noexcept { return lookups + allocations + releases; }
@@ -127,6 +199,12 @@ struct ReplayResult {
   static double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     return b == 0 ? 0.0 : static_cast<double>(a) / static_cast<double>(b);
   }
+  double modeled_bytes(std::uint64_t blocks) const noexcept {
+    return static_cast<double>(blocks) * static_cast<double>(model_block_bytes);
+  }
+  double link_s(double bytes) const noexcept {
+    return host_link_gbps > 0.0 ? bytes / (host_link_gbps * 1e9) : 0.0;
+  }
   double per_s(std::uint64_t n) const noexcept {
     return wall_s > 0.0 ? static_cast<double>(n) / wall_s : 0.0;
   }
@@ -135,8 +213,10 @@ struct ReplayResult {
 /// Replays `requests` (in trace order; the simulation sorts them by
 /// timestamp, stably) under the rules at the top of this file on a fresh PagedKvCache of
 /// options.capacity_blocks blocks on `backend` (1 layer, 1 KV head, head dim 1, f16: its contents
-/// do not matter, only the block bookkeeping), with a PrefixCache over it. Throws InvalidArgument
-/// for bad options or no requests, and whatever the cache's construction throws (OutOfMemory). The
+/// do not matter, only the block bookkeeping), with a PrefixCache over it (and a HostTier under
+/// that when options.host_tier_blocks > 0). Throws InvalidArgument for bad options or no requests
+/// (a HostTier the options cannot build: the message names --host-tier-blocks), and whatever the
+/// cache's or the tier's construction throws (OutOfMemory). The
 /// requests must satisfy what the reader checks (input_length >= 1, lengths <= kMaxRequestTokens).
 ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOptions& options,
                         Backend& backend);
