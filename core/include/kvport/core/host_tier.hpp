@@ -43,7 +43,7 @@ std::optional<TierPolicy> parse_tier_policy(std::string_view text) noexcept;
 enum class TierInclusion : std::uint8_t {
   /// The host gives its slot back: the device and host tiers hold disjoint
   /// blocks and add up to one larger cache (the default: on a Mooncake-style
-  /// trace it hits more, docs/prefix-caching.md has the figures). The block
+  /// trace it hits more: docs/performance.md has the figures). The block
   /// is written back again when the device evicts it.
   exclusive,
   /// The host keeps its copy: a block onloaded once and evicted again costs
