@@ -24,17 +24,21 @@
 // of both strategies (manual time), as in zeroing_bench.cpp; ours includes
 // building the regions (host work between its timing events: what the tier
 // pays per batch). Both run once untimed first, then in every iteration,
-// alternating which goes first. Counters: bytes per batch, regions per batch, bytes_per_second and
-// GBps (ours), limit_GBps, ratio (ours over limit, from the summed times of
-// the same iterations), seconds per batch of each, and calls_per_batch (the
-// backend calls ours makes per batch: it must be 1, a copy_host_batch call,
-// or the case fails with an error).
+// alternating which goes first. Counters: bytes and regions per batch;
+// bytes_per_second and GBps (ours), limit_GBps, ratio (ours over limit, from
+// the summed times of the same iterations); seconds and limit_seconds per
+// batch; the host seconds per batch ours spends building its regions
+// (build_seconds) and inside the batch call (call_seconds: the backend's
+// checks and queueing); and calls_per_batch, the backend calls ours makes per
+// batch: it must be 1, a copy_host_batch call, or the case fails with an
+// error.
 //
 // Runs on every compiled backend that has a device (host always).
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -61,6 +65,7 @@ namespace {
 
 constexpr std::size_t kMaxBatch = 256;
 constexpr std::uint32_t kSeed = 12;
+using Clock = std::chrono::steady_clock;
 
 struct TierShape {
   std::string name;
@@ -128,18 +133,28 @@ class TierBench {
 
   std::size_t slot_bytes() const { return slot_bytes_; }
   std::size_t regions() const { return regions_.size(); }
+  // Host seconds ours spent building regions and in the batch call (its
+  // checks and queueing), summed since the last reset.
+  double build_seconds() const { return build_s_; }
+  double call_seconds() const { return call_s_; }
+  void reset_host_seconds() { build_s_ = call_s_ = 0; }
 
   // Device seconds of ours: the regions built, one batch call.
   double run_ours(const std::vector<BlockId>& ids, Direction d) {
     return timed([&] {
+      const auto t0 = Clock::now();
       regions_.clear();
       for (std::size_t i = 0; i < ids.size(); ++i)
         HostTier::append_block_regions(*cache_, ids[i], host_.get() + i * slot_bytes_, regions_);
+      const auto t1 = Clock::now();
       if (d == Direction::offload) {
         backend_.copy_batch_d2h_async(regions_, stream_);
       } else {
         backend_.copy_batch_h2d_async(regions_, stream_);
       }
+      const auto t2 = Clock::now();
+      build_s_ += std::chrono::duration<double>(t1 - t0).count();
+      call_s_ += std::chrono::duration<double>(t2 - t1).count();
     });
   }
 
@@ -173,6 +188,7 @@ class TierBench {
   std::unique_ptr<std::byte, HostMemory> host_;
   DeviceBuffer limit_;
   std::vector<HostCopyRegion> regions_;
+  double build_s_ = 0, call_s_ = 0;
 };
 
 // One bench alive at a time (the 70B one holds 5 GiB). Benchmarks are
@@ -219,6 +235,7 @@ void host_tier(benchmark::State& state, std::string backend, TierShape shape, Kv
   // the previous case left behind.
   bench->run_ours(ids, direction);
   bench->run_limit(bytes, direction);
+  bench->reset_host_seconds();
   double ours_s = 0, limit_s = 0;
   std::uint64_t ours_calls = 0, ours_batch_calls = 0;
   bool ours_first = true;
@@ -248,6 +265,8 @@ void host_tier(benchmark::State& state, std::string backend, TierShape shape, Kv
   state.counters["ratio"] = limit_s / ours_s;
   state.counters["seconds"] = ours_s / n;
   state.counters["limit_seconds"] = limit_s / n;
+  state.counters["build_seconds"] = bench->build_seconds() / n;
+  state.counters["call_seconds"] = bench->call_seconds() / n;
   state.counters["calls_per_batch"] = static_cast<double>(ours_calls) / n;
   if (ours_calls != ours_batch_calls ||
       ours_batch_calls != static_cast<std::uint64_t>(state.iterations())) {
