@@ -6,7 +6,7 @@
 #
 # Writes JSON, logs and summary.txt into OUT_DIR; summary.txt's first line is
 # "VERDICT: PASS" or "VERDICT: FAIL: <why>". Exit status 0 on PASS, 1 on
-# FAIL, 2 on bad usage. The steps' limits add up to 300 s.
+# FAIL, 2 on bad usage. The steps' limits add up to 345 s.
 #
 # Usage: run.sh OUT_DIR
 # Environment: KVPORT_GPU_CHECK_STEPS (default conformance,bench,peer),

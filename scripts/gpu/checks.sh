@@ -6,12 +6,15 @@
 #                kvport_conformance --gtest_filter='*/cuda'
 #   bench        kvport bench --backend cuda --json (llama-3-8b and llama-3-70b,
 #                both layouts, batches 1,16,256, contiguous and scattered ids),
-#                and kvport_bench's Zeroing/cuda/ cases only
+#                and kvport_bench's Zeroing/cuda/ cases only; then kvport_bench's
+#                HostTier/cuda/ cases (offload and onload of 1/16/256 scattered
+#                blocks, llama-3-8b and llama-3-70b, both layouts, against one
+#                contiguous copy; one backend call per batch)
 #   peer         torch_zeroing.py (PyTorch per-layer zeroing and a Triton
 #                kernel, beside the kvport bench JSON) and compare.py's ratio
 #                table; skipped with a note when the scripts are not there
 #
-# Every step runs under `timeout` (the limits add up to 300 s) and writes JSON
+# Every step runs under `timeout` (the limits add up to 345 s) and writes JSON
 # and logs into OUT_DIR; then verdict.py writes OUT_DIR/summary.txt, whose
 # first line is "VERDICT: PASS" or "VERDICT: FAIL: <why>", and this script
 # prints it and exits 0 (PASS) or 1 (FAIL). The run passes only when the cuda
@@ -80,7 +83,8 @@ esac
 # A reused OUT_DIR must not lend this run an old result.
 (cd "$out" && rm -f summary.txt header.txt steps.tsv conformance.json conformance.err \
   conformance-cuda.gtest.json conformance-cuda.log bench-kvport.json bench-kvport.err \
-  bench-gbench.json bench-gbench.log torch.json peer-torch.log peer-compare.txt peer-compare.err)
+  bench-gbench.json bench-gbench.log bench-hosttier.json bench-hosttier.log torch.json \
+  peer-torch.log peer-compare.txt peer-compare.err)
 
 start=$SECONDS
 
@@ -168,9 +172,17 @@ if [ "$want_bench" -eq 1 ]; then
   run_step bench-gbench 60 bench-gbench.log bench-gbench.log \
     env KVPORT_LOG_LEVEL=warn "$bin/kvport_bench" --benchmark_filter='^Zeroing/cuda/' --benchmark_min_time=0.1 \
     --benchmark_out="$out/bench-gbench.json" --benchmark_out_format=json
+  # The host tier's copies (benchmarks/host_tier_bench.cpp): 24 cases, each
+  # at most ~2.5 x min_time of device time (the batch and the contiguous limit
+  # are both timed), plus setting up four caches and their pinned host slots
+  # (up to 2.5 GiB of pools and 1.25 GiB pinned at a time).
+  run_step bench-hosttier 45 bench-hosttier.log bench-hosttier.log \
+    env KVPORT_LOG_LEVEL=warn "$bin/kvport_bench" --benchmark_filter='^HostTier/cuda/' --benchmark_min_time=0.1 \
+    --benchmark_out="$out/bench-hosttier.json" --benchmark_out_format=json
 else
   skip_step bench-kvport "KVPORT_GPU_CHECK_STEPS=$steps"
   skip_step bench-gbench "KVPORT_GPU_CHECK_STEPS=$steps"
+  skip_step bench-hosttier "KVPORT_GPU_CHECK_STEPS=$steps"
 fi
 
 # ---- the peer: PyTorch and Triton ------------------------------------------

@@ -17,7 +17,8 @@ step that writes it was asked for):
   conformance.json           `kvport conformance --json`
   conformance-cuda.gtest.json  `kvport_conformance --gtest_filter=*/cuda`
   bench-kvport.json          `kvport bench --backend cuda --json`
-  bench-gbench.json          kvport_bench's cuda cases (Google Benchmark JSON)
+  bench-gbench.json          kvport_bench's Zeroing/cuda/ cases (Google Benchmark JSON)
+  bench-hosttier.json        kvport_bench's HostTier/cuda/ cases (Google Benchmark JSON)
   torch.json, peer-compare.txt  the peer (torch_zeroing.py, compare.py)
 
 Python 3 standard library only: the GPU machine has nothing else to rely on.
@@ -30,12 +31,15 @@ import sys
 BACKEND = "cuda"
 # kvport bench --quick --batches 1,16,256: 2 models x 2 layouts x 3 batches x 2 id patterns.
 BENCH_CASES = 24
+# kvport_bench's HostTier/cuda/ cases: 2 directions x 2 models x 2 layouts x 3 batches.
+HOSTTIER_CASES = 24
 # Steps whose failure is reported, in report order, with the file holding their error.
 STEP_ERRORS = {
     "conformance": "conformance.err",
     "conformance-cuda-gtest": "conformance-cuda.log",
     "bench-kvport": "bench-kvport.err",
     "bench-gbench": "bench-gbench.log",
+    "bench-hosttier": "bench-hosttier.log",
     "peer-torch": "peer-torch.log",
     "peer-compare": "peer-compare.err",
 }
@@ -233,6 +237,57 @@ def check_bench(out, steps, reasons, notes, report):
                 reasons.append(f"bench: kvport_bench ran non-{BACKEND} cases: {other[0]}")
 
 
+def check_hosttier(out, steps, reasons, notes, report):
+    """kvport_bench's HostTier/cuda/ cases: every case ran without an error,
+    on cuda, with exactly one backend call per batch."""
+    prefix = f"HostTier/{BACKEND}/"
+    step = steps.get("bench-hosttier")
+    if step is None:
+        reasons.append("bench: the kvport_bench HostTier step did not run")
+        return
+    if step["status"] == "skipped":
+        notes.append(f"kvport_bench HostTier: not run ({step['note']})")
+        return
+    why = step_reason(out, "bench-hosttier", step, "kvport_bench (HostTier cuda cases)")
+    data, problem = read_json(os.path.join(out, "bench-hosttier.json"))
+    runs = data.get("benchmarks") if isinstance(data, dict) else None
+    if why:
+        reasons.append(f"bench: {why}")
+        return
+    if not isinstance(runs, list) or not runs:
+        reasons.append(f"bench: bench-hosttier.json {problem or 'has no benchmarks'}: kvport_bench "
+                       f"ran no {prefix} case (a backend without a device registers none)")
+        return
+    errors = [r for r in runs if r.get("error_occurred")]
+    other = [r.get("name", "?") for r in runs if not str(r.get("name", "")).startswith(prefix)]
+    ok = [r for r in runs if not r.get("error_occurred")]
+    if errors:
+        r = errors[0]
+        reasons.append(f"bench: kvport_bench HostTier: {len(errors)} cases failed: "
+                       f"{r.get('name', '?')}: {r.get('error_message', 'no message')}")
+    if other:
+        reasons.append(f"bench: kvport_bench HostTier ran non-{BACKEND} cases: {other[0]}")
+    if len(runs) != HOSTTIER_CASES:
+        reasons.append(f"bench: bench-hosttier.json has {len(runs)} cases, "
+                       f"expected {HOSTTIER_CASES}")
+    calls = [r.get("name", "?") for r in ok if r.get("calls_per_batch") != 1]
+    if calls:
+        reasons.append(f"bench: kvport_bench HostTier: {len(calls)} cases made other than one "
+                       f"backend call per batch: {calls[0]}")
+    report.append("host tier (kvport_bench HostTier/cuda/; ours: one batched copy of scattered "
+                  "blocks, limit: one contiguous copy of the same bytes):")
+    report.append(f"  {'direction':<9} {'model':<12} {'layout':<11} {'batch':>5} "
+                  f"{'ours GB/s':>10} {'limit GB/s':>10} {'ratio':>6} {'calls':>5}")
+    for r in ok:
+        parts = str(r.get("name", "")).split("/")
+        if len(parts) < 6:
+            continue
+        report.append(f"  {parts[2]:<9} {parts[3]:<12} {parts[4]:<11} {parts[5]:>5} "
+                      f"{r.get('GBps', 0):>10.1f} {r.get('limit_GBps', 0):>10.1f} "
+                      f"{r.get('ratio', 0):>5.2f}x {r.get('calls_per_batch', 0):>5.0f}")
+    report.append("")
+
+
 def check_peer(out, steps, reasons, notes, report):
     for name, what in (("peer-torch", "torch_zeroing.py"), ("peer-compare", "compare.py")):
         step = steps.get(name)
@@ -270,6 +325,7 @@ def main(argv):
     check_conformance(out, steps, reasons, report)
     check_gtest(out, steps, reasons)
     check_bench(out, steps, reasons, notes, report)
+    check_hosttier(out, steps, reasons, notes, report)
     check_peer(out, steps, reasons, notes, report)
 
     lines = [f"VERDICT: FAIL: {reasons[0]}" if reasons else "VERDICT: PASS"]

@@ -60,10 +60,23 @@ def gbench(names=("Zeroing/cuda/llama-3-8b/layer_major/scattered/256/manual_time
         for n in names]}
 
 
+def hosttier(backend="cuda", calls=1, error=False, count=None):
+    names = [f"HostTier/{backend}/{d}/{m}/{lay}/{b}/manual_time"
+             for m in ("llama-3-8b", "llama-3-70b") for lay in ("layer_major", "block_major")
+             for d in ("offload", "onload") for b in (1, 16, 256)]
+    return {"context": {}, "benchmarks": [
+        {"name": n, "run_type": "iteration", "iterations": 10, "real_time": 1.0,
+         "GBps": 40.0, "limit_GBps": 50.0, "ratio": 0.8, "calls_per_batch": calls,
+         **({"error_occurred": True, "error_message": "cuda: launch failed"}
+            if error and i == 0 else {})}
+        for i, n in enumerate(names[:count])]}
+
+
 NO_DEVICE = ("cuda: no device: CUDA driver version is insufficient for CUDA runtime version "
              "(error 35)")
-ALL_OK = ["conformance", "conformance-cuda-gtest", "bench-kvport", "bench-gbench", "peer-torch",
-          "peer-compare"]
+ALL_OK = ["conformance", "conformance-cuda-gtest", "bench-kvport", "bench-gbench",
+          "bench-hosttier", "peer-torch", "peer-compare"]
+PEER = ["peer-torch", "peer-compare"]
 COMPARE = "case  kvport  torch  triton  limit\n70b/256  1.00  0.10  0.80  1.20\n"
 
 
@@ -71,6 +84,7 @@ def full(**overrides):
     """Every step ran and succeeded; overrides replace files (None: removes one) or step lines."""
     files = {"conformance.json": conformance(), "conformance-cuda.gtest.json": gtest(),
              "bench-kvport.json": bench_cases(), "bench-gbench.json": gbench(),
+             "bench-hosttier.json": hosttier(),
              "torch.json": {"cases": []}, "peer-compare.txt": COMPARE,
              "steps": {s: ("ok", 0, "") for s in ALL_OK}}
     for k, v in overrides.items():
@@ -86,12 +100,13 @@ CASES = {
     "pass": (full(), 0, "VERDICT: PASS", "peer (compare.py"),
     "pass_conformance_only": (
         full(steps={s: ("skipped", "-", "KVPORT_GPU_CHECK_STEPS=conformance") for s in ALL_OK[2:]},
-             bench_kvport__json=None, bench_gbench__json=None, torch__json=None,
+             bench_kvport__json=None, bench_gbench__json=None, bench_hosttier__json=None,
+             torch__json=None,
              peer_compare__txt=None),
         0, "VERDICT: PASS", "not run:"),
     "pass_peer_absent": (
         full(steps={s: ("skipped", "-", "peer scripts absent: torch_zeroing.py compare.py")
-                    for s in ALL_OK[4:]}, torch__json=None, peer_compare__txt=None),
+                    for s in PEER}, torch__json=None, peer_compare__txt=None),
         0, "VERDICT: PASS", "peer scripts absent"),
     "no_device": (
         full(conformance__json=conformance(cuda=(0, SUITE, 0), reason=NO_DEVICE),
@@ -134,6 +149,28 @@ CASES = {
     "gbench_error": (
         full(bench_gbench__json=gbench(error=True)),
         1, "VERDICT: FAIL: bench: kvport_bench: 1 cases failed", ""),
+    "hosttier_table": (full(), 0, "VERDICT: PASS", "host tier (kvport_bench HostTier/cuda/"),
+    "hosttier_not_run": (
+        full(bench_hosttier__json=None, steps={"bench-hosttier": ("skipped", "-", "why")}),
+        0, "VERDICT: PASS", "kvport_bench HostTier: not run (why)"),
+    "hosttier_missing": (
+        full(bench_hosttier__json=""),
+        1, "VERDICT: FAIL: bench: bench-hosttier.json is empty", ""),
+    "hosttier_timeout": (
+        full(bench_hosttier__json="", steps={"bench-hosttier": ("timeout", 124, "")}),
+        1, "VERDICT: FAIL: bench: kvport_bench (HostTier cuda cases) timed out", ""),
+    "hosttier_error": (
+        full(bench_hosttier__json=hosttier(error=True)),
+        1, "VERDICT: FAIL: bench: kvport_bench HostTier: 1 cases failed", "cuda: launch failed"),
+    "hosttier_calls": (
+        full(bench_hosttier__json=hosttier(calls=2)),
+        1, "VERDICT: FAIL: bench: kvport_bench HostTier: 24 cases made other than one", ""),
+    "hosttier_wrong_backend": (
+        full(bench_hosttier__json=hosttier(backend="host")),
+        1, "VERDICT: FAIL: bench: kvport_bench HostTier ran non-cuda cases", ""),
+    "hosttier_too_few": (
+        full(bench_hosttier__json=hosttier(count=3)),
+        1, "VERDICT: FAIL: bench: bench-hosttier.json has 3 cases, expected 24", ""),
     "peer_failed": (
         full(peer_compare__txt="", steps={"peer-torch": ("failed", 1, ""),
                                           "peer-compare": ("failed", 2, "")}),
