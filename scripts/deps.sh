@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvport builds with, if any are missing.
-# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots] [--peer]
+# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots] [--peer|--torch]
 #   --hip adds hipcc + libamdhip64-dev; --fuzz clang + its libFuzzer runtime;
-#   --plots python3-matplotlib for scripts/bench.sh; --peer python3-torch
-#   (CPU-only PyTorch 1.13, for /usr/bin/python3) for the PyTorch peer of the
-#   zeroing bench (benchmarks/peer) and its ctests (label peer)
+#   --plots python3-matplotlib for scripts/bench.sh; --peer (or --torch)
+#   python3-torch (CPU-only PyTorch 1.13, for /usr/bin/python3: about 180
+#   packages) for the PyTorch peer of the zeroing bench (benchmarks/peer), its
+#   ctests (label peer) and the Python bindings' PyTorch tests
+# The bindings (bindings/): python3-dev, pybind11, NumPy and pytest for the
+# Python module, rustc + cargo for the Rust crate, libdlpack-dev for the
+# tensor views; all from Debian.
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -12,12 +16,14 @@ packages=(
   cmake ninja-build g++ pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
   libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev
+  python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest libdlpack-dev
+  rustc cargo
 )
 for arg in "$@"; do
   case "$arg" in
     --hip) packages+=(hipcc libamdhip64-dev) ;;
     --plots) packages+=(python3 python3-matplotlib) ;;
-    --peer) packages+=(python3 python3-torch) ;;
+    --peer | --torch) packages+=(python3 python3-torch) ;;
     --fuzz) packages+=(clang-15 libclang-common-15-dev) ;;  # clang 15 (std::source_location); its libFuzzer runtime
     *) echo "deps.sh: unknown option '$arg'" >&2; exit 2 ;;
   esac
