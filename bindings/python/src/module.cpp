@@ -294,6 +294,27 @@ PoolView make_view(const std::shared_ptr<CacheState>& state, bool k, std::size_t
   return v;
 }
 
+// Block-major layout: the one pool, each block's bytes of every layer (layer 0
+// K, layer 0 V, layer 1 K, ...).
+PoolView make_block_view(const std::shared_ptr<CacheState>& state) {
+  const kvport::PagedKvCache& cache = *state->cache;
+  if (cache.config().layout != KvCacheLayout::block_major)
+    throw kvport::InvalidArgument(
+        "block_pool: the cache's layout is layer_major (one pool per layer's K and V: use "
+        "k_pool / v_pool)");
+  PoolView v;
+  v.state = state;
+  v.what = "block_pool";
+  v.kv_dtype = cache.config().dtype;
+  v.data = cache.k_pool_ptr(0).address();
+  v.dl_dtype = DLDataType{kDLUInt, 8, 1};
+  v.dtype = "uint8";
+  const auto stride = static_cast<std::int64_t>(cache.k_block_stride(0));
+  v.shape = {static_cast<std::int64_t>(cache.num_blocks()), stride};
+  v.strides = {stride, 1};
+  return v;
+}
+
 // A writable NumPy array over the view's memory (NumPy 1.x marks arrays from
 // numpy.from_dlpack read-only): bf16 as uint16 words. Its base, a capsule,
 // holds the cache state.
@@ -894,6 +915,10 @@ PYBIND11_MODULE(_kvport, m) {
             return make_view(c.state(), false, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
+      .def(
+          "block_pool", [](const PyCache& c) { return make_block_view(c.state()); },
+          "Block-major layout only: [num_blocks, bytes_per_block] uint8, each row one block's "
+          "K and V of every layer (layer 0 K, layer 0 V, layer 1 K, ...).")
       // device work: queued on the backend's default stream, then waited for
       .def(
           "zero_blocks",

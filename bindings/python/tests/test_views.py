@@ -126,3 +126,26 @@ def test_dlpack_capsule_protocol():
         assert view.__dlpack__(stream=None) is not None
         with pytest.raises(kvport.InvalidArgument):
             cache.k_pool(2)
+
+
+def test_block_pool_view(rng):
+    config = config_for("bf16", "block_major")
+    with kvport.PagedKvCache(config, 4) as cache:
+        view = cache.block_pool()
+        assert view.shape == (4, config.bytes_per_block()) and view.dtype == "uint8"
+        assert "block_pool" in repr(view)
+        arr = view.numpy()
+        data = rng.integers(0, 256, arr.shape[1], dtype=np.uint8)
+        arr[2] = data
+        offset = 0
+        for layer in range(2):
+            k, v = cache.read_block(layer, 2)
+            assert np.array_equal(k, data[offset:offset + k.size])
+            offset += k.size
+            assert np.array_equal(v, data[offset:offset + v.size])
+            offset += v.size
+        cache.zero_blocks([2])
+        assert not arr[2].any()
+    with kvport.PagedKvCache(config_for("bf16", "layer_major"), 4) as cache:
+        with pytest.raises(kvport.InvalidArgument, match="layer_major"):
+            cache.block_pool()
