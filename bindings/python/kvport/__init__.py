@@ -1,0 +1,57 @@
+"""kvport: a paged KV-cache runtime (Python bindings).
+
+    import kvport
+    config = kvport.KvCacheConfig(num_layers=2, num_kv_heads=4, head_dim=64, dtype="f16")
+    with kvport.PagedKvCache(config, num_blocks=64) as cache:
+        block = cache.alloc_block()
+        k = numpy.from_dlpack(cache.k_pool(0))   # [num_blocks, block_size, heads, head_dim]
+
+docs/bindings/python.md is the guide: the API, the tensor views of every
+dtype, NumPy and PyTorch, the errors.
+"""
+
+from ._kvport import (  # noqa: F401
+    BackendError,
+    BlockRegionLayout,
+    BlockTable,
+    CacheExhausted,
+    DeviceLost,
+    Error,
+    InvalidArgument,
+    InvariantReport,
+    KvCacheConfig,
+    KvCacheCounters,
+    OutOfMemory,
+    PagedKvCache,
+    PoolView,
+    PrefixCache,
+    PrefixCacheCounters,
+    PrefixMatch,
+    block_region_layout,
+    compiled_backends,
+    dtypes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError",
+    "BlockRegionLayout",
+    "BlockTable",
+    "CacheExhausted",
+    "DeviceLost",
+    "Error",
+    "InvalidArgument",
+    "InvariantReport",
+    "KvCacheConfig",
+    "KvCacheCounters",
+    "OutOfMemory",
+    "PagedKvCache",
+    "PoolView",
+    "PrefixCache",
+    "PrefixCacheCounters",
+    "PrefixMatch",
+    "block_region_layout",
+    "compiled_backends",
+    "dtypes",
+]
