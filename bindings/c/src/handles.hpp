@@ -34,7 +34,8 @@ struct Object {
   virtual ~Object() = default;
   /// Live children; guarded by the handle table's mutex.
   std::size_t children = 0;
-  /// The parent's `children`, or null for a backend.
+  /// The object this one is a child of (its `children` counts this one), or
+  /// null for a backend.
   Object* parent = nullptr;
 };
 

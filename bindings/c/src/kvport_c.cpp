@@ -99,6 +99,16 @@ void* raw(DevicePtr p) {
   return p.get();
 }
 
+void write_layout(const BlockRegionLayout& l, kvport_region_layout* out) {
+  require(out, "out");
+  out->data_bytes = l.data_bytes;
+  out->data_padding = l.data_padding;
+  out->scale_offset = l.scale_offset;
+  out->scale_bytes = l.scale_bytes;
+  out->scale_padding = l.scale_padding;
+  out->total_bytes = l.total_bytes;
+}
+
 void write_report(const InvariantReport& r, kvport_invariant_report* report, char* text,
                   std::size_t text_size, std::size_t* text_needed) {
   require(report, "report");
@@ -269,6 +279,14 @@ kvport_status kvport_dtype_from_name(const char* name, int32_t* out) {
     const std::optional<KvCacheDtype> d = parse_dtype(name);
     if (!d) throw InvalidArgument(std::string("unknown dtype '") + name + "'");
     put(out, static_cast<std::int32_t>(*d), "out");
+  });
+}
+
+kvport_status kvport_block_region_layout(int32_t dtype, size_t block_size, size_t num_kv_heads,
+                                         size_t head_dim, kvport_region_layout* out) {
+  return guard([&] {
+    const KvCacheDtype d = to_dtype(dtype, "dtype");
+    write_layout(block_region_layout(d, block_size, num_kv_heads, head_dim), out);
   });
 }
 
@@ -465,6 +483,24 @@ kvport_status kvport_cache_v_block_bytes(const kvport_cache* cache, size_t layer
     const PagedKvCache& c = cache_of(cache);
     check_layer(c, layer, "kvport_cache_v_block_bytes");
     put(out, c.v_block_bytes(layer), "out");
+  });
+}
+
+kvport_status kvport_cache_k_region_layout(const kvport_cache* cache, size_t layer,
+                                           kvport_region_layout* out) {
+  return guard([&] {
+    const PagedKvCache& c = cache_of(cache);
+    check_layer(c, layer, "kvport_cache_k_region_layout");
+    write_layout(c.config().k_layout(layer), out);
+  });
+}
+
+kvport_status kvport_cache_v_region_layout(const kvport_cache* cache, size_t layer,
+                                           kvport_region_layout* out) {
+  return guard([&] {
+    const PagedKvCache& c = cache_of(cache);
+    check_layer(c, layer, "kvport_cache_v_region_layout");
+    write_layout(c.config().v_layout(layer), out);
   });
 }
 

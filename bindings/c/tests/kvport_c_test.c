@@ -167,6 +167,7 @@ static void test_config(void) {
   int32_t dtype = -1;
   int32_t layers[2];
   int32_t d;
+  kvport_region_layout region;
 
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_config_init(NULL));
   OK(kvport_config_init(&c));
@@ -208,6 +209,15 @@ static void test_config(void) {
   c.dtype = KVPORT_DTYPE_NVFP4;
   c.head_dim_k = 8; /* not a multiple of nvfp4's group of 16 */
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_compute_num_blocks(&c, 1u << 20, &blocks));
+
+  /* nvfp4: 4 x 2 x 16 = 128 elements: 64 data bytes, 8 scale bytes (+8 pad). */
+  OK(kvport_block_region_layout(KVPORT_DTYPE_NVFP4, 4, 2, 16, &region));
+  CHECK(region.data_bytes == 64 && region.data_padding == 0 && region.scale_offset == 64);
+  CHECK(region.scale_bytes == 8 && region.scale_padding == 8 && region.total_bytes == 80);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_block_region_layout(KVPORT_DTYPE_NVFP4, 4, 2, 8, &region));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_block_region_layout(99, 4, 2, 16, &region));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_block_region_layout(KVPORT_DTYPE_F16, 4, 2, 16, NULL));
 
   for (d = KVPORT_DTYPE_F16; d <= KVPORT_DTYPE_TURBO8; ++d) {
     const char* name = kvport_dtype_name(d);
@@ -282,6 +292,18 @@ static void test_cache_refcounts(kvport_backend* backend) {
   OK(kvport_cache_layer_dtype(cache, 1, &dtype));
   CHECK(dtype == KVPORT_DTYPE_FP8_E5M2);
   EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_cache_layer_dtype(cache, 2, &dtype));
+  {
+    kvport_region_layout k_region, v_region;
+    size_t bytes = 0;
+    OK(kvport_cache_k_region_layout(cache, 1, &k_region)); /* fp8: 1 byte per element */
+    OK(kvport_cache_v_region_layout(cache, 1, &v_region));
+    OK(kvport_cache_k_block_bytes(cache, 1, &bytes));
+    CHECK(k_region.data_bytes == 4 * 2 * 16 && k_region.scale_bytes == 0);
+    CHECK(k_region.total_bytes == bytes && v_region.total_bytes == bytes);
+    EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_cache_k_region_layout(cache, 2, &k_region));
+    EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_cache_v_region_layout(cache, 2, &v_region));
+    EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_k_region_layout(cache, 0, NULL));
+  }
 
   OK(kvport_cache_num_blocks(cache, &n));
   CHECK(n == 4);
@@ -660,6 +682,7 @@ static void test_invalid_handles(void) {
   kvport_invariant_report r;
   kvport_block_table* t = NULL;
   kvport_block_copy copy = {0, 1};
+  kvport_region_layout region;
   unsigned char buf[4];
 
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_num_blocks(NULL, &n));
@@ -682,6 +705,8 @@ static void test_invalid_handles(void) {
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_k_block_bytes(NULL, 0, &n));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_v_block_bytes(NULL, 0, &n));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_layer_dtype(NULL, 0, &i32));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_k_region_layout(NULL, 0, &region));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_v_region_layout(NULL, 0, &region));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_zero_blocks(NULL, &b, 1, NULL));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_poison_blocks(NULL, &b, 1, NULL));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_poison_block(NULL, 0, NULL));

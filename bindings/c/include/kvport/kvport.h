@@ -214,6 +214,26 @@ KVPORT_API const char* kvport_dtype_name(int32_t dtype);
  *  "fp8"). KVPORT_ERR_INVALID_ARGUMENT for an unknown name. */
 KVPORT_API kvport_status kvport_dtype_from_name(const char* name, int32_t* out);
 
+/** Byte layout of the K (or V) part of one block of one layer
+ *  (kvport::BlockRegionLayout): [ data | pad to 16 B | scales | pad to 16 B ].
+ *  docs/formats.md has the formulas. */
+typedef struct kvport_region_layout {
+  size_t data_bytes;    /**< packed element bytes */
+  size_t data_padding;  /**< zero bytes after the data */
+  size_t scale_offset;  /**< data_bytes + data_padding */
+  size_t scale_bytes;   /**< 0 for dtypes without scales */
+  size_t scale_padding; /**< zero bytes after the scales */
+  size_t total_bytes;   /**< the region's size in the pool */
+} kvport_region_layout;
+
+/** The layout of one K or V region of `block_size` tokens x `num_kv_heads`
+ *  x `head_dim` elements of `dtype`. KVPORT_ERR_INVALID_ARGUMENT for a zero
+ *  size, a head_dim that is not a multiple of the dtype's group, or an
+ *  overflow. */
+KVPORT_API kvport_status kvport_block_region_layout(int32_t dtype, size_t block_size,
+                                                    size_t num_kv_heads, size_t head_dim,
+                                                    kvport_region_layout* out);
+
 /* ---- caches ------------------------------------------------------------------------ */
 
 /** Validates `config` and allocates `num_blocks` blocks on `backend`.
@@ -296,6 +316,11 @@ KVPORT_API kvport_status kvport_cache_k_block_bytes(const kvport_cache* cache, s
                                                     size_t* out);
 KVPORT_API kvport_status kvport_cache_v_block_bytes(const kvport_cache* cache, size_t layer,
                                                     size_t* out);
+/** The layout of `layer`'s K (V) region of a block. */
+KVPORT_API kvport_status kvport_cache_k_region_layout(const kvport_cache* cache, size_t layer,
+                                                      kvport_region_layout* out);
+KVPORT_API kvport_status kvport_cache_v_region_layout(const kvport_cache* cache, size_t layer,
+                                                      kvport_region_layout* out);
 /** The layer's kvport_dtype. */
 KVPORT_API kvport_status kvport_cache_layer_dtype(const kvport_cache* cache, size_t layer,
                                                   int32_t* out);
