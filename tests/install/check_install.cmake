@@ -1,6 +1,9 @@
 # ctest driver: install the build tree into a scratch prefix, then configure,
-# build and run the consumer project against it.
-#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... -P check_install.cmake
+# build and run the consumer project against it. When the C ABI is installed,
+# also build and run its C consumer through find_package (kvport::c) and
+# through pkg-config (kvport.pc).
+#   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DC_COMPILER=cc]
+#         -P check_install.cmake
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "check_install.cmake: ${var} is not set")
@@ -22,3 +25,31 @@ run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install/consumer -B ${WORK_DIR}/buil
     -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+
+if(EXISTS ${prefix}/include/kvport/kvport.h)
+  run(${WORK_DIR}/build/c_consumer)
+  # pkg-config: the .pc file is relocatable (its prefix is its own place).
+  find_program(PKG_CONFIG pkg-config REQUIRED)
+  file(GLOB pc_files ${prefix}/*/pkgconfig/kvport.pc ${prefix}/*/*/pkgconfig/kvport.pc)
+  if(NOT pc_files)
+    message(FATAL_ERROR "kvport.pc is not installed under ${prefix}")
+  endif()
+  list(GET pc_files 0 pc_file)
+  get_filename_component(pc_dir ${pc_file} DIRECTORY)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env PKG_CONFIG_PATH=${pc_dir}
+                          ${PKG_CONFIG} --cflags --libs kvport
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE flags ERROR_VARIABLE err
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "pkg-config --cflags --libs kvport failed (${rc}): ${err}")
+  endif()
+  message(STATUS "pkg-config --cflags --libs kvport: ${flags}")
+  separate_arguments(flag_list UNIX_COMMAND "${flags}")
+  if(NOT C_COMPILER)
+    set(C_COMPILER cc)
+  endif()
+  run(${C_COMPILER} -std=c99 -Wall -Wextra -Werror -pedantic
+      ${SOURCE_DIR}/tests/install/consumer/c_consumer.c ${flag_list}
+      -Wl,-rpath,${pc_dir}/.. -o ${WORK_DIR}/c_consumer_pkgconfig)
+  run(${WORK_DIR}/c_consumer_pkgconfig)
+endif()
