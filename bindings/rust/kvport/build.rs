@@ -1,7 +1,8 @@
 //! Finds libkvport_c and tells rustc to link it.
 //!
 //! 1. `KVPORT_C_LIB_DIR`: the directory holding `libkvport_c.so` (the kvport
-//!    build tree's `bindings/c`, or an install's `lib`). CMake's ctest sets it.
+//!    build tree's `lib`, e.g. build/host/lib, or an install's `lib`). CMake's
+//!    ctest sets it.
 //! 2. Otherwise `pkg-config --libs-only-L kvport` (kvport.pc is installed to
 //!    `<libdir>/pkgconfig`; set `PKG_CONFIG_PATH` for a non-system prefix).
 //!
@@ -59,8 +60,8 @@ fn main() {
                 panic!(
                     "\n\nkvport: KVPORT_C_LIB_DIR={} has no lib{}.so.\n\
                      Point it at the directory of libkvport_c.so: the kvport build tree's \
-                     bindings/c (cmake --build build/host --target kvport_c) or an \
-                     install's lib directory.\n\n",
+                     lib (build/host/lib after `cmake --build build/host --target kvport_c`) \
+                     or an install's lib directory.\n\n",
                     dir.display(),
                     LIB_NAME
                 );
@@ -72,7 +73,7 @@ fn main() {
             Err(reason) => panic!(
                 "\n\nkvport: cannot find libkvport_c.\n\
                  - KVPORT_C_LIB_DIR is not set (set it to the directory of libkvport_c.so: \
-                 the kvport build tree's bindings/c, or an install's lib), and\n\
+                 the kvport build tree's lib, e.g. build/host/lib, or an install's lib), and\n\
                  - pkg-config did not find kvport: {}\n  \
                  (set PKG_CONFIG_PATH=<prefix>/lib/pkgconfig after `cmake --install`).\n\n",
                 reason
