@@ -856,7 +856,7 @@ kvport_status kvport_testing_inject_async_fault(kvport_backend* backend, kvport_
   });
 }
 
-kvport_status kvport_testing_fail_with(kvport_status status) {
+kvport_status kvport_testing_fail_with(int32_t status) {
   return guard([&] {
     const std::string what =
         std::string("kvport_testing_fail_with(") + kvport_status_name(status) + ")";
@@ -878,11 +878,11 @@ kvport_status kvport_testing_fail_with(kvport_status status) {
       case KVPORT_ERR_OUT_OF_RANGE:
       case KVPORT_ERR_INVALID_HANDLE:
       case KVPORT_ERR_HANDLE_IN_USE:
-        throw StatusError(status, what);
+        throw StatusError(static_cast<kvport_status>(status), what);
       case KVPORT_ERR_UNKNOWN:
         throw std::logic_error(what);
     }
-    throw InvalidArgument("kvport_testing_fail_with: " + std::to_string(static_cast<int>(status)) +
+    throw InvalidArgument("kvport_testing_fail_with: " + std::to_string(status) +
                           " is not a kvport_status");
   });
 }

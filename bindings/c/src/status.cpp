@@ -48,7 +48,7 @@ kvport_status fail_current_exception() noexcept {
 
 extern "C" {
 
-const char* kvport_status_name(kvport_status status) {
+const char* kvport_status_name(int32_t status) {
   switch (status) {
     case KVPORT_OK:
       return "KVPORT_OK";

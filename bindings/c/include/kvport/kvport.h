@@ -77,8 +77,10 @@ typedef enum kvport_status {
 } kvport_status;
 
 /** "KVPORT_OK", "KVPORT_ERR_INVALID_ARGUMENT", ...; "KVPORT_ERR_<unknown
- *  status>" for a value outside the enum. Never null; static storage. */
-KVPORT_API const char* kvport_status_name(kvport_status status);
+ *  status>" for a value outside the enum. Never null; static storage. Takes
+ *  an int32_t (a kvport_status converts implicitly) so that any value a
+ *  foreign caller passes is defined behaviour. */
+KVPORT_API const char* kvport_status_name(int32_t status);
 
 /** The message of the last call of this thread that returned a status other
  *  than KVPORT_OK ("" when none did). Successful calls leave it unchanged.
@@ -550,9 +552,9 @@ KVPORT_API kvport_status kvport_testing_inject_async_fault(kvport_backend* backe
 
 /** Throws, inside the library, the C++ exception that maps to `status` and
  *  returns what the boundary made of it (KVPORT_OK for KVPORT_OK;
- *  KVPORT_ERR_INVALID_ARGUMENT for a value outside the enum). For bindings
+ *  KVPORT_ERR_INVALID_ARGUMENT for a value outside kvport_status). For bindings
  *  that test their error mapping. */
-KVPORT_API kvport_status kvport_testing_fail_with(kvport_status status);
+KVPORT_API kvport_status kvport_testing_fail_with(int32_t status);
 
 #ifdef __cplusplus
 }  // extern "C"
