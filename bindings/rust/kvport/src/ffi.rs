@@ -134,7 +134,7 @@ pub const KVPORT_PREFIX_HIT_FULL: kvport_prefix_hit_mode = 1;
 
 extern "C" {
     // errors and version
-    pub fn kvport_status_name(status: kvport_status) -> *const c_char;
+    pub fn kvport_status_name(status: i32) -> *const c_char;
     pub fn kvport_last_error() -> *const c_char;
     pub fn kvport_clear_last_error();
     pub fn kvport_version_string() -> *const c_char;
@@ -437,5 +437,5 @@ extern "C" {
         backend: *mut kvport_backend,
         stream: *mut kvport_stream,
     ) -> kvport_status;
-    pub fn kvport_testing_fail_with(status: kvport_status) -> kvport_status;
+    pub fn kvport_testing_fail_with(status: i32) -> kvport_status;
 }

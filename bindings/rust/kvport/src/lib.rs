@@ -63,6 +63,6 @@ pub fn version() -> String {
 /// Throws, inside the library, the C++ exception that maps to `status` and
 /// returns what the boundary made of it (`kvport_testing_fail_with`): for
 /// tests of the error mapping.
-pub fn testing_fail_with(status: ffi::kvport_status) -> Result<(), KvError> {
+pub fn testing_fail_with(status: i32) -> Result<(), KvError> {
     error::check(unsafe { ffi::kvport_testing_fail_with(status) })
 }

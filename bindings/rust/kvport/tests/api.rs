@@ -30,7 +30,9 @@ fn every_status_maps_to_its_variant() {
         assert!(err.status_name().starts_with("KVPORT_ERR_"));
         assert!(err.to_string().starts_with(err.status_name()));
     }
-    // A value outside the enum.
+    // A value outside kvport_status: an argument error, not undefined behaviour.
+    assert!(matches!(kvport::testing_fail_with(99), Err(KvError::InvalidArgument(_))));
+    // A status the crate does not know.
     let e = KvError::from_status(42, "m".into()).unwrap();
     assert!(matches!(e, KvError::Unknown(ref m) if m.contains("42")));
     assert!(KvError::from_status(ffi::KVPORT_OK, String::new()).is_none());
