@@ -1,0 +1,441 @@
+//! Hand-written declarations of the C ABI in `kvport/kvport.h`
+//! (bindings/c/include/kvport/kvport.h), one for one, in the header's order.
+//!
+//! `tests/header_check.rs` parses the header and this file and fails when a
+//! function, a parameter type, a struct field or an enum constant differs.
+//! C enums are `c_int` here (the header's structs store them as `int32_t`).
+#![allow(non_camel_case_types)]
+
+use std::os::raw::{c_char, c_int, c_void};
+
+// ---- status codes ----------------------------------------------------------
+
+pub type kvport_status = c_int;
+pub const KVPORT_OK: kvport_status = 0;
+pub const KVPORT_ERR_ERROR: kvport_status = 1;
+pub const KVPORT_ERR_INVALID_ARGUMENT: kvport_status = 2;
+pub const KVPORT_ERR_CACHE_EXHAUSTED: kvport_status = 3;
+pub const KVPORT_ERR_OUT_OF_MEMORY: kvport_status = 4;
+pub const KVPORT_ERR_BACKEND: kvport_status = 5;
+pub const KVPORT_ERR_DEVICE_LOST: kvport_status = 6;
+pub const KVPORT_ERR_OUT_OF_RANGE: kvport_status = 7;
+pub const KVPORT_ERR_INVALID_HANDLE: kvport_status = 8;
+pub const KVPORT_ERR_HANDLE_IN_USE: kvport_status = 9;
+pub const KVPORT_ERR_UNKNOWN: kvport_status = 10;
+
+// ---- handles (opaque) --------------------------------------------------------
+
+#[repr(C)]
+pub struct kvport_backend {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_stream {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_cache {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_prefix_cache {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_block_table {
+    _opaque: [u8; 0],
+}
+
+// ---- configuration -------------------------------------------------------------
+
+pub type kvport_dtype = c_int;
+pub const KVPORT_DTYPE_F16: kvport_dtype = 0;
+pub const KVPORT_DTYPE_BF16: kvport_dtype = 1;
+pub const KVPORT_DTYPE_FP8_E4M3: kvport_dtype = 2;
+pub const KVPORT_DTYPE_FP8_E5M2: kvport_dtype = 3;
+pub const KVPORT_DTYPE_NVFP4: kvport_dtype = 4;
+pub const KVPORT_DTYPE_TURBO2: kvport_dtype = 5;
+pub const KVPORT_DTYPE_TURBO3: kvport_dtype = 6;
+pub const KVPORT_DTYPE_TURBO4: kvport_dtype = 7;
+pub const KVPORT_DTYPE_TURBO8: kvport_dtype = 8;
+
+pub type kvport_layout = c_int;
+pub const KVPORT_LAYOUT_LAYER_MAJOR: kvport_layout = 0;
+pub const KVPORT_LAYOUT_BLOCK_MAJOR: kvport_layout = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_config {
+    pub num_layers: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    pub dtype: i32,
+    pub layout: i32,
+    pub layer_dtypes: *const i32,
+    pub num_layer_dtypes: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvport_region_layout {
+    pub data_bytes: usize,
+    pub data_padding: usize,
+    pub scale_offset: usize,
+    pub scale_bytes: usize,
+    pub scale_padding: usize,
+    pub total_bytes: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_block_copy {
+    pub src: u32,
+    pub dst: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvport_cache_counters {
+    pub allocs: u64,
+    pub frees: u64,
+    pub ignored_double_frees: u64,
+    pub exhaustion_events: u64,
+    pub peak_blocks_in_use: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvport_invariant_report {
+    pub ok: bool,
+    pub blocks_checked: usize,
+    pub free_blocks: usize,
+    pub blocks_in_use: usize,
+    pub evictable_blocks: usize,
+    pub cached_blocks: usize,
+    pub num_violations: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvport_prefix_cache_counters {
+    pub lookups: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub inserts: u64,
+    pub evictions: u64,
+    pub ignored_releases: u64,
+}
+
+pub type kvport_prefix_hit_mode = c_int;
+pub const KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN: kvport_prefix_hit_mode = 0;
+pub const KVPORT_PREFIX_HIT_FULL: kvport_prefix_hit_mode = 1;
+
+extern "C" {
+    // errors and version
+    pub fn kvport_status_name(status: i32) -> *const c_char;
+    pub fn kvport_last_error() -> *const c_char;
+    pub fn kvport_clear_last_error();
+    pub fn kvport_version_string() -> *const c_char;
+    pub fn kvport_version(major: *mut u32, minor: *mut u32, patch: *mut u32) -> kvport_status;
+
+    // backends
+    pub fn kvport_backend_create(name: *const c_char, out: *mut *mut kvport_backend)
+        -> kvport_status;
+    pub fn kvport_backend_create_on(
+        name: *const c_char,
+        device: c_int,
+        out: *mut *mut kvport_backend,
+    ) -> kvport_status;
+    pub fn kvport_backend_destroy(backend: *mut kvport_backend) -> kvport_status;
+    pub fn kvport_backend_name(backend: *const kvport_backend, out: *mut *const c_char)
+        -> kvport_status;
+    pub fn kvport_backend_device_count(backend: *const kvport_backend, out: *mut c_int)
+        -> kvport_status;
+    pub fn kvport_backend_mem_info(
+        backend: *const kvport_backend,
+        free_bytes: *mut usize,
+        total_bytes: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_backend_synchronize(backend: *mut kvport_backend) -> kvport_status;
+
+    // streams
+    pub fn kvport_stream_create(backend: *mut kvport_backend, out: *mut *mut kvport_stream)
+        -> kvport_status;
+    pub fn kvport_stream_destroy(stream: *mut kvport_stream) -> kvport_status;
+    pub fn kvport_stream_synchronize(stream: *mut kvport_stream) -> kvport_status;
+
+    // configuration
+    pub fn kvport_config_init(config: *mut kvport_config) -> kvport_status;
+    pub fn kvport_config_validate(config: *const kvport_config) -> kvport_status;
+    pub fn kvport_config_bytes_per_block(config: *const kvport_config, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_compute_num_blocks(
+        config: *const kvport_config,
+        available_bytes: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_dtype_name(dtype: i32) -> *const c_char;
+    pub fn kvport_dtype_from_name(name: *const c_char, out: *mut i32) -> kvport_status;
+    pub fn kvport_block_region_layout(
+        dtype: i32,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        out: *mut kvport_region_layout,
+    ) -> kvport_status;
+
+    // caches
+    pub fn kvport_cache_create(
+        config: *const kvport_config,
+        num_blocks: usize,
+        backend: *mut kvport_backend,
+        out: *mut *mut kvport_cache,
+    ) -> kvport_status;
+    pub fn kvport_cache_destroy(cache: *mut kvport_cache) -> kvport_status;
+    pub fn kvport_cache_config(cache: *const kvport_cache, out: *mut kvport_config)
+        -> kvport_status;
+    pub fn kvport_cache_num_blocks(cache: *const kvport_cache, out: *mut usize) -> kvport_status;
+    pub fn kvport_cache_num_free_blocks(cache: *const kvport_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_num_blocks_in_use(cache: *const kvport_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_num_layers(cache: *const kvport_cache, out: *mut usize) -> kvport_status;
+    pub fn kvport_cache_total_bytes(cache: *const kvport_cache, out: *mut usize) -> kvport_status;
+
+    // allocation and reference counts
+    pub fn kvport_cache_alloc(cache: *mut kvport_cache, out_block: *mut u32) -> kvport_status;
+    pub fn kvport_cache_try_alloc(
+        cache: *mut kvport_cache,
+        out_block: *mut u32,
+        out_allocated: *mut bool,
+    ) -> kvport_status;
+    pub fn kvport_cache_inc_ref(cache: *mut kvport_cache, block: u32) -> kvport_status;
+    pub fn kvport_cache_dec_ref(cache: *mut kvport_cache, block: u32, out_freed: *mut bool)
+        -> kvport_status;
+    pub fn kvport_cache_free(cache: *mut kvport_cache, block: u32, out_freed: *mut bool)
+        -> kvport_status;
+    pub fn kvport_cache_free_blocks(cache: *mut kvport_cache, blocks: *const u32, count: usize)
+        -> kvport_status;
+    pub fn kvport_cache_return_evicted_block(cache: *mut kvport_cache, block: u32)
+        -> kvport_status;
+    pub fn kvport_cache_ref_count(cache: *const kvport_cache, block: u32, out: *mut u32)
+        -> kvport_status;
+
+    // pointers and strides
+    pub fn kvport_cache_k_ptr(
+        cache: *const kvport_cache,
+        layer: usize,
+        block: u32,
+        out: *mut *mut c_void,
+    ) -> kvport_status;
+    pub fn kvport_cache_v_ptr(
+        cache: *const kvport_cache,
+        layer: usize,
+        block: u32,
+        out: *mut *mut c_void,
+    ) -> kvport_status;
+    pub fn kvport_cache_k_pool_ptr(cache: *const kvport_cache, layer: usize, out: *mut *mut c_void)
+        -> kvport_status;
+    pub fn kvport_cache_v_pool_ptr(cache: *const kvport_cache, layer: usize, out: *mut *mut c_void)
+        -> kvport_status;
+    pub fn kvport_cache_k_block_stride(cache: *const kvport_cache, layer: usize, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_v_block_stride(cache: *const kvport_cache, layer: usize, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_k_block_bytes(cache: *const kvport_cache, layer: usize, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_v_block_bytes(cache: *const kvport_cache, layer: usize, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_cache_k_region_layout(
+        cache: *const kvport_cache,
+        layer: usize,
+        out: *mut kvport_region_layout,
+    ) -> kvport_status;
+    pub fn kvport_cache_v_region_layout(
+        cache: *const kvport_cache,
+        layer: usize,
+        out: *mut kvport_region_layout,
+    ) -> kvport_status;
+    pub fn kvport_cache_layer_dtype(cache: *const kvport_cache, layer: usize, out: *mut i32)
+        -> kvport_status;
+
+    // device work
+    pub fn kvport_cache_zero_blocks(
+        cache: *mut kvport_cache,
+        blocks: *const u32,
+        count: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_poison_blocks(
+        cache: *mut kvport_cache,
+        blocks: *const u32,
+        count: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_zero_block(
+        cache: *mut kvport_cache,
+        block: u32,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_poison_block(
+        cache: *mut kvport_cache,
+        block: u32,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_copy_blocks(
+        cache: *mut kvport_cache,
+        copies: *const kvport_block_copy,
+        count: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_read_block(
+        cache: *const kvport_cache,
+        layer: usize,
+        block: u32,
+        k_out: *mut c_void,
+        k_bytes: usize,
+        v_out: *mut c_void,
+        v_bytes: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_write_block(
+        cache: *mut kvport_cache,
+        layer: usize,
+        block: u32,
+        k: *const c_void,
+        k_bytes: usize,
+        v: *const c_void,
+        v_bytes: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_cache_synchronize(cache: *mut kvport_cache) -> kvport_status;
+
+    // diagnostics
+    pub fn kvport_cache_counters_get(cache: *const kvport_cache, out: *mut kvport_cache_counters)
+        -> kvport_status;
+    pub fn kvport_cache_check_invariants(
+        cache: *const kvport_cache,
+        report: *mut kvport_invariant_report,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+
+    // prefix caches
+    pub fn kvport_prefix_cache_create(
+        cache: *mut kvport_cache,
+        out: *mut *mut kvport_prefix_cache,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_destroy(prefix_cache: *mut kvport_prefix_cache) -> kvport_status;
+    pub fn kvport_prefix_cache_lookup(
+        prefix_cache: *mut kvport_prefix_cache,
+        tokens: *const u32,
+        num_tokens: usize,
+        extra_key: u64,
+        out_blocks: *mut u32,
+        out_capacity: usize,
+        out_num_blocks: *mut usize,
+        out_num_tokens: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_alloc(
+        prefix_cache: *mut kvport_prefix_cache,
+        out_block: *mut u32,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_try_alloc(
+        prefix_cache: *mut kvport_prefix_cache,
+        out_block: *mut u32,
+        out_allocated: *mut bool,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_release(prefix_cache: *mut kvport_prefix_cache, block: u32)
+        -> kvport_status;
+    pub fn kvport_prefix_cache_release_blocks(
+        prefix_cache: *mut kvport_prefix_cache,
+        blocks: *const u32,
+        count: usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_evict(
+        prefix_cache: *mut kvport_prefix_cache,
+        max_blocks: usize,
+        out_evicted: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_num_cached_blocks(
+        prefix_cache: *const kvport_prefix_cache,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_num_evictable_blocks(
+        prefix_cache: *const kvport_prefix_cache,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_num_available_blocks(
+        prefix_cache: *const kvport_prefix_cache,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_counters_get(
+        prefix_cache: *const kvport_prefix_cache,
+        out: *mut kvport_prefix_cache_counters,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_check_invariants(
+        prefix_cache: *const kvport_prefix_cache,
+        report: *mut kvport_invariant_report,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+
+    // block tables
+    pub fn kvport_block_table_create(
+        cache: *mut kvport_cache,
+        out: *mut *mut kvport_block_table,
+    ) -> kvport_status;
+    pub fn kvport_block_table_create_prefixed(
+        prefix_cache: *mut kvport_prefix_cache,
+        extra_key: u64,
+        out: *mut *mut kvport_block_table,
+    ) -> kvport_status;
+    pub fn kvport_block_table_destroy(table: *mut kvport_block_table) -> kvport_status;
+    pub fn kvport_block_table_reuse_cached_prefix(
+        table: *mut kvport_block_table,
+        prompt: *const u32,
+        num_tokens: usize,
+        stream: *mut kvport_stream,
+        out_hit_tokens: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_block_table_set_prefix_hit_mode(table: *mut kvport_block_table, mode: i32)
+        -> kvport_status;
+    pub fn kvport_block_table_prefix_hit_mode(table: *const kvport_block_table, out: *mut i32)
+        -> kvport_status;
+    pub fn kvport_block_table_append_tokens(
+        table: *mut kvport_block_table,
+        tokens: *const u32,
+        num_tokens: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_block_table_blocks_needed(
+        table: *const kvport_block_table,
+        num_tokens: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_block_table_fork(
+        table: *const kvport_block_table,
+        out: *mut *mut kvport_block_table,
+    ) -> kvport_status;
+    pub fn kvport_block_table_release(table: *mut kvport_block_table) -> kvport_status;
+    pub fn kvport_block_table_blocks(
+        table: *const kvport_block_table,
+        out_blocks: *mut *const u32,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_block_table_num_tokens(table: *const kvport_block_table, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_block_table_copy_on_writes(table: *const kvport_block_table, out: *mut u64)
+        -> kvport_status;
+
+    // testing
+    pub fn kvport_testing_inject_async_fault(
+        backend: *mut kvport_backend,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_testing_fail_with(status: i32) -> kvport_status;
+}

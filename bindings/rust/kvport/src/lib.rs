@@ -1,0 +1,68 @@
+//! kvport: a paged KV cache for LLM inference engines, over kvport's C ABI
+//! (`libkvport_c`, `kvport/kvport.h`). No dependencies.
+//!
+//! [`PagedKvCache`] has the API of the reference engine's `PagedKvCache`
+//! (same method names, arguments and semantics), returning
+//! `Result<_, KvError>` where the reference panics or logs, so an engine
+//! written against the reference switches by changing its imports:
+//!
+//! ```no_run
+//! use kvport::{Backend, KvCacheConfig, KvCacheDtype, PagedKvCache, DEFAULT_STREAM};
+//!
+//! # fn main() -> Result<(), kvport::KvError> {
+//! let gpu = Backend::new("default")?; // $KVPORT_BACKEND, a GPU, or host
+//! let config = KvCacheConfig::new(32, 8, 128, 16, KvCacheDtype::Bf16);
+//! let num_blocks = PagedKvCache::compute_num_blocks(&config, 1 << 30)?;
+//! let mut cache = PagedKvCache::new(config, num_blocks, &gpu)?;
+//! let block = cache.alloc_block()?;
+//! cache.zero_block(block, &gpu, DEFAULT_STREAM)?;
+//! let k = cache.k_cache_ptr(0, block)?; // a device address for a kernel
+//! # let _ = k;
+//! cache.dec_ref(block)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Thread safety: [`Backend`] is `Send + Sync`; [`PagedKvCache`] and
+//! [`Stream`] are `Send` but not `Sync` (one thread at a time, as the C++
+//! cache); [`PrefixCache`] and [`BlockTable`] borrow their parent and are
+//! neither. docs/bindings/rust.md has the details. These do not compile:
+//!
+//! ```compile_fail
+//! fn assert_sync<T: Sync>() {}
+//! assert_sync::<kvport::PagedKvCache>(); // one thread at a time
+//! ```
+//!
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<kvport::PrefixCache<'static>>(); // it borrows a !Sync cache
+//! ```
+
+pub mod ffi;
+
+mod backend;
+mod cache;
+mod config;
+mod error;
+mod prefix;
+
+pub use backend::{Backend, DevicePtr, GpuBackend, Stream, DEFAULT_STREAM};
+pub use cache::{CacheCounters, InvariantReport, PagedKvCache};
+pub use config::{KvCacheConfig, KvCacheDtype, KvCacheLayout, RegionLayout};
+pub use error::KvError;
+pub use prefix::{BlockTable, PrefixCache, PrefixCacheCounters, PrefixHitMode};
+
+/// The version of the libkvport_c this process loaded ("0.1.0").
+pub fn version() -> String {
+    // SAFETY: never null; static storage.
+    unsafe { std::ffi::CStr::from_ptr(ffi::kvport_version_string()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Throws, inside the library, the C++ exception that maps to `status` and
+/// returns what the boundary made of it (`kvport_testing_fail_with`): for
+/// tests of the error mapping.
+pub fn testing_fail_with(status: i32) -> Result<(), KvError> {
+    error::check(unsafe { ffi::kvport_testing_fail_with(status) })
+}
