@@ -15,6 +15,7 @@
 
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/testing/support.hpp"
@@ -156,6 +157,27 @@ inline std::vector<std::uint8_t> pattern(std::size_t bytes, std::size_t block, s
   for (std::size_t i = 0; i < bytes; ++i)
     out[i] = pattern_byte(block, layer, is_v, i);
   return out;
+}
+
+/// Writes pattern(…, tag, layer, K/V) into every layer's K and V of `block`
+/// (PagedKvCache::write_block, which synchronizes).
+inline void write_pattern_block(PagedKvCache& cache, BlockId block, std::size_t tag,
+                                StreamView stream) {
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
+    cache.write_block(layer, block, pattern(cache.k_block_bytes(layer), tag, layer, false),
+                      pattern(cache.v_block_bytes(layer), tag, layer, true), stream);
+  }
+}
+
+/// Whether every layer's K and V of `block` hold the pattern of `tag`.
+inline bool holds_pattern_block(const PagedKvCache& cache, BlockId block, std::size_t tag,
+                                StreamView stream) {
+  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
+    const PagedKvCache::HostBlock b = cache.read_block(layer, block, stream);
+    if (b.k != pattern(cache.k_block_bytes(layer), tag, layer, false)) return false;
+    if (b.v != pattern(cache.v_block_bytes(layer), tag, layer, true)) return false;
+  }
+  return true;
 }
 
 }  // namespace kvport::test

@@ -86,19 +86,10 @@ class World {
   // Writes the pattern of `tag` into every layer of `block` (on the test's
   // stream, synchronized).
   void fill(BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache->num_layers(); ++layer) {
-      cache->write_block(layer, block,
-                         test::pattern(cache->k_block_bytes(layer), tag, layer, false),
-                         test::pattern(cache->v_block_bytes(layer), tag, layer, true), *stream);
-    }
+    test::write_pattern_block(*cache, block, tag, *stream);
   }
   bool holds(BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache->num_layers(); ++layer) {
-      const auto b = cache->read_block(layer, block, *stream);
-      if (b.k != test::pattern(cache->k_block_bytes(layer), tag, layer, false)) return false;
-      if (b.v != test::pattern(cache->v_block_bytes(layer), tag, layer, true)) return false;
-    }
-    return true;
+    return test::holds_pattern_block(*cache, block, tag, *stream);
   }
 
   // Registers sequence `k` (`blocks` blocks) on the device, each block

@@ -70,18 +70,10 @@ class HostTierSlowStream : public ::testing::TestWithParam<KvCacheLayout> {
   }
 
   void fill(BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      cache.write_block(layer, block, test::pattern(cache.k_block_bytes(layer), tag, layer, false),
-                        test::pattern(cache.v_block_bytes(layer), tag, layer, true), stream);
-    }
+    test::write_pattern_block(cache, block, tag, stream);
   }
   bool holds(BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      const auto b = cache.read_block(layer, block, stream);
-      if (b.k != test::pattern(cache.k_block_bytes(layer), tag, layer, false)) return false;
-      if (b.v != test::pattern(cache.v_block_bytes(layer), tag, layer, true)) return false;
-    }
-    return true;
+    return test::holds_pattern_block(cache, block, tag, stream);
   }
   // Sequence k (2 blocks) cached on the device with its patterns; returns
   // its blocks.
