@@ -12,4 +12,14 @@ case "$preset" in
 esac
 cmake --preset "$preset"
 cmake --build --preset "$preset"
-ctest --preset "$preset"
+status=0
+ctest --preset "$preset" || status=$?
+# ctest lists skipped tests (exit code 77) without their reason: print the
+# reason lines they wrote ("SKIP: ..." / "SKIPPED: ..."), e.g. the PyTorch
+# tests on a machine without python3-torch.
+log="build/$preset/Testing/Temporary/LastTest.log"
+if [ -f "$log" ] && grep -qE '^SKIP(PED)?: ' "$log"; then
+  echo "Skipped tests, with their reasons:"
+  grep -hE '^SKIP(PED)?: ' "$log" | sort -u | sed 's/^/  /'
+fi
+exit "$status"
