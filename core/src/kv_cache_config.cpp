@@ -38,7 +38,13 @@ KvCacheDtype KvCacheConfig::dtype_for_layer(std::size_t layer) const {
     throw InvalidArgument(
         fmt::format("KvCacheConfig: layer {} out of range (num_layers = {})", layer, num_layers));
   }
-  return layer_dtypes.empty() ? dtype : layer_dtypes[layer];
+  if (layer_dtypes.empty()) return dtype;
+  if (layer >= layer_dtypes.size()) {  // a config edited after validate(): never read past the end
+    throw InvalidArgument(fmt::format(
+        "KvCacheConfig: layer_dtypes has {} entries but num_layers is {} (one per layer, or none)",
+        layer_dtypes.size(), num_layers));
+  }
+  return layer_dtypes[layer];
 }
 
 std::size_t KvCacheConfig::num_override_layers() const noexcept {

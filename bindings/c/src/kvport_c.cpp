@@ -41,6 +41,13 @@ KvCacheConfig to_config(const kvport_config* c) {
   out.layout = c->layout == KVPORT_LAYOUT_BLOCK_MAJOR ? KvCacheLayout::block_major
                                                       : KvCacheLayout::layer_major;
   if (c->num_layer_dtypes > 0) {
+    // The array holds exactly num_layers entries: check the count before
+    // reading (or reserving for) that many.
+    if (c->num_layer_dtypes != c->num_layers) {
+      throw InvalidArgument("config.num_layer_dtypes: " + std::to_string(c->num_layer_dtypes) +
+                            " entries for " + std::to_string(c->num_layers) +
+                            " layers (one per layer, or 0 for a uniform dtype)");
+    }
     require(c->layer_dtypes, "config.layer_dtypes (with num_layer_dtypes > 0)");
     out.layer_dtypes.reserve(c->num_layer_dtypes);
     for (std::size_t i = 0; i < c->num_layer_dtypes; ++i)
@@ -77,7 +84,13 @@ void check_layer(const PagedKvCache& cache, std::size_t layer, const char* op) {
 
 StreamView stream_for(Backend& backend, kvport_stream* stream) {
   if (stream == nullptr) return backend.default_stream();
-  return get<StreamObject>(stream).stream.view();
+  const StreamObject& object = get<StreamObject>(stream);
+  // Checked here, not only when work is queued: a call that ends up queuing
+  // nothing must fail the same way (the header's contract).
+  if (object.backend != &backend) {
+    throw InvalidArgument("the stream belongs to another backend than the cache's");
+  }
+  return object.stream.view();
 }
 
 PagedKvCache& cache_of(const kvport_cache* handle) {

@@ -201,6 +201,9 @@ static void test_config(void) {
   c.layer_dtypes = layers;
   c.num_layer_dtypes = 1; /* not num_layers */
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_config_validate(&c));
+  c.num_layer_dtypes = (size_t)-1; /* checked before the array is read */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_config_validate(&c));
+  CHECK(strstr(kvport_last_error(), "num_layer_dtypes") != NULL);
   c.num_layer_dtypes = 2;
   OK(kvport_config_validate(&c));
   layers[1] = -3;
@@ -509,6 +512,9 @@ static void test_cache_device_work(kvport_backend* backend, int32_t layout) {
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_copy_blocks(cache, NULL, 1, NULL));
   /* A stream of another backend; a destroyed stream. */
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_zero_block(cache, 0, foreign));
+  /* ... also when the call would queue nothing. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_zero_blocks(cache, NULL, 0, foreign));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_copy_blocks(cache, NULL, 0, foreign));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_zero_block(cache, 0, (kvport_stream*)cache));
 
   /* An asynchronous error surfaces at the cache's synchronize. */

@@ -43,6 +43,10 @@ using kvport::KvCacheLayout;
 // ---- conversions ------------------------------------------------------------------
 
 KvCacheDtype dtype_from(const py::handle& obj) {
+  if (!py::isinstance<py::str>(obj)) {
+    throw kvport::InvalidArgument("dtype must be a name (a str, e.g. \"bf16\"), not " +
+                                  std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  }
   const auto name = py::cast<std::string>(obj);
   const auto dtype = kvport::parse_dtype(name);
   if (!dtype) {
@@ -113,7 +117,8 @@ U32Batch u32_batch(const py::handle& obj, const char* what) {
     if (arr.size() != 0 && kind != 'i' && kind != 'u')
       throw kvport::InvalidArgument(std::string(what) + " must hold integers, not dtype " +
                                     std::string(py::str(arr.dtype())));
-    if (arr.dtype().is(py::dtype::of<std::uint32_t>()) && (arr.flags() & py::array::c_style) != 0) {
+    if (arr.dtype().is(py::dtype::of<std::uint32_t>()) && (arr.flags() & py::array::c_style) != 0 &&
+        reinterpret_cast<std::uintptr_t>(arr.data()) % alignof(std::uint32_t) == 0) {
       batch.keep = arr;
       batch.ids = {static_cast<const std::uint32_t*>(arr.data()),
                    static_cast<std::size_t>(arr.size())};
@@ -142,6 +147,12 @@ U32Batch u32_batch(const py::handle& obj, const char* what) {
   } else if (PyIndex_Check(obj.ptr())) {
     batch.storage.push_back(to_u32(int_from(obj, what), what));
   } else {
+    if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) ||
+        py::isinstance<py::bytearray>(obj) || !py::hasattr(obj, "__iter__")) {
+      throw kvport::InvalidArgument(
+          std::string(what) + " must be an int or an iterable of ints, not " +
+          std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+    }
     for (const py::handle item : py::iter(obj))
       batch.storage.push_back(to_u32(int_from(item, what), what));
   }

@@ -30,6 +30,17 @@ def test_config_is_dataclass_like():
     assert set(kvport.dtypes()) >= {"f16", "bf16", "fp8_e4m3", "fp8_e5m2", "nvfp4", "turbo3"}
 
 
+def test_config_dtype_must_be_a_name():
+    with pytest.raises(kvport.InvalidArgument, match="dtype must be a name"):
+        kvport.KvCacheConfig(2, 4, 64, dtype=16)
+    # A config edited after construction is checked again, never read past
+    # its per-layer dtypes.
+    c = kvport.KvCacheConfig(2, 4, 64, dtype="f16", layer_dtypes=["f16", "bf16"])
+    c.num_layers = 64
+    with pytest.raises(kvport.InvalidArgument, match="layer_dtypes has 2 entries"):
+        c.dtype_for_layer(10)
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(kvport.InvalidArgument, match="num_kv_heads"):
         kvport.KvCacheConfig(num_layers=1, num_kv_heads=0, head_dim=8)
@@ -116,6 +127,15 @@ def test_batches_lists_arrays_and_errors(cache):
     with pytest.raises(kvport.InvalidArgument, match="out of range"):
         cache.free_blocks([0, 99])
     assert cache.ref_count(0) == 1  # validated before any change
+    # Not a batch: a float, a str or bytes (iterable, but not of block ids).
+    for bad in (1.5, np.float64(2), "01", b"\x01", bytearray(b"\x01")):
+        with pytest.raises(kvport.InvalidArgument, match="an int or an iterable of ints"):
+            cache.zero_blocks(bad)
+    # A uint32 array that is C-contiguous but not 4-byte aligned is copied.
+    raw = np.zeros(4 * 3 + 1, dtype=np.uint8)
+    unaligned = np.frombuffer(raw.data, dtype=np.uint32, count=3, offset=1)
+    assert not unaligned.flags.aligned
+    cache.zero_blocks(unaligned)
 
 
 def test_read_write_copy_blocks(cache, rng):

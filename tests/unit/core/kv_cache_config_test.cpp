@@ -55,6 +55,9 @@ TEST(KvCacheConfig, LayerDtypesLengthMustMatchNumLayers) {
   expect_invalid_argument([&] { (void)config.bytes_per_block(); }, "layer_dtypes");
   config.layer_dtypes.assign(33, KvCacheDtype::bf16);
   expect_invalid_argument([&] { config.validate(); }, "layer_dtypes");
+  // A config edited after validation is never read past its layer_dtypes.
+  config.layer_dtypes.assign(2, KvCacheDtype::bf16);
+  expect_invalid_argument([&] { (void)config.dtype_for_layer(10); }, "layer_dtypes has 2 entries");
   config.layer_dtypes.assign(32, KvCacheDtype::bf16);
   EXPECT_NO_THROW(config.validate());
   config.layer_dtypes.clear();
