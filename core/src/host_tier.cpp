@@ -62,6 +62,16 @@ struct Transfer {
   SlotId slot;
 };
 
+// Logs an error; a failure to format or log it is dropped (rollback and
+// noexcept paths must go on).
+template <class... Args>
+void log_error_nothrow(fmt::format_string<Args...> format, Args&&... args) noexcept {
+  try {
+    log::error(fmt::format(format, std::forward<Args>(args)...));
+  } catch (...) {
+  }
+}
+
 std::size_t physical_memory_bytes() noexcept {
   const long pages = ::sysconf(_SC_PHYS_PAGES);
   const long page = ::sysconf(_SC_PAGE_SIZE);
@@ -86,8 +96,18 @@ struct HostTier::State {
     free_slots.reserve(slots.size());
     for (std::size_t i = slots.size(); i-- > 0;)
       free_slots.push_back(static_cast<SlotId>(i));
-    index.reserve(slots.size());
-    memory = static_cast<std::byte*>(backend->alloc_host(slots.size() * slot_bytes));
+    // Everything a call may append to is sized here, so that no call
+    // allocates (and throws halfway) once blocks are detached or slots taken:
+    // at most one index entry and one transfer per host slot, at most one
+    // write-through entry per device block (it holds the block). The index is
+    // reserved 1/8 above its most entries (and at least 32), as PrefixCache's:
+    // below the load at which absl grows instead of reusing tombstones.
+    const std::size_t n = slots.size();
+    index.reserve(std::max<std::size_t>(n + n / 8 + 1, 32));
+    in_flight.reserve(n);
+    staged.reserve(n);
+    write_queue.reserve(kv->num_blocks());
+    memory = static_cast<std::byte*>(backend->alloc_host(n * slot_bytes));
   }
 
   ~State() { backend->free_host(memory); }
@@ -157,42 +177,45 @@ struct HostTier::State {
       free_slots.pop_back();
       ++counters.host_evictions;
     }
+    index.emplace(hash, s);  // never allocates (reserved), so nothing to undo
     Slot& slot = slots[s];
     slot.hash = hash;
     slot.state = SlotState::filling;
     ++filling;
-    index.emplace(hash, s);
     return s;
   }
 
   // ---- copies ------------------------------------------------------------------------
   // Queues one batch (device -> host for write-backs), ordered after the
-  // compute stream's work so far, and records copies_done after it. On a
-  // throw nothing of the batch is queued.
+  // compute stream's work so far, and records copies_done after it. When it
+  // throws, no copy of the batch is still running: the caller may roll the
+  // batch back (free its slots and blocks).
   void queue_copies(std::span<const Transfer> batch, HostCopyDirection direction) {
     regions.clear();
     for (const Transfer& t : batch)
       append_block_regions(*kv, t.block, slot_ptr(t.slot), regions);
     backend->record_event(compute_done, compute_stream);
     backend->wait_event(stream, compute_done);
-    if (direction == HostCopyDirection::device_to_host) {
-      backend->copy_batch_d2h_async(regions, stream);
-    } else {
-      backend->copy_batch_h2d_async(regions, stream);
-    }
     try {
+      if (direction == HostCopyDirection::device_to_host) {
+        backend->copy_batch_d2h_async(regions, stream);
+      } else {
+        backend->copy_batch_h2d_async(regions, stream);
+      }
       backend->record_event(copies_done, stream);
     } catch (...) {
-      // The copy is queued: let it finish before the caller rolls back
-      // (frees its slots and blocks).
-      // An error there may be an earlier batch's, still in flight: roll those
-      // back now, or the next wait_all would see a clean stream and publish
-      // them.
+      // Part of the batch may be queued: a copy call that queues one copy per
+      // region (HIP; CUDA without cudaMemcpyBatchAsync) returns at the first
+      // failing region, and a failed record leaves the whole copy queued.
+      // Let it finish before the caller rolls back, or an onload could write
+      // into a block already handed to a new owner. An error there may be an
+      // earlier batch's, still in flight: roll those back now, or the next
+      // wait_all would see a clean stream and publish them.
       try {
         backend->synchronize(stream);
       } catch (const Error& e) {
-        log::error(fmt::format("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
-                               in_flight.size(), e.what()));
+        log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
+                          in_flight.size(), e.what());
         finish_in_flight(false);
       }
       throw;
@@ -229,7 +252,7 @@ struct HostTier::State {
     try {
       prefix->release(block);
     } catch (const std::exception& e) {  // out of range cannot happen; logging failed
-      log::error(fmt::format("HostTier: giving back block {} failed: {}", block, e.what()));
+      log_error_nothrow("HostTier: giving back block {} failed: {}", block, e.what());
     }
   }
 
@@ -242,8 +265,8 @@ struct HostTier::State {
       backend->synchronize(stream);
     } catch (const Error& e) {
       ok = false;
-      log::error(fmt::format("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
-                             in_flight.size(), e.what()));
+      log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
+                        in_flight.size(), e.what());
     }
     finish_in_flight(ok);
     return ok;
@@ -256,7 +279,7 @@ struct HostTier::State {
     try {
       done = backend->query_event(copies_done);
     } catch (const Error& e) {
-      log::error(fmt::format("HostTier: query_event failed: {}", e.what()));
+      log_error_nothrow("HostTier: query_event failed: {}", e.what());
       done = true;  // let synchronize report (and roll back)
     }
     if (done) wait_all();
@@ -266,12 +289,11 @@ struct HostTier::State {
   // on a throw rolls the batch back and counts it.
   void start_offload(std::vector<Transfer>& batch) {
     if (batch.empty()) return;
-    in_flight.reserve(in_flight.size() + batch.size());
     try {
       queue_copies(batch, HostCopyDirection::device_to_host);
     } catch (const std::exception& e) {
-      log::error(fmt::format("HostTier: queueing the write-back of {} block(s) failed: {}",
-                             batch.size(), e.what()));
+      log_error_nothrow("HostTier: queueing the write-back of {} block(s) failed: {}", batch.size(),
+                        e.what());
       ++counters.aborted_transfers;
       counters.aborted_blocks += batch.size();
       for (const Transfer& t : batch) {
@@ -306,9 +328,9 @@ struct HostTier::State {
   // Evicts up to `n` LRU device blocks and queues their write-back.
   std::size_t write_back(std::size_t n) {
     victims.clear();
-    const std::size_t detached = prefix->detach_lru(n, victims);
+    // More victims than host slots would only be dropped uncopied.
+    const std::size_t detached = prefix->detach_lru(std::min(n, slots.size()), victims);
     staged.clear();
-    staged.reserve(victims.size());
     for (const auto& [block, hash] : victims)
       stage(block, hash, staged);
     start_offload(staged);
@@ -317,10 +339,25 @@ struct HostTier::State {
 
   // Queues the write-through copies of the blocks registered since the last
   // call.
+  // Gives the tier's reference on each queued write-through block that no
+  // sequence holds (refcount 2: the cache's and the tier's) back: the block
+  // becomes evictable, uncopied. The others stay queued.
+  void release_unheld_writes() {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < write_queue.size(); ++i) {
+      const BlockId block = write_queue[i].first;
+      if (kv->ref_count(block) == 2) {
+        release_block(block);
+      } else {
+        write_queue[kept++] = write_queue[i];
+      }
+    }
+    write_queue.resize(kept);
+  }
+
   void flush_writes() {
     if (write_queue.empty()) return;
     staged.clear();
-    staged.reserve(write_queue.size());
     for (const auto& [block, hash] : write_queue)
       stage(block, hash, staged);
     write_queue.clear();
@@ -408,17 +445,24 @@ HostTier::~HostTier() {
 
 void HostTier::on_free_list_empty(PrefixCache& /*cache*/, const std::source_location& /*where*/) {
   State& s = *state_;
-  s.flush_writes();
+  // Write-through blocks still queued are not copied here: this allocation
+  // may be part of the step that will write their KV (a block is registered
+  // when its tokens are appended, before the forward pass), so their copy
+  // waits for poll(). Those no sequence holds any more are given back to the
+  // LRU instead (their KV was queued before their release), and the
+  // write-back below copies them if they are chosen.
+  s.release_unheld_writes();
+  bool waited = false;
   if (!s.in_flight.empty()) {
-    ++s.counters.offload_waits;
-    s.wait_all();
-    if (s.kv->num_free_blocks() != 0) return;
-  }
-  if (s.write_back(s.options.offload_batch) == 0) return;
-  if (!s.in_flight.empty()) {
-    ++s.counters.offload_waits;
+    waited = true;
     s.wait_all();
   }
+  if (s.kv->num_free_blocks() == 0 && s.write_back(s.options.offload_batch) != 0 &&
+      !s.in_flight.empty()) {
+    waited = true;
+    s.wait_all();
+  }
+  if (waited) ++s.counters.offload_waits;
 }
 
 std::size_t HostTier::reclaimable_blocks() const noexcept {
@@ -441,11 +485,13 @@ void HostTier::on_insert(PrefixCache& /*cache*/, BlockId block, const BlockHash&
   State& s = *state_;
   if (s.options.policy != TierPolicy::write_through || s.inserting) return;
   if (s.index.contains(hash)) return;
+  // The queue has room for every device block (reserved at construction): a
+  // queued block is held, so it is never evicted and registered again.
+  if (s.write_queue.size() == s.write_queue.capacity()) return;
   try {
-    s.write_queue.reserve(s.write_queue.size() + 1);
-    s.kv->inc_ref(block);  // held until its copy completed
-  } catch (const std::exception& e) {
-    log::error(fmt::format("HostTier: write-through of block {} skipped: {}", block, e.what()));
+    s.kv->inc_ref(block);              // held until its copy completed
+  } catch (const std::exception& e) {  // a refcount at its limit: not written through
+    log_error_nothrow("HostTier: write-through of block {} skipped: {}", block, e.what());
     return;
   }
   s.write_queue.emplace_back(block, hash);
@@ -481,6 +527,8 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
       hits.push_back(it->second);
     }
     if (hits.empty()) return;
+    match.blocks.reserve(start + hits.size());  // the appends below must not throw
+    match.hashes.reserve(start + hits.size());
     onload.reserve(hits.size());
     for (SlotId h : hits) {
       const std::optional<BlockId> block = cache.try_alloc_block(where);
@@ -496,7 +544,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     }
     s.queue_copies(onload, HostCopyDirection::host_to_device);
   } catch (const std::exception& e) {
-    log::error(fmt::format("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what()));
+    log_error_nothrow("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what());
     roll_back();
     return;
   }
@@ -515,8 +563,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     try {
       cache.insert(hash, t.block, where);
     } catch (const std::exception& e) {  // a refcount overflow: the block stays private
-      log::error(
-          fmt::format("HostTier: registering onloaded block {} failed: {}", t.block, e.what()));
+      log_error_nothrow("HostTier: registering onloaded block {} failed: {}", t.block, e.what());
     }
     match.blocks.push_back(t.block);
     match.hashes.push_back(hash);
@@ -542,7 +589,10 @@ void HostTier::poll() {
   s.flush_writes();
   const std::size_t watermark = s.options.free_watermark;
   if (watermark != 0) {
-    const std::size_t have = s.kv->num_free_blocks() + s.in_flight.size();
+    // Write-backs in flight become free; write-throughs stay cached.
+    std::size_t have = s.kv->num_free_blocks();
+    for (const Transfer& t : s.in_flight)
+      if (!s.prefix->is_cached(t.block)) ++have;
     if (have < watermark) s.write_back(std::min(watermark - have, s.options.offload_batch));
   }
 }
@@ -667,9 +717,18 @@ InvariantReport HostTier::check_invariants() const {
         "host slots: {} free ({} listed) + {} filling ({} counted) + {} ready ({} counted) != {}",
         free, s.free_slots.size(), filling, s.filling, ready, s.ready, s.slots.size()));
   }
+  std::vector<bool> listed(s.slots.size(), false);
   for (SlotId f : s.free_slots) {
-    if (f >= s.slots.size() || s.slots[f].state != SlotState::free)
+    if (f >= s.slots.size() || s.slots[f].state != SlotState::free) {
       report.add_violation(fmt::format("the free slot list holds slot {}, which is not free", f));
+    } else if (listed[f]) {
+      report.add_violation(fmt::format("the free slot list holds slot {} twice", f));
+    } else {
+      listed[f] = true;
+    }
+  }
+  if (s.prefix->tier() != this) {
+    report.add_violation("the prefix cache's tier is not this HostTier");
   }
   if (s.index.size() != filling + ready) {
     report.add_violation(fmt::format("the host index has {} entries for {} filling + {} ready",
@@ -689,16 +748,47 @@ InvariantReport HostTier::check_invariants() const {
     report.add_violation(
         fmt::format("the host LRU order holds {} slots for {} ready", linked, ready));
   }
+  // Every filling slot is the destination of exactly one transfer in flight
+  // (a filling slot with none would stay invisible forever), and every held
+  // block is held once: a write-back is uncached with only the tier's
+  // reference, a write-through is cached and held by the cache and the tier.
+  if (s.in_flight.size() != filling) {
+    report.add_violation(fmt::format("{} transfers in flight for {} filling host slots",
+                                     s.in_flight.size(), filling));
+  }
+  std::vector<bool> slot_seen(s.slots.size(), false);
+  std::vector<bool> block_seen(s.kv->num_blocks(), false);
+  auto hold_once = [&](BlockId block) {
+    if (block >= block_seen.size() || block_seen[block]) {
+      report.add_violation(
+          fmt::format("block {} is held by the tier twice (or out of range)", block));
+      return false;
+    }
+    block_seen[block] = true;
+    return true;
+  };
   for (const Transfer& t : s.in_flight) {
-    if (s.slots[t.slot].state != SlotState::filling)
-      report.add_violation(fmt::format("host slot {} is in flight but not filling", t.slot));
-    if (s.kv->ref_count(t.block) == 0)
-      report.add_violation(fmt::format("block {} is in flight to the host but free", t.block));
+    if (t.slot >= s.slots.size() || s.slots[t.slot].state != SlotState::filling ||
+        slot_seen[t.slot]) {
+      report.add_violation(
+          fmt::format("host slot {} is in flight but not filling, or twice", t.slot));
+    } else {
+      slot_seen[t.slot] = true;
+    }
+    if (!hold_once(t.block)) continue;
+    const std::uint32_t rc = s.kv->ref_count(t.block);
+    if (s.prefix->is_cached(t.block) ? rc < 2 : rc != 1) {
+      report.add_violation(
+          fmt::format("block {} is in flight to the host with refcount {} ({}): expected {}",
+                      t.block, rc, s.prefix->is_cached(t.block) ? "cached" : "uncached",
+                      s.prefix->is_cached(t.block) ? ">= 2" : "1 (the tier's)"));
+    }
   }
   for (const auto& [block, hash] : s.write_queue) {
-    if (s.kv->ref_count(block) < 2 || !s.prefix->is_cached(block)) {
-      report.add_violation(
-          fmt::format("block {} waits for its write-through but is not cached and held", block));
+    if (!hold_once(block)) continue;
+    if (s.kv->ref_count(block) < 2 || s.prefix->hash_of(block) != std::optional<BlockHash>(hash)) {
+      report.add_violation(fmt::format(
+          "block {} waits for its write-through but is not cached under its hash and held", block));
     }
   }
   return report;

@@ -321,7 +321,10 @@ TEST_P(HostTierConcurrency, TheTierWorksWhileAnotherStreamCopiesOtherBlocks) {
   PagedKvCache cache(test::small_config(), 16, *backend);
   PrefixCache pc(cache);
   HostTierOptions o;
-  o.num_host_blocks = 6;
+  // Room for all 15 distinct blocks: with write-through the host also holds
+  // copies of blocks still on the device, and a smaller host thrashes (each
+  // step's write-throughs push out the blocks the next lookups need).
+  o.num_host_blocks = 16;
   o.policy = GetParam();
   o.offload_batch = 2;
   o.free_watermark = 2;

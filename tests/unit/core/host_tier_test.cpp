@@ -219,6 +219,54 @@ INSTANTIATE_TEST_SUITE_P(
              "_" + (p.param.policy == TierPolicy::write_back ? "write_back" : "write_through");
     });
 
+// An engine registers a block when its tokens are appended, before the
+// forward pass writes its KV. An allocation later in the same step that finds
+// the free list empty must not copy that block to the host yet (it once
+// flushed the write-through queue there, publishing the block's old bytes
+// under its hash; the real bytes were then never written back, and a later
+// lookup onloaded the old ones).
+TEST(HostTier, WriteThroughNeverCopiesABlockBeforeTheStepWroteIt) {
+  auto backend = host_backend();
+  Stream stream = backend->create_stream();
+  for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
+    PagedKvCache cache(small_config(layout), 6, *backend);
+    PrefixCache pc(cache);
+    HostTierOptions o;
+    o.num_host_blocks = 8;
+    o.policy = TierPolicy::write_through;
+    o.offload_batch = 1;
+    HostTier tier(pc, o, stream);
+    {
+      BlockTable x(pc);
+      x.append_tokens(tokens(8, 900), stream);
+      for (std::size_t i = 0; i < 2; ++i)
+        test::write_pattern_block(cache, x.blocks()[i], 900 + i, stream);
+      tier.poll();
+      tier.synchronize();
+    }  // X released: 4 free, 2 evictable (on the host too)
+    const std::vector<TokenId> ta = tokens(8, 100);
+    BlockTable a(pc);
+    a.append_tokens(ta, stream);  // A0 A1 registered; their KV is not written yet
+    BlockTable c(pc);
+    c.append_tokens(tokens(12, 500), stream);  // the third block finds the free list empty
+    for (std::size_t i = 0; i < 2; ++i)  // the step's kernels write A's KV now
+      test::write_pattern_block(cache, a.blocks()[i], 100 + i, stream);
+    tier.poll();  // A's write-through copies: after the writes
+    a.release();
+    c.release();
+    tier.synchronize();
+    tier.offload(8);
+    tier.synchronize();
+    EXPECT_TIER_INVARIANTS(tier);
+    BlockTable again(pc);
+    again.set_prefix_hit_mode(PrefixHitMode::full);
+    ASSERT_EQ(again.reuse_cached_prefix(ta, stream), 8u);
+    for (std::size_t i = 0; i < 2; ++i)
+      EXPECT_TRUE(test::holds_pattern_block(cache, again.blocks()[i], 100 + i, stream))
+          << to_string(layout) << " block " << i << " came back with bytes written before the step";
+  }
+}
+
 TEST(HostTier, RegionsAreOnePerBlockInTheBlockMajorLayout) {
   auto backend = host_backend();
   for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {

@@ -28,7 +28,10 @@ enum class TierPolicy : std::uint8_t {
   /// default: only blocks the device drops cross the link.
   write_back,
   /// As soon as it is registered (filled): queued by the next poll() after
-  /// its PrefixCache::insert, so an eviction later needs no copy. Blocks the
+  /// its PrefixCache::insert (an engine registers a block before the forward
+  /// pass writes its KV, so never earlier: an allocation that finds the free
+  /// list empty meanwhile gives the queued blocks no sequence holds back to
+  /// the LRU uncopied instead), so an eviction later needs no copy. Blocks the
   /// device evicts before their copy (or that the host dropped) are still
   /// written back.
   write_through,
@@ -91,8 +94,8 @@ struct HostTierCounters {
   std::uint64_t already_on_host = 0;
   /// Device evictions dropped without a copy: every host slot was in flight.
   std::uint64_t dropped_offloads = 0;
-  /// Times an allocation waited for write-backs in flight (the device's free
-  /// list was empty and only they could free blocks).
+  /// Allocations that waited for copies in flight (the device's free list was
+  /// empty and only write-backs could free blocks); counted once each.
   std::uint64_t offload_waits = 0;
   /// Host hits cut short because no device block was free for the copy.
   std::uint64_t onload_shortfalls = 0;
@@ -156,9 +159,10 @@ class HostTier final : public PrefixCacheTier {
   /// thrown).
   void synchronize();
 
-  /// Writes back up to `max_blocks` least recently used evictable device
-  /// blocks now (evicting them) without waiting; they become free when the
-  /// copy completes (poll / synchronize). Returns how many were evicted.
+  /// Writes back up to `max_blocks` (at most num_host_blocks) least recently
+  /// used evictable device blocks now (evicting them) without waiting; they
+  /// become free when the copy completes (poll / synchronize). Returns how
+  /// many were evicted.
   std::size_t offload(std::size_t max_blocks);
 
   // ---- state --------------------------------------------------------------------------

@@ -159,6 +159,7 @@ class TierModel {
   // (their slots join the host LRU in eviction order, after all of them took
   // a slot).
   std::size_t write_back(std::size_t n) {
+    n = std::min(n, host_);  // more victims than host slots would only be dropped
     std::vector<BlockHash> filling;
     std::size_t done = 0;
     for (; done < n && !device_lru_.empty(); ++done) {
