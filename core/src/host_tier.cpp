@@ -225,25 +225,35 @@ struct HostTier::State {
   // Completes (ok) or rolls back (!ok) every write-back and write-through in
   // flight: slots published or freed, device blocks given back.
   void finish_in_flight(bool ok) {
-    if (!ok && !in_flight.empty()) {
-      ++counters.aborted_transfers;
-      counters.aborted_blocks += in_flight.size();
+    if (!ok) {
+      abort_offloads(in_flight);
+      in_flight.clear();
+      return;
     }
     for (const Transfer& t : in_flight) {
-      if (ok) {
-        Slot& slot = slots[t.slot];
-        slot.state = SlotState::ready;
-        --filling;
-        ++ready;
-        lru_push_back(t.slot);
-        ++counters.offloads;
-        counters.offload_bytes += slot_bytes;
-      } else {
-        free_slot(t.slot);
-      }
+      Slot& slot = slots[t.slot];
+      slot.state = SlotState::ready;
+      --filling;
+      ++ready;
+      lru_push_back(t.slot);
+      ++counters.offloads;
+      counters.offload_bytes += slot_bytes;
       release_block(t.block);
     }
     in_flight.clear();
+  }
+
+  // Rolls back write-backs / write-throughs that failed, counted as one
+  // aborted transfer: their filling slots are freed and their device blocks
+  // given back (evicted, not on the host; a write-through stays cached).
+  void abort_offloads(std::span<const Transfer> batch) {
+    if (batch.empty()) return;
+    ++counters.aborted_transfers;
+    counters.aborted_blocks += batch.size();
+    for (const Transfer& t : batch) {
+      free_slot(t.slot);
+      release_block(t.block);
+    }
   }
 
   // Gives back the tier's reference on a device block (an uncached
@@ -294,12 +304,7 @@ struct HostTier::State {
     } catch (const std::exception& e) {
       log_error_nothrow("HostTier: queueing the write-back of {} block(s) failed: {}", batch.size(),
                         e.what());
-      ++counters.aborted_transfers;
-      counters.aborted_blocks += batch.size();
-      for (const Transfer& t : batch) {
-        free_slot(t.slot);
-        release_block(t.block);
-      }
+      abort_offloads(batch);
       batch.clear();
       return;
     }
@@ -337,8 +342,6 @@ struct HostTier::State {
     return detached;
   }
 
-  // Queues the write-through copies of the blocks registered since the last
-  // call.
   // Gives the tier's reference on each queued write-through block that no
   // sequence holds (refcount 2: the cache's and the tier's) back: the block
   // becomes evictable, uncopied. The others stay queued.
@@ -355,6 +358,8 @@ struct HostTier::State {
     write_queue.resize(kept);
   }
 
+  // Queues the write-through copies of the blocks registered since the last
+  // call.
   void flush_writes() {
     if (write_queue.empty()) return;
     staged.clear();
@@ -650,11 +655,8 @@ std::vector<BlockHash> HostTier::host_lru_order() const {
 
 // ---- regions --------------------------------------------------------------------------------
 
-std::size_t HostTier::slot_bytes_for(const PagedKvCache& cache) noexcept {
-  std::size_t bytes = 0;
-  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer)
-    bytes += cache.k_block_bytes(layer) + cache.v_block_bytes(layer);
-  return bytes;
+std::size_t HostTier::slot_bytes_for(const PagedKvCache& cache) {
+  return cache.config().bytes_per_block();  // every layer's K and V: one slot
 }
 
 void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,

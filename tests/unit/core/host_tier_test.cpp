@@ -249,7 +249,7 @@ TEST(HostTier, WriteThroughNeverCopiesABlockBeforeTheStepWroteIt) {
     a.append_tokens(ta, stream);  // A0 A1 registered; their KV is not written yet
     BlockTable c(pc);
     c.append_tokens(tokens(12, 500), stream);  // the third block finds the free list empty
-    for (std::size_t i = 0; i < 2; ++i)  // the step's kernels write A's KV now
+    for (std::size_t i = 0; i < 2; ++i)        // the step's kernels write A's KV now
       test::write_pattern_block(cache, a.blocks()[i], 100 + i, stream);
     tier.poll();  // A's write-through copies: after the writes
     a.release();

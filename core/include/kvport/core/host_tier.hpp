@@ -202,8 +202,8 @@ class HostTier final : public PrefixCacheTier {
   /// layer-major one). Appended to `out`.
   static void append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
                                    std::vector<HostCopyRegion>& out);
-  /// Bytes of one host slot for `cache`.
-  static std::size_t slot_bytes_for(const PagedKvCache& cache) noexcept;
+  /// Bytes of one host slot for `cache`: its config's bytes_per_block().
+  static std::size_t slot_bytes_for(const PagedKvCache& cache);
 
  private:
   void on_free_list_empty(PrefixCache& cache, const std::source_location& where) override;

@@ -17,7 +17,7 @@ namespace kvport {
 
 /// Monotonic counters since construction.
 struct PrefixCacheCounters {
-  std::uint64_t lookups = 0;           ///< lookup calls
+  std::uint64_t lookups = 0;  ///< lookup calls
   /// Full blocks a lookup found cached on the device.
   std::uint64_t hits = 0;
   /// Full blocks after the device's longest cached prefix (a lower tier's
