@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/block_hash.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
@@ -178,6 +180,24 @@ inline bool holds_pattern_block(const PagedKvCache& cache, BlockId block, std::s
     if (b.v != pattern(cache.v_block_bytes(layer), tag, layer, true)) return false;
   }
   return true;
+}
+
+/// `n` consecutive token ids from `first`.
+inline std::vector<TokenId> tokens(std::size_t n, TokenId first) {
+  std::vector<TokenId> t(n);
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+
+/// The host-tier tests' sequence `k`: the chained hashes of `blocks` full
+/// blocks of 4 tokens from 1000 * k (small_config's block size).
+inline std::vector<BlockHash> seq_hashes(std::size_t k, std::size_t blocks = 2) {
+  return hash_full_blocks(tokens(4 * blocks, static_cast<TokenId>(1000 * k)), 4);
+}
+
+/// The pattern tag of block `i` of sequence `k` (write_pattern_block).
+inline std::size_t tag_of(std::size_t k, std::size_t i) {
+  return 10 * k + i;
 }
 
 }  // namespace kvport::test

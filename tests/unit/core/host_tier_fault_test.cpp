@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,21 +31,9 @@ namespace {
     ASSERT_TRUE(r_.ok) << (what) << ": " << r_.to_string(); \
   } while (0)
 
-std::vector<TokenId> tokens(std::size_t n, TokenId first) {
-  std::vector<TokenId> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
-
-// The chained hashes of sequence `k`: `blocks` full blocks of 4 tokens.
-std::vector<BlockHash> seq_hashes(std::size_t k, std::size_t blocks = 2) {
-  return hash_full_blocks(tokens(4 * blocks, static_cast<TokenId>(1000 * k)), 4);
-}
-
-// The pattern tag of block `i` of sequence `k`.
-std::size_t tag_of(std::size_t k, std::size_t i) {
-  return 10 * k + i;
-}
+using test::seq_hashes;  // sequence k: 4-token blocks from 1000 * k
+using test::tag_of;
+using test::tokens;
 
 // A FaultInjectingBackend over a host backend, a 4-block cache, its prefix
 // cache and (optionally) a HostTier, built and torn down in order, with the

@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,19 +38,9 @@ using kvport::testing::GatedBackend;
     ASSERT_TRUE(r_.ok) << r_.to_string();                 \
   } while (0)
 
-std::vector<TokenId> tokens(std::size_t n, TokenId first) {
-  std::vector<TokenId> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
-
-std::vector<BlockHash> seq_hashes(std::size_t k, std::size_t blocks = 2) {
-  return hash_full_blocks(tokens(4 * blocks, static_cast<TokenId>(1000 * k)), 4);
-}
-
-std::size_t tag_of(std::size_t k, std::size_t i) {
-  return 10 * k + i;
-}
+using test::seq_hashes;  // sequence k: 4-token blocks from 1000 * k
+using test::tag_of;
+using test::tokens;
 
 class HostTierSlowStream : public ::testing::TestWithParam<KvCacheLayout> {
  protected:
@@ -374,18 +363,10 @@ TEST_P(HostTierConcurrency, TheTierWorksWhileAnotherStreamCopiesOtherBlocks) {
   });
 
   auto fill = [&](BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      cache.write_block(layer, block, test::pattern(cache.k_block_bytes(layer), tag, layer, false),
-                        test::pattern(cache.v_block_bytes(layer), tag, layer, true), main_stream);
-    }
+    test::write_pattern_block(cache, block, tag, main_stream);
   };
   auto holds = [&](BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-      const auto b = cache.read_block(layer, block, main_stream);
-      if (b.k != test::pattern(cache.k_block_bytes(layer), tag, layer, false)) return false;
-      if (b.v != test::pattern(cache.v_block_bytes(layer), tag, layer, true)) return false;
-    }
-    return true;
+    return test::holds_pattern_block(cache, block, tag, main_stream);
   };
   std::size_t onloaded = 0;
   std::size_t bad = 0;

@@ -4,7 +4,6 @@
 // options.
 #include <gtest/gtest.h>
 
-#include <numeric>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -19,11 +18,7 @@ namespace {
 using test::host_backend;
 using test::small_config;  // block_size 4, 3 layers, 128 bytes per K or V block
 
-std::vector<TokenId> tokens(std::size_t n, TokenId first = 100) {
-  std::vector<TokenId> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
+using test::tokens;
 
 #define EXPECT_TIER_INVARIANTS(tier)                      \
   do {                                                    \

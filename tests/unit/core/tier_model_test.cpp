@@ -118,13 +118,10 @@ TEST(TierModelEdge, AHostBlockNamedTwiceInOneLookup) {
   // back with its own bytes.
   Stream stream = backend->create_stream();
   auto fill = [&](BlockId block, std::size_t tag) {
-    for (std::size_t layer = 0; layer < cache.num_layers(); ++layer)
-      cache.write_block(layer, block, test::pattern(cache.k_block_bytes(layer), tag, layer, false),
-                        test::pattern(cache.v_block_bytes(layer), tag, layer, true), stream);
+    test::write_pattern_block(cache, block, tag, stream);
   };
-  auto holds = [&](BlockId block, std::size_t tag) {
-    const auto got = cache.read_block(0, block, stream);
-    return got.k == test::pattern(cache.k_block_bytes(0), tag, 0, false);
+  auto holds = [&](BlockId block, std::size_t tag) {  // every layer's K and V
+    return test::holds_pattern_block(cache, block, tag, stream);
   };
   const BlockHash x{21, 22};
   const BlockHash y{31, 32};
