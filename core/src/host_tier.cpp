@@ -2,7 +2,6 @@
 
 #include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <exception>
@@ -11,6 +10,7 @@
 
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/host_memory.hpp"
 #include "kvport/platform/log.hpp"
 
 namespace kvport {
@@ -70,13 +70,6 @@ void log_error_nothrow(fmt::format_string<Args...> format, Args&&... args) noexc
     log::error(fmt::format(format, std::forward<Args>(args)...));
   } catch (...) {
   }
-}
-
-std::size_t physical_memory_bytes() noexcept {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return std::numeric_limits<std::size_t>::max();
-  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
 }
 
 }  // namespace
@@ -417,8 +410,8 @@ void validate(const PrefixCache& prefix, const HostTierOptions& o) {
     throw InvalidArgument("HostTier: the prefix cache already has a tier");
   }
   const std::size_t slot = std::max<std::size_t>(HostTier::slot_bytes_for(prefix.kv_cache()), 1);
-  const std::size_t memory = physical_memory_bytes();
-  if (o.num_host_blocks > memory / slot) {
+  const std::size_t memory = host_physical_memory();  // 0: unknown, not checked
+  if (memory != 0 && o.num_host_blocks > memory / slot) {
     throw InvalidArgument(
         fmt::format("HostTier: {} host blocks of {} need more memory than this machine has ({})",
                     o.num_host_blocks, format_bytes(slot), format_bytes(memory)));

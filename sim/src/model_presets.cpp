@@ -35,6 +35,15 @@ std::optional<ModelPreset> find_model_preset(std::string_view name) noexcept {
   return std::nullopt;
 }
 
+std::string model_preset_names() {
+  std::string names;
+  for (const ModelPreset& preset : kPresets) {
+    if (!names.empty()) names += ", ";
+    names += preset.name;
+  }
+  return names;
+}
+
 KvCacheConfig preset_config(const ModelPreset& preset, KvCacheDtype dtype, std::size_t block_size) {
   KvCacheConfig config;
   config.num_layers = preset.num_layers;

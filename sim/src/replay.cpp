@@ -1,7 +1,6 @@
 #include "kvport/sim/replay.hpp"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +20,7 @@
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/host_memory.hpp"
 #include "kvport/sim/model_presets.hpp"
 #include "kvport/sim/scheduler.hpp"
 #include "kvport/sim/trace_tokens.hpp"
@@ -29,22 +29,12 @@ namespace kvport::sim {
 
 namespace {
 
-std::size_t physical_memory_bytes() noexcept {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return std::numeric_limits<std::size_t>::max();
-  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
-}
-
 // Bytes of one block of the model the transfers are modeled on (bf16).
 std::size_t model_block_bytes(const ReplayOptions& options) {
   const std::optional<ModelPreset> preset = find_model_preset(options.model);
   if (!preset) {
-    std::string known;
-    for (const ModelPreset& p : model_presets())
-      known += (known.empty() ? "" : ", ") + std::string(p.name);
-    throw InvalidArgument(
-        fmt::format("--model: unknown model '{}' (known: {})", options.model, known));
+    throw InvalidArgument(fmt::format("--model: unknown model '{}' (known: {})", options.model,
+                                      model_preset_names()));
   }
   return preset_config(*preset, KvCacheDtype::bf16, options.block_size).bytes_per_block();
 }
@@ -75,7 +65,8 @@ void ReplayOptions::validate() const {
   }
   // The simulated slot holds K and V of 1 head of dim 1, f16: 4 bytes a token.
   const std::size_t per_block = kHostTierBookkeepingBytes + 4 * block_size;
-  if (const std::size_t memory = physical_memory_bytes(); host_tier_blocks > memory / per_block) {
+  if (const std::size_t memory = host_physical_memory();  // 0: unknown, not checked
+      memory != 0 && host_tier_blocks > memory / per_block) {
     throw InvalidArgument(fmt::format(
         "--host-tier-blocks: {} host blocks need {} of host memory to simulate ({} per block), "
         "more than this machine has ({})",

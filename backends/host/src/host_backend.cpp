@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -481,13 +480,6 @@ class HostBackend final : public Backend {
 };
 
 }  // namespace
-
-std::size_t host_physical_memory() noexcept {
-  const long pages = ::sysconf(_SC_PHYS_PAGES);
-  const long page_size = ::sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page_size <= 0) return 0;
-  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page_size);
-}
 
 std::unique_ptr<Backend> make_host_backend(HostBackendOptions options) {
   std::size_t capacity = 0;

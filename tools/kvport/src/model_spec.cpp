@@ -70,14 +70,11 @@ ModelSpec find_model_preset(std::string_view name) {
     return ModelSpec{std::string(preset->name), "preset",         preset->num_layers,
                      preset->num_kv_heads,      preset->head_dim, preset->head_dim};
   }
-  std::vector<std::string_view> names;
-  for (const sim::ModelPreset& preset : sim::model_presets())
-    names.push_back(preset.name);
   // A long name is cut so that the list of known presets stays on the line.
   const std::string shown =
       name.size() > 64 ? std::string(name.substr(0, 61)) + "..." : std::string(name);
   throw InvalidArgument(
-      fmt::format("unknown model preset '{}' (known: {})", shown, fmt::join(names, ", ")));
+      fmt::format("unknown model preset '{}' (known: {})", shown, sim::model_preset_names()));
 }
 
 HfConfigFields parse_hf_config(std::string_view json_text, std::string_view source) {

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "kvport/core/kv_cache_config.hpp"
@@ -25,6 +26,9 @@ std::span<const ModelPreset> model_presets() noexcept;
 
 /// The preset called `name` (ASCII case-insensitive), or nullopt.
 std::optional<ModelPreset> find_model_preset(std::string_view name) noexcept;
+
+/// The presets' names joined with ", " (for "unknown model" messages).
+std::string model_preset_names();
 
 /// A cache config of `preset`'s shape with `dtype` and `block_size` (tokens
 /// per block), layer-major; not validated (a preset always is valid).

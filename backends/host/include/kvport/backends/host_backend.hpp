@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kvport/platform/backend.hpp"
+#include "kvport/platform/host_memory.hpp"  // host_physical_memory (the host backend's capacity)
 
 namespace kvport {
 
@@ -40,9 +41,6 @@ std::unique_ptr<Backend> make_default_host_backend();
 /// (InvalidArgument otherwise).
 std::unique_ptr<Backend> make_host_backend_on(int device);
 std::string probe_host_backend();
-
-/// Physical RAM of this machine in bytes.
-std::size_t host_physical_memory() noexcept;
 
 /// Test hook: queues `fn` on `stream` as if it were device work, unchecked.
 /// Lets a test hold a stream at a known point (say, until a std::promise is
