@@ -8,7 +8,8 @@
 #   ctests (label peer) and the Python bindings' PyTorch tests
 # The bindings (bindings/): python3-dev, pybind11, NumPy and pytest for the
 # Python module, rustc + cargo for the Rust crate, libdlpack-dev for the
-# tensor views; all from Debian.
+# tensor views; all from Debian. The block transfer (transfer/, `kvport
+# disagg`): UCX (libucx-dev: UCP over TCP, shared memory and CMA).
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -18,6 +19,7 @@ packages=(
   libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev
   python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest libdlpack-dev
   rustc cargo
+  libucx-dev
 )
 for arg in "$@"; do
   case "$arg" in

@@ -1,0 +1,127 @@
+// PoolLayout: what one side of a block transfer tells the other about its KV
+// pools at the handshake, the compatibility check that names the field that
+// differs, and the region planner that turns two block lists into the byte
+// ranges to move (head slicing for tensor parallelism included).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+
+namespace kvport::transfer {
+
+/// One side's pool layout, as exchanged at the handshake.
+///
+/// Head slicing (tensor parallelism): a rank of a TP group of `tp_size` holds
+/// `num_kv_heads` heads, global heads [tp_rank * num_kv_heads,
+/// (tp_rank + 1) * num_kv_heads). Inside one block's K (or V) region of one
+/// layer, the data bytes are head-major ([head][token][head_dim], packed) and
+/// the scale bytes (nvfp4, turboN) are head-major too ([head][token][...]), so
+/// one head's share of a region is one contiguous data range plus one
+/// contiguous scale range.
+struct PoolLayout {
+  std::uint32_t num_layers = 0;
+  std::uint32_t block_size = 0;    ///< tokens per block
+  std::uint32_t num_kv_heads = 0;  ///< heads this rank holds
+  std::uint32_t head_dim_k = 0;
+  std::uint32_t head_dim_v = 0;
+  std::vector<KvCacheDtype> layer_dtypes;  ///< always num_layers entries
+  KvCacheLayout layout = KvCacheLayout::layer_major;
+  std::uint32_t tp_rank = 0;
+  std::uint32_t tp_size = 1;
+  std::uint64_t num_blocks = 0;
+
+  /// num_kv_heads * tp_size: the model's KV heads.
+  std::uint64_t total_kv_heads() const noexcept {
+    return std::uint64_t{num_kv_heads} * tp_size;
+  }
+  /// The KvCacheConfig this layout describes (layer_dtypes filled in).
+  KvCacheConfig to_config() const;
+
+  friend bool operator==(const PoolLayout&, const PoolLayout&) = default;
+};
+
+/// The layout of `cache` as rank `tp_rank` of a TP group of `tp_size`.
+/// Throws InvalidArgument when tp_size is 0, tp_rank >= tp_size, or a field
+/// does not fit 32 bits.
+PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank = 0,
+                       std::uint32_t tp_size = 1);
+
+/// A versioned little-endian encoding (for the handshake message).
+std::vector<std::uint8_t> encode(const PoolLayout& layout);
+/// Decodes `encode`'s bytes. Throws InvalidArgument naming what is wrong for a
+/// short, long, wrong-version or out-of-range (unknown dtype/layout, zero
+/// sizes, tp_rank >= tp_size, too many layers) input; never reads past
+/// `bytes`.
+PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes);
+
+/// XXH3-64 of the fields two sides must agree on to exchange blocks: layers,
+/// per-layer dtypes, block size, head dims, total KV heads. Not tp_rank,
+/// tp_size, num_blocks or the in-block layout (KvCacheLayout): those may
+/// differ between compatible peers.
+std::uint64_t compatibility_hash(const PoolLayout& layout);
+
+/// nullopt when blocks can move between `local` and `remote`, otherwise one
+/// line naming the first field that differs and both values, e.g.
+/// "num_layers differs: 32 here, 16 on the peer" or "layer 3 dtype differs:
+/// bf16 here, fp8_e4m3 on the peer". Also rejected: different TP sizes unless
+/// both sides are layer-major ("tensor-parallel head slicing needs the
+/// layer-major layout on both sides"), and a TP size that does not divide the
+/// total heads.
+std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLayout& remote);
+
+/// Where one side's pools are: per layer, the address of block 0's K (V)
+/// bytes and the distance between consecutive blocks (PagedKvCache's
+/// k_pool_ptr / k_block_stride). Addresses are integers: they may be the
+/// peer's.
+struct PoolAddresses {
+  std::vector<std::uint64_t> k_base, v_base;
+  std::vector<std::uint64_t> k_stride, v_stride;
+  friend bool operator==(const PoolAddresses&, const PoolAddresses&) = default;
+};
+
+/// The addresses of `cache`'s pools.
+PoolAddresses pool_addresses(const PagedKvCache& cache);
+
+/// One contiguous copy between the two sides.
+struct CopyRegion {
+  std::uint64_t local = 0;
+  std::uint64_t remote = 0;
+  std::uint64_t bytes = 0;
+  friend bool operator==(const CopyRegion&, const CopyRegion&) = default;
+};
+
+/// The global heads both ranks hold: [first, first + count), or nullopt when
+/// their slices do not overlap.
+struct HeadRange {
+  std::uint64_t first = 0;
+  std::uint64_t count = 0;
+  friend bool operator==(const HeadRange&, const HeadRange&) = default;
+};
+std::optional<HeadRange> head_overlap(const PoolLayout& local, const PoolLayout& remote);
+
+/// The byte ranges that move the heads both sides hold of local_blocks[i] <->
+/// remote_blocks[i], every layer, K and V (data and scales). With equal TP
+/// sizes whole regions move (padding included); with head slicing only the
+/// overlapping heads' data and scale ranges. Regions adjacent on both sides
+/// are merged (consecutive ids in layer-major pools, whole blocks in
+/// block-major), so a run of consecutive ids costs 2 x layers regions (1 in
+/// block-major on both sides). Throws InvalidArgument, before returning
+/// anything, when the layouts are incompatible, the lists differ in length,
+/// an id is out of range for its side, or the heads do not overlap.
+std::vector<CopyRegion> plan_block_regions(const PoolLayout& local, const PoolAddresses& local_pools,
+                                           std::span<const BlockId> local_blocks,
+                                           const PoolLayout& remote,
+                                           const PoolAddresses& remote_pools,
+                                           std::span<const BlockId> remote_blocks);
+
+/// Total bytes of `regions`.
+std::uint64_t total_bytes(std::span<const CopyRegion> regions) noexcept;
+
+}  // namespace kvport::transfer
