@@ -1,1 +1,387 @@
-// placeholder
+// The agent over UCX, two agents in one process on 127.0.0.1: handshake and
+// its rejections, byte-exact reads and writes in both layouts, mixed dtypes
+// and head slicing, notifications, cancel, empty transfers, the staging path,
+// bad addresses and refused connections. Every wait is bounded.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <numeric>
+#include <thread>
+
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/transfer/agent.hpp"
+#include "kvport/transfer/kv_content.hpp"
+
+namespace kvport::transfer {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+KvCacheConfig config(KvCacheLayout layout, std::size_t heads = 4,
+                     KvCacheDtype dtype = KvCacheDtype::bf16) {
+  KvCacheConfig c;
+  c.num_layers = 3;
+  c.block_size = 16;
+  c.num_kv_heads = heads;
+  c.head_dim_k = 64;
+  c.head_dim_v = 64;
+  c.dtype = dtype;
+  c.layout = layout;
+  return c;
+}
+
+std::vector<TokenId> tokens(std::size_t n, TokenId seed = 1) {
+  std::vector<TokenId> t(n);
+  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<TokenId>(seed * 7919 + i * 31);
+  return t;
+}
+
+// One side: a host backend, a cache and its agent.
+struct Side {
+  std::unique_ptr<Backend> backend = make_host_backend(HostBackendOptions{64u << 20});
+  PagedKvCache cache;
+  Stream stream;
+  std::unique_ptr<Agent> agent;
+
+  Side(const KvCacheConfig& c, std::size_t blocks, AgentOptions o = {})
+      : cache(c, blocks, *backend), stream(backend->create_stream()) {
+    o.peer_timeout = o.peer_timeout == 2000ms ? 1000ms : o.peer_timeout;
+    agent = std::make_unique<Agent>(cache, o);
+  }
+  std::vector<BlockId> alloc(std::size_t n) {
+    std::vector<BlockId> out;
+    for (std::size_t i = 0; i < n; ++i) out.push_back(cache.alloc_block());
+    return out;
+  }
+  PoolLayout layout() const { return agent->layout(); }
+};
+
+AgentOptions named(std::string name, std::uint32_t rank = 0, std::uint32_t size = 1) {
+  AgentOptions o;
+  o.name = std::move(name);
+  o.tp_rank = rank;
+  o.tp_size = size;
+  return o;
+}
+
+// Connects a -> b; returns (a's id for b, b's id for a).
+std::pair<PeerId, PeerId> link(Side& a, Side& b) {
+  const std::string address = b.agent->listen("127.0.0.1:0");
+  const PeerId to_b = a.agent->connect(address, 5s);
+  PeerId to_a = 0;
+  for (int i = 0; i < 500 && to_a == 0; ++i) {
+    auto ids = b.agent->peers();
+    if (!ids.empty()) to_a = ids.back();
+    else std::this_thread::sleep_for(2ms);
+  }
+  return {to_b, to_a};
+}
+
+TEST(Agent, HandshakeExchangesLayouts) {
+  Side a(config(KvCacheLayout::layer_major), 8, named("decode"));
+  Side b(config(KvCacheLayout::block_major), 16, named("prefill"));
+  auto [to_b, to_a] = link(a, b);
+  ASSERT_NE(to_a, 0u);
+  auto info = a.agent->peer(to_b);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->name, "prefill");
+  EXPECT_EQ(info->layout, b.layout());
+  EXPECT_TRUE(info->connected);
+  EXPECT_EQ(b.agent->peer(to_a)->name, "decode");
+  EXPECT_FALSE(a.agent->peer(999).has_value());
+  EXPECT_THAT(a.agent->transport_description(), HasSubstr("ucx"));
+  EXPECT_EQ(a.agent->memory_path(), MemoryPath::direct);
+}
+
+void expect_read_is_byte_exact(KvCacheLayout dst_layout, KvCacheLayout src_layout,
+                               KvCacheDtype dtype = KvCacheDtype::bf16) {
+  Side dst(config(dst_layout, 4, dtype), 12, named("decode"));
+  Side src(config(src_layout, 4, dtype), 12, named("prefill"));
+  auto [to_src, to_dst] = link(dst, src);
+  (void)to_dst;
+  // Scattered, non-consecutive ids on both sides.
+  auto src_all = src.alloc(10);
+  std::vector<BlockId> src_blocks{src_all[7], src_all[2], src_all[3], src_all[9]};
+  auto t = tokens(4 * 16 - 5);
+  write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
+  src.agent->publish(src_blocks);
+  auto dst_blocks = dst.alloc(6);
+  dst_blocks = {dst_blocks[5], dst_blocks[0], dst_blocks[1], dst_blocks[4]};
+  const TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done) << dst.agent->why(id);
+  EXPECT_GT(dst.agent->bytes(id), 0u);
+  auto check = verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream);
+  EXPECT_TRUE(check.ok()) << check.bytes_wrong << " of " << check.bytes_checked;
+  EXPECT_EQ(dst.agent->counters().transfers_done, 1u);
+  EXPECT_EQ(dst.agent->counters().bytes_read, dst.agent->bytes(id));
+  dst.agent->release(id);
+  EXPECT_THROW(dst.agent->poll(id), InvalidArgument);
+}
+
+TEST(Agent, ReadIsByteExactLayerMajor) {
+  expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::layer_major);
+}
+TEST(Agent, ReadIsByteExactBlockMajor) {
+  expect_read_is_byte_exact(KvCacheLayout::block_major, KvCacheLayout::block_major);
+}
+TEST(Agent, ReadIsByteExactAcrossLayouts) {
+  expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::block_major);
+}
+TEST(Agent, ReadIsByteExactWithScales) {
+  expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::layer_major, KvCacheDtype::nvfp4);
+}
+
+TEST(Agent, MixedDtypesAndWrite) {
+  auto c = config(KvCacheLayout::layer_major);
+  c.layer_dtypes = {KvCacheDtype::bf16, KvCacheDtype::fp8_e4m3, KvCacheDtype::turbo4};
+  Side src(c, 8, named("prefill"));
+  Side dst(c, 8, named("decode"));
+  auto [to_dst, to_src] = link(src, dst);
+  (void)to_src;
+  auto src_blocks = src.alloc(3);
+  auto dst_blocks = dst.alloc(5);
+  dst_blocks.erase(dst_blocks.begin(), dst_blocks.begin() + 2);
+  auto t = tokens(3 * 16, 9);
+  write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
+  const TransferId id = src.agent->post(to_dst, false, src_blocks, dst_blocks);
+  ASSERT_EQ(src.agent->wait(id, 10s), TransferState::done) << src.agent->why(id);
+  EXPECT_TRUE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
+  EXPECT_EQ(src.agent->counters().bytes_written, src.agent->bytes(id));
+}
+
+void expect_head_sliced(std::uint32_t src_tp, std::uint32_t dst_tp) {
+  // Model: 4 KV heads. Each rank holds 4 / tp of them.
+  std::vector<std::unique_ptr<Side>> srcs, dsts;
+  for (std::uint32_t r = 0; r < src_tp; ++r) {
+    srcs.push_back(std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / src_tp, KvCacheDtype::turbo4),
+                                          8, named("prefill", r, src_tp)));
+  }
+  for (std::uint32_t r = 0; r < dst_tp; ++r) {
+    dsts.push_back(std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / dst_tp, KvCacheDtype::turbo4),
+                                          8, named("decode", r, dst_tp)));
+  }
+  auto t = tokens(2 * 16, 5);
+  std::vector<std::vector<BlockId>> src_blocks;
+  std::vector<std::string> addresses;
+  for (auto& s : srcs) {
+    src_blocks.push_back(s->alloc(2));
+    write_kv_content(s->cache, s->layout(), src_blocks.back(), t, s->stream);
+    addresses.push_back(s->agent->listen("127.0.0.1:0"));
+  }
+  for (auto& d : dsts) {
+    auto blocks = d->alloc(2);
+    for (std::size_t r = 0; r < srcs.size(); ++r) {
+      const PeerId peer = d->agent->connect(addresses[r], 5s);
+      if (!head_overlap(d->layout(), srcs[r]->layout())) continue;
+      const TransferId id = d->agent->post(peer, true, blocks, src_blocks[r]);
+      ASSERT_EQ(d->agent->wait(id, 10s), TransferState::done) << d->agent->why(id);
+    }
+    EXPECT_TRUE(verify_kv_content(d->cache, d->layout(), blocks, t, d->stream).ok());
+  }
+}
+
+TEST(Agent, TensorParallelTwoToOne) { expect_head_sliced(2, 1); }
+TEST(Agent, TensorParallelOneToTwo) { expect_head_sliced(1, 2); }
+
+TEST(Agent, IncompatiblePeerIsRejectedNamingTheField) {
+  auto other = config(KvCacheLayout::layer_major);
+  other.num_layers = 2;
+  Side a(config(KvCacheLayout::layer_major), 4, named("a"));
+  Side b(other, 4, named("b"));
+  const std::string address = b.agent->listen("127.0.0.1:0");
+  try {
+    a.agent->connect(address, 5s);
+    FAIL() << "connected to an incompatible peer";
+  } catch (const TransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("num_layers"));
+    EXPECT_THAT(e.what(), HasSubstr(address));
+  }
+  EXPECT_TRUE(a.agent->peers().empty());
+  EXPECT_EQ(a.agent->counters().handshakes_rejected, 1u);
+  for (int i = 0; i < 200 && b.agent->counters().handshakes_rejected == 0; ++i) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(b.agent->counters().handshakes_rejected, 1u);
+  EXPECT_TRUE(b.agent->peers().empty());
+}
+
+TEST(Agent, DifferentTpNeedsLayerMajor) {
+  Side a(config(KvCacheLayout::block_major, 4), 4, named("a"));
+  Side b(config(KvCacheLayout::layer_major, 2), 4, named("b", 0, 2));
+  const std::string address = b.agent->listen("127.0.0.1:0");
+  EXPECT_THROW(
+      {
+        try {
+          a.agent->connect(address, 5s);
+        } catch (const TransferError& e) {
+          EXPECT_THAT(e.what(), HasSubstr("layer-major"));
+          throw;
+        }
+      },
+      TransferError);
+}
+
+TEST(Agent, BadAddressesAreOneLineErrors) {
+  Side a(config(KvCacheLayout::layer_major), 4);
+  for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", ":80", "127.0.0.1:http", "127.0.0.1:70000"}) {
+    EXPECT_THROW(a.agent->connect(bad, 1s), InvalidArgument) << bad;
+    EXPECT_THROW(a.agent->listen(bad), InvalidArgument) << bad;
+  }
+  EXPECT_THROW(a.agent->connect("no-such-host.invalid:1234", 1s), TransferError);
+}
+
+TEST(Agent, RefusedConnectionFailsFast) {
+  Side a(config(KvCacheLayout::layer_major), 4);
+  // A port nobody listens on: listen, learn the port, close the listener.
+  std::string address;
+  {
+    Side b(config(KvCacheLayout::layer_major), 4);
+    address = b.agent->listen("127.0.0.1:0");
+  }
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(a.agent->connect(address, 5s), TransferError);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5500ms);
+  EXPECT_TRUE(a.agent->peers().empty());
+}
+
+TEST(Agent, NotificationsArriveInOrder) {
+  Side a(config(KvCacheLayout::layer_major), 4, named("a"));
+  Side b(config(KvCacheLayout::layer_major), 4, named("b"));
+  auto [to_b, to_a] = link(a, b);
+  const std::vector<BlockId> blocks{3, 1, 2};
+  const std::vector<std::uint8_t> payload{1, 2, 3, 4};
+  for (std::uint64_t r = 1; r <= 5; ++r) a.agent->notify(to_b, r, 7, blocks, payload);
+  std::vector<Notification> got;
+  for (int i = 0; i < 500 && got.size() < 5; ++i) {
+    b.agent->wait_event(10ms);
+    for (auto& n : b.agent->take_notifications()) got.push_back(std::move(n));
+  }
+  ASSERT_EQ(got.size(), 5u);
+  for (std::uint64_t r = 1; r <= 5; ++r) {
+    EXPECT_EQ(got[r - 1].request_id, r);
+    EXPECT_EQ(got[r - 1].peer, to_a);
+    EXPECT_EQ(got[r - 1].kind, 7u);
+    EXPECT_EQ(got[r - 1].blocks, blocks);
+    EXPECT_EQ(got[r - 1].payload, payload);
+  }
+  EXPECT_THROW(a.agent->notify(999, 1, 1, blocks), InvalidArgument);
+  std::vector<BlockId> huge(kMaxNotificationBytes / sizeof(BlockId) + 1);
+  EXPECT_THROW(a.agent->notify(to_b, 1, 1, huge), InvalidArgument);
+}
+
+TEST(Agent, ZeroBlocksIsDoneAtOnce) {
+  Side a(config(KvCacheLayout::layer_major), 4);
+  Side b(config(KvCacheLayout::layer_major), 4);
+  auto [to_b, to_a] = link(a, b);
+  (void)to_a;
+  const TransferId id = a.agent->post(to_b, true, {}, {});
+  EXPECT_EQ(a.agent->poll(id), TransferState::done);
+  EXPECT_EQ(a.agent->bytes(id), 0u);
+}
+
+TEST(Agent, PostRejectsBadInputBeforeMovingAnything) {
+  Side a(config(KvCacheLayout::layer_major), 4);
+  Side b(config(KvCacheLayout::layer_major), 4);
+  auto [to_b, to_a] = link(a, b);
+  (void)to_a;
+  auto mine = a.alloc(2);
+  EXPECT_THROW(a.agent->post(to_b, true, mine, std::vector<BlockId>{0}), InvalidArgument);  // lengths
+  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{9}, std::vector<BlockId>{0}),
+               InvalidArgument);  // out of range here
+  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{3}, std::vector<BlockId>{0}),
+               InvalidArgument);  // free here
+  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{mine[0]}, std::vector<BlockId>{4}),
+               InvalidArgument);  // out of range there
+  EXPECT_THROW(a.agent->post(12345, true, mine, mine), InvalidArgument);  // unknown peer
+  EXPECT_EQ(a.agent->counters().transfers_posted, 0u);
+  EXPECT_THROW(a.agent->poll(77), InvalidArgument);
+  EXPECT_THROW(a.agent->cancel(77), InvalidArgument);
+  EXPECT_THROW(a.agent->release(77), InvalidArgument);
+}
+
+TEST(Agent, CancelEndsCancelledAndNothingLandsAfter) {
+  Side a(config(KvCacheLayout::layer_major), 8);
+  Side b(config(KvCacheLayout::layer_major), 8);
+  auto [to_b, to_a] = link(a, b);
+  (void)to_a;
+  auto src = b.alloc(4);
+  auto dst = a.alloc(4);
+  const TransferId id = a.agent->post(to_b, true, dst, src);
+  a.agent->cancel(id);
+  const TransferState st = a.agent->wait(id, 10s);
+  // Over shared memory the read may have finished before the cancel.
+  EXPECT_TRUE(st == TransferState::cancelled || st == TransferState::done) << to_string(st);
+  EXPECT_NO_THROW(a.agent->release(id));
+}
+
+TEST(Agent, ClosedPeerFailsLaterPostsAndIsReported) {
+  Side a(config(KvCacheLayout::layer_major), 4);
+  auto b = std::make_unique<Side>(config(KvCacheLayout::layer_major), 4);
+  auto [to_b, to_a] = link(a, *b);
+  (void)to_a;
+  b.reset();  // says goodbye
+  std::vector<PeerId> lost;
+  for (int i = 0; i < 300 && lost.empty(); ++i) {
+    a.agent->wait_event(10ms);
+    lost = a.agent->take_lost_peers();
+  }
+  ASSERT_EQ(lost, std::vector<PeerId>{to_b});
+  EXPECT_FALSE(a.agent->peer(to_b)->connected);
+  auto mine = a.alloc(1);
+  EXPECT_THROW(a.agent->post(to_b, true, mine, mine), InvalidArgument);
+}
+
+TEST(Agent, StagedPathIsByteExact) {
+  AgentOptions staged = named("decode");
+  staged.memory_path = MemoryPath::staged;
+  Side dst(config(KvCacheLayout::layer_major), 8, staged);
+  AgentOptions staged_src = named("prefill");
+  staged_src.memory_path = MemoryPath::staged;
+  Side src(config(KvCacheLayout::block_major), 8, staged_src);
+  EXPECT_EQ(dst.agent->memory_path(), MemoryPath::staged);
+  auto [to_src, to_dst] = link(dst, src);
+  (void)to_dst;
+  auto src_blocks = src.alloc(3);
+  auto t = tokens(3 * 16, 3);
+  write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
+  // Not published yet: the mirror does not hold the blocks.
+  auto dst_blocks = dst.alloc(3);
+  TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done);
+  EXPECT_FALSE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
+  src.agent->publish(src_blocks);
+  id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done);
+  EXPECT_TRUE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
+}
+
+TEST(Agent, ScratchReadMeasuresOneContiguousTransfer) {
+  AgentOptions o;
+  o.scratch_bytes = 4u << 20;
+  Side a(config(KvCacheLayout::layer_major), 4, o);
+  Side b(config(KvCacheLayout::layer_major), 4, o);
+  auto [to_b, to_a] = link(a, b);
+  (void)to_a;
+  EXPECT_GT(a.agent->read_scratch(to_b, 4u << 20), 0.0);
+  EXPECT_THROW(a.agent->read_scratch(to_b, (4u << 20) + 1), InvalidArgument);
+  EXPECT_THROW(a.agent->read_scratch(to_b, 0), InvalidArgument);
+}
+
+TEST(Agent, BadOptionsAreRejected) {
+  auto backend = make_host_backend(HostBackendOptions{16u << 20});
+  PagedKvCache cache(config(KvCacheLayout::layer_major), 4, *backend);
+  AgentOptions o;
+  o.tp_size = 0;
+  EXPECT_THROW(Agent(cache, o), InvalidArgument);
+  o = {};
+  o.tp_rank = 2;
+  o.tp_size = 2;
+  EXPECT_THROW(Agent(cache, o), InvalidArgument);
+  o = {};
+  o.peer_timeout = 0ms;
+  EXPECT_THROW(Agent(cache, o), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvport::transfer

@@ -1,0 +1,90 @@
+// Transport: the wire under an Agent. One implementation today (UCX's UCP:
+// RMA with memory keys for block data, active messages for the control
+// path); the interface is small so an NCCL/RCCL transport can be added for
+// GPU clusters. Not thread-safe: the Agent serializes every call under its
+// own lock, and callbacks run inside progress().
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvport::transfer {
+
+/// A connection's handle inside one transport (never reused).
+using ConnId = std::uint64_t;
+
+/// Where registered memory lives.
+enum class MemoryKind : std::uint8_t { host, cuda, rocm };
+std::string_view to_string(MemoryKind kind) noexcept;
+
+/// One contiguous one-sided operation: `bytes` between a local address and a
+/// remote address, both inside registered memory.
+struct RmaOp {
+  std::uint64_t local = 0;
+  std::uint64_t remote = 0;
+  std::uint64_t bytes = 0;
+};
+
+/// What a transport reports to its owner (called from progress() or, for
+/// errors found at a call, from that call).
+struct TransportEvents {
+  /// A peer connected to our listener.
+  std::function<void(ConnId)> on_accept;
+  /// A message arrived on a connection.
+  std::function<void(ConnId, std::span<const std::uint8_t>)> on_message;
+  /// A connection failed (peer gone, refused, unreachable); `why` is one line.
+  /// After it no message arrives on that connection.
+  std::function<void(ConnId, const std::string& why)> on_error;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  /// "ucx" and the transports it may use, e.g. "ucx (tcp, cma, posix)".
+  virtual std::string description() const = 0;
+  /// Whether memory of `kind` can be registered directly (GPUDirect for
+  /// cuda/rocm); false means the agent stages it through pinned host memory.
+  virtual bool supports(MemoryKind kind) const noexcept = 0;
+
+  /// Listens on `host:port` (port 0: any); returns the bound "host:port".
+  virtual std::string listen(const std::string& host, std::uint16_t port) = 0;
+  /// Starts connecting; the connection is usable at once (messages queue) and
+  /// fails through on_error.
+  virtual ConnId connect(const std::string& host, std::uint16_t port) = 0;
+  /// Closes a connection; `force` cancels its outstanding operations (their
+  /// completions report an error). Idempotent. `done` runs once the
+  /// transport no longer touches memory for this connection.
+  virtual void close(ConnId conn, bool force, std::function<void()> done) = 0;
+
+  /// Registers [base, base + bytes) of `kind`; returns the bytes a peer
+  /// needs to access it (a packed remote key).
+  virtual std::vector<std::uint8_t> register_memory(std::uint64_t base, std::uint64_t bytes,
+                                                    MemoryKind kind) = 0;
+  /// Makes a peer's packed key usable on `conn`; returns a handle for post().
+  virtual std::uint64_t import_remote_key(ConnId conn, std::span<const std::uint8_t> key) = 0;
+
+  /// Sends a message (copied before return; delivered in order per
+  /// connection).
+  virtual void send(ConnId conn, std::span<const std::uint8_t> message) = 0;
+
+  /// Posts reads (remote -> local) or writes (local -> remote); `remote_key`
+  /// of each op from import_remote_key. `done(ok, why)` runs exactly once,
+  /// when every op is final (for writes: remotely complete); ops already
+  /// posted are never abandoned, so memory stays in use until `done`.
+  virtual void post(ConnId conn, bool write, std::span<const RmaOp> ops,
+                    std::span<const std::uint64_t> remote_keys,
+                    std::function<void(bool ok, const std::string& why)> done) = 0;
+
+  /// Makes progress; returns true when something happened.
+  virtual bool progress() = 0;
+};
+
+/// The UCX (UCP) transport. `events` must outlive it.
+std::unique_ptr<Transport> make_ucx_transport(const TransportEvents& events);
+
+}  // namespace kvport::transfer
