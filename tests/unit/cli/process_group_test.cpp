@@ -16,6 +16,7 @@
 #include <cerrno>
 #include <csignal>
 #include <fstream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,12 +43,21 @@ struct Outcome {
   int signal = 0;
 };
 
-Outcome until_exit(ProcessGroup& group, int child, milliseconds limit = 4000ms) {
-  Outcome o;
+/// Outcomes of `children`, polled until all of them exit (bounded).
+std::map<int, Outcome> until_all_exit(ProcessGroup& group, const std::vector<int>& children,
+                                      milliseconds limit = 4000ms) {
+  std::map<int, Outcome> outcomes;
+  for (int c : children) outcomes[c];
+  const auto all_exited = [&] {
+    return std::all_of(outcomes.begin(), outcomes.end(),
+                       [](const auto& entry) { return entry.second.exited; });
+  };
   const auto deadline = Clock::now() + limit;
-  while (!o.exited && Clock::now() < deadline) {
+  while (!all_exited() && Clock::now() < deadline) {
     for (ProcessEvent& e : group.poll(duration_cast<milliseconds>(deadline - Clock::now()))) {
-      if (e.child != child) continue;
+      const auto it = outcomes.find(e.child);
+      if (it == outcomes.end()) continue;
+      Outcome& o = it->second;
       EXPECT_FALSE(o.exited) << "an event after the exit: " << e.text;
       if (e.kind == Kind::line) o.lines.push_back(std::move(e.text));
       if (e.kind == Kind::error) o.errors.push_back(std::move(e.text));
@@ -58,8 +68,14 @@ Outcome until_exit(ProcessGroup& group, int child, milliseconds limit = 4000ms) 
       }
     }
   }
-  EXPECT_TRUE(o.exited) << "child " << child << " did not exit within " << limit.count() << " ms";
-  return o;
+  for (const auto& [child, o] : outcomes)
+    EXPECT_TRUE(o.exited) << "child " << child << " did not exit within " << limit.count()
+                          << " ms";
+  return outcomes;
+}
+
+Outcome until_exit(ProcessGroup& group, int child, milliseconds limit = 4000ms) {
+  return until_all_exit(group, {child}, limit)[child];
 }
 
 /// The next `count` lines of `child` (bounded wait).
@@ -151,10 +167,11 @@ TEST(ProcessGroup, ExitCodesAndSignalsAreReported) {
   ProcessGroup group;
   const int three = group.spawn("three", sh("exit 3"));
   const int term = group.spawn("term", sh("kill -TERM $$"));
-  const Outcome a = until_exit(group, three);
+  auto outcomes = until_all_exit(group, {three, term});
+  const Outcome& a = outcomes[three];
   EXPECT_EQ(a.exit_code, 3);
   EXPECT_EQ(a.signal, 0);
-  const Outcome b = until_exit(group, term);
+  const Outcome& b = outcomes[term];
   EXPECT_EQ(b.exit_code, -1);
   EXPECT_EQ(b.signal, SIGTERM);
 }
