@@ -32,7 +32,9 @@ using Kind = ProcessEvent::Kind;
 using std::chrono::duration_cast;
 using std::chrono::milliseconds;
 
-std::vector<std::string> sh(std::string script) { return {"/bin/sh", "-c", std::move(script)}; }
+std::vector<std::string> sh(std::string script) {
+  return {"/bin/sh", "-c", std::move(script)};
+}
 
 /// Everything poll() reported for one child, up to its exit.
 struct Outcome {
@@ -47,7 +49,8 @@ struct Outcome {
 std::map<int, Outcome> until_all_exit(ProcessGroup& group, const std::vector<int>& children,
                                       milliseconds limit = 4000ms) {
   std::map<int, Outcome> outcomes;
-  for (int c : children) outcomes[c];
+  for (int c : children)
+    outcomes[c];
   const auto all_exited = [&] {
     return std::all_of(outcomes.begin(), outcomes.end(),
                        [](const auto& entry) { return entry.second.exited; });
@@ -69,8 +72,7 @@ std::map<int, Outcome> until_all_exit(ProcessGroup& group, const std::vector<int
     }
   }
   for (const auto& [child, o] : outcomes)
-    EXPECT_TRUE(o.exited) << "child " << child << " did not exit within " << limit.count()
-                          << " ms";
+    EXPECT_TRUE(o.exited) << "child " << child << " did not exit within " << limit.count() << " ms";
   return outcomes;
 }
 
@@ -157,7 +159,8 @@ TEST(ProcessGroup, LargeWritesDoNotDeadlockWithAChildBlockedOnOutput) {
   ProcessGroup group;
   const int c = group.spawn("cat", {"/bin/cat"});
   const std::string line(4000, 'x');
-  for (int i = 0; i < 500; ++i) ASSERT_TRUE(group.send_line(c, line));
+  for (int i = 0; i < 500; ++i)
+    ASSERT_TRUE(group.send_line(c, line));
   const auto lines = next_lines(group, c, 500);
   ASSERT_EQ(lines.size(), 500u);
   EXPECT_EQ(lines.back(), line);
@@ -208,7 +211,8 @@ TEST(ProcessGroup, SendLineToADeadChildReturnsFalseAndTheParentSurvives) {
   const int c = group.spawn("sleep", {"/bin/sleep", "30"});
   group.kill(c);
   const auto deadline = Clock::now() + 3s;
-  while (group.alive(c) && Clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  while (group.alive(c) && Clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
   ASSERT_FALSE(group.alive(c));
   // Dead but not yet reaped: the write hits a closed reader (EPIPE; a pipe
   // would have raised SIGPIPE and killed this test).
@@ -219,6 +223,27 @@ TEST(ProcessGroup, SendLineToADeadChildReturnsFalseAndTheParentSurvives) {
   const int done = group.spawn("done", sh("exit 0"));
   EXPECT_EQ(until_exit(group, done).exit_code, 0);
   EXPECT_FALSE(group.send_line(done, "hello"));
+}
+
+TEST(ProcessGroup, SendLineGivesUpWhenTheChildExitsAndAGrandchildHoldsItsStdin) {
+  ProcessGroup group;
+  const int c = group.spawn("parent", sh("exec 3<&0; sleep 30 <&3 & exit 0"));
+  const pid_t leader = group.pid(c);
+  // A watchdog bounds the test if send_line waits on the grandchild forever.
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 400 && !done.load(); ++i)
+      std::this_thread::sleep_for(10ms);
+    if (!done.load()) ::kill(-leader, SIGKILL);
+  });
+  const auto start = Clock::now();
+  const bool sent = group.send_line(c, std::string(4 << 20, 'x'));  // more than the buffer
+  const auto took = Clock::now() - start;
+  done.store(true);
+  watchdog.join();
+  EXPECT_FALSE(sent);
+  EXPECT_LT(took, 2s) << "waited on the grandchild, not the child";
+  EXPECT_EQ(until_exit(group, c).exit_code, 0);
 }
 
 TEST(ProcessGroup, ExitIsReportedWhileAGrandchildHoldsStdout) {
@@ -324,8 +349,10 @@ TEST(ProcessGroup, ChildDiesWhenTheParentIsKilled) {
       std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
       std::string name;
       std::getline(comm, name);
-      if (name == "sleep") told = child;
-      else ::usleep(10000);
+      if (name == "sleep")
+        told = child;
+      else
+        ::usleep(10000);
     }
     if (::write(report[1], &told, sizeof told) != sizeof told) ::_exit(3);
     ::raise(SIGKILL);

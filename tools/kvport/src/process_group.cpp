@@ -22,6 +22,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// A caller's timeout as a wait that cannot overflow a time_point: negative is
+// 0, more than a day is a day.
+std::chrono::milliseconds clamp_wait(std::chrono::milliseconds wait) {
+  return std::clamp(wait, std::chrono::milliseconds(0),
+                    std::chrono::milliseconds(std::chrono::hours(24)));
+}
+
 std::string errno_text(const char* call, int err) {
   return std::string(call) + ": " + std::strerror(err);
 }
@@ -96,7 +103,8 @@ int reap(pid_t pid) noexcept {
   if (::syscall(SYS_close_range, 3U, ~0U, 0U) != 0)
 #endif
   {
-    for (int fd = 3; fd < max_fd; ++fd) ::close(fd);
+    for (int fd = 3; fd < max_fd; ++fd)
+      ::close(fd);
   }
   ::execv(argv[0], argv);
   ::_exit(127);
@@ -106,12 +114,15 @@ std::atomic<bool> g_signals_installed{false};
 volatile std::sig_atomic_t g_signal_received = 0;
 constexpr int kTerminationSignals[3] = {SIGINT, SIGTERM, SIGHUP};
 
-extern "C" void on_termination_signal(int signal) { g_signal_received = signal; }
+extern "C" void on_termination_signal(int signal) {
+  g_signal_received = signal;
+}
 
 }  // namespace
 
 ProcessGroup::~ProcessGroup() {
-  for (Child& c : children_) force_reap(c);
+  for (Child& c : children_)
+    force_reap(c);
 }
 
 ProcessGroup::Child& ProcessGroup::at(int child) {
@@ -129,7 +140,8 @@ int ProcessGroup::spawn(std::string name, std::vector<std::string> argv) {
   if (argv.empty() || argv[0].empty())
     throw InvalidArgument("ProcessGroup::spawn(" + name + "): empty argv");
   std::vector<char*> args;
-  for (std::string& a : argv) args.push_back(a.data());
+  for (std::string& a : argv)
+    args.push_back(a.data());
   args.push_back(nullptr);
   rlimit files{};
   int max_fd = 4096;
@@ -187,8 +199,8 @@ bool ProcessGroup::send_line(int child, std::string_view line) {
   std::size_t sent = 0;
   while (sent < data.size()) {
     if (c.stdin_fd < 0) return false;
-    const ssize_t n = ::send(c.stdin_fd, data.data() + sent, data.size() - sent,
-                             MSG_NOSIGNAL | MSG_DONTWAIT);
+    const ssize_t n =
+        ::send(c.stdin_fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0) {
       sent += static_cast<std::size_t>(n);
       continue;
@@ -201,14 +213,18 @@ bool ProcessGroup::send_line(int child, std::string_view line) {
     if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
       throw Error("ProcessGroup::send_line(" + c.name + "): " + errno_text("send", errno));
     // The child's buffer is full: wait for room, reading everyone's output
-    // meanwhile (into pending_) so that a child blocked writing can go on.
+    // meanwhile (into pending_) so that a child blocked writing can go on,
+    // and give up when the child exits (something it started may hold its
+    // stdin without reading; poll() reaps and reports the exit).
     std::vector<pollfd> fds{{c.stdin_fd, POLLOUT, 0}};
+    if (c.pid_fd >= 0) fds.push_back({c.pid_fd, POLLIN, 0});
     for (const Child& other : children_)
       if (other.stdout_fd >= 0) fds.push_back({other.stdout_fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), -1) < 0 && errno != EINTR)
+    if (::poll(fds.data(), fds.size(), c.pid_fd >= 0 ? -1 : 20) < 0 && errno != EINTR)
       throw Error("ProcessGroup::send_line(" + c.name + "): " + errno_text("poll", errno));
     for (std::size_t i = 0; i < children_.size(); ++i)
       if (children_[i].stdout_fd >= 0) drain(static_cast<int>(i), pending_);
+    if (has_exited(c.pid)) return false;
   }
   return true;
 }
@@ -234,8 +250,7 @@ void ProcessGroup::drain(int index, std::vector<ProcessEvent>& out) {
       if (!c.discarding) {
         if (c.partial.size() + piece.size() > kMaxLineBytes) {
           out.push_back({index, ProcessEvent::Kind::error,
-                         "line longer than " + std::to_string(kMaxLineBytes) +
-                             " bytes, dropped"});
+                         "line longer than " + std::to_string(kMaxLineBytes) + " bytes, dropped"});
           c.partial.clear();
           c.partial.shrink_to_fit();
           c.discarding = true;
@@ -298,30 +313,30 @@ bool ProcessGroup::collect(std::chrono::milliseconds wait, std::vector<ProcessEv
   const int timeout_ms = static_cast<int>(std::max<std::chrono::milliseconds::rep>(
       0, std::min<std::chrono::milliseconds::rep>(wait.count(), 1 << 30)));
   const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
-  if (ready < 0 && errno != EINTR)
-    throw Error("ProcessGroup::poll: " + errno_text("poll", errno));
+  if (ready < 0 && errno != EINTR) throw Error("ProcessGroup::poll: " + errno_text("poll", errno));
   for (std::size_t k = 0; ready > 0 && k < fds.size(); ++k) {
     Child& c = children_[static_cast<std::size_t>(owner[k])];
     if (fds[k].revents != 0 && fds[k].fd == c.stdout_fd) drain(owner[k], out);
   }
-  for (std::size_t i = 0; i < children_.size(); ++i) reap_if_exited(static_cast<int>(i), out);
+  for (std::size_t i = 0; i < children_.size(); ++i)
+    reap_if_exited(static_cast<int>(i), out);
   return ready >= 0;
 }
 
 std::vector<ProcessEvent> ProcessGroup::poll(std::chrono::milliseconds timeout) {
   std::vector<ProcessEvent> out = std::move(pending_);
   pending_.clear();
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = Clock::now() + clamp_wait(timeout);
   for (;;) {
     bool waiting = false;
-    for (const Child& c : children_) waiting = waiting || !c.reaped;
+    for (const Child& c : children_)
+      waiting = waiting || !c.reaped;
     if (!waiting) return out;
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    const bool interrupted =
-        !collect(out.empty() ? std::max(left, std::chrono::milliseconds(0))
-                             : std::chrono::milliseconds(0),
-                 out);
+    const bool interrupted = !collect(
+        out.empty() ? std::max(left, std::chrono::milliseconds(0)) : std::chrono::milliseconds(0),
+        out);
     if (!out.empty() || interrupted || Clock::now() >= deadline) return out;
   }
 }
@@ -331,9 +346,13 @@ bool ProcessGroup::alive(int child) const {
   return !c.reaped && !has_exited(c.pid);
 }
 
-pid_t ProcessGroup::pid(int child) const { return at(child).pid; }
+pid_t ProcessGroup::pid(int child) const {
+  return at(child).pid;
+}
 
-const std::string& ProcessGroup::name(int child) const { return at(child).name; }
+const std::string& ProcessGroup::name(int child) const {
+  return at(child).name;
+}
 
 void ProcessGroup::kill(int child, int signal) {
   const Child& c = at(child);
@@ -341,19 +360,22 @@ void ProcessGroup::kill(int child, int signal) {
 }
 
 void ProcessGroup::shutdown(std::chrono::milliseconds grace) {
-  for (Child& c : children_) close_fd(c.stdin_fd);
-  const auto deadline = Clock::now() + grace;
+  for (Child& c : children_)
+    close_fd(c.stdin_fd);
+  const auto deadline = Clock::now() + clamp_wait(grace);
   std::vector<ProcessEvent> discarded;
   for (;;) {
     bool waiting = false;
-    for (const Child& c : children_) waiting = waiting || !c.reaped;
+    for (const Child& c : children_)
+      waiting = waiting || !c.reaped;
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (!waiting || left.count() <= 0) break;
     collect(left, discarded);
     discarded.clear();
   }
-  for (Child& c : children_) force_reap(c);
+  for (Child& c : children_)
+    force_reap(c);
   pending_.clear();
 }
 
@@ -377,16 +399,22 @@ TerminationSignals::TerminationSignals() : previous_{} {
   action.sa_handler = on_termination_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = 0;  // no SA_RESTART: a blocking poll() returns EINTR
-  for (int i = 0; i < 3; ++i) ::sigaction(kTerminationSignals[i], &action, &previous_[i]);
+  for (int i = 0; i < 3; ++i)
+    ::sigaction(kTerminationSignals[i], &action, &previous_[i]);
 }
 
 TerminationSignals::~TerminationSignals() {
-  for (int i = 0; i < 3; ++i) ::sigaction(kTerminationSignals[i], &previous_[i], nullptr);
+  for (int i = 0; i < 3; ++i)
+    ::sigaction(kTerminationSignals[i], &previous_[i], nullptr);
   g_signals_installed.store(false);
 }
 
-bool TerminationSignals::requested() const noexcept { return g_signal_received != 0; }
+bool TerminationSignals::requested() const noexcept {
+  return g_signal_received != 0;
+}
 
-int TerminationSignals::signal() const noexcept { return g_signal_received; }
+int TerminationSignals::signal() const noexcept {
+  return g_signal_received;
+}
 
 }  // namespace kvport::cli

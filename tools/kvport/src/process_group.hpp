@@ -39,11 +39,14 @@ struct ProcessEvent {
     error,   ///< a line longer than ProcessGroup::kMaxLineBytes; it is dropped
   };
 
-  int child = -1;    ///< index returned by ProcessGroup::spawn
+  int child = -1;  ///< index returned by ProcessGroup::spawn
   Kind kind = Kind::line;
   std::string text;  ///< the line (Kind::line) or what went wrong (Kind::error)
-  int exit_code = -1;  ///< Kind::exited: the exit status, or -1 when killed by a signal
-  int signal = 0;      ///< Kind::exited: the terminating signal, or 0 on a normal exit
+  /// Kind::exited: the exit status, or -1 when killed by a signal. Both -1
+  /// and 0 when the status was lost: someone else reaped the child (SIGCHLD
+  /// ignored, a waitpid(-1) elsewhere).
+  int exit_code = -1;
+  int signal = 0;  ///< Kind::exited: the terminating signal, or 0 on a normal exit
 };
 
 class ProcessGroup {
@@ -73,22 +76,25 @@ class ProcessGroup {
 
   /// Writes `line` and a '\n' to the child's stdin, all of it (partial writes
   /// and EINTR are retried). Returns false when the child can no longer read
-  /// it: it exited, closed its stdin, or shutdown() closed it. Blocks while
-  /// the child is alive and not reading; meanwhile the output of every child
-  /// is read into the buffer poll() returns next, so a child blocked writing
-  /// its stdout cannot deadlock the parent. Throws kvport::InvalidArgument
-  /// for a bad index, kvport::Error on an unexpected write error.
+  /// it: it exited (even if something it started still holds its stdin),
+  /// closed its stdin, or shutdown() closed it. Blocks while the child is
+  /// alive and not reading (its socket buffer is full); meanwhile the output
+  /// of every child is read into the buffer poll() returns next, so a child
+  /// blocked writing its stdout cannot deadlock the parent. Throws
+  /// kvport::InvalidArgument for a bad index, kvport::Error on an unexpected
+  /// write error.
   bool send_line(int child, std::string_view line);
 
-  /// Waits up to `timeout` (poll(2)) for output or exits and returns what
-  /// came, in order per child: lines, then at most one Kind::exited, which is
-  /// reported once, after the lines the child wrote (a last line without '\n'
-  /// is reported as a line). A child is reaped as soon as it exits, even when
-  /// something it started still holds its stdout (that process group is
-  /// SIGKILLed then). Returns as soon as there is at least one event; returns
-  /// early (possibly empty) when a signal interrupts the wait, so that the
-  /// caller can check TerminationSignals::requested(); returns at once, empty,
-  /// when no child is left to wait for.
+  /// Waits up to `timeout` (poll(2); at most a day, negative is 0) for output
+  /// or exits and returns what came, in order per child: lines, then at most
+  /// one Kind::exited, which is reported once, after the lines the child
+  /// wrote (a last line without '\n' is reported as a line). A child is
+  /// reaped as soon as it exits, even when something it started still holds
+  /// its stdout (that process group is SIGKILLed then). Returns as soon as
+  /// there is at least one event; returns early (possibly empty) when a
+  /// signal interrupts the wait, so that the caller can check
+  /// TerminationSignals::requested(); returns at once, empty, when no child
+  /// is left to wait for.
   std::vector<ProcessEvent> poll(std::chrono::milliseconds timeout);
 
   /// True while the child has not exited: false once it has exited (even if
@@ -120,9 +126,9 @@ class ProcessGroup {
   struct Child {
     std::string name;
     pid_t pid = -1;
-    int stdin_fd = -1;   // our end of the stdin socketpair
-    int stdout_fd = -1;  // read end of the stdout pipe, non-blocking
-    int pid_fd = -1;     // pidfd_open(pid): readable when it exits; -1 if unsupported
+    int stdin_fd = -1;        // our end of the stdin socketpair
+    int stdout_fd = -1;       // read end of the stdout pipe, non-blocking
+    int pid_fd = -1;          // pidfd_open(pid): readable when it exits; -1 if unsupported
     std::string partial;      // stdout bytes after the last '\n'
     bool discarding = false;  // inside an over-long line, skipping to its '\n'
     bool reaped = false;
