@@ -33,8 +33,9 @@ std::string errno_text(const char* call, int err) {
   return std::string(call) + ": " + std::strerror(err);
 }
 
-[[noreturn]] void throw_errno(const std::string& what, const char* call) {
-  throw Error("ProcessGroup: " + what + ": " + errno_text(call, errno));
+// `err` is read before the message is built: building it may change errno.
+[[noreturn]] void throw_errno(int err, const std::string& what, const char* call) {
+  throw Error("ProcessGroup: " + what + ": " + errno_text(call, err));
 }
 
 void close_fd(int& fd) noexcept {
@@ -152,14 +153,15 @@ int ProcessGroup::spawn(std::string name, std::vector<std::string> argv) {
   // group or of another thread) holds a copy, which would hide an EOF.
   int in[2] = {-1, -1};   // [0] ours, [1] the child's stdin
   int out[2] = {-1, -1};  // [0] ours, [1] the child's stdout
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, in) != 0)
-    throw_errno("spawn(" + name + ")", "socketpair");
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, in) != 0) {
+    const int err = errno;
+    throw_errno(err, "spawn(" + name + ")", "socketpair");
+  }
   if (::pipe2(out, O_CLOEXEC) != 0) {
     const int err = errno;
     close_fd(in[0]);
     close_fd(in[1]);
-    errno = err;
-    throw_errno("spawn(" + name + ")", "pipe2");
+    throw_errno(err, "spawn(" + name + ")", "pipe2");
   }
   ::fcntl(out[0], F_SETFL, ::fcntl(out[0], F_GETFL) | O_NONBLOCK);
   ::fcntl(in[0], F_SETFL, ::fcntl(in[0], F_GETFL) | O_NONBLOCK);
@@ -175,8 +177,7 @@ int ProcessGroup::spawn(std::string name, std::vector<std::string> argv) {
   if (pid < 0) {
     close_fd(in[0]);
     close_fd(out[0]);
-    errno = fork_errno;
-    throw_errno("spawn(" + name + ")", "fork");
+    throw_errno(fork_errno, "spawn(" + name + ")", "fork");
   }
   ::setpgid(pid, pid);  // also here, so that kill() reaches the group at once
 
