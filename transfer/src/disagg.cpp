@@ -209,6 +209,7 @@ std::vector<LeaseResult> PrefillNode::poll() {
     if (lease.waiting.empty()) s.end(lease.id, LeaseEnd::pulled);
   }
   for (PeerId lost : s.agent.take_lost_peers()) {
+    ++s.counters.peers_lost;
     std::vector<std::uint64_t> victims;
     for (const auto& [id, lease] : s.leases) {
       if (lease.waiting.contains(lost)) victims.push_back(id);
@@ -579,7 +580,10 @@ std::vector<DecodeResult> DecodeNode::poll() {
       default: ++s.counters.late_notifications; break;
     }
   }
-  for (PeerId lost : s.agent.take_lost_peers()) s.on_lost(lost);
+  for (PeerId lost : s.agent.take_lost_peers()) {
+    ++s.counters.peers_lost;
+    s.on_lost(lost);
+  }
   const auto now = Clock::now();
   for (auto it = s.requests.begin(); it != s.requests.end();) {
     auto next = std::next(it);

@@ -36,11 +36,13 @@ struct CommandInfo {
 /// (capacity planning), `kvport demo` (a serving loop on a real cache),
 /// `kvport conformance` (the backend conformance suite), `kvport bench`
 /// (the block-zeroing comparison of kvport::sim::ZeroingBench) and `kvport
-/// replay` (a Mooncake trace over the prefix cache, replay.hpp).
+/// replay` (a Mooncake trace over the prefix cache, replay.hpp) and `kvport
+/// disagg` (prefill and decode processes moving blocks over UCX).
 std::unique_ptr<Command> make_plan_command();
 std::unique_ptr<Command> make_demo_command();
 std::unique_ptr<Command> make_conformance_command();
 std::unique_ptr<Command> make_bench_command();
 std::unique_ptr<Command> make_replay_command();
+std::unique_ptr<Command> make_disagg_command();
 
 }  // namespace kvport::cli

@@ -57,6 +57,7 @@ struct PrefillCounters {
   std::uint64_t leases_lost = 0;  ///< ended because a decode peer was lost
   std::uint64_t leases_aborted = 0;
   std::uint64_t late_notifications = 0;  ///< about a lease that had already ended
+  std::uint64_t peers_lost = 0;          ///< decode peers the agent reported lost
 };
 
 /// A finished lease, as PrefillNode::poll reports it.
@@ -125,6 +126,7 @@ struct DecodeCounters {
   std::uint64_t late_notifications = 0;  ///< about a request this node no longer tracks
   std::uint64_t no_room = 0;             ///< refused: not enough blocks
   std::uint64_t blocks_registered = 0;   ///< full blocks inserted into the prefix cache
+  std::uint64_t peers_lost = 0;          ///< prefill peers the agent reported lost
 };
 
 /// A request the decode side finished, successfully or not.

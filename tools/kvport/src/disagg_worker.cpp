@@ -1,0 +1,449 @@
+// A `kvport disagg` worker: one prefill or decode rank. It owns a host-backend
+// PagedKvCache with a prefix cache and an Agent, and runs a PrefillNode or a
+// DecodeNode, driven by the coordinator's lines on stdin (disagg.hpp).
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <map>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "disagg.hpp"
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+#include "kvport/transfer/agent.hpp"
+#include "kvport/transfer/disagg.hpp"
+#include "kvport/transfer/kv_content.hpp"
+
+namespace kvport::cli::disagg {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+json WorkerSpec::to_json() const {
+  json dtypes = json::array();
+  for (KvCacheDtype d : config.layer_dtypes) dtypes.push_back(std::string(kvport::to_string(d)));
+  return json{{"role", role},
+              {"instance", instance},
+              {"rank", rank},
+              {"tp", tp},
+              {"layers", config.num_layers},
+              {"block_size", config.block_size},
+              {"kv_heads", config.num_kv_heads},
+              {"head_dim_k", config.head_dim_k},
+              {"head_dim_v", config.head_dim_v},
+              {"dtype", std::string(kvport::to_string(config.dtype))},
+              {"layer_dtypes", dtypes},
+              {"layout", std::string(kvport::to_string(config.layout))},
+              {"capacity_blocks", capacity_blocks},
+              {"peer_timeout_ms", peer_timeout.count()},
+              {"lease_ttl_ms", lease_ttl.count()},
+              {"scratch_bytes", scratch_bytes}};
+}
+
+WorkerSpec WorkerSpec::from_json(const json& j) {
+  try {
+    WorkerSpec s;
+    s.role = j.at("role").get<std::string>();
+    if (s.role != "prefill" && s.role != "decode") throw InvalidArgument("worker spec: bad role " + s.role);
+    s.instance = j.at("instance").get<std::uint32_t>();
+    s.rank = j.at("rank").get<std::uint32_t>();
+    s.tp = j.at("tp").get<std::uint32_t>();
+    s.config.num_layers = j.at("layers").get<std::size_t>();
+    s.config.block_size = j.at("block_size").get<std::size_t>();
+    s.config.num_kv_heads = j.at("kv_heads").get<std::size_t>();
+    s.config.head_dim_k = j.at("head_dim_k").get<std::size_t>();
+    s.config.head_dim_v = j.at("head_dim_v").get<std::size_t>();
+    auto dtype = [](const std::string& name) {
+      auto d = parse_dtype(name);
+      if (!d) throw InvalidArgument("worker spec: unknown dtype " + name);
+      return *d;
+    };
+    s.config.dtype = dtype(j.at("dtype").get<std::string>());
+    for (const auto& d : j.at("layer_dtypes")) s.config.layer_dtypes.push_back(dtype(d.get<std::string>()));
+    const std::string layout = j.at("layout").get<std::string>();
+    s.config.layout = layout == kvport::to_string(KvCacheLayout::block_major) ? KvCacheLayout::block_major
+                                                                              : KvCacheLayout::layer_major;
+    s.capacity_blocks = j.at("capacity_blocks").get<std::size_t>();
+    s.peer_timeout = std::chrono::milliseconds(j.at("peer_timeout_ms").get<std::int64_t>());
+    s.lease_ttl = std::chrono::milliseconds(j.at("lease_ttl_ms").get<std::int64_t>());
+    s.scratch_bytes = j.at("scratch_bytes").get<std::size_t>();
+    return s;
+  } catch (const json::exception& e) {
+    throw InvalidArgument(std::string("worker spec: ") + e.what());
+  }
+}
+
+namespace {
+
+// Lines from a file descriptor, without blocking longer than asked.
+class LineInput {
+ public:
+  explicit LineInput(int fd) : fd_(fd) {}
+  // Waits up to `timeout` for input; returns the complete lines read.
+  std::vector<std::string> read(std::chrono::milliseconds timeout) {
+    std::vector<std::string> lines;
+    pollfd p{fd_, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(timeout.count()));
+    if (ready <= 0) return lines;
+    char buf[65536];
+    const ssize_t n = ::read(fd_, buf, sizeof buf);
+    if (n == 0) {
+      eof_ = true;
+    } else if (n < 0) {
+      if (errno != EINTR && errno != EAGAIN) eof_ = true;
+    } else {
+      partial_.append(buf, static_cast<std::size_t>(n));
+    }
+    std::size_t start = 0;
+    for (std::size_t nl; (nl = partial_.find('\n', start)) != std::string::npos; start = nl + 1) {
+      lines.push_back(partial_.substr(start, nl - start));
+    }
+    partial_.erase(0, start);
+    return lines;
+  }
+  bool eof() const noexcept { return eof_; }
+
+ private:
+  int fd_;
+  std::string partial_;
+  bool eof_ = false;
+};
+
+class Worker {
+ public:
+  Worker(const WorkerSpec& spec, std::ostream& out)
+      : spec_(spec),
+        out_(out),
+        backend_(make_host_backend()),
+        cache_(rank_config(spec), spec.capacity_blocks, *backend_),
+        prefix_(cache_),
+        stream_(backend_->create_stream()) {
+    transfer::AgentOptions o;
+    o.name = fmt::format("{}{}.{}", spec.role, spec.instance, spec.rank);
+    o.tp_rank = spec.rank;
+    o.tp_size = spec.tp;
+    o.peer_timeout = spec.peer_timeout;
+    o.scratch_bytes = spec.scratch_bytes;
+    agent_.emplace(cache_, o);
+    if (spec.role == "prefill") {
+      transfer::PrefillOptions po;
+      po.lease_ttl = spec.lease_ttl;
+      prefill_.emplace(*agent_, prefix_, po);
+    } else {
+      transfer::DecodeOptions d;
+      d.assemble_timeout = spec.lease_ttl;
+      d.confirm_timeout = spec.lease_ttl;
+      decode_.emplace(*agent_, prefix_, d);
+    }
+  }
+
+  int run() {
+    const std::string address = agent_->listen("127.0.0.1:0");
+    emit({{"event", "ready"},
+          {"address", address},
+          {"transport", agent_->transport_description()},
+          {"memory_path", std::string(transfer::to_string(agent_->memory_path()))}});
+    LineInput input(STDIN_FILENO);
+    while (true) {
+      const bool busy = !waiting_.empty() || (decode_ && decode_->pending_requests() > 0) ||
+                        (prefill_ && prefill_->active_leases() > 0);
+      for (const std::string& line : input.read(busy ? std::chrono::milliseconds(1)
+                                                     : std::chrono::milliseconds(5))) {
+        handle(line);
+      }
+      if (input.eof()) return 3;  // the coordinator is gone
+      step();
+      if (finishing_ && idle()) {
+        report_stats();
+        return 0;
+      }
+      if (finishing_ && Clock::now() > finish_deadline_) {
+        report_stats();
+        return 0;
+      }
+    }
+  }
+
+ private:
+  static KvCacheConfig rank_config(const WorkerSpec& spec) {
+    KvCacheConfig c = spec.config;
+    if (spec.tp == 0 || c.num_kv_heads % spec.tp != 0) {
+      throw InvalidArgument(fmt::format("{} KV heads do not split over tensor-parallel size {}",
+                                        c.num_kv_heads, spec.tp));
+    }
+    c.num_kv_heads /= spec.tp;
+    return c;
+  }
+
+  void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
+
+  static std::vector<TokenId> tokens_of(const json& j) { return j.at("tokens").get<std::vector<TokenId>>(); }
+
+  std::size_t blocks_for(std::size_t tokens) const {
+    return (tokens + cache_.config().block_size - 1) / cache_.config().block_size;
+  }
+
+  void handle(const std::string& line) {
+    json j;
+    try {
+      j = json::parse(line);
+      const std::string op = j.at("op").get<std::string>();
+      if (op == "connect") {
+        connect(j);
+      } else if (op == "baseline") {
+        baseline(j);
+      } else if (op == "prefill") {
+        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(), tokens_of(j),
+                            Clock::now()});
+      } else if (op == "recompute") {
+        recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
+      } else if (op == "finish") {
+        finishing_ = true;
+        finish_deadline_ = Clock::now() + spec_.lease_ttl + spec_.peer_timeout * 2;
+      } else {
+        throw InvalidArgument("unknown op " + op);
+      }
+    } catch (const std::exception& e) {
+      emit({{"event", "fatal"}, {"why", std::string("bad command: ") + e.what()}});
+    }
+  }
+
+  void connect(const json& j) {
+    const auto& instances = j.at("decode");
+    for (std::size_t i = 0; i < instances.size(); ++i) {
+      for (const auto& address : instances[i]) {
+        decode_peers_[static_cast<std::uint32_t>(i)].push_back(agent_->connect(address.get<std::string>()));
+      }
+    }
+    emit({{"event", "connected"}});
+  }
+
+  void baseline(const json& j) {
+    const auto bytes = j.at("bytes").get<std::size_t>();
+    const auto repeat = j.at("repeat").get<int>();
+    const auto peers = agent_->peers();
+    json seconds = json::array();
+    std::string why;
+    for (transfer::PeerId p : peers) {
+      auto info = agent_->peer(p);
+      if (!info || !info->connected) continue;
+      try {
+        for (int i = 0; i < repeat; ++i) seconds.push_back(agent_->read_scratch(p, bytes));
+        break;
+      } catch (const Error& e) {
+        why = e.what();
+        seconds.clear();
+      }
+    }
+    emit({{"event", "baseline"}, {"bytes", bytes}, {"seconds", seconds}, {"why", why}});
+  }
+
+  // Computes a request here ("recompute"): fills its blocks, caches the full
+  // ones, releases them.
+  void recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
+    if (done_.contains(req)) return;
+    if (decode_) decode_->abort(req);  // a pull still under way is dropped
+    std::vector<BlockId> blocks;
+    const std::size_t n = blocks_for(tokens.size());
+    for (std::size_t i = 0; i < n; ++i) {
+      auto b = prefix_.try_alloc_block();
+      if (!b) break;
+      blocks.push_back(*b);
+    }
+    json e{{"event", "done"}, {"req", req},     {"ok", false},  {"recomputed", true}, {"blocks", n},
+           {"bytes", 0},      {"transfer_s", 0}, {"latency_s", 0}, {"wrong_bytes", 0}};
+    if (blocks.size() == n) {
+      transfer::write_kv_content(cache_, agent_->layout(), blocks, tokens, stream_);
+      cache_full_blocks(blocks, tokens);
+    } else {
+      e["why"] = "no room to recompute";
+      e["recomputed"] = false;
+    }
+    prefix_.release_blocks(blocks);
+    done_.insert(req);
+    emit(e);
+  }
+
+  void cache_full_blocks(const std::vector<BlockId>& blocks, const std::vector<TokenId>& tokens) {
+    const auto hashes = hash_full_blocks(tokens, cache_.config().block_size);
+    for (std::size_t i = 0; i < hashes.size() && i < blocks.size(); ++i) {
+      if (!prefix_.is_cached(blocks[i])) prefix_.insert(hashes[i], blocks[i]);
+    }
+  }
+
+  struct Waiting {
+    std::uint64_t req;
+    std::uint32_t decode;
+    std::vector<TokenId> tokens;
+    Clock::time_point since;
+  };
+
+  // Prefill: the request's blocks (cached prefix reused), filled, leased.
+  bool try_prefill(const Waiting& w) {
+    auto peers = decode_peers_.find(w.decode);
+    if (peers == decode_peers_.end()) throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
+    const std::size_t n = blocks_for(w.tokens.size());
+    std::vector<BlockId> blocks = prefix_.lookup(w.tokens).blocks;
+    const std::size_t hits = blocks.size();
+    while (blocks.size() < n) {
+      auto b = prefix_.try_alloc_block();
+      if (!b) {
+        prefix_.release_blocks(blocks);
+        return false;
+      }
+      blocks.push_back(*b);
+    }
+    std::span<const BlockId> fresh(blocks.begin() + static_cast<std::ptrdiff_t>(hits), blocks.end());
+    transfer::write_kv_content(cache_, agent_->layout(), fresh, w.tokens, stream_, hits);
+    cache_full_blocks(blocks, w.tokens);
+    agent_->publish(fresh);
+    std::vector<transfer::PeerId> live;
+    for (transfer::PeerId p : peers->second) {
+      auto info = agent_->peer(p);
+      if (info && info->connected) live.push_back(p);
+    }
+    try {
+      if (live.empty()) throw InvalidArgument("every decode rank of the instance is lost");
+      prefill_->offer(w.req, spec_.instance, blocks, w.tokens, live);
+    } catch (const InvalidArgument& e) {
+      prefix_.release_blocks(blocks);
+      emit({{"event", "prefill_failed"}, {"req", w.req}, {"why", e.what()}});
+    }
+    return true;
+  }
+
+  void step() {
+    if (prefill_) {
+      while (!waiting_.empty()) {
+        const Waiting& w = waiting_.front();
+        if (!try_prefill(w)) {
+          if (Clock::now() - w.since > spec_.lease_ttl * 2) {
+            emit({{"event", "prefill_failed"}, {"req", w.req}, {"why", "no room"}});
+            waiting_.pop_front();
+            continue;
+          }
+          break;
+        }
+        waiting_.pop_front();
+      }
+      for (const auto& l : prefill_->poll()) {
+        emit({{"event", "lease_end"}, {"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
+      }
+      report_losses(prefill_->counters().peers_lost);
+    }
+    if (decode_) {
+      for (auto& r : decode_->poll()) finish_decode(r);
+      report_losses(decode_->counters().peers_lost);
+    }
+  }
+
+  void finish_decode(transfer::DecodeResult& r) {
+    if (done_.contains(r.request_id)) {
+      prefix_.release_blocks(r.blocks);
+      return;
+    }
+    if (!r.ok) {
+      log::warn(fmt::format("disagg: request {} falls back to recompute: {}", r.request_id, r.why));
+      recompute(r.request_id, r.tokens);
+      return;
+    }
+    const auto check = transfer::verify_kv_content(cache_, agent_->layout(), r.blocks, r.tokens, stream_);
+    prefix_.release_blocks(r.blocks);
+    done_.insert(r.request_id);
+    emit({{"event", "done"},
+          {"req", r.request_id},
+          {"ok", true},
+          {"recomputed", false},
+          {"blocks", r.blocks.size()},
+          {"bytes", r.bytes},
+          {"transfer_s", r.transfer_seconds},
+          {"latency_s", r.latency_seconds},
+          {"wrong_bytes", check.bytes_wrong}});
+  }
+
+  void report_losses(std::uint64_t count) {
+    if (count == reported_losses_) return;
+    reported_losses_ = count;
+    emit({{"event", "peer_lost"}, {"count", count}});
+  }
+
+  bool idle() const {
+    if (!waiting_.empty()) return false;
+    if (prefill_ && prefill_->active_leases() > 0) return false;
+    if (decode_ && decode_->pending_requests() > 0) return false;
+    return true;
+  }
+
+  void report_stats() {
+    const std::size_t in_use_before = cache_.num_blocks_in_use();
+    const std::size_t cached = prefix_.num_cached_blocks();
+    prefix_.evict(cache_.num_blocks());
+    const auto invariants = prefix_.check_invariants();
+    const auto a = agent_->counters();
+    json j{{"event", "stats"},
+           {"role", spec_.role},
+           {"in_use", in_use_before},
+           {"cached", cached},
+           {"leaked_blocks", cache_.num_blocks_in_use()},
+           {"invariants_ok", invariants.ok},
+           {"transfers_done", a.transfers_done},
+           {"transfers_failed", a.transfers_failed},
+           {"malformed_messages", a.malformed_messages},
+           {"peers_lost", a.peers_lost}};
+    if (prefill_) {
+      const auto& c = prefill_->counters();
+      j["leases"] = {{"offered", c.leases_offered}, {"pulled", c.leases_pulled},   {"refused", c.leases_refused},
+                     {"expired", c.leases_expired}, {"lost", c.leases_lost},       {"aborted", c.leases_aborted},
+                     {"late_notifications", c.late_notifications}};
+    }
+    if (decode_) {
+      const auto& c = decode_->counters();
+      j["decode"] = {{"completed", c.requests_completed}, {"failed", c.requests_failed},
+                     {"revoked", c.revoked},               {"late_notifications", c.late_notifications},
+                     {"no_room", c.no_room},               {"blocks_registered", c.blocks_registered}};
+    }
+    emit(j);
+  }
+
+  WorkerSpec spec_;
+  std::ostream& out_;
+  std::unique_ptr<Backend> backend_;
+  PagedKvCache cache_;
+  PrefixCache prefix_;
+  Stream stream_;
+  std::optional<transfer::Agent> agent_;
+  std::optional<transfer::PrefillNode> prefill_;
+  std::optional<transfer::DecodeNode> decode_;
+  std::map<std::uint32_t, std::vector<transfer::PeerId>> decode_peers_;
+  std::deque<Waiting> waiting_;
+  std::set<std::uint64_t> done_;
+  std::uint64_t reported_losses_ = 0;
+  bool finishing_ = false;
+  Clock::time_point finish_deadline_;
+};
+
+}  // namespace
+
+int run_worker(const WorkerSpec& spec, std::ostream& out) {
+  try {
+    Worker worker(spec, out);
+    return worker.run();
+  } catch (const std::exception& e) {
+    out << json{{"event", "fatal"}, {"why", e.what()}}.dump() << '\n' << std::flush;
+    return 1;
+  }
+}
+
+}  // namespace kvport::cli::disagg
