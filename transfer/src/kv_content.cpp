@@ -171,8 +171,8 @@ void check_args(const PagedKvCache& cache, const PoolLayout& layout,
   std::vector<bool> seen(cache.num_blocks());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     if (blocks[i] >= cache.num_blocks()) {
-      throw InvalidArgument(fmt::format("{}: block id {} (entry {}) is out of range ({} blocks)", op,
-                                        blocks[i], i, cache.num_blocks()));
+      throw InvalidArgument(fmt::format("{}: block id {} (entry {}) is out of range ({} blocks)",
+                                        op, blocks[i], i, cache.num_blocks()));
     }
     if (seen[blocks[i]])
       throw InvalidArgument(fmt::format("{}: block id {} appears twice", op, blocks[i]));
@@ -190,8 +190,8 @@ std::vector<HostCopyRegion> staging_regions(const PagedKvCache& cache,
                       ? blocks.size()
                       : blocks.size() * 2 * cache.num_layers());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    HostTier::append_block_regions(cache, blocks[i],
-                                   reinterpret_cast<std::byte*>(staging + i * block_bytes), regions);
+    HostTier::append_block_regions(
+        cache, blocks[i], reinterpret_cast<std::byte*>(staging + i * block_bytes), regions);
   }
   return regions;
 }
@@ -212,8 +212,8 @@ void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
     for (std::uint32_t layer = 0; layer < plan.num_layers; ++layer) {
       for (int kv = 0; kv < 2; ++kv) {
         fill_region(plan, tokens, i, layer, kv, slot);
-        slot += plan.regions[2 * std::size_t{layer} + static_cast<std::size_t>(kv)]
-                    .layout.total_bytes;
+        slot +=
+            plan.regions[2 * std::size_t{layer} + static_cast<std::size_t>(kv)].layout.total_bytes;
       }
     }
   }

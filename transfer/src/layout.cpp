@@ -179,16 +179,15 @@ std::vector<std::uint8_t> encode(const PoolLayout& layout) {
 
 PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
   if (bytes.size() < kMagic.size() || !std::equal(kMagic.begin(), kMagic.end(), bytes.begin())) {
-    throw InvalidArgument(
-        fmt::format("PoolLayout decode: bad magic (not a pool layout message; {} bytes)",
-                    bytes.size()));
+    throw InvalidArgument(fmt::format(
+        "PoolLayout decode: bad magic (not a pool layout message; {} bytes)", bytes.size()));
   }
   Reader r(bytes.subspan(kMagic.size()));
   const std::uint16_t version = r.u16("version");
   if (version != kVersion) {
-    throw InvalidArgument(fmt::format(
-        "PoolLayout decode: unsupported version {} (this build reads version {})", version,
-        kVersion));
+    throw InvalidArgument(
+        fmt::format("PoolLayout decode: unsupported version {} (this build reads version {})",
+                    version, kVersion));
   }
   PoolLayout l;
   l.num_layers = r.u32("num_layers");
@@ -219,16 +218,15 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
     throw InvalidArgument(fmt::format("PoolLayout decode: unknown layout {}", layout));
   l.layout = static_cast<KvCacheLayout>(layout);
   if (l.tp_rank >= l.tp_size) {
-    throw InvalidArgument(fmt::format("PoolLayout decode: tp_rank {} is not below tp_size {}",
-                                      l.tp_rank, l.tp_size));
+    throw InvalidArgument(
+        fmt::format("PoolLayout decode: tp_rank {} is not below tp_size {}", l.tp_rank, l.tp_size));
   }
 
   const std::size_t expected = kHeaderBytes + l.num_layers;
   if (bytes.size() != expected) {
     throw InvalidArgument(fmt::format(
         "PoolLayout decode: {} message: {} bytes, {} expected for {} layers",
-        bytes.size() < expected ? "truncated" : "overlong", bytes.size(), expected,
-        l.num_layers));
+        bytes.size() < expected ? "truncated" : "overlong", bytes.size(), expected, l.num_layers));
   }
   const std::size_t num_dtypes = all_dtypes().size();
   l.layer_dtypes.reserve(l.num_layers);
@@ -300,8 +298,8 @@ std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLa
     return fmt::format("tp_size {} here / {} on the peer does not divide the {} total kv heads",
                        local.tp_size, remote.tp_size, local.total_kv_heads());
   }
-  if (local.tp_size != remote.tp_size && (local.layout != KvCacheLayout::layer_major ||
-                                          remote.layout != KvCacheLayout::layer_major)) {
+  if (local.tp_size != remote.tp_size &&
+      (local.layout != KvCacheLayout::layer_major || remote.layout != KvCacheLayout::layer_major)) {
     return fmt::format(
         "tensor-parallel head slicing needs the layer-major layout on both sides: tp_size {} "
         "({}) here, tp_size {} ({}) on the peer",
@@ -340,9 +338,9 @@ namespace {
 void check_addresses(const PoolAddresses& a, std::uint32_t num_layers, std::string_view side) {
   auto check = [&](const std::vector<std::uint64_t>& v, std::string_view name) {
     if (v.size() != num_layers) {
-      throw InvalidArgument(fmt::format(
-          "plan_block_regions: {} pool addresses have {} {} entries for {} layers", side, v.size(),
-          name, num_layers));
+      throw InvalidArgument(
+          fmt::format("plan_block_regions: {} pool addresses have {} {} entries for {} layers",
+                      side, v.size(), name, num_layers));
     }
   };
   check(a.k_base, "k_base");
@@ -354,9 +352,9 @@ void check_addresses(const PoolAddresses& a, std::uint32_t num_layers, std::stri
 void check_ids(std::span<const BlockId> ids, std::uint64_t num_blocks, std::string_view side) {
   for (std::size_t i = 0; i < ids.size(); ++i) {
     if (ids[i] >= num_blocks) {
-      throw InvalidArgument(fmt::format(
-          "plan_block_regions: {} block id {} (entry {}) is out of range ({} blocks)", side,
-          ids[i], i, num_blocks));
+      throw InvalidArgument(
+          fmt::format("plan_block_regions: {} block id {} (entry {}) is out of range ({} blocks)",
+                      side, ids[i], i, num_blocks));
     }
   }
 }
@@ -365,7 +363,9 @@ void check_ids(std::span<const BlockId> ids, std::uint64_t num_blocks, std::stri
 struct PoolSide {
   std::uint64_t base;
   std::uint64_t stride;
-  std::uint64_t block_address(BlockId id) const { return add_checked(base, mul_checked(id, stride)); }
+  std::uint64_t block_address(BlockId id) const {
+    return add_checked(base, mul_checked(id, stride));
+  }
 };
 
 // The byte ranges one block's K (or V) region contributes: offsets inside the
@@ -392,7 +392,8 @@ void emit(std::vector<CopyRegion>& out, CopyRegion r) {
 
 }  // namespace
 
-std::vector<CopyRegion> plan_block_regions(const PoolLayout& local, const PoolAddresses& local_pools,
+std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
+                                           const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
                                            const PoolLayout& remote,
                                            const PoolAddresses& remote_pools,
@@ -453,14 +454,12 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local, const PoolAd
         const std::uint64_t data_per_head = lr.data_bytes / local.num_kv_heads;
         const std::uint64_t scale_per_head = lr.scale_bytes / local.num_kv_heads;
         const std::uint64_t lh = heads->first - std::uint64_t{local.tp_rank} * local.num_kv_heads;
-        const std::uint64_t rh =
-            heads->first - std::uint64_t{remote.tp_rank} * remote.num_kv_heads;
+        const std::uint64_t rh = heads->first - std::uint64_t{remote.tp_rank} * remote.num_kv_heads;
         p.slices[0] = Slice{lh * data_per_head, rh * data_per_head, heads->count * data_per_head};
         p.count = 1;
         if (scale_per_head != 0) {
           p.slices[1] = Slice{lr.scale_offset + lh * scale_per_head,
-                              rr.scale_offset + rh * scale_per_head,
-                              heads->count * scale_per_head};
+                              rr.scale_offset + rh * scale_per_head, heads->count * scale_per_head};
           p.count = 2;
         }
       }

@@ -15,9 +15,9 @@
 namespace kvport::transfer {
 namespace {
 
-using ::testing::HasSubstr;
 using test::host_backend;
 using test::message_of;
+using ::testing::HasSubstr;
 
 // Data + scale bytes (no padding) of one block of `c`, this rank's heads.
 std::uint64_t checked_bytes_per_block(const KvCacheConfig& c) {
@@ -152,9 +152,9 @@ TEST(KvContentFunctionTest, PositionsPastTheLastTokenAreToken0) {
   padded.resize(8, 0);
   EXPECT_TRUE(verify_kv_content(cache, layout, std::vector<BlockId>{0, 1}, padded, stream).ok());
   write_kv_content(cache, layout, std::vector<BlockId>{2}, {}, stream);
-  EXPECT_TRUE(verify_kv_content(cache, layout, std::vector<BlockId>{2},
-                                std::vector<TokenId>(4, 0), stream)
-                  .ok());
+  EXPECT_TRUE(
+      verify_kv_content(cache, layout, std::vector<BlockId>{2}, std::vector<TokenId>(4, 0), stream)
+          .ok());
 }
 
 // A TP-2 rank's share of a block is byte for byte the matching heads of the
@@ -164,8 +164,8 @@ TEST(KvContentFunctionTest, TensorParallelRanksHoldTheirHeadsOfTheSameContent) {
   StreamView stream = backend->default_stream();
   const std::vector<TokenId> tokens = test::tokens_of(4);
   const std::vector<BlockId> block = {0};
-  for (KvCacheDtype dtype : {KvCacheDtype::bf16, KvCacheDtype::fp8_e4m3, KvCacheDtype::nvfp4,
-                             KvCacheDtype::turbo3}) {
+  for (KvCacheDtype dtype :
+       {KvCacheDtype::bf16, KvCacheDtype::fp8_e4m3, KvCacheDtype::nvfp4, KvCacheDtype::turbo3}) {
     PagedKvCache whole(test::shape(4, dtype), 1, *backend);
     write_kv_content(whole, pool_layout(whole), block, tokens, stream);
     for (std::uint32_t rank = 0; rank < 2; ++rank) {
@@ -180,15 +180,14 @@ TEST(KvContentFunctionTest, TensorParallelRanksHoldTheirHeadsOfTheSameContent) {
         EXPECT_TRUE(std::equal(b.begin(), b.begin() + static_cast<long>(data),
                                a.begin() + static_cast<long>(rank * data)))
             << to_string(dtype) << " rank " << rank << " layer " << layer;
-        EXPECT_TRUE(std::equal(
-            b.begin() + static_cast<long>(h.scale_offset),
-            b.begin() + static_cast<long>(h.scale_offset + scales),
-            a.begin() + static_cast<long>(w.scale_offset + rank * scales)))
+        EXPECT_TRUE(std::equal(b.begin() + static_cast<long>(h.scale_offset),
+                               b.begin() + static_cast<long>(h.scale_offset + scales),
+                               a.begin() + static_cast<long>(w.scale_offset + rank * scales)))
             << to_string(dtype) << " rank " << rank << " layer " << layer;
       }
       // And the other rank's layout does not verify it.
-      EXPECT_FALSE(verify_kv_content(half, pool_layout(half, 1 - rank, 2), block, tokens, stream)
-                       .ok());
+      EXPECT_FALSE(
+          verify_kv_content(half, pool_layout(half, 1 - rank, 2), block, tokens, stream).ok());
     }
   }
 }

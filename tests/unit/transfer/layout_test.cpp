@@ -14,10 +14,10 @@
 namespace kvport::transfer {
 namespace {
 
-using ::testing::HasSubstr;
 using test::host_backend;
 using test::make_layout;
 using test::message_of;
+using ::testing::HasSubstr;
 
 // ---- pool_layout ----------------------------------------------------------------------
 
@@ -54,8 +54,7 @@ TEST(PoolLayoutTest, UniformCacheListsItsDtypeOncePerLayer) {
 TEST(PoolLayoutTest, RejectsABadTensorParallelRank) {
   auto backend = host_backend();
   PagedKvCache cache(test::shape(2), 3, *backend);
-  EXPECT_THAT(message_of<InvalidArgument>([&] { pool_layout(cache, 0, 0); }),
-              HasSubstr("tp_size"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { pool_layout(cache, 0, 0); }), HasSubstr("tp_size"));
   EXPECT_THAT(message_of<InvalidArgument>([&] { pool_layout(cache, 2, 2); }),
               HasSubstr("tp_rank 2"));
 }
@@ -100,8 +99,7 @@ TEST(PoolLayoutCodecTest, EveryTruncationThrowsWithoutReadingPastTheSpan) {
     // A buffer of exactly n bytes, so that a read past it is a heap overflow
     // the sanitizer presets catch.
     const std::vector<std::uint8_t> cut(full.begin(), full.begin() + static_cast<long>(n));
-    const std::string what =
-        message_of<InvalidArgument>([&] { decode_pool_layout(cut); });
+    const std::string what = message_of<InvalidArgument>([&] { decode_pool_layout(cut); });
     EXPECT_THAT(what, HasSubstr("PoolLayout decode")) << "at " << n << " bytes";
     if (n >= 4 && n < 43) {
       EXPECT_THAT(what, HasSubstr("truncated")) << "at " << n << " bytes";
@@ -173,8 +171,7 @@ TEST(PoolLayoutCodecTest, OutOfRangeFieldsAreNamed) {
 
   b = encode(odd_layout());
   put_u32(b, 6, std::numeric_limits<std::uint32_t>::max());
-  EXPECT_THAT(message_of<InvalidArgument>([&] { decode_pool_layout(b); }),
-              HasSubstr("num_layers"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { decode_pool_layout(b); }), HasSubstr("num_layers"));
 
   // A head_dim that is not a multiple of nvfp4's group of 16.
   b = encode(odd_layout());
@@ -186,8 +183,8 @@ TEST(PoolLayoutCodecTest, OutOfRangeFieldsAreNamed) {
 TEST(PoolLayoutCodecTest, EverySingleByteCorruptionDecodesOrThrowsInvalidArgument) {
   const std::vector<std::uint8_t> full = encode(odd_layout());
   for (std::size_t i = 0; i < full.size(); ++i) {
-    for (std::uint8_t v : {std::uint8_t{0}, std::uint8_t{1}, std::uint8_t{0x7F},
-                           std::uint8_t{0xFF}}) {
+    for (std::uint8_t v :
+         {std::uint8_t{0}, std::uint8_t{1}, std::uint8_t{0x7F}, std::uint8_t{0xFF}}) {
       std::vector<std::uint8_t> b = full;
       b[i] = v;
       try {
@@ -292,10 +289,10 @@ TEST(CompatibilityTest, NamesTheFirstDifferingFieldWithBothValues) {
   // Both sides' layouts matter: block-major here with head slicing.
   PoolLayout bm = a;
   bm.layout = KvCacheLayout::block_major;
-  EXPECT_THAT(incompatibility(bm, make_layout(32, 4, KvCacheDtype::bf16,
-                                              KvCacheLayout::layer_major, 0, 2))
-                  .value_or(""),
-              HasSubstr("block_major) here"));
+  EXPECT_THAT(
+      incompatibility(bm, make_layout(32, 4, KvCacheDtype::bf16, KvCacheLayout::layer_major, 0, 2))
+          .value_or(""),
+      HasSubstr("block_major) here"));
 }
 
 TEST(HeadOverlapTest, IntersectsTheGlobalHeadRanges) {
@@ -400,8 +397,7 @@ TEST(PlanBlockRegionsTest, MixedLayoutsMoveWholeRegions) {
 
 TEST(PlanBlockRegionsTest, HeadSlicingMovesTheCommonHeadsOnly) {
   const PoolLayout tp1 = make_layout(2, 8);
-  const PoolLayout rank1 =
-      make_layout(2, 4, KvCacheDtype::bf16, KvCacheLayout::layer_major, 1, 2);
+  const PoolLayout rank1 = make_layout(2, 4, KvCacheDtype::bf16, KvCacheLayout::layer_major, 1, 2);
   const std::vector<BlockId> ids = {0, 1};
   const auto regions = plan_block_regions(tp1, synthetic_pools(tp1, kLocalBase), ids, rank1,
                                           synthetic_pools(rank1, kRemoteBase), ids);
@@ -433,15 +429,14 @@ TEST(PlanBlockRegionsTest, RejectsBadInputBeforePlanning) {
   other.head_dim_v = 64;
   EXPECT_THAT(plan(l, la, two, other, ra, two),
               HasSubstr("incompatible layouts: head_dim_v differs: 128 here, 64 on the peer"));
-  const PoolLayout bm_tp2 =
-      make_layout(2, 4, KvCacheDtype::bf16, KvCacheLayout::block_major, 0, 2);
+  const PoolLayout bm_tp2 = make_layout(2, 4, KvCacheDtype::bf16, KvCacheLayout::block_major, 0, 2);
   EXPECT_THAT(plan(l, la, two, bm_tp2, ra, two), HasSubstr("layer-major layout on both sides"));
 
   const PoolLayout r0 = make_layout(2, 4, KvCacheDtype::bf16, KvCacheLayout::layer_major, 0, 2);
   const PoolLayout r3 = make_layout(2, 2, KvCacheDtype::bf16, KvCacheLayout::layer_major, 3, 4);
-  EXPECT_THAT(plan(r0, synthetic_pools(r0, kLocalBase), two, r3, synthetic_pools(r3, kRemoteBase),
-                   two),
-              HasSubstr("no common heads: global heads [0, 4) here, [6, 8) on the peer"));
+  EXPECT_THAT(
+      plan(r0, synthetic_pools(r0, kLocalBase), two, r3, synthetic_pools(r3, kRemoteBase), two),
+      HasSubstr("no common heads: global heads [0, 4) here, [6, 8) on the peer"));
 
   PoolAddresses short_pools = ra;
   short_pools.v_stride.pop_back();
@@ -493,9 +488,8 @@ TEST_P(PlannedTransferTest, MovesEveryHeadByteExact) {
     for (std::uint32_t s = 0; s < src_tp; ++s) {
       const PoolLayout sl = pool_layout(src[s], s, src_tp);
       if (!head_overlap(dl, sl)) continue;
-      const auto regions =
-          plan_block_regions(dl, pool_addresses(dst[d]), dst_ids, sl, pool_addresses(src[s]),
-                             src_ids);
+      const auto regions = plan_block_regions(dl, pool_addresses(dst[d]), dst_ids, sl,
+                                              pool_addresses(src[s]), src_ids);
       test::copy_to_local(regions);
       moved += total_bytes(regions);
     }
