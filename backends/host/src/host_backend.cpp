@@ -107,8 +107,12 @@ class HostBackend final : public Backend {
     throw InvalidArgument(fmt::format(
         "KVPORT_HOST_HUGE_PAGES: '{}' is neither 0 (off) nor 1 (on, the default)", env));
   }
-  void* allocate_pool_memory(std::size_t size) const noexcept {
-    if (size < kHugePage || !huge_pages_) return std::aligned_alloc(kAllocAlignment, size);
+  // Pinned host memory (alloc_host) of 2 MiB or more gets the same advice:
+  // staging buffers are fresh memory whose first touch otherwise costs one
+  // page fault per 4 KiB (about 0.6 s per 128 MiB under this hypervisor).
+  void* allocate_pool_memory(std::size_t size,
+                             std::size_t alignment = kAllocAlignment) const noexcept {
+    if (size < kHugePage || !huge_pages_) return std::aligned_alloc(alignment, size);
     if (size > SIZE_MAX - kHugePage) return nullptr;
     const std::size_t whole = round_up(size, kHugePage);
     void* p = std::aligned_alloc(kHugePage, whole);
@@ -208,7 +212,7 @@ class HostBackend final : public Backend {
   void* do_alloc_host(std::size_t bytes) override {
     if (bytes > SIZE_MAX - (kHostAllocAlignment - 1)) throw OutOfMemory(kName, bytes, 0);
     const std::size_t size = round_up(bytes, kHostAllocAlignment);
-    void* p = std::aligned_alloc(kHostAllocAlignment, size);
+    void* p = allocate_pool_memory(size, kHostAllocAlignment);
     if (p == nullptr) throw OutOfMemory(kName, bytes, 0);
     try {
       host_tracker_.add(DevicePtr::from(p), bytes);

@@ -24,9 +24,12 @@ namespace kvport::transfer {
 /// function of (token id, layer, kv, global head, position, j): the same on
 /// every rank and every TP size, so a TP-2 rank's half of a block equals the
 /// matching half of the TP-1 block. Copies through host staging on `stream`
-/// and waits for them. Throws InvalidArgument when blocks.size() *
-/// block_size < tokens.size(), an id is out of range, or `layout` does not
-/// describe `cache`.
+/// and waits for them: one pinned buffer of blocks.size() x bytes_per_block
+/// and one batched host-to-device copy per call. Throws InvalidArgument (before
+/// any copy) when blocks.size() * block_size < tokens.size(), an id is out of
+/// range or listed twice, or `layout` does not describe `cache`
+/// (pool_layout(cache, layout.tp_rank, layout.tp_size) != layout). An empty
+/// `blocks` does nothing.
 void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                       std::span<const BlockId> blocks, std::span<const TokenId> tokens,
                       StreamView stream);
@@ -41,7 +44,9 @@ struct ContentCheck {
 /// Reads `blocks` back (through host staging on `stream`) and compares every
 /// data and scale byte of the heads this rank holds with what
 /// write_kv_content writes for `tokens`. Padding is not checked (head-sliced
-/// transfers do not move it). Same preconditions as write_kv_content.
+/// transfers do not move it). Same preconditions and staging as
+/// write_kv_content (one batched device-to-host copy); an empty `blocks`
+/// checks nothing (ok() is false).
 ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                                std::span<const BlockId> blocks, std::span<const TokenId> tokens,
                                StreamView stream);

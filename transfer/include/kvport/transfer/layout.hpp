@@ -38,9 +38,7 @@ struct PoolLayout {
   std::uint64_t num_blocks = 0;
 
   /// num_kv_heads * tp_size: the model's KV heads.
-  std::uint64_t total_kv_heads() const noexcept {
-    return std::uint64_t{num_kv_heads} * tp_size;
-  }
+  std::uint64_t total_kv_heads() const noexcept { return std::uint64_t{num_kv_heads} * tp_size; }
   /// The KvCacheConfig this layout describes (layer_dtypes filled in).
   KvCacheConfig to_config() const;
 
@@ -53,12 +51,15 @@ struct PoolLayout {
 PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank = 0,
                        std::uint32_t tp_size = 1);
 
-/// A versioned little-endian encoding (for the handshake message).
+/// A versioned little-endian encoding (for the handshake message): magic
+/// "KVPL", version 1, the fields, one dtype byte per layer; 43 + num_layers
+/// bytes. Throws InvalidArgument when layer_dtypes.size() != num_layers.
 std::vector<std::uint8_t> encode(const PoolLayout& layout);
 /// Decodes `encode`'s bytes. Throws InvalidArgument naming what is wrong for a
-/// short, long, wrong-version or out-of-range (unknown dtype/layout, zero
-/// sizes, tp_rank >= tp_size, too many layers) input; never reads past
-/// `bytes`.
+/// short, long, wrong-magic, wrong-version or out-of-range (unknown
+/// dtype/layout, zero sizes or num_blocks, tp_rank >= tp_size, more than 4096
+/// layers, a head_dim that is not a multiple of a layer dtype's group) input;
+/// never reads past `bytes`. A decoded layout passes KvCacheConfig::validate.
 PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes);
 
 /// XXH3-64 of the fields two sides must agree on to exchange blocks: layers,
@@ -68,12 +69,16 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes);
 std::uint64_t compatibility_hash(const PoolLayout& layout);
 
 /// nullopt when blocks can move between `local` and `remote`, otherwise one
-/// line naming the first field that differs and both values, e.g.
+/// line naming the first field that differs and both values, in the order
+/// num_layers, block_size, head_dim_k, head_dim_v, total kv heads, layer
+/// dtypes, e.g.
 /// "num_layers differs: 32 here, 16 on the peer" or "layer 3 dtype differs:
 /// bf16 here, fp8_e4m3 on the peer". Also rejected: different TP sizes unless
 /// both sides are layer-major ("tensor-parallel head slicing needs the
-/// layer-major layout on both sides"), and a TP size that does not divide the
-/// total heads.
+/// layer-major layout on both sides"), a TP size that does not divide the
+/// total heads, and a side that is malformed on its own (tp_size 0, tp_rank
+/// >= tp_size, layer_dtypes.size() != num_layers; named "here" or "on the
+/// peer").
 std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLayout& remote);
 
 /// Where one side's pools are: per layer, the address of block 0's K (V)
@@ -112,10 +117,15 @@ std::optional<HeadRange> head_overlap(const PoolLayout& local, const PoolLayout&
 /// overlapping heads' data and scale ranges. Regions adjacent on both sides
 /// are merged (consecutive ids in layer-major pools, whole blocks in
 /// block-major), so a run of consecutive ids costs 2 x layers regions (1 in
-/// block-major on both sides). Throws InvalidArgument, before returning
-/// anything, when the layouts are incompatible, the lists differ in length,
-/// an id is out of range for its side, or the heads do not overlap.
-std::vector<CopyRegion> plan_block_regions(const PoolLayout& local, const PoolAddresses& local_pools,
+/// block-major on both sides). Order: (block, layer, K, V) when `local` is
+/// block-major, (layer, K/V, block) otherwise; within a head-sliced region the
+/// data range comes before the scale range. Cost: O(layers x blocks), no
+/// sorting. Throws InvalidArgument, before returning anything, when the
+/// layouts are incompatible, the lists differ in length, an id is out of range
+/// for its side, an address list does not have num_layers entries, the heads
+/// do not overlap, or an address computation wraps 64 bits.
+std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
+                                           const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
                                            const PoolLayout& remote,
                                            const PoolAddresses& remote_pools,
