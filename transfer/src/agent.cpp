@@ -134,6 +134,7 @@ struct Hello {
   std::vector<Region> regions;
   std::uint64_t scratch_base = 0;
   std::uint64_t scratch_bytes = 0;
+  std::vector<std::uint8_t> address;  // the transport's, for one-sided operations
 };
 
 std::pair<std::string, std::uint16_t> parse_address(const std::string& address) {
@@ -167,7 +168,8 @@ struct Agent::State {
 
   struct Peer {
     PeerId id = 0;
-    ConnId conn = 0;
+    ConnId conn = 0;  // handshake, notifications, heartbeats
+    ConnId data = 0;  // one-sided operations (a connection to the peer's address)
     PeerStatus status = PeerStatus::handshaking;
     bool outgoing = false;
     std::string address;
@@ -208,9 +210,10 @@ struct Agent::State {
   std::vector<Region> regions;
   HostBuffer mirror;
   std::vector<std::pair<std::uint64_t, std::uint64_t>> pool_ranges;  // merged device ranges
-  std::unique_ptr<std::uint8_t[]> scratch_storage;
+  HostBuffer scratch_storage;
   std::uint64_t scratch_base = 0;
   std::optional<Stream> stage_stream;
+  std::vector<std::uint8_t> address;  // the transport's, sent at the handshake
 
   std::map<PeerId, Peer> peers;
   std::unordered_map<ConnId, PeerId> by_conn;
@@ -276,12 +279,14 @@ struct Agent::State {
       stage_stream.emplace(cache.backend().create_stream());
     }
     if (options.scratch_bytes > 0) {
-      scratch_storage.reset(new std::uint8_t[options.scratch_bytes]);
-      std::memset(scratch_storage.get(), 0, options.scratch_bytes);  // fault the pages in now
-      scratch_base = reinterpret_cast<std::uint64_t>(scratch_storage.get());
+      // Pinned host memory of the cache's backend, like the pools' staging.
+      scratch_storage = HostBuffer(cache.backend(), options.scratch_bytes);
+      std::memset(scratch_storage.data(), 0, options.scratch_bytes);  // fault the pages in now
+      scratch_base = reinterpret_cast<std::uint64_t>(scratch_storage.data());
       regions.push_back({scratch_base, options.scratch_bytes,
                          transport->register_memory(scratch_base, options.scratch_bytes, MemoryKind::host)});
     }
+    address = transport->local_address();
   }
 
   // ---- messages ----------------------------------------------------------------
@@ -306,6 +311,7 @@ struct Agent::State {
     }
     w.u64(scratch_base);
     w.u64(options.scratch_bytes);
+    w.blob(address);
     return std::move(w.bytes());
   }
 
@@ -334,6 +340,9 @@ struct Agent::State {
     }
     h.scratch_base = r.u64();
     h.scratch_bytes = r.u64();
+    auto address = r.blob();
+    h.address.assign(address.begin(), address.end());
+    if (!r.at_end()) throw InvalidArgument("hello: trailing bytes");
     return h;
   }
 
@@ -342,10 +351,13 @@ struct Agent::State {
     p.last_sent = Clock::now();
   }
 
-  // Imports the peer's keys; after it the peer is connected.
+  // Opens the data connection, imports the peer's keys on it; after it the
+  // peer is connected.
   void adopt(Peer& p, Hello h) {
+    p.data = h.address.empty() ? p.conn : transport->connect_to(h.address);
+    by_conn[p.data] = p.id;
     for (const Region& region : h.regions) {
-      RemoteRegion rr{region.base, region.bytes, transport->import_remote_key(p.conn, region.key)};
+      RemoteRegion rr{region.base, region.bytes, transport->import_remote_key(p.data, region.key)};
       if (h.scratch_bytes > 0 && region.base == h.scratch_base) p.scratch = rr;
       p.regions.push_back(rr);
     }
@@ -442,6 +454,32 @@ struct Agent::State {
     }
   }
 
+  // Closes both connections. Once the data connection is closed the
+  // transport no longer touches our memory for this peer, so the peer's
+  // pending transfers end then, even if their operations never report (UCX
+  // does not complete an operation on an endpoint without error handling
+  // whose peer died).
+  void close_peer(Peer& p, bool force) {
+    const PeerId id = p.id;
+    auto end_transfers = [this, id] {
+      for (auto& [tid, t] : transfers) {
+        if (t.peer == id && t.state == TransferState::pending) {
+          if (!t.fail_as && !t.cancel_requested) {
+            t.fail_as = TransferState::peer_lost;
+            t.why = "the connection was closed";
+          }
+          finish(tid, false, t.why);
+        }
+      }
+    };
+    if (p.data != 0 && p.data != p.conn) {
+      transport->close(p.data, force, end_transfers);
+      transport->close(p.conn, force, nullptr);
+    } else {
+      transport->close(p.conn, force, end_transfers);
+    }
+  }
+
   void reject_outgoing(Peer& p, const std::string& why) {
     ++counters.handshakes_rejected;
     p.status = PeerStatus::rejected;
@@ -476,15 +514,19 @@ struct Agent::State {
         t.why = why;
       }
     }
-    log::warn(fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id, p.hello.name, why));
-    transport->close(p.conn, true, nullptr);
+    if (!stop.load(std::memory_order_relaxed)) {
+      log::warn(fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id, p.hello.name, why));
+    }
+    close_peer(p, true);
   }
 
   // ---- transfers ---------------------------------------------------------------
 
+  // Makes a transfer final (once: a late callback of one ended by its
+  // connection's close is ignored).
   void finish(TransferId id, bool ok, const std::string& why) {
     auto it = transfers.find(id);
-    if (it == transfers.end()) return;
+    if (it == transfers.end() || it->second.state != TransferState::pending) return;
     Transfer& t = it->second;
     if (ok && !t.fail_as && !t.stage_in.empty()) {
       try {
@@ -539,7 +581,7 @@ struct Agent::State {
       finish(id, true, {});
       return id;
     }
-    transport->post(p.conn, !read, ops, keys,
+    transport->post(p.data, !read, ops, keys,
                     [this, id](bool ok, const std::string& why) { finish(id, ok, why); });
     return id;
   }
@@ -604,7 +646,7 @@ struct Agent::State {
             other.why = p.why;
           }
         }
-        transport->close(p.conn, true, nullptr);
+        close_peer(p, true);
       }
     }
   }
@@ -753,6 +795,13 @@ std::optional<PeerInfo> Agent::peer(PeerId id) const {
   return PeerInfo{id, p.hello.name, p.hello.layout, p.status == State::PeerStatus::connected};
 }
 
+std::string Agent::peer_transport(PeerId id) const {
+  std::lock_guard lock(state_->mutex);
+  auto it = state_->peers.find(id);
+  if (it == state_->peers.end()) return {};
+  return state_->transport->connection_info(it->second.data != 0 ? it->second.data : it->second.conn);
+}
+
 std::string Agent::transport_description() const {
   std::lock_guard lock(state_->mutex);
   return state_->transport->description();
@@ -822,6 +871,12 @@ std::string Agent::why(TransferId id) const {
 std::uint64_t Agent::bytes(TransferId id) const {
   std::lock_guard lock(state_->mutex);
   return state_->transfer(id, "bytes").bytes;
+}
+
+Agent::Times Agent::times(TransferId id) const {
+  std::lock_guard lock(state_->mutex);
+  const auto& t = state_->transfer(id, "times");
+  return {t.posted, is_final(t.state) ? t.finished : t.posted};
 }
 
 void Agent::cancel(TransferId id) {

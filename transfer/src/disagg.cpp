@@ -364,7 +364,8 @@ struct DecodeNode::State {
     r.blocks = std::move(blocks);
     held += r.blocks.size();
     r.phase = Phase::pulling;
-    r.first_post = Clock::now();
+    r.first_post = Clock::time_point::max();
+    r.last_final = Clock::time_point::min();
     for (auto& [rank, part] : r.parts) {
       try {
         part.transfer = agent.post(part.peer, true, r.blocks, part.remote_blocks);
@@ -411,7 +412,7 @@ struct DecodeNode::State {
       res.why = r.why;
       res.tokens = std::move(r.tokens);
       res.bytes = r.bytes;
-      if (r.last_final > r.first_post) {
+      if (r.first_post != Clock::time_point::max() && r.last_final > r.first_post) {
         res.transfer_seconds = std::chrono::duration<double>(r.last_final - r.first_post).count();
       }
       res.latency_seconds = std::chrono::duration<double>(Clock::now() - r.first_seen).count();
@@ -456,7 +457,9 @@ struct DecodeNode::State {
         const TransferState st = agent.poll(*part.transfer);
         if (!is_final(st)) continue;
         part.final = true;
-        r.last_final = now;
+        const Agent::Times times = agent.times(*part.transfer);
+        r.first_post = std::min(r.first_post, times.posted);
+        r.last_final = std::max(r.last_final, times.finished);
         if (st == TransferState::done) {
           r.bytes += agent.bytes(*part.transfer);
         } else {

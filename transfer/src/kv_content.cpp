@@ -143,7 +143,8 @@ std::uint64_t count_wrong(const std::uint8_t* a, const std::uint8_t* b, std::siz
 
 // The checks both calls share; `op` names the caller.
 void check_args(const PagedKvCache& cache, const PoolLayout& layout,
-                std::span<const BlockId> blocks, std::span<const TokenId> tokens, const char* op) {
+                std::span<const BlockId> blocks, std::span<const TokenId> tokens,
+                std::size_t first_block, const char* op) {
   const PoolLayout actual = pool_layout(cache, layout.tp_rank < layout.tp_size ? layout.tp_rank : 0,
                                         layout.tp_size == 0 ? 1 : layout.tp_size);
   if (actual != layout) {
@@ -164,9 +165,11 @@ void check_args(const PagedKvCache& cache, const PoolLayout& layout,
     }
     throw InvalidArgument(fmt::format("{}: the layout does not describe the cache ({})", op, why));
   }
-  if (std::uint64_t{blocks.size()} * layout.block_size < tokens.size()) {
-    throw InvalidArgument(fmt::format("{}: {} tokens do not fit {} blocks of {} tokens", op,
-                                      tokens.size(), blocks.size(), layout.block_size));
+  if (first_block > (std::uint64_t{1} << 32) ||
+      (std::uint64_t{first_block} + blocks.size()) * layout.block_size < tokens.size()) {
+    throw InvalidArgument(fmt::format("{}: {} tokens do not fit {} blocks of {} tokens from block {}",
+                                      op, tokens.size(), blocks.size(), layout.block_size,
+                                      first_block));
   }
   std::vector<bool> seen(cache.num_blocks());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
@@ -200,8 +203,8 @@ std::vector<HostCopyRegion> staging_regions(const PagedKvCache& cache,
 
 void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                       std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                      StreamView stream) {
-  check_args(cache, layout, blocks, tokens, "write_kv_content");
+                      StreamView stream, std::size_t first_block) {
+  check_args(cache, layout, blocks, tokens, first_block, "write_kv_content");
   if (blocks.empty()) return;
   const ContentPlan plan = make_plan(layout, cache);
   Backend& backend = cache.backend();
@@ -211,7 +214,7 @@ void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
     std::uint8_t* slot = base + i * plan.block_bytes;
     for (std::uint32_t layer = 0; layer < plan.num_layers; ++layer) {
       for (int kv = 0; kv < 2; ++kv) {
-        fill_region(plan, tokens, i, layer, kv, slot);
+        fill_region(plan, tokens, first_block + i, layer, kv, slot);
         slot +=
             plan.regions[2 * std::size_t{layer} + static_cast<std::size_t>(kv)].layout.total_bytes;
       }
@@ -235,8 +238,8 @@ void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
 
 ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                                std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                               StreamView stream) {
-  check_args(cache, layout, blocks, tokens, "verify_kv_content");
+                               StreamView stream, std::size_t first_block) {
+  check_args(cache, layout, blocks, tokens, first_block, "verify_kv_content");
   ContentCheck check;
   if (blocks.empty()) return check;
   const ContentPlan plan = make_plan(layout, cache);
@@ -268,7 +271,7 @@ ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
       for (int kv = 0; kv < 2; ++kv) {
         const BlockRegionLayout& r =
             plan.regions[2 * std::size_t{layer} + static_cast<std::size_t>(kv)].layout;
-        fill_region(plan, tokens, i, layer, kv, expected.data());
+        fill_region(plan, tokens, first_block + i, layer, kv, expected.data());
         check.bytes_wrong += count_wrong(slot, expected.data(), r.data_bytes);
         check.bytes_wrong +=
             count_wrong(slot + r.scale_offset, expected.data() + r.scale_offset, r.scale_bytes);

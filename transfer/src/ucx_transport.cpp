@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -217,6 +218,34 @@ class UcxTransport final : public Transport {
     return conn->id;
   }
 
+  std::vector<std::uint8_t> local_address() override {
+    ucp_address_t* address = nullptr;
+    std::size_t size = 0;
+    check(ucp_worker_get_address(worker_, &address, &size), "ucp_worker_get_address");
+    const auto* bytes = reinterpret_cast<const std::uint8_t*>(address);
+    std::vector<std::uint8_t> out(bytes, bytes + size);
+    ucp_worker_release_address(worker_, address);
+    return out;
+  }
+
+  ConnId connect_to(std::span<const std::uint8_t> address) override {
+    if (address.empty()) throw InvalidArgument("connect_to: an empty address");
+    auto conn = new_conn();
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    ep.err_mode = std::getenv("KVPORT_UCX_DATA_PEER_ERR") ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = &UcxTransport::on_ep_error;
+    ep.err_handler.arg = conn;
+    if (ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep); st != UCS_OK) {
+      conn->ep = nullptr;
+      conns_.erase(conn->id);
+      throw TransferError(fmt::format("cannot connect to the peer's address: {}", ucs_status_string(st)));
+    }
+    return conn->id;
+  }
+
   void close(ConnId id, bool force, std::function<void()> done) override {
     auto it = conns_.find(id);
     if (it == conns_.end() || it->second->ep == nullptr || it->second->closing) {
@@ -356,6 +385,20 @@ class UcxTransport final : public Transport {
       submit(ucp_ep_flush_nbx(conn.ep, &p), ctx);
     }
     batch->finish_one(UCS_OK);
+  }
+
+  std::string connection_info(ConnId id) override {
+    auto it = conns_.find(id);
+    if (it == conns_.end() || it->second->ep == nullptr) return {};
+    char* text = nullptr;
+    std::size_t size = 0;
+    FILE* stream = ::open_memstream(&text, &size);
+    if (stream == nullptr) return {};
+    ucp_ep_print_info(it->second->ep, stream);
+    std::fclose(stream);
+    std::string out(text, size);
+    std::free(text);
+    return out;
   }
 
   bool progress() override {

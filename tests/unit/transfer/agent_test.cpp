@@ -34,6 +34,9 @@ TEST(Agent, HandshakeExchangesLayouts) {
   EXPECT_EQ(b.agent->peer(to_a)->name, "decode");
   EXPECT_FALSE(a.agent->peer(999).has_value());
   EXPECT_THAT(a.agent->transport_description(), HasSubstr("ucx"));
+  std::printf("%s\n", a.agent->peer_transport(to_b).c_str());
+  EXPECT_FALSE(a.agent->peer_transport(to_b).empty());
+  EXPECT_TRUE(a.agent->peer_transport(999).empty());
   EXPECT_EQ(a.agent->memory_path(), MemoryPath::direct);
 }
 

@@ -398,19 +398,23 @@ class Worker {
            {"cached", cached},
            {"leaked_blocks", cache_.num_blocks_in_use()},
            {"invariants_ok", invariants.ok},
+           {"transfers_posted", a.transfers_posted},
            {"transfers_done", a.transfers_done},
+           {"transfers_cancelled", a.transfers_cancelled},
            {"transfers_failed", a.transfers_failed},
            {"malformed_messages", a.malformed_messages},
            {"peers_lost", a.peers_lost}};
     if (prefill_) {
       const auto& c = prefill_->counters();
-      j["leases"] = {{"offered", c.leases_offered}, {"pulled", c.leases_pulled},   {"refused", c.leases_refused},
+      j["leases"] = {{"active", prefill_->active_leases()}, {"held_blocks", prefill_->held_blocks()},
+                     {"offered", c.leases_offered}, {"pulled", c.leases_pulled},   {"refused", c.leases_refused},
                      {"expired", c.leases_expired}, {"lost", c.leases_lost},       {"aborted", c.leases_aborted},
                      {"late_notifications", c.late_notifications}};
     }
     if (decode_) {
       const auto& c = decode_->counters();
-      j["decode"] = {{"completed", c.requests_completed}, {"failed", c.requests_failed},
+      j["decode"] = {{"pending", decode_->pending_requests()}, {"held_blocks", decode_->held_blocks()},
+                     {"completed", c.requests_completed}, {"failed", c.requests_failed},
                      {"revoked", c.revoked},               {"late_notifications", c.late_notifications},
                      {"no_room", c.no_room},               {"blocks_registered", c.blocks_registered}};
     }

@@ -145,6 +145,9 @@ class Agent {
   std::vector<PeerId> peers() const;
   /// nullopt for an unknown id.
   std::optional<PeerInfo> peer(PeerId id) const;
+  /// How the connection to `id` is carried (UCX lanes and transports, for
+  /// diagnostics); empty for an unknown or closed peer.
+  std::string peer_transport(PeerId id) const;
   /// This agent's layout (what peers see).
   const PoolLayout& layout() const noexcept { return layout_; }
   MemoryPath memory_path() const noexcept { return memory_path_; }
@@ -172,6 +175,13 @@ class Agent {
   std::string why(TransferId id) const;
   /// Bytes the transfer moves (its merged regions).
   std::uint64_t bytes(TransferId id) const;
+  /// When the transfer was posted and when it became final (equal to posted
+  /// while pending), as the agent saw them.
+  struct Times {
+    std::chrono::steady_clock::time_point posted;
+    std::chrono::steady_clock::time_point finished;
+  };
+  Times times(TransferId id) const;
   /// Requests cancellation. The state becomes cancelled once the transport
   /// no longer touches the local blocks (at once when nothing is in flight);
   /// until then poll() says pending. No effect on a final transfer.

@@ -30,9 +30,14 @@ namespace kvport::transfer {
 /// range or listed twice, or `layout` does not describe `cache`
 /// (pool_layout(cache, layout.tp_rank, layout.tp_size) != layout). An empty
 /// `blocks` does nothing.
+///
+/// `first_block` > 0 writes the tail of a sequence whose first blocks exist
+/// already (a cached prefix): blocks[i] then holds positions
+/// [(first_block + i) * block_size, ...) of `tokens`, the whole sequence, and
+/// (first_block + blocks.size()) * block_size must cover tokens.size().
 void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                       std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                      StreamView stream);
+                      StreamView stream, std::size_t first_block = 0);
 
 /// Result of verify_kv_content.
 struct ContentCheck {
@@ -49,6 +54,6 @@ struct ContentCheck {
 /// checks nothing (ok() is false).
 ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                                std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                               StreamView stream);
+                               StreamView stream, std::size_t first_block = 0);
 
 }  // namespace kvport::transfer

@@ -56,6 +56,14 @@ class Transport {
   /// Starts connecting; the connection is usable at once (messages queue) and
   /// fails through on_error.
   virtual ConnId connect(const std::string& host, std::uint16_t port) = 0;
+  /// This process's transport address for connect_to (opaque bytes a peer
+  /// receives through the handshake).
+  virtual std::vector<std::uint8_t> local_address() = 0;
+  /// Connects to a peer's local_address() for one-sided operations. UCX
+  /// picks shared memory and cross-memory attach (CMA) for a peer on the same
+  /// host only on such a connection, not on one made through a listener;
+  /// messages are not received on it. Fails through on_error.
+  virtual ConnId connect_to(std::span<const std::uint8_t> address) = 0;
   /// Closes a connection; `force` cancels its outstanding operations (their
   /// completions report an error). Idempotent. `done` runs once the
   /// transport no longer touches memory for this connection.
@@ -79,6 +87,10 @@ class Transport {
   virtual void post(ConnId conn, bool write, std::span<const RmaOp> ops,
                     std::span<const std::uint64_t> remote_keys,
                     std::function<void(bool ok, const std::string& why)> done) = 0;
+
+  /// What the connection uses (for UCX: its lanes and transports, as
+  /// ucp_ep_print_info prints them); empty for an unknown connection.
+  virtual std::string connection_info(ConnId conn) = 0;
 
   /// Makes progress; returns true when something happened.
   virtual bool progress() = 0;
