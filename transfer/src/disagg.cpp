@@ -83,6 +83,7 @@ struct PrefillNode::State {
   std::size_t held = 0;
   PrefillCounters counters;
   std::vector<LeaseResult> ended;
+  std::vector<PeerId> lost;
 
   State(Agent& a, PrefixCache& c, PrefillOptions o) : agent(a), cache(c), options(o) {}
 
@@ -210,6 +211,7 @@ std::vector<LeaseResult> PrefillNode::poll() {
   }
   for (PeerId lost : s.agent.take_lost_peers()) {
     ++s.counters.peers_lost;
+    s.lost.push_back(lost);
     std::vector<std::uint64_t> victims;
     for (const auto& [id, lease] : s.leases) {
       if (lease.waiting.contains(lost)) victims.push_back(id);
@@ -242,6 +244,7 @@ bool PrefillNode::abort(std::uint64_t request_id) {
   return true;
 }
 
+const std::vector<PeerId>& PrefillNode::lost_peers() const noexcept { return state_->lost; }
 std::size_t PrefillNode::active_leases() const noexcept { return state_->leases.size(); }
 std::size_t PrefillNode::held_blocks() const noexcept { return state_->held; }
 const PrefillCounters& PrefillNode::counters() const noexcept { return state_->counters; }
@@ -286,6 +289,7 @@ struct DecodeNode::State {
   std::size_t held = 0;
   DecodeCounters counters;
   std::vector<DecodeResult> results;
+  std::vector<PeerId> lost;
 
   State(Agent& a, PrefixCache& c, DecodeOptions o) : agent(a), cache(c), options(o) {}
 
@@ -520,10 +524,10 @@ struct DecodeNode::State {
     ++counters.late_notifications;
   }
 
-  void on_lost(PeerId lost) {
+  void on_lost(PeerId gone) {
     for (auto& [id, r] : requests) {
       for (auto& [rank, part] : r.parts) {
-        if (part.peer != lost) continue;
+        if (part.peer != gone) continue;
         part.confirmed = true;  // nobody to tell
         // A pending transfer from it ends peer_lost by itself.
         if (r.phase == Phase::assembling || r.phase == Phase::confirming) {
@@ -585,6 +589,7 @@ std::vector<DecodeResult> DecodeNode::poll() {
   }
   for (PeerId lost : s.agent.take_lost_peers()) {
     ++s.counters.peers_lost;
+    s.lost.push_back(lost);
     s.on_lost(lost);
   }
   const auto now = Clock::now();
@@ -610,6 +615,7 @@ bool DecodeNode::abort(std::uint64_t request_id) {
   return true;
 }
 
+const std::vector<PeerId>& DecodeNode::lost_peers() const noexcept { return state_->lost; }
 std::size_t DecodeNode::pending_requests() const noexcept { return state_->requests.size(); }
 std::size_t DecodeNode::held_blocks() const noexcept { return state_->held; }
 const DecodeCounters& DecodeNode::counters() const noexcept { return state_->counters; }

@@ -189,21 +189,25 @@ class DisaggCommand final : public Command {
     s.peer_timeout = std::chrono::milliseconds(peer_timeout_ms_);
     s.lease_ttl = std::chrono::milliseconds(lease_ttl_ms_);
     // The baseline pair: decode 0.0 reads prefill 0.0's scratch.
-    if (instance == 0 && rank == 0) s.scratch_bytes = baseline_bytes_;
+    if (instance == 0 && rank == 0) s.scratch_bytes = scratch_bytes_;
     return s;
   }
 
-  // What one decode rank pulls for a mean request of >= 16 blocks.
+  // The scratch buffers of the raw reads: what one decode rank pulls for the
+  // largest request of >= 16 blocks (at most 512 MiB); the idle baseline
+  // reads what it pulls for a mean one.
   void size_baseline() {
-    std::uint64_t sum = 0, n = 0;
+    std::uint64_t sum = 0, n = 0, largest = 16;
     for (const Request& r : requests_) {
       if (r.blocks >= 16) {
         sum += r.blocks;
         ++n;
+        largest = std::max<std::uint64_t>(largest, r.blocks);
       }
     }
-    const std::uint64_t blocks = n ? sum / n : 16;
-    baseline_bytes_ = blocks * config_.bytes_per_block() / tp_decode_;
+    const std::uint64_t per_block = config_.bytes_per_block() / tp_decode_;
+    scratch_bytes_ = std::min<std::uint64_t>(largest * per_block, std::uint64_t{512} << 20);
+    baseline_bytes_ = std::min<std::uint64_t>((n ? sum / n : 16) * per_block, scratch_bytes_);
   }
 
   bool send(ProcessGroup& group, const Worker& w, const json& j) {
@@ -461,7 +465,9 @@ class DisaggCommand final : public Command {
       failure_notes_.push_back(fmt::format("{}{}.{}: {}", w.role, w.instance, w.rank, j.value("why", "")));
       if (!w.ready) failure_ = failure_notes_.back();
     } else if (event == "peer_lost") {
-      if (kill_time_) {
+      // The detection time of the process killed on purpose; other losses
+      // (an instance's other ranks, workers leaving at the end) are not it.
+      if (kill_time_ && j.value("peer", "") == victim_name_) {
         const double ms = std::chrono::duration<double, std::milli>(Clock::now() - *kill_time_).count();
         loss_detect_ms_ = std::max(loss_detect_ms_, ms);
         ++loss_reports_;
@@ -501,6 +507,14 @@ class DisaggCommand final : public Command {
         bulk_bytes_ += bytes;
         bulk_seconds_ += seconds;
       }
+      if (const auto raw = j.value("raw_bytes", std::uint64_t{0}); raw > 0) {
+        raw_bytes_ += raw;
+        raw_seconds_ += j.value("raw_s", 0.0);
+        // The same pull's rate, for a like-for-like ratio.
+        paired_bytes_ += bytes;
+        paired_seconds_ += seconds;
+        ++raw_samples_;
+      }
       if (j.value("wrong_bytes", std::uint64_t{0}) > 0) ++verification_failures_;
     } else {
       ++rank_recomputes_;
@@ -517,6 +531,7 @@ class DisaggCommand final : public Command {
     Worker& victim = find(kill_role_, 0, 0);
     if (!victim.alive) return;
     victim.killed = true;
+    victim_name_ = fmt::format("{}{}.{}", victim.role, victim.instance, victim.rank);
     group.kill(victim.child, SIGKILL);
     kill_time_ = Clock::now();
     kill_at_transfers_ = transfers_;
@@ -537,8 +552,11 @@ class DisaggCommand final : public Command {
   json report_json(int code) const {
     const double gbps = transfer_seconds_ > 0 ? static_cast<double>(bytes_) / transfer_seconds_ / 1e9 : 0;
     const double bulk_gbps = bulk_seconds_ > 0 ? static_cast<double>(bulk_bytes_) / bulk_seconds_ / 1e9 : 0;
-    const double raw_s = baseline_seconds_.empty() ? 0 : percentile(baseline_seconds_, 0.5);
-    const double raw_gbps = raw_s > 0 ? static_cast<double>(baseline_bytes_) / raw_s / 1e9 : 0;
+    const double idle_s = baseline_seconds_.empty() ? 0 : percentile(baseline_seconds_, 0.5);
+    const double idle_gbps = idle_s > 0 ? static_cast<double>(baseline_bytes_) / idle_s / 1e9 : 0;
+    const double raw_gbps = raw_seconds_ > 0 ? static_cast<double>(raw_bytes_) / raw_seconds_ / 1e9 : 0;
+    const double paired_gbps =
+        paired_seconds_ > 0 ? static_cast<double>(paired_bytes_) / paired_seconds_ / 1e9 : 0;
     json leaks = json::array();
     for (const Worker& w : workers_) {
       json entry{{"role", w.role}, {"instance", w.instance}, {"rank", w.rank}, {"killed", w.killed}};
@@ -575,8 +593,16 @@ class DisaggCommand final : public Command {
                                     {"p99", percentile(latencies_, 0.99) * 1e3}}},
            {"request_latency_ms", {{"p50", percentile(e2e_latencies_, 0.5) * 1e3},
                                    {"p99", percentile(e2e_latencies_, 0.99) * 1e3}}},
-           {"raw_ucx", {{"bytes", baseline_bytes_}, {"gbps", raw_gbps}, {"why", baseline_why_}}},
-           {"ratio_vs_raw", raw_gbps > 0 ? bulk_gbps / raw_gbps : 0},
+           {"raw_ucx",
+            {{"gbps", raw_gbps},
+             {"samples", raw_samples_},
+             {"bytes", raw_bytes_},
+             {"paired_transfer_gbps", paired_gbps},
+             {"idle_gbps", idle_gbps},
+             {"idle_bytes", baseline_bytes_},
+             {"why", baseline_why_}}},
+           {"ratio_vs_raw", raw_gbps > 0 ? paired_gbps / raw_gbps : 0},
+           {"ratio_vs_idle_raw", idle_gbps > 0 ? bulk_gbps / idle_gbps : 0},
            {"verification_failures", verification_failures_},
            {"leases", lease_ends_},
            {"processes_started", processes_started_},
@@ -617,10 +643,12 @@ class DisaggCommand final : public Command {
     t.add_row({"bytes transferred", fmt::format("{:.1f} MiB", static_cast<double>(bytes_) / (1 << 20))});
     t.add_row({"transfer GB/s (all / >= 16 blocks)",
            fmt::format("{:.2f} / {:.2f}", j["transfer_gbps"].get<double>(), j["bulk_transfer_gbps"].get<double>())});
-    t.add_row({"raw UCX GB/s (one contiguous read)",
-           fmt::format("{:.2f} ({:.1f} MiB)", j["raw_ucx"]["gbps"].get<double>(),
-                       static_cast<double>(baseline_bytes_) / (1 << 20))});
-    t.add_row({"ratio (bulk / raw)", fmt::format("{:.2f}", j["ratio_vs_raw"].get<double>())});
+    t.add_row({"raw UCX GB/s, one contiguous read (n)",
+               fmt::format("{:.2f} ({})", j["raw_ucx"]["gbps"].get<double>(), raw_samples_)});
+    t.add_row({"ratio (same pulls / raw, same moments)", fmt::format("{:.2f}", j["ratio_vs_raw"].get<double>())});
+    t.add_row({"raw UCX GB/s before the replay (idle)",
+               fmt::format("{:.2f} ({:.1f} MiB)", j["raw_ucx"]["idle_gbps"].get<double>(),
+                           static_cast<double>(baseline_bytes_) / (1 << 20))});
     t.add_row({"transfer latency p50 / p99",
            fmt::format("{:.2f} / {:.2f} ms", j["transfer_latency_ms"]["p50"].get<double>(),
                        j["transfer_latency_ms"]["p99"].get<double>())});
@@ -655,7 +683,7 @@ class DisaggCommand final : public Command {
   std::size_t skipped_ = 0;
   std::vector<Worker> workers_;
   std::size_t processes_started_ = 0;
-  std::uint64_t baseline_bytes_ = 0;
+  std::uint64_t baseline_bytes_ = 0, scratch_bytes_ = 0;
   bool baseline_done_ = false;
   std::vector<double> baseline_seconds_;
   std::string baseline_why_;
@@ -663,6 +691,8 @@ class DisaggCommand final : public Command {
   std::uint32_t decode_cursor_ = 0, prefill_cursor_ = 0;
   std::uint64_t transfers_ = 0, blocks_ = 0, bytes_ = 0, bulk_bytes_ = 0;
   double transfer_seconds_ = 0, bulk_seconds_ = 0;
+  std::uint64_t raw_bytes_ = 0, paired_bytes_ = 0, raw_samples_ = 0;
+  double raw_seconds_ = 0, paired_seconds_ = 0;
   std::vector<double> latencies_, e2e_latencies_;
   std::uint64_t verification_failures_ = 0, completed_ = 0, recomputed_ = 0, rank_recomputes_ = 0;
   std::uint64_t unexpected_exits_ = 0;
@@ -671,6 +701,7 @@ class DisaggCommand final : public Command {
   std::uint64_t kill_at_transfers_ = 0;
   double loss_detect_ms_ = 0;
   std::uint64_t loss_reports_ = 0;
+  std::string victim_name_;
   Clock::time_point started_ = Clock::now();
   double wall_seconds_ = 0;
   std::string failure_;

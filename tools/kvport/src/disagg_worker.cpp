@@ -233,15 +233,12 @@ class Worker {
   void baseline(const json& j) {
     const auto bytes = j.at("bytes").get<std::size_t>();
     const auto repeat = j.at("repeat").get<int>();
-    const auto peers = agent_->peers();
     json seconds = json::array();
-    std::string why;
-    for (transfer::PeerId p : peers) {
-      auto info = agent_->peer(p);
-      if (!info || !info->connected) continue;
+    std::string why = "no connection to prefill0.0";
+    if (auto p = scratch_peer()) {
+      why.clear();
       try {
-        for (int i = 0; i < repeat; ++i) seconds.push_back(agent_->read_scratch(p, bytes));
-        break;
+        for (int i = 0; i < repeat; ++i) seconds.push_back(agent_->read_scratch(*p, bytes));
       } catch (const Error& e) {
         why = e.what();
         seconds.clear();
@@ -341,11 +338,11 @@ class Worker {
       for (const auto& l : prefill_->poll()) {
         emit({{"event", "lease_end"}, {"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
       }
-      report_losses(prefill_->counters().peers_lost);
+      report_losses(prefill_->lost_peers());
     }
     if (decode_) {
       for (auto& r : decode_->poll()) finish_decode(r);
-      report_losses(decode_->counters().peers_lost);
+      report_losses(decode_->lost_peers());
     }
   }
 
@@ -362,7 +359,24 @@ class Worker {
     const auto check = transfer::verify_kv_content(cache_, agent_->layout(), r.blocks, r.tokens, stream_);
     prefix_.release_blocks(r.blocks);
     done_.insert(r.request_id);
+    // The raw baseline under the same load: one contiguous read of the same
+    // bytes (up to the scratch size) right after this pull.
+    std::uint64_t raw_bytes = 0;
+    double raw_seconds = 0;
+    if (spec_.scratch_bytes > 0 && r.blocks.size() >= 16) {
+      if (auto peer = scratch_peer()) {
+        raw_bytes = std::min<std::uint64_t>(r.bytes, spec_.scratch_bytes);
+        try {
+          raw_seconds = agent_->read_scratch(*peer, raw_bytes);
+        } catch (const Error& e) {
+          log::warn(fmt::format("disagg: raw read failed: {}", e.what()));
+          raw_bytes = 0;
+        }
+      }
+    }
     emit({{"event", "done"},
+          {"raw_bytes", raw_bytes},
+          {"raw_s", raw_seconds},
           {"req", r.request_id},
           {"ok", true},
           {"recomputed", false},
@@ -373,10 +387,21 @@ class Worker {
           {"wrong_bytes", check.bytes_wrong}});
   }
 
-  void report_losses(std::uint64_t count) {
-    if (count == reported_losses_) return;
-    reported_losses_ = count;
-    emit({{"event", "peer_lost"}, {"count", count}});
+  // One event per peer lost since the last call, naming it.
+  void report_losses(const std::vector<transfer::PeerId>& lost) {
+    for (; reported_losses_ < lost.size(); ++reported_losses_) {
+      auto info = agent_->peer(lost[reported_losses_]);
+      emit({{"event", "peer_lost"}, {"peer", info ? info->name : std::string("?")}});
+    }
+  }
+
+  // The peer whose scratch the raw reads use: prefill 0.0 (which has one).
+  std::optional<transfer::PeerId> scratch_peer() const {
+    for (transfer::PeerId p : agent_->peers()) {
+      auto info = agent_->peer(p);
+      if (info && info->connected && info->name == "prefill0.0") return p;
+    }
+    return std::nullopt;
   }
 
   bool idle() const {
@@ -433,7 +458,7 @@ class Worker {
   std::map<std::uint32_t, std::vector<transfer::PeerId>> decode_peers_;
   std::deque<Waiting> waiting_;
   std::set<std::uint64_t> done_;
-  std::uint64_t reported_losses_ = 0;
+  std::size_t reported_losses_ = 0;
   bool finishing_ = false;
   Clock::time_point finish_deadline_;
 };

@@ -97,6 +97,9 @@ class PrefillNode {
   /// `revoked` and discards what it read. Returns false for an unknown id.
   bool abort(std::uint64_t request_id);
 
+  /// Every peer the agent reported lost (or closed) to this node, in order.
+  const std::vector<PeerId>& lost_peers() const noexcept;
+
   std::size_t active_leases() const noexcept;
   /// Blocks the leases hold (a block shared by two leases counts twice).
   std::size_t held_blocks() const noexcept;
@@ -164,6 +167,9 @@ class DecodeNode {
   /// reused afterwards never receives a late byte. Returns false for an
   /// unknown id. No result is reported for it.
   bool abort(std::uint64_t request_id);
+
+  /// Every peer the agent reported lost (or closed) to this node, in order.
+  const std::vector<PeerId>& lost_peers() const noexcept;
 
   /// Requests being assembled, pulled or confirmed.
   std::size_t pending_requests() const noexcept;
