@@ -45,6 +45,7 @@ struct WorkerSpec {
   std::chrono::milliseconds peer_timeout{1500};
   std::chrono::milliseconds lease_ttl{10000};
   std::size_t scratch_bytes = 0;
+  std::string bind = "127.0.0.1";  ///< the address to listen on
 
   nlohmann::json to_json() const;
   /// Throws InvalidArgument naming a missing or bad field.

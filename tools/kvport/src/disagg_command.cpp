@@ -3,7 +3,9 @@
 // reports what moved, how fast (against one contiguous UCX transfer of the
 // same bytes, measured in the same run), what was verified, what leaked, and
 // how the survivors handled a process killed on purpose (--kill).
+#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
@@ -98,6 +100,8 @@ class DisaggCommand final : public Command {
         ->type_name("MS");
     app.add_option("--timeout-s", timeout_s_, "Give up (and stop every process) after this (default 600)")
         ->type_name("S");
+    app.add_option("--bind", bind_, "Local address the workers listen on (default 127.0.0.1)")
+        ->type_name("HOST");
     app.add_flag("--json", json_, "Print the report as JSON");
     app.add_option("--worker", worker_spec_, "Internal: run as a worker with this spec")->group("");
   }
@@ -132,6 +136,12 @@ class DisaggCommand final : public Command {
     if (tp_decode_ == 0 || tp_decode_ > 8) throw InvalidArgument("--tp-decode: expected 1..8");
     if (prefill_ * tp_prefill_ + decode_ * tp_decode_ > 32) {
       throw InvalidArgument("at most 32 worker processes (instances x tensor-parallel ranks)");
+    }
+    {
+      in6_addr probe{};
+      if (::inet_pton(AF_INET, bind_.c_str(), &probe) != 1 && ::inet_pton(AF_INET6, bind_.c_str(), &probe) != 1) {
+        throw InvalidArgument(fmt::format("--bind: '{}' is not an IPv4 or IPv6 address", bind_));
+      }
     }
     if (!kill_role_.empty() && kill_role_ != "prefill" && kill_role_ != "decode") {
       throw InvalidArgument(fmt::format("--kill: expected prefill or decode, got '{}'", kill_role_));
@@ -188,6 +198,7 @@ class DisaggCommand final : public Command {
     s.capacity_blocks = capacity_;
     s.peer_timeout = std::chrono::milliseconds(peer_timeout_ms_);
     s.lease_ttl = std::chrono::milliseconds(lease_ttl_ms_);
+    s.bind = bind_;
     // The baseline pair: decode 0.0 reads prefill 0.0's scratch.
     if (instance == 0 && rank == 0) s.scratch_bytes = scratch_bytes_;
     return s;
@@ -239,7 +250,10 @@ class DisaggCommand final : public Command {
     if (!wait_for(group, signals, deadline, [&] {
           return std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.ready; });
         })) {
-      return fail(err, "the workers did not start");
+      if (listen_failed_) {
+        throw InvalidArgument(fmt::format("--bind {}: the workers cannot listen there: {}", bind_, failure_));
+      }
+      return fail(err, failure_.empty() ? "the workers did not start" : failure_);
     }
     json addresses = json::array();
     for (std::uint32_t i = 0; i < decode_; ++i) {
@@ -462,8 +476,10 @@ class DisaggCommand final : public Command {
       for (const auto& s : j.at("seconds")) baseline_seconds_.push_back(s.get<double>());
       baseline_why_ = j.value("why", "");
     } else if (event == "fatal") {
+      // A worker that cannot start or follow the protocol ends the run.
       failure_notes_.push_back(fmt::format("{}{}.{}: {}", w.role, w.instance, w.rank, j.value("why", "")));
-      if (!w.ready) failure_ = failure_notes_.back();
+      if (failure_.empty()) failure_ = failure_notes_.back();
+      listen_failed_ = listen_failed_ || (!w.ready && j.value("listen", false));
     } else if (event == "peer_lost") {
       // The detection time of the process killed on purpose; other losses
       // (an instance's other ranks, workers leaving at the end) are not it.
@@ -675,6 +691,7 @@ class DisaggCommand final : public Command {
   std::optional<std::uint64_t> kill_after_;
   std::int64_t peer_timeout_ms_ = 1500, lease_ttl_ms_ = 10000, timeout_s_ = 600;
   bool json_ = false;
+  std::string bind_ = "127.0.0.1";
   std::string worker_spec_;
 
   KvCacheConfig config_;
@@ -705,6 +722,7 @@ class DisaggCommand final : public Command {
   Clock::time_point started_ = Clock::now();
   double wall_seconds_ = 0;
   std::string failure_;
+  bool listen_failed_ = false;
   std::vector<std::string> failure_notes_;
 };
 

@@ -49,7 +49,8 @@ json WorkerSpec::to_json() const {
               {"capacity_blocks", capacity_blocks},
               {"peer_timeout_ms", peer_timeout.count()},
               {"lease_ttl_ms", lease_ttl.count()},
-              {"scratch_bytes", scratch_bytes}};
+              {"scratch_bytes", scratch_bytes},
+              {"bind", bind}};
 }
 
 WorkerSpec WorkerSpec::from_json(const json& j) {
@@ -79,6 +80,7 @@ WorkerSpec WorkerSpec::from_json(const json& j) {
     s.peer_timeout = std::chrono::milliseconds(j.at("peer_timeout_ms").get<std::int64_t>());
     s.lease_ttl = std::chrono::milliseconds(j.at("lease_ttl_ms").get<std::int64_t>());
     s.scratch_bytes = j.at("scratch_bytes").get<std::size_t>();
+    s.bind = j.at("bind").get<std::string>();
     return s;
   } catch (const json::exception& e) {
     throw InvalidArgument(std::string("worker spec: ") + e.what());
@@ -150,7 +152,14 @@ class Worker {
   }
 
   int run() {
-    const std::string address = agent_->listen("127.0.0.1:0");
+    std::string address;
+    try {
+      address = agent_->listen(spec_.bind.find(':') != std::string::npos ? "[" + spec_.bind + "]:0"
+                                                                          : spec_.bind + ":0");
+    } catch (const Error& e) {
+      emit({{"event", "fatal"}, {"why", e.what()}, {"listen", true}});
+      return 2;
+    }
     emit({{"event", "ready"},
           {"address", address},
           {"transport", agent_->transport_description()},

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Runs `kvport disagg ... --json` once and checks its report.
+
+Usage: disagg_check.py --kvport BIN [--timeout S] [--check EXPR]... -- ARGS...
+
+Every run is bounded (--timeout, default 120 s) and must leave no process
+behind: the run gets a unique KVPORT_DISAGG_TEST_TAG in its environment, and
+afterwards every process that still carries it (a worker the command failed
+to stop) is killed and the check fails. Each --check is a Python expression
+over the report `r` (a dict), e.g. "r['leaked_blocks'] == 0". The default
+checks: the run says ok, every request completed, nothing leaked, no
+verification failure.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+DEFAULT_CHECKS = [
+    "r['ok'] is True",
+    "r['requests_completed'] == r['requests']",
+    "r['leaked_blocks'] == 0",
+    "r['verification_failures'] == 0",
+    "all(w['killed'] or w['leaked_blocks'] == 0 for w in r['workers'])",
+]
+
+
+def tagged_processes(tag):
+    """Pids of processes whose environment holds the tag."""
+    found = []
+    needle = f"KVPORT_DISAGG_TEST_TAG={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kvport", required=True)
+    parser.add_argument("--timeout", type=float, default=120)
+    parser.add_argument("--check", action="append", default=[])
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    opts = parser.parse_args()
+    args = [a for a in opts.args if a != "--"]
+
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, KVPORT_DISAGG_TEST_TAG=tag)
+    cmd = [opts.kvport, "disagg", *args, "--json"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    failures = []
+    try:
+        out, err = proc.communicate(timeout=opts.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        failures.append(f"not done within {opts.timeout} s")
+    elapsed = time.monotonic() - start
+
+    # The workers die with the coordinator (PDEATHSIG); give the kernel a moment.
+    leftovers = []
+    for _ in range(50):
+        leftovers = tagged_processes(tag)
+        if not leftovers:
+            break
+        time.sleep(0.1)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if leftovers:
+        failures.append(f"processes left behind: {leftovers}")
+
+    report = None
+    try:
+        report = json.loads(out.decode())
+    except ValueError:
+        failures.append("stdout is not one JSON report")
+    if report is not None:
+        for expr in DEFAULT_CHECKS + opts.check:
+            try:
+                if not eval(expr, {}, {"r": report}):  # noqa: S307 - test-only expressions
+                    failures.append(f"check failed: {expr}")
+            except Exception as e:  # a missing field is a failed check
+                failures.append(f"check {expr!r} raised {e!r}")
+
+    print(f"$ {' '.join(cmd)}  ({elapsed:.1f} s, exit {proc.returncode})")
+    if report is not None:
+        summary = {k: report.get(k) for k in ("ok", "requests", "requests_completed", "transfers",
+                                              "requests_recomputed", "leaked_blocks",
+                                              "verification_failures", "ratio_vs_raw", "kill")}
+        print(json.dumps(summary))
+    if failures:
+        sys.stdout.write(err.decode()[-4000:])
+        print("FAILED: " + "; ".join(failures))
+        return 1
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
