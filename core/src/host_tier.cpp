@@ -655,8 +655,13 @@ std::size_t HostTier::slot_bytes_for(const PagedKvCache& cache) {
 void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
                                     std::vector<HostCopyRegion>& out) {
   const std::size_t first = out.size();
+  // Coalesce inside the block-major layout's one pool only: in layer-major
+  // layout each K and V region lives in an allocation of its own, and two
+  // allocations that happen to be adjacent are still two (a backend checks
+  // each region against one allocation).
+  const bool one_pool = cache.config().layout == KvCacheLayout::block_major;
   auto add = [&](DevicePtr device, std::size_t bytes) {
-    if (out.size() > first) {
+    if (one_pool && out.size() > first) {
       HostCopyRegion& last = out.back();
       if (last.device.offset(last.bytes) == device &&
           static_cast<std::byte*>(last.host) + last.bytes == slot) {

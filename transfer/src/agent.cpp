@@ -515,7 +515,9 @@ struct Agent::State {
       }
     }
     if (!stop.load(std::memory_order_relaxed)) {
-      log::warn(fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id, p.hello.name, why));
+      // A peer that said goodbye is news, not trouble.
+      log::write(count_loss ? log::Level::warn : log::Level::info,
+                 fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id, p.hello.name, why));
     }
     close_peer(p, true);
   }

@@ -441,7 +441,7 @@ struct DecodeNode::State {
   void step(std::map<std::uint64_t, Request>::iterator it, Clock::time_point now) {
     Request& r = it->second;
     if (r.phase == Phase::assembling) {
-      if (r.aborted) {
+      if (r.aborted || r.failed) {  // nothing allocated, nothing in flight
         finish(it);
         return;
       }
@@ -524,13 +524,14 @@ struct DecodeNode::State {
     ++counters.late_notifications;
   }
 
+  // A prefill rank that has not confirmed is gone: the request fails in
+  // whatever phase it is (a pull from it may even finish, but nobody can
+  // confirm the lease any more). Its blocks are freed once no transfer is
+  // in flight (step() waits for that).
   void on_lost(PeerId gone) {
     for (auto& [id, r] : requests) {
       for (auto& [rank, part] : r.parts) {
-        if (part.peer != gone) continue;
-        part.confirmed = true;  // nobody to tell
-        // A pending transfer from it ends peer_lost by itself.
-        if (r.phase == Phase::assembling || r.phase == Phase::confirming) {
+        if (part.peer == gone && !part.confirmed) {
           fail(r, fmt::format("prefill rank {} was lost", rank));
         }
       }

@@ -86,12 +86,16 @@ TEST(Agent, MixedDtypesAndWrite) {
   auto [to_dst, to_src] = link(src, dst);
   (void)to_src;
   auto src_blocks = src.alloc(3);
-  auto dst_blocks = dst.alloc(5);
+  auto dst_blocks = dst.alloc(5);  // the last 3 receive
   dst_blocks.erase(dst_blocks.begin(), dst_blocks.begin() + 2);
   auto t = tokens(3 * 16, 9);
   write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
   const TransferId id = src.agent->post(to_dst, false, src_blocks, dst_blocks);
   ASSERT_EQ(src.agent->wait(id, 10s), TransferState::done) << src.agent->why(id);
+  // A writer tells the receiver, which reads the blocks only after that.
+  src.agent->notify(to_dst, 1, 0, dst_blocks);
+  ASSERT_TRUE(dst.agent->wait_event(5s));
+  EXPECT_EQ(dst.agent->take_notifications().at(0).blocks, dst_blocks);
   EXPECT_TRUE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
   EXPECT_EQ(src.agent->counters().bytes_written, src.agent->bytes(id));
 }

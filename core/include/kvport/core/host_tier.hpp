@@ -197,9 +197,10 @@ class HostTier final : public PrefixCacheTier {
 
   /// The regions of one block's copy between the device and a host slot at
   /// `slot` (slot_bytes() bytes): each layer's K block then its V block, in
-  /// layer order, coalesced where the device ranges are contiguous (one
-  /// region per block in the block-major layout, 2 * num_layers in the
-  /// layer-major one). Appended to `out`.
+  /// layer order, coalesced where the device ranges are contiguous inside
+  /// the block-major layout's one pool (one region per block there; 2 *
+  /// num_layers in the layer-major one, whose pools are separate allocations
+  /// even when adjacent). Appended to `out`.
   static void append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
                                    std::vector<HostCopyRegion>& out);
   /// Bytes of one host slot for `cache`: its config's bytes_per_block().
