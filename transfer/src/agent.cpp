@@ -3,6 +3,8 @@
 // take it in turn, and transport callbacks run with it held.
 #include "kvport/transfer/agent.hpp"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -45,6 +47,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr std::uint32_t kMagic = 0x5450564b;  // "KVPT"
 constexpr std::uint8_t kVersion = 1;
+// A packed UCX memory key or worker address is a few hundred bytes.
+constexpr std::size_t kMaxKeyBytes = 64 * 1024;
 
 enum class MsgType : std::uint8_t { hello = 1, accept = 2, reject = 3, notify = 4, heartbeat = 5, bye = 6 };
 
@@ -335,12 +339,15 @@ struct Agent::State {
       region.base = r.u64();
       region.bytes = r.u64();
       auto key = r.blob();
+      // UCX unpacks keys and addresses without bounds checks of its own.
+      if (key.empty() || key.size() > kMaxKeyBytes) throw InvalidArgument("hello: bad memory key size");
       region.key.assign(key.begin(), key.end());
       h.regions.push_back(std::move(region));
     }
     h.scratch_base = r.u64();
     h.scratch_bytes = r.u64();
     auto address = r.blob();
+    if (address.size() > kMaxKeyBytes) throw InvalidArgument("hello: bad address size");
     h.address.assign(address.begin(), address.end());
     if (!r.at_end()) throw InvalidArgument("hello: trailing bytes");
     return h;
@@ -353,13 +360,23 @@ struct Agent::State {
 
   // Opens the data connection, imports the peer's keys on it; after it the
   // peer is connected.
+  // Throws (the peer stays unconnected, its data connection closed) when
+  // the transport cannot use what the peer sent.
   void adopt(Peer& p, Hello h) {
-    p.data = h.address.empty() ? p.conn : transport->connect_to(h.address);
-    by_conn[p.data] = p.id;
-    for (const Region& region : h.regions) {
-      RemoteRegion rr{region.base, region.bytes, transport->import_remote_key(p.data, region.key)};
-      if (h.scratch_bytes > 0 && region.base == h.scratch_base) p.scratch = rr;
-      p.regions.push_back(rr);
+    try {
+      p.data = h.address.empty() ? p.conn : transport->connect_to(h.address);
+      by_conn[p.data] = p.id;
+      for (const Region& region : h.regions) {
+        RemoteRegion rr{region.base, region.bytes, transport->import_remote_key(p.data, region.key)};
+        if (h.scratch_bytes > 0 && region.base == h.scratch_base) p.scratch = rr;
+        p.regions.push_back(rr);
+      }
+    } catch (...) {
+      if (p.data != 0 && p.data != p.conn) transport->close(p.data, false, nullptr);
+      p.data = 0;
+      p.regions.clear();
+      p.scratch.reset();
+      throw;
     }
     p.hello = std::move(h);
     p.status = PeerStatus::connected;
@@ -399,7 +416,19 @@ struct Agent::State {
             transport->close(p.conn, false, nullptr);
             return;
           }
-          adopt(p, std::move(h));
+          try {
+            adopt(p, std::move(h));
+          } catch (const Error& e) {
+            ++counters.handshakes_rejected;
+            Writer w(MsgType::reject);
+            w.str(fmt::format("the peer's memory keys or address are unusable here: {}", e.what()));
+            w.blob(encode(agent.layout_));
+            send(p, w.bytes());
+            p.status = PeerStatus::rejected;
+            p.why = e.what();
+            transport->close(p.conn, false, nullptr);
+            return;
+          }
           send(p, hello_message(MsgType::accept));
           return;
         }
@@ -410,7 +439,11 @@ struct Agent::State {
             reject_outgoing(p, *why);
             return;
           }
-          adopt(p, std::move(h));
+          try {
+            adopt(p, std::move(h));
+          } catch (const Error& e) {
+            reject_outgoing(p, fmt::format("the peer's memory keys or address are unusable here: {}", e.what()));
+          }
           return;
         }
         case MsgType::reject: {
@@ -583,8 +616,16 @@ struct Agent::State {
       finish(id, true, {});
       return id;
     }
-    transport->post(p.data, !read, ops, keys,
-                    [this, id](bool ok, const std::string& why) { finish(id, ok, why); });
+    try {
+      transport->post(p.data, !read, ops, keys,
+                      [this, id](bool ok, const std::string& why) { finish(id, ok, why); });
+    } catch (...) {
+      // Refused before any operation was posted: no record of it stays.
+      transfers.erase(id);
+      --counters.transfers_posted;
+      counters.regions_posted -= ops.size();
+      throw;
+    }
     return id;
   }
 
@@ -663,26 +704,35 @@ struct Agent::State {
     return false;
   }
 
+  // The progress thread: progress, heartbeats, deadlines. Idle, it sleeps on
+  // the transport's event fd (at most 5 ms, for the timers), or 1 ms without
+  // one; while a transfer of ours is pending it polls every 50 us.
   void run() {
+    const int fd = transport->event_fd();
     while (!stop.load(std::memory_order_acquire)) {
       bool busy = false;
       bool pending = false;
+      bool armed = false;
       {
         std::lock_guard lock(mutex);
         try {
           busy = transport->progress();
           housekeeping(Clock::now());
+          pending = active();
+          if (!busy && !pending && fd >= 0) armed = transport->arm();
         } catch (const std::exception& e) {
           log::error(fmt::format("transfer: {} progress failed: {}", options.name, e.what()));
         }
-        pending = active();
         if (busy || !inbox.empty() || !lost.empty()) changed.notify_all();
       }
       if (busy) {
         std::this_thread::yield();
       } else if (pending) {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
-      } else {
+      } else if (armed) {
+        pollfd p{fd, POLLIN, 0};
+        ::poll(&p, 1, 5);
+      } else if (fd < 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     }

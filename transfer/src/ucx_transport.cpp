@@ -112,7 +112,10 @@ class UcxTransport final : public Transport {
     check(ucp_config_read(nullptr, nullptr, &config), "ucp_config_read");
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME;
-    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    // WAKEUP: the progress thread sleeps on the worker's event fd instead of
+    // a timer, so a TCP peer's requests (RMA over TCP needs the target's
+    // progress) are served at once.
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
     params.name = "kvport";
     const ucs_status_t st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -138,6 +141,8 @@ class UcxTransport final : public Transport {
       check(hs, "ucp_worker_set_am_recv_handler");
     }
 
+    if (ucp_worker_get_efd(worker_, &event_fd_) != UCS_OK) event_fd_ = -1;
+
     ucp_context_attr_t attr{};
     attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
     if (ucp_context_query(context_, &attr) == UCS_OK) memory_types_ = attr.memory_types;
@@ -150,8 +155,8 @@ class UcxTransport final : public Transport {
     }
     for (int i = 0; i < 1000 && pending_closes_ > 0; ++i) ucp_worker_progress(worker_);
     for (auto& [id, conn] : conns_) destroy_rkeys(*conn);
-    if (listener_ != nullptr) ucp_listener_destroy(listener_);
     for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);
+    if (listener_ != nullptr) ucp_listener_destroy(listener_);
     for (ucp_mem_h memh : memhs_) ucp_mem_unmap(context_, memh);
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
@@ -235,7 +240,11 @@ class UcxTransport final : public Transport {
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-    ep.err_mode = std::getenv("KVPORT_UCX_DATA_PEER_ERR") ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    // No peer error handling: with it UCX 1.13 gives this endpoint TCP only,
+    // never CMA or shared memory. The control connection and the heartbeats
+    // detect a lost peer instead.
+    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    conn->peer_errors = false;
     ep.err_handler.cb = &UcxTransport::on_ep_error;
     ep.err_handler.arg = conn;
     if (ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep); st != UCS_OK) {
@@ -257,8 +266,12 @@ class UcxTransport final : public Transport {
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
                      UCP_OP_ATTR_FIELD_USER_DATA;
-    // A failed endpoint can only be force-closed.
-    p.flags = (force || conn.failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    // A failed endpoint can only be force-closed, and UCX force-closes only
+    // an endpoint with peer error handling (it refuses the others with
+    // "invalid parameter" and leaves them and their operations in place).
+    // An endpoint without it is closed with a flush: `done` runs once its
+    // operations completed, so no byte of theirs lands after it.
+    p.flags = conn.peer_errors && (force || conn.failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     auto* ctx = new CloseContext{[this, id, done = std::move(done)] {
       --pending_closes_;
       if (auto c = conns_.find(id); c != conns_.end()) {
@@ -277,8 +290,16 @@ class UcxTransport final : public Transport {
     };
     ++pending_closes_;
     ucs_status_ptr_t req = ucp_ep_close_nbx(conn.ep, &p);
-    if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    if (req == nullptr) {
       ctx->done();
+      delete ctx;
+    } else if (UCS_PTR_IS_ERR(req)) {
+      // Not closed: its operations may still run. `done` never runs, so
+      // what waits for it (the transfers' blocks) stays held: leaked, never
+      // overwritten.
+      --pending_closes_;
+      log::error(fmt::format("transfer: closing connection {} failed: {}; its transfers stay pending", id,
+                             ucs_status_string(UCS_PTR_STATUS(req))));
       delete ctx;
     }
   }
@@ -401,9 +422,18 @@ class UcxTransport final : public Transport {
     return out;
   }
 
+  int event_fd() const noexcept override { return event_fd_; }
+
+  bool arm() override {
+    if (event_fd_ < 0) return false;
+    return ucp_worker_arm(worker_) == UCS_OK;
+  }
+
   bool progress() override {
+    // Bounded, so that the owner's timers (heartbeats) run between rounds
+    // even while traffic keeps the worker busy.
     bool any = false;
-    while (ucp_worker_progress(worker_) != 0) any = true;
+    for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) any = true;
     // Accept queued connection requests (outside the listener callback).
     while (!conn_requests_.empty()) {
       ucp_conn_request_h req = conn_requests_.front();
@@ -447,6 +477,7 @@ class UcxTransport final : public Transport {
     ucp_ep_h ep = nullptr;
     bool failed = false;
     bool closing = false;
+    bool peer_errors = true;  // created with UCP_ERR_HANDLING_MODE_PEER
     std::vector<ucp_rkey_h> rkeys;
     UcxTransport* self = nullptr;
   };
@@ -511,6 +542,7 @@ class UcxTransport final : public Transport {
   ucp_worker_h worker_ = nullptr;
   ucp_listener_h listener_ = nullptr;
   std::uint64_t memory_types_ = 0;
+  int event_fd_ = -1;
   ConnId next_conn_ = 0;
   std::unordered_map<ConnId, std::unique_ptr<Conn>> conns_;
   std::unordered_map<ucp_ep_h, ConnId> by_ep_;

@@ -64,6 +64,7 @@ struct Request {
   std::set<std::uint32_t> ranks_done;  // ranks of the instance that reported
   bool done = false;
   bool sent = false;
+  bool failed = false;  // a rank could not compute it at all
 };
 
 double percentile(std::vector<double> v, double p) {
@@ -278,6 +279,7 @@ class DisaggCommand final : public Command {
       return fail(err, "the baseline transfer did not finish");
     }
     // Phase 3: the requests, a bounded number in flight.
+    dispatching_ = true;
     const std::size_t window = 2 * prefill_;
     std::size_t next = 0;
     while (true) {
@@ -425,6 +427,8 @@ class DisaggCommand final : public Command {
       ++unexpected_exits_;
       failure_notes_.push_back(fmt::format("{}{}.{} exited unexpectedly (code {}, signal {})", w.role, w.instance,
                                            w.rank, e.exit_code, e.signal));
+      // Before the replay a missing worker ends the run at once.
+      if (!dispatching_ && failure_.empty()) failure_ = failure_notes_.back();
     }
     // Requests waiting on the dead instance go elsewhere.
     for (Request& r : requests_) {
@@ -443,22 +447,31 @@ class DisaggCommand final : public Command {
           }
         }
         ++recomputed_;
+        r.prefill.reset();  // a later prefill_failed from its other ranks is moot
       }
     }
   }
 
+  // Computes the request without a transfer: on a decode instance, else on a
+  // prefill instance. Ranks of the same instance that already reported keep
+  // their report (a worker answers a request once).
   void dispatch_recompute(ProcessGroup& group, Request& r) {
     ++recomputed_;
-    r.ranks_done.clear();
     r.prefill.reset();
+    auto send_missing = [&](const std::string& role, std::uint32_t instance, bool local) {
+      if (instance != r.decode || local != r.local_on_prefill) r.ranks_done.clear();
+      r.decode = instance;
+      r.local_on_prefill = local;
+      for (const Worker& w : workers_) {
+        if (w.role == role && w.instance == instance && !r.ranks_done.contains(w.rank)) {
+          send(group, w, {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
+        }
+      }
+    };
     if (auto decode = pick("decode", decode_cursor_)) {
-      r.decode = *decode;
-      r.local_on_prefill = false;
-      send_to_instance(group, "decode", *decode, {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
+      send_missing("decode", *decode, false);
     } else if (auto local = pick("prefill", prefill_cursor_)) {
-      r.decode = *local;
-      r.local_on_prefill = true;
-      send_to_instance(group, "prefill", *local, {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
+      send_missing("prefill", *local, true);
     }
   }
 
@@ -532,13 +545,20 @@ class DisaggCommand final : public Command {
         ++raw_samples_;
       }
       if (j.value("wrong_bytes", std::uint64_t{0}) > 0) ++verification_failures_;
-    } else {
+    } else if (j.value("recomputed", false)) {
       ++rank_recomputes_;
+    } else {
+      r->failed = true;  // not even recomputed (no room): the run fails
+      failure_notes_.push_back(fmt::format("request {}: {}", r->index, j.value("why", "")));
     }
     const std::uint32_t ranks = w.role == "decode" ? tp_decode_ : tp_prefill_;
     if (r->ranks_done.size() == ranks) {
       r->done = true;
-      ++completed_;
+      if (r->failed) {
+        ++failed_requests_;
+      } else {
+        ++completed_;
+      }
     }
   }
 
@@ -597,6 +617,7 @@ class DisaggCommand final : public Command {
            {"memory_path", memory_path_},
            {"requests", requests_.size()},
            {"requests_completed", completed_},
+           {"requests_failed", failed_requests_},
            {"requests_skipped_too_large", skipped_},
            {"requests_recomputed", recomputed_},
            {"rank_recomputes", rank_recomputes_},
@@ -723,6 +744,8 @@ class DisaggCommand final : public Command {
   double wall_seconds_ = 0;
   std::string failure_;
   bool listen_failed_ = false;
+  bool dispatching_ = false;
+  std::uint64_t failed_requests_ = 0;
   std::vector<std::string> failure_notes_;
 };
 

@@ -94,6 +94,14 @@ class Transport {
 
   /// Makes progress; returns true when something happened.
   virtual bool progress() = 0;
+
+  /// A file descriptor that becomes readable when the transport has work
+  /// (after arm() said true), or -1 when the transport has none: then the
+  /// owner polls progress() on a timer.
+  virtual int event_fd() const noexcept = 0;
+  /// Prepares event_fd() for a wait; false when events are already pending
+  /// (call progress() instead of waiting).
+  virtual bool arm() = 0;
 };
 
 /// The UCX (UCP) transport. `events` must outlive it.
