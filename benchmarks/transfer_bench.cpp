@@ -52,11 +52,14 @@ struct Side {
     AgentOptions o;
     o.scratch_bytes = scratch;
     agent = std::make_unique<Agent>(cache, o);
-    for (std::size_t i = 0; i < kCacheBlocks; ++i) cache.alloc_block();
+    for (std::size_t i = 0; i < kCacheBlocks; ++i)
+      cache.alloc_block();
   }
 };
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scattered) {
   const auto batch = static_cast<std::size_t>(state.range(0));
@@ -116,7 +119,8 @@ void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scatter
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes * transfers));
   state.counters["bytes"] = static_cast<double>(bytes);
   state.counters["regions"] =
-      static_cast<double>(dst.agent->counters().regions_posted - regions_before) / static_cast<double>(transfers);
+      static_cast<double>(dst.agent->counters().regions_posted - regions_before) /
+      static_cast<double>(transfers);
   state.counters["GBps"] = gb / ours_s;
   state.counters["raw_GBps"] = gb / raw_s;
   state.counters["memcpy_GBps"] = gb / copy_s;

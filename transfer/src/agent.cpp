@@ -27,12 +27,18 @@ namespace kvport::transfer {
 
 std::string_view to_string(TransferState state) noexcept {
   switch (state) {
-    case TransferState::pending: return "pending";
-    case TransferState::done: return "done";
-    case TransferState::peer_lost: return "peer_lost";
-    case TransferState::timed_out: return "timed_out";
-    case TransferState::cancelled: return "cancelled";
-    case TransferState::failed: return "failed";
+    case TransferState::pending:
+      return "pending";
+    case TransferState::done:
+      return "done";
+    case TransferState::peer_lost:
+      return "peer_lost";
+    case TransferState::timed_out:
+      return "timed_out";
+    case TransferState::cancelled:
+      return "cancelled";
+    case TransferState::failed:
+      return "failed";
   }
   return "unknown";
 }
@@ -50,7 +56,14 @@ constexpr std::uint8_t kVersion = 1;
 // A packed UCX memory key or worker address is a few hundred bytes.
 constexpr std::size_t kMaxKeyBytes = 64 * 1024;
 
-enum class MsgType : std::uint8_t { hello = 1, accept = 2, reject = 3, notify = 4, heartbeat = 5, bye = 6 };
+enum class MsgType : std::uint8_t {
+  hello = 1,
+  accept = 2,
+  reject = 3,
+  notify = 4,
+  heartbeat = 5,
+  bye = 6
+};
 
 // Little-endian message writer / bounds-checked reader.
 class Writer {
@@ -75,7 +88,8 @@ class Writer {
  private:
   template <typename T>
   void put(T v) {
-    for (std::size_t i = 0; i < sizeof(T); ++i) bytes_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+    for (std::size_t i = 0; i < sizeof(T); ++i)
+      bytes_.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
   }
   std::vector<std::uint8_t> bytes_;
 };
@@ -106,7 +120,8 @@ class Reader {
   std::uint64_t get(std::size_t n) {
     need(n);
     std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{b_[pos_ + i]} << (8 * i);
+    for (std::size_t i = 0; i < n; ++i)
+      v |= std::uint64_t{b_[pos_ + i]} << (8 * i);
     pos_ += n;
     return v;
   }
@@ -147,14 +162,17 @@ std::pair<std::string, std::uint16_t> parse_address(const std::string& address) 
     throw InvalidArgument(fmt::format("bad address '{}': expected host:port", address));
   }
   std::string host = address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']')
+    host = host.substr(1, host.size() - 2);
   const std::string port_text = address.substr(colon + 1);
   if (port_text.size() > 5 || !std::all_of(port_text.begin(), port_text.end(),
                                            [](char c) { return c >= '0' && c <= '9'; })) {
-    throw InvalidArgument(fmt::format("bad address '{}': port '{}' is not a number", address, port_text));
+    throw InvalidArgument(
+        fmt::format("bad address '{}': port '{}' is not a number", address, port_text));
   }
   const unsigned long port = std::stoul(port_text);
-  if (port > 65535) throw InvalidArgument(fmt::format("bad address '{}': port {} > 65535", address, port));
+  if (port > 65535)
+    throw InvalidArgument(fmt::format("bad address '{}': port {} > 65535", address, port));
   return {host, static_cast<std::uint16_t>(port)};
 }
 
@@ -245,10 +263,12 @@ struct Agent::State {
     std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
     const std::uint64_t n = cache.num_blocks();
     for (std::size_t l = 0; l < cache.num_layers(); ++l) {
-      ranges.emplace_back(device_pools.k_base[l],
-                          device_pools.k_base[l] + (n - 1) * device_pools.k_stride[l] + cache.k_block_bytes(l));
-      ranges.emplace_back(device_pools.v_base[l],
-                          device_pools.v_base[l] + (n - 1) * device_pools.v_stride[l] + cache.v_block_bytes(l));
+      ranges.emplace_back(
+          device_pools.k_base[l],
+          device_pools.k_base[l] + (n - 1) * device_pools.k_stride[l] + cache.k_block_bytes(l));
+      ranges.emplace_back(
+          device_pools.v_base[l],
+          device_pools.v_base[l] + (n - 1) * device_pools.v_stride[l] + cache.v_block_bytes(l));
     }
     std::sort(ranges.begin(), ranges.end());
     for (const auto& r : ranges) {
@@ -261,11 +281,13 @@ struct Agent::State {
     if (agent.memory_path_ == MemoryPath::direct) {
       wire_pools = device_pools;
       for (const auto& [begin, end] : pool_ranges) {
-        regions.push_back({begin, end - begin, transport->register_memory(begin, end - begin, kind)});
+        regions.push_back(
+            {begin, end - begin, transport->register_memory(begin, end - begin, kind)});
       }
     } else {
       std::uint64_t total = 0;
-      for (const auto& [begin, end] : pool_ranges) total += end - begin;
+      for (const auto& [begin, end] : pool_ranges)
+        total += end - begin;
       mirror = HostBuffer(cache.backend(), total);
       const auto base = reinterpret_cast<std::uint64_t>(mirror.data());
       regions.push_back({base, total, transport->register_memory(base, total, MemoryKind::host)});
@@ -278,8 +300,10 @@ struct Agent::State {
         }
         throw InvalidArgument("staging: a pool address outside the pools");
       };
-      for (auto& a : wire_pools.k_base) a = to_mirror(a);
-      for (auto& a : wire_pools.v_base) a = to_mirror(a);
+      for (auto& a : wire_pools.k_base)
+        a = to_mirror(a);
+      for (auto& a : wire_pools.v_base)
+        a = to_mirror(a);
       stage_stream.emplace(cache.backend().create_stream());
     }
     if (options.scratch_bytes > 0) {
@@ -287,8 +311,9 @@ struct Agent::State {
       scratch_storage = HostBuffer(cache.backend(), options.scratch_bytes);
       std::memset(scratch_storage.data(), 0, options.scratch_bytes);  // fault the pages in now
       scratch_base = reinterpret_cast<std::uint64_t>(scratch_storage.data());
-      regions.push_back({scratch_base, options.scratch_bytes,
-                         transport->register_memory(scratch_base, options.scratch_bytes, MemoryKind::host)});
+      regions.push_back(
+          {scratch_base, options.scratch_bytes,
+           transport->register_memory(scratch_base, options.scratch_bytes, MemoryKind::host)});
     }
     address = transport->local_address();
   }
@@ -325,7 +350,8 @@ struct Agent::State {
     h.name = r.str();
     h.layout = decode_pool_layout(r.blob());
     h.hash = r.u64();
-    if (h.hash != compatibility_hash(h.layout)) throw InvalidArgument("hello: compatibility hash mismatch");
+    if (h.hash != compatibility_hash(h.layout))
+      throw InvalidArgument("hello: compatibility hash mismatch");
     for (std::size_t l = 0; l < h.layout.num_layers; ++l) {
       h.pools.k_base.push_back(r.u64());
       h.pools.v_base.push_back(r.u64());
@@ -340,7 +366,8 @@ struct Agent::State {
       region.bytes = r.u64();
       auto key = r.blob();
       // UCX unpacks keys and addresses without bounds checks of its own.
-      if (key.empty() || key.size() > kMaxKeyBytes) throw InvalidArgument("hello: bad memory key size");
+      if (key.empty() || key.size() > kMaxKeyBytes)
+        throw InvalidArgument("hello: bad memory key size");
       region.key.assign(key.begin(), key.end());
       h.regions.push_back(std::move(region));
     }
@@ -367,7 +394,8 @@ struct Agent::State {
       p.data = h.address.empty() ? p.conn : transport->connect_to(h.address);
       by_conn[p.data] = p.id;
       for (const Region& region : h.regions) {
-        RemoteRegion rr{region.base, region.bytes, transport->import_remote_key(p.data, region.key)};
+        RemoteRegion rr{region.base, region.bytes,
+                        transport->import_remote_key(p.data, region.key)};
         if (h.scratch_bytes > 0 && region.base == h.scratch_base) p.scratch = rr;
         p.regions.push_back(rr);
       }
@@ -402,7 +430,8 @@ struct Agent::State {
       const auto type = static_cast<MsgType>(r.u8());
       switch (type) {
         case MsgType::hello: {
-          if (p.status != PeerStatus::handshaking || p.outgoing) throw InvalidArgument("unexpected hello");
+          if (p.status != PeerStatus::handshaking || p.outgoing)
+            throw InvalidArgument("unexpected hello");
           Hello h = parse_hello(r);
           if (auto why = incompatibility(agent.layout_, h.layout)) {
             ++counters.handshakes_rejected;
@@ -410,7 +439,8 @@ struct Agent::State {
             w.str(*why);
             w.blob(encode(agent.layout_));
             send(p, w.bytes());
-            log::warn(fmt::format("transfer: {} rejected peer '{}': {}", options.name, h.name, *why));
+            log::warn(
+                fmt::format("transfer: {} rejected peer '{}': {}", options.name, h.name, *why));
             p.status = PeerStatus::rejected;
             p.why = *why;
             transport->close(p.conn, false, nullptr);
@@ -433,7 +463,8 @@ struct Agent::State {
           return;
         }
         case MsgType::accept: {
-          if (p.status != PeerStatus::handshaking || !p.outgoing) throw InvalidArgument("unexpected accept");
+          if (p.status != PeerStatus::handshaking || !p.outgoing)
+            throw InvalidArgument("unexpected accept");
           Hello h = parse_hello(r);
           if (auto why = incompatibility(agent.layout_, h.layout)) {
             reject_outgoing(p, *why);
@@ -442,31 +473,38 @@ struct Agent::State {
           try {
             adopt(p, std::move(h));
           } catch (const Error& e) {
-            reject_outgoing(p, fmt::format("the peer's memory keys or address are unusable here: {}", e.what()));
+            reject_outgoing(
+                p,
+                fmt::format("the peer's memory keys or address are unusable here: {}", e.what()));
           }
           return;
         }
         case MsgType::reject: {
-          if (p.status != PeerStatus::handshaking || !p.outgoing) throw InvalidArgument("unexpected reject");
+          if (p.status != PeerStatus::handshaking || !p.outgoing)
+            throw InvalidArgument("unexpected reject");
           const std::string theirs = r.str();
           std::string why = theirs;
           try {
-            if (auto mine = incompatibility(agent.layout_, decode_pool_layout(r.blob()))) why = *mine;
+            if (auto mine = incompatibility(agent.layout_, decode_pool_layout(r.blob())))
+              why = *mine;
           } catch (const InvalidArgument&) {
           }
           reject_outgoing(p, why);
           return;
         }
         case MsgType::notify: {
-          if (p.status != PeerStatus::connected) throw InvalidArgument("notification before the handshake");
+          if (p.status != PeerStatus::connected)
+            throw InvalidArgument("notification before the handshake");
           Notification n;
           n.peer = p.id;
           n.request_id = r.u64();
           n.kind = r.u32();
           const std::uint32_t count = r.u32();
-          if (count > kMaxNotificationBytes / sizeof(BlockId)) throw InvalidArgument("too many blocks");
+          if (count > kMaxNotificationBytes / sizeof(BlockId))
+            throw InvalidArgument("too many blocks");
           n.blocks.reserve(count);
-          for (std::uint32_t i = 0; i < count; ++i) n.blocks.push_back(r.u32());
+          for (std::uint32_t i = 0; i < count; ++i)
+            n.blocks.push_back(r.u32());
           auto payload = r.blob();
           n.payload.assign(payload.begin(), payload.end());
           if (!r.at_end()) throw InvalidArgument("trailing bytes");
@@ -474,7 +512,8 @@ struct Agent::State {
           inbox.push_back(std::move(n));
           return;
         }
-        case MsgType::heartbeat: return;
+        case MsgType::heartbeat:
+          return;
         case MsgType::bye:
           lose_peer(p, "the peer closed the connection", false);
           return;
@@ -482,8 +521,8 @@ struct Agent::State {
       throw InvalidArgument("unknown message type");
     } catch (const Error& e) {
       ++counters.malformed_messages;
-      log::warn(fmt::format("transfer: {} dropped a malformed message from peer {}: {}", options.name, p.id,
-                            e.what()));
+      log::warn(fmt::format("transfer: {} dropped a malformed message from peer {}: {}",
+                            options.name, p.id, e.what()));
     }
   }
 
@@ -550,7 +589,8 @@ struct Agent::State {
     if (!stop.load(std::memory_order_relaxed)) {
       // A peer that said goodbye is news, not trouble.
       log::write(count_loss ? log::Level::warn : log::Level::info,
-                 fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id, p.hello.name, why));
+                 fmt::format("transfer: {} lost peer {} ('{}'): {}", options.name, p.id,
+                             p.hello.name, why));
     }
     close_peer(p, true);
   }
@@ -596,8 +636,8 @@ struct Agent::State {
     for (const RemoteRegion& r : p.regions) {
       if (addr >= r.base && addr - r.base + bytes <= r.bytes) return r;
     }
-    throw InvalidArgument(fmt::format("post: peer {} has no registered memory at {:#x} (+{} bytes)", p.id, addr,
-                                      bytes));
+    throw InvalidArgument(fmt::format("post: peer {} has no registered memory at {:#x} (+{} bytes)",
+                                      p.id, addr, bytes));
   }
 
   TransferId start(Peer& p, bool read, std::vector<RmaOp> ops, std::vector<std::uint64_t> keys,
@@ -608,7 +648,8 @@ struct Agent::State {
     t.read = read;
     t.posted = Clock::now();
     t.deadline = t.posted + options.transfer_timeout;
-    for (const RmaOp& op : ops) t.bytes += op.bytes;
+    for (const RmaOp& op : ops)
+      t.bytes += op.bytes;
     t.stage_in = std::move(stage_in);
     ++counters.transfers_posted;
     counters.regions_posted += ops.size();
@@ -643,15 +684,16 @@ struct Agent::State {
 
   Transfer& transfer(TransferId id, const char* what) {
     auto it = transfers.find(id);
-    if (it == transfers.end()) throw InvalidArgument(fmt::format("{}: unknown transfer {}", what, id));
+    if (it == transfers.end())
+      throw InvalidArgument(fmt::format("{}: unknown transfer {}", what, id));
     return it->second;
   }
 
   // Device <-> mirror regions of `blocks` (staging).
   std::vector<HostCopyRegion> stage_regions(std::span<const BlockId> blocks) const {
     std::vector<HostCopyRegion> out;
-    for (const CopyRegion& r :
-         plan_block_regions(agent.layout_, device_pools, blocks, agent.layout_, wire_pools, blocks)) {
+    for (const CopyRegion& r : plan_block_regions(agent.layout_, device_pools, blocks,
+                                                  agent.layout_, wire_pools, blocks)) {
       out.push_back({DevicePtr(r.local), reinterpret_cast<void*>(r.remote), r.bytes});
     }
     return out;
@@ -741,7 +783,8 @@ struct Agent::State {
 
 Agent::Agent(PagedKvCache& cache, AgentOptions options) {
   if (options.peer_timeout.count() <= 0) throw InvalidArgument("Agent: peer_timeout must be > 0");
-  if (options.transfer_timeout.count() <= 0) throw InvalidArgument("Agent: transfer_timeout must be > 0");
+  if (options.transfer_timeout.count() <= 0)
+    throw InvalidArgument("Agent: transfer_timeout must be > 0");
   layout_ = pool_layout(cache, options.tp_rank, options.tp_size);
   state_ = std::make_unique<State>(*this, cache, std::move(options));
   State& s = *state_;
@@ -751,10 +794,10 @@ Agent::Agent(PagedKvCache& cache, AgentOptions options) {
   s.transport = make_ucx_transport(s.events);
   const MemoryKind kind = memory_kind_of(cache.backend());
   memory_path_ = s.options.memory_path.value_or(s.transport->supports(kind) ? MemoryPath::direct
-                                                                              : MemoryPath::staged);
+                                                                            : MemoryPath::staged);
   if (memory_path_ == MemoryPath::direct && !s.transport->supports(kind)) {
-    throw InvalidArgument(fmt::format("Agent: the transport cannot register {} memory directly; use staging",
-                                      to_string(kind)));
+    throw InvalidArgument(fmt::format(
+        "Agent: the transport cannot register {} memory directly; use staging", to_string(kind)));
   }
   s.register_memory(kind);
   s.thread = std::thread([&s] { s.run(); });
@@ -810,15 +853,15 @@ PeerId Agent::connect(const std::string& address, std::chrono::milliseconds time
   s.by_conn[conn] = id;
   s.peers.emplace(id, std::move(p));
   s.send(s.peers.at(id), s.hello_message(MsgType::hello));
-  const bool answered = s.changed.wait_for(lock, timeout, [&] {
-    return s.peers.at(id).status != State::PeerStatus::handshaking;
-  });
+  const bool answered = s.changed.wait_for(
+      lock, timeout, [&] { return s.peers.at(id).status != State::PeerStatus::handshaking; });
   State::Peer& peer = s.peers.at(id);
   if (!answered) {
     peer.status = State::PeerStatus::rejected;
     peer.why = "no answer";
     s.transport->close(conn, true, nullptr);
-    throw TransferError(fmt::format("connect to {}: no answer within {} ms", address, timeout.count()));
+    throw TransferError(
+        fmt::format("connect to {}: no answer within {} ms", address, timeout.count()));
   }
   if (peer.status == State::PeerStatus::rejected) {
     throw TransferError(fmt::format("connect to {}: {}", address, peer.why));
@@ -833,7 +876,8 @@ std::vector<PeerId> Agent::peers() const {
   std::lock_guard lock(state_->mutex);
   std::vector<PeerId> out;
   for (const auto& [id, p] : state_->peers) {
-    if (p.status == State::PeerStatus::connected || p.status == State::PeerStatus::lost) out.push_back(id);
+    if (p.status == State::PeerStatus::connected || p.status == State::PeerStatus::lost)
+      out.push_back(id);
   }
   return out;
 }
@@ -843,7 +887,8 @@ std::optional<PeerInfo> Agent::peer(PeerId id) const {
   auto it = state_->peers.find(id);
   if (it == state_->peers.end()) return std::nullopt;
   const State::Peer& p = it->second;
-  if (p.status != State::PeerStatus::connected && p.status != State::PeerStatus::lost) return std::nullopt;
+  if (p.status != State::PeerStatus::connected && p.status != State::PeerStatus::lost)
+    return std::nullopt;
   return PeerInfo{id, p.hello.name, p.hello.layout, p.status == State::PeerStatus::connected};
 }
 
@@ -851,7 +896,8 @@ std::string Agent::peer_transport(PeerId id) const {
   std::lock_guard lock(state_->mutex);
   auto it = state_->peers.find(id);
   if (it == state_->peers.end()) return {};
-  return state_->transport->connection_info(it->second.data != 0 ? it->second.data : it->second.conn);
+  return state_->transport->connection_info(it->second.data != 0 ? it->second.data
+                                                                 : it->second.conn);
 }
 
 std::string Agent::transport_description() const {
@@ -865,18 +911,19 @@ TransferId Agent::post(PeerId peer_id, bool read, std::span<const BlockId> local
   std::lock_guard lock(s.mutex);
   State::Peer& p = s.connected_peer(peer_id, "post");
   if (local_blocks.size() != remote_blocks.size()) {
-    throw InvalidArgument(fmt::format("post: {} local blocks but {} remote blocks", local_blocks.size(),
-                                      remote_blocks.size()));
+    throw InvalidArgument(fmt::format("post: {} local blocks but {} remote blocks",
+                                      local_blocks.size(), remote_blocks.size()));
   }
   for (BlockId b : local_blocks) {
     if (b >= s.cache.num_blocks()) {
       throw InvalidArgument(fmt::format("post: local block {} out of range (num_blocks {})", b,
                                         s.cache.num_blocks()));
     }
-    if (s.cache.ref_count(b) == 0) throw InvalidArgument(fmt::format("post: local block {} is free", b));
+    if (s.cache.ref_count(b) == 0)
+      throw InvalidArgument(fmt::format("post: local block {} is free", b));
   }
-  std::vector<CopyRegion> plan = plan_block_regions(layout_, s.wire_pools, local_blocks, p.hello.layout,
-                                                    p.hello.pools, remote_blocks);
+  std::vector<CopyRegion> plan = plan_block_regions(layout_, s.wire_pools, local_blocks,
+                                                    p.hello.layout, p.hello.pools, remote_blocks);
   std::vector<RmaOp> ops;
   std::vector<std::uint64_t> keys;
   ops.reserve(plan.size());
@@ -917,7 +964,8 @@ TransferState Agent::wait(TransferId id, std::chrono::milliseconds timeout) cons
 std::string Agent::why(TransferId id) const {
   std::lock_guard lock(state_->mutex);
   const auto& t = state_->transfer(id, "why");
-  return t.state == TransferState::done || t.state == TransferState::cancelled ? std::string() : t.why;
+  return t.state == TransferState::done || t.state == TransferState::cancelled ? std::string()
+                                                                               : t.why;
 }
 
 std::uint64_t Agent::bytes(TransferId id) const {
@@ -949,8 +997,8 @@ void Agent::release(TransferId id) {
 void Agent::notify(PeerId peer_id, std::uint64_t request_id, std::uint32_t kind,
                    std::span<const BlockId> blocks, std::span<const std::uint8_t> payload) {
   if (blocks.size() * sizeof(BlockId) + payload.size() > kMaxNotificationBytes) {
-    throw InvalidArgument(fmt::format("notify: {} blocks and {} payload bytes exceed {} bytes", blocks.size(),
-                                      payload.size(), kMaxNotificationBytes));
+    throw InvalidArgument(fmt::format("notify: {} blocks and {} payload bytes exceed {} bytes",
+                                      blocks.size(), payload.size(), kMaxNotificationBytes));
   }
   State& s = *state_;
   std::lock_guard lock(s.mutex);
@@ -959,7 +1007,8 @@ void Agent::notify(PeerId peer_id, std::uint64_t request_id, std::uint32_t kind,
   w.u64(request_id);
   w.u32(kind);
   w.u32(static_cast<std::uint32_t>(blocks.size()));
-  for (BlockId b : blocks) w.u32(b);
+  for (BlockId b : blocks)
+    w.u32(b);
   w.blob(payload);
   s.send(p, w.bytes());
   ++s.counters.notifications_sent;
@@ -991,7 +1040,8 @@ void Agent::publish(std::span<const BlockId> blocks) {
   State& s = *state_;
   std::lock_guard lock(s.mutex);
   for (BlockId b : blocks) {
-    if (b >= s.cache.num_blocks()) throw InvalidArgument(fmt::format("publish: block {} out of range", b));
+    if (b >= s.cache.num_blocks())
+      throw InvalidArgument(fmt::format("publish: block {} out of range", b));
   }
   auto regions = s.stage_regions(blocks);
   s.cache.backend().copy_batch_d2h_async(regions, *s.stage_stream);

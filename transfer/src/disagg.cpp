@@ -16,11 +16,16 @@ namespace kvport::transfer {
 
 std::string_view to_string(LeaseEnd end) noexcept {
   switch (end) {
-    case LeaseEnd::pulled: return "pulled";
-    case LeaseEnd::refused: return "refused";
-    case LeaseEnd::expired: return "expired";
-    case LeaseEnd::peer_lost: return "peer_lost";
-    case LeaseEnd::aborted: return "aborted";
+    case LeaseEnd::pulled:
+      return "pulled";
+    case LeaseEnd::refused:
+      return "refused";
+    case LeaseEnd::expired:
+      return "expired";
+    case LeaseEnd::peer_lost:
+      return "peer_lost";
+    case LeaseEnd::aborted:
+      return "aborted";
   }
   return "unknown";
 }
@@ -30,10 +35,12 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  for (int i = 0; i < 4; ++i)
+    out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
 }
 void put64(std::vector<std::uint8_t>& out, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  for (int i = 0; i < 8; ++i)
+    out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
 }
 
 // Bounds-checked little-endian reads; nullopt past the end.
@@ -43,7 +50,8 @@ struct Cursor {
   std::optional<std::uint64_t> get(std::size_t n) {
     if (b.size() - pos < n) return std::nullopt;
     std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{b[pos + i]} << (8 * i);
+    for (std::size_t i = 0; i < n; ++i)
+      v |= std::uint64_t{b[pos + i]} << (8 * i);
     pos += n;
     return v;
   }
@@ -78,7 +86,7 @@ struct PrefillNode::State {
   PrefixCache& cache;
   PrefillOptions options;
   std::uint64_t next_lease = 0;
-  std::unordered_map<std::uint64_t, Lease> leases;        // by lease id
+  std::unordered_map<std::uint64_t, Lease> leases;              // by lease id
   std::unordered_map<std::uint64_t, std::uint64_t> by_request;  // request -> lease id
   std::size_t held = 0;
   PrefillCounters counters;
@@ -94,11 +102,21 @@ struct PrefillNode::State {
     cache.release_blocks(lease.blocks);  // tail first: the head stays cached longest
     held -= lease.blocks.size();
     switch (how) {
-      case LeaseEnd::pulled: ++counters.leases_pulled; break;
-      case LeaseEnd::refused: ++counters.leases_refused; break;
-      case LeaseEnd::expired: ++counters.leases_expired; break;
-      case LeaseEnd::peer_lost: ++counters.leases_lost; break;
-      case LeaseEnd::aborted: ++counters.leases_aborted; break;
+      case LeaseEnd::pulled:
+        ++counters.leases_pulled;
+        break;
+      case LeaseEnd::refused:
+        ++counters.leases_refused;
+        break;
+      case LeaseEnd::expired:
+        ++counters.leases_expired;
+        break;
+      case LeaseEnd::peer_lost:
+        ++counters.leases_lost;
+        break;
+      case LeaseEnd::aborted:
+        ++counters.leases_aborted;
+        break;
     }
     ended.push_back({lease.request_id, how});
     by_request.erase(lease.request_id);
@@ -121,7 +139,8 @@ PrefillNode::PrefillNode(Agent& agent, PrefixCache& cache, PrefillOptions option
 
 PrefillNode::~PrefillNode() {
   std::vector<std::uint64_t> ids;
-  for (const auto& [id, lease] : state_->leases) ids.push_back(id);
+  for (const auto& [id, lease] : state_->leases)
+    ids.push_back(id);
   for (std::uint64_t id : ids) {
     try {
       state_->end(id, LeaseEnd::aborted);
@@ -131,8 +150,9 @@ PrefillNode::~PrefillNode() {
   }
 }
 
-void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group, std::span<const BlockId> blocks,
-                        std::span<const TokenId> tokens, std::span<const PeerId> decode_peers) {
+void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group,
+                        std::span<const BlockId> blocks, std::span<const TokenId> tokens,
+                        std::span<const PeerId> decode_peers) {
   State& s = *state_;
   if (decode_peers.empty()) throw InvalidArgument("offer: no decode peers");
   if (s.by_request.contains(request_id)) {
@@ -140,14 +160,15 @@ void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group, std::span
   }
   const std::size_t bs = s.cache.block_size();
   if (tokens.empty() || blocks.size() != (tokens.size() + bs - 1) / bs) {
-    throw InvalidArgument(fmt::format("offer: {} blocks for {} tokens (block size {})", blocks.size(),
-                                      tokens.size(), bs));
+    throw InvalidArgument(fmt::format("offer: {} blocks for {} tokens (block size {})",
+                                      blocks.size(), tokens.size(), bs));
   }
   // Only the decode ranks that hold some of this rank's heads pull from it.
   std::vector<PeerId> peers;
   for (PeerId p : decode_peers) {
     auto info = s.agent.peer(p);
-    if (!info || !info->connected) throw InvalidArgument(fmt::format("offer: peer {} is not connected", p));
+    if (!info || !info->connected)
+      throw InvalidArgument(fmt::format("offer: peer {} is not connected", p));
     if (head_overlap(s.agent.layout(), info->layout)) peers.push_back(p);
   }
   if (peers.empty()) throw InvalidArgument("offer: no decode peer holds any of this rank's heads");
@@ -163,7 +184,8 @@ void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group, std::span
   put32(payload, group);
   put32(payload, static_cast<std::uint32_t>(s.options.lease_ttl.count()));
   put32(payload, static_cast<std::uint32_t>(tokens.size()));
-  for (TokenId t : tokens) put32(payload, t);
+  for (TokenId t : tokens)
+    put32(payload, t);
   // Record first: a peer lost between two notifies still ends the lease.
   const std::uint64_t id = lease.id;
   s.held += lease.blocks.size();
@@ -229,7 +251,8 @@ std::vector<LeaseResult> PrefillNode::poll() {
     if (now >= lease.deadline) expired.push_back(id);
   }
   for (std::uint64_t id : expired) {
-    for (PeerId p : s.leases.at(id).waiting) s.reply(p, s.leases.at(id).request_id, DisaggKind::revoked, id);
+    for (PeerId p : s.leases.at(id).waiting)
+      s.reply(p, s.leases.at(id).request_id, DisaggKind::revoked, id);
     s.end(id, LeaseEnd::expired);
   }
   return std::exchange(s.ended, {});
@@ -244,10 +267,18 @@ bool PrefillNode::abort(std::uint64_t request_id) {
   return true;
 }
 
-const std::vector<PeerId>& PrefillNode::lost_peers() const noexcept { return state_->lost; }
-std::size_t PrefillNode::active_leases() const noexcept { return state_->leases.size(); }
-std::size_t PrefillNode::held_blocks() const noexcept { return state_->held; }
-const PrefillCounters& PrefillNode::counters() const noexcept { return state_->counters; }
+const std::vector<PeerId>& PrefillNode::lost_peers() const noexcept {
+  return state_->lost;
+}
+std::size_t PrefillNode::active_leases() const noexcept {
+  return state_->leases.size();
+}
+std::size_t PrefillNode::held_blocks() const noexcept {
+  return state_->held;
+}
+const PrefillCounters& PrefillNode::counters() const noexcept {
+  return state_->counters;
+}
 
 // ---- decode ----------------------------------------------------------------------
 
@@ -319,13 +350,15 @@ struct DecodeNode::State {
     const auto ttl = c.get(4);
     const auto count = c.get(4);
     auto info = agent.peer(n.peer);
-    if (!lease || !group || !ttl || !count || !info || *count == 0 || c.b.size() - c.pos != *count * 4) {
+    if (!lease || !group || !ttl || !count || !info || *count == 0 ||
+        c.b.size() - c.pos != *count * 4) {
       ++counters.late_notifications;  // malformed: ignore
       return;
     }
     std::vector<TokenId> tokens;
     tokens.reserve(*count);
-    for (std::uint64_t i = 0; i < *count; ++i) tokens.push_back(static_cast<TokenId>(*c.get(4)));
+    for (std::uint64_t i = 0; i < *count; ++i)
+      tokens.push_back(static_cast<TokenId>(*c.get(4)));
     auto [it, fresh] = requests.try_emplace(n.request_id);
     Request& r = it->second;
     if (fresh) {
@@ -388,9 +421,8 @@ struct DecodeNode::State {
   }
 
   bool all_final(const Request& r) const {
-    return std::all_of(r.parts.begin(), r.parts.end(), [](const auto& p) {
-      return p.second.final || !p.second.transfer;
-    });
+    return std::all_of(r.parts.begin(), r.parts.end(),
+                       [](const auto& p) { return p.second.final || !p.second.transfer; });
   }
 
   // Ends a request: frees its blocks (only called when no transfer is in
@@ -479,7 +511,8 @@ struct DecodeNode::State {
       counters.bytes_pulled += r.bytes;
       r.phase = Phase::confirming;
       r.pulled_at = now;
-      for (auto& [rank, part] : r.parts) tell(part.peer, r.request_id, DisaggKind::pulled, part.lease);
+      for (auto& [rank, part] : r.parts)
+        tell(part.peer, r.request_id, DisaggKind::pulled, part.lease);
       return;
     }
     if (r.phase == Phase::confirming) {
@@ -512,8 +545,10 @@ struct DecodeNode::State {
     for (auto& [rank, part] : r.parts) {
       if (part.peer != n.peer || part.lease != *lease) continue;
       if (static_cast<DisaggKind>(n.kind) == DisaggKind::confirm) {
-        if (r.phase == Phase::confirming) part.confirmed = true;
-        else ++counters.late_notifications;
+        if (r.phase == Phase::confirming)
+          part.confirmed = true;
+        else
+          ++counters.late_notifications;
       } else {
         ++counters.revoked;
         part.confirmed = true;  // nothing more to tell this rank
@@ -544,7 +579,8 @@ DecodeNode::DecodeNode(Agent& agent, PrefixCache& cache, DecodeOptions options)
 
 DecodeNode::~DecodeNode() {
   State& s = *state_;
-  for (auto& [id, r] : s.requests) r.aborted = true;
+  for (auto& [id, r] : s.requests)
+    r.aborted = true;
   for (auto& [id, r] : s.requests) {
     for (auto& [rank, part] : r.parts) {
       if (part.transfer && !part.final) s.agent.cancel(*part.transfer);
@@ -564,8 +600,8 @@ DecodeNode::~DecodeNode() {
     if (!s.all_final(it->second)) {
       // Still in flight after the wait: leak the blocks rather than free
       // memory a transfer may write.
-      log::error(fmt::format("DecodeNode: request {} still has a transfer in flight; its blocks are kept",
-                             it->first));
+      log::error(fmt::format(
+          "DecodeNode: request {} still has a transfer in flight; its blocks are kept", it->first));
       s.requests.erase(it);
       continue;
     }
@@ -582,10 +618,16 @@ std::vector<DecodeResult> DecodeNode::poll() {
   State& s = *state_;
   for (const Notification& n : s.agent.take_notifications()) {
     switch (static_cast<DisaggKind>(n.kind)) {
-      case DisaggKind::lease: s.on_lease(n); break;
+      case DisaggKind::lease:
+        s.on_lease(n);
+        break;
       case DisaggKind::confirm:
-      case DisaggKind::revoked: s.on_answer(n); break;
-      default: ++s.counters.late_notifications; break;
+      case DisaggKind::revoked:
+        s.on_answer(n);
+        break;
+      default:
+        ++s.counters.late_notifications;
+        break;
     }
   }
   for (PeerId lost : s.agent.take_lost_peers()) {
@@ -616,9 +658,17 @@ bool DecodeNode::abort(std::uint64_t request_id) {
   return true;
 }
 
-const std::vector<PeerId>& DecodeNode::lost_peers() const noexcept { return state_->lost; }
-std::size_t DecodeNode::pending_requests() const noexcept { return state_->requests.size(); }
-std::size_t DecodeNode::held_blocks() const noexcept { return state_->held; }
-const DecodeCounters& DecodeNode::counters() const noexcept { return state_->counters; }
+const std::vector<PeerId>& DecodeNode::lost_peers() const noexcept {
+  return state_->lost;
+}
+std::size_t DecodeNode::pending_requests() const noexcept {
+  return state_->requests.size();
+}
+std::size_t DecodeNode::held_blocks() const noexcept {
+  return state_->held;
+}
+const DecodeCounters& DecodeNode::counters() const noexcept {
+  return state_->counters;
+}
 
 }  // namespace kvport::transfer

@@ -167,9 +167,9 @@ void check_args(const PagedKvCache& cache, const PoolLayout& layout,
   }
   if (first_block > (std::uint64_t{1} << 32) ||
       (std::uint64_t{first_block} + blocks.size()) * layout.block_size < tokens.size()) {
-    throw InvalidArgument(fmt::format("{}: {} tokens do not fit {} blocks of {} tokens from block {}",
-                                      op, tokens.size(), blocks.size(), layout.block_size,
-                                      first_block));
+    throw InvalidArgument(
+        fmt::format("{}: {} tokens do not fit {} blocks of {} tokens from block {}", op,
+                    tokens.size(), blocks.size(), layout.block_size, first_block));
   }
   std::vector<bool> seen(cache.num_blocks());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
@@ -201,14 +201,40 @@ std::vector<HostCopyRegion> staging_regions(const PagedKvCache& cache,
 
 }  // namespace
 
-void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
-                      std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                      StreamView stream, std::size_t first_block) {
-  check_args(cache, layout, blocks, tokens, first_block, "write_kv_content");
-  if (blocks.empty()) return;
-  const ContentPlan plan = make_plan(layout, cache);
-  Backend& backend = cache.backend();
-  HostBuffer staging(backend, blocks.size() * plan.block_bytes);
+namespace {
+
+// At most this much host staging per batched copy: a long sequence is
+// written and checked in chunks of whole blocks (at least one).
+constexpr std::size_t kStagingChunkBytes = std::size_t{64} << 20;
+
+std::size_t chunk_blocks(const ContentPlan& plan) {
+  return std::max<std::size_t>(1, kStagingChunkBytes / plan.block_bytes);
+}
+
+// One batched copy between the staging and the blocks, waited for. Part of a
+// failed batch may be queued: it finishes before the staging buffer can be
+// freed, and the copy's own error is the one reported.
+void copy_and_wait(Backend& backend, const std::vector<HostCopyRegion>& regions,
+                   HostCopyDirection direction, StreamView stream) {
+  try {
+    if (direction == HostCopyDirection::host_to_device) {
+      backend.copy_batch_h2d_async(regions, stream);
+    } else {
+      backend.copy_batch_d2h_async(regions, stream);
+    }
+  } catch (...) {
+    try {
+      backend.synchronize(stream);
+    } catch (...) {
+    }
+    throw;
+  }
+  backend.synchronize(stream);
+}
+
+void write_chunk(PagedKvCache& cache, const ContentPlan& plan, std::span<const BlockId> blocks,
+                 std::span<const TokenId> tokens, StreamView stream, std::size_t first_block) {
+  HostBuffer staging(cache.backend(), blocks.size() * plan.block_bytes);
   std::uint8_t* base = staging.bytes().data();
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     std::uint8_t* slot = base + i * plan.block_bytes;
@@ -220,47 +246,17 @@ void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
       }
     }
   }
-  const std::vector<HostCopyRegion> regions =
-      staging_regions(cache, blocks, base, plan.block_bytes);
-  try {
-    backend.copy_batch_h2d_async(regions, stream);
-  } catch (...) {
-    // Part of the batch may be queued: let it finish before the staging
-    // buffer is freed; the copy's own error is the one to report.
-    try {
-      backend.synchronize(stream);
-    } catch (...) {
-    }
-    throw;
-  }
-  backend.synchronize(stream);
+  copy_and_wait(cache.backend(), staging_regions(cache, blocks, base, plan.block_bytes),
+                HostCopyDirection::host_to_device, stream);
 }
 
-ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
-                               std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                               StreamView stream, std::size_t first_block) {
-  check_args(cache, layout, blocks, tokens, first_block, "verify_kv_content");
-  ContentCheck check;
-  if (blocks.empty()) return check;
-  const ContentPlan plan = make_plan(layout, cache);
-  Backend& backend = cache.backend();
-  HostBuffer staging(backend, blocks.size() * plan.block_bytes);
+void verify_chunk(PagedKvCache& cache, const ContentPlan& plan, std::span<const BlockId> blocks,
+                  std::span<const TokenId> tokens, StreamView stream, std::size_t first_block,
+                  ContentCheck& check) {
+  HostBuffer staging(cache.backend(), blocks.size() * plan.block_bytes);
   std::uint8_t* base = staging.bytes().data();
-  const std::vector<HostCopyRegion> regions =
-      staging_regions(cache, blocks, base, plan.block_bytes);
-  try {
-    backend.copy_batch_d2h_async(regions, stream);
-  } catch (...) {
-    // Part of the batch may be queued: let it finish before the staging
-    // buffer is freed; the copy's own error is the one to report.
-    try {
-      backend.synchronize(stream);
-    } catch (...) {
-    }
-    throw;
-  }
-  backend.synchronize(stream);
-
+  copy_and_wait(cache.backend(), staging_regions(cache, blocks, base, plan.block_bytes),
+                HostCopyDirection::device_to_host, stream);
   std::size_t max_region = 0;
   for (const RegionShape& s : plan.regions)
     max_region = std::max(max_region, s.layout.total_bytes);
@@ -279,6 +275,35 @@ ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
         slot += r.total_bytes;
       }
     }
+  }
+}
+
+}  // namespace
+
+void write_kv_content(PagedKvCache& cache, const PoolLayout& layout,
+                      std::span<const BlockId> blocks, std::span<const TokenId> tokens,
+                      StreamView stream, std::size_t first_block) {
+  check_args(cache, layout, blocks, tokens, first_block, "write_kv_content");
+  if (blocks.empty()) return;
+  const ContentPlan plan = make_plan(layout, cache);
+  const std::size_t step = chunk_blocks(plan);
+  for (std::size_t i = 0; i < blocks.size(); i += step) {
+    write_chunk(cache, plan, blocks.subspan(i, std::min(step, blocks.size() - i)), tokens, stream,
+                first_block + i);
+  }
+}
+
+ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
+                               std::span<const BlockId> blocks, std::span<const TokenId> tokens,
+                               StreamView stream, std::size_t first_block) {
+  check_args(cache, layout, blocks, tokens, first_block, "verify_kv_content");
+  ContentCheck check;
+  if (blocks.empty()) return check;
+  const ContentPlan plan = make_plan(layout, cache);
+  const std::size_t step = chunk_blocks(plan);
+  for (std::size_t i = 0; i < blocks.size(); i += step) {
+    verify_chunk(cache, plan, blocks.subspan(i, std::min(step, blocks.size() - i)), tokens, stream,
+                 first_block + i, check);
   }
   return check;
 }

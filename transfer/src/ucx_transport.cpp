@@ -29,9 +29,12 @@ namespace kvport::transfer {
 
 std::string_view to_string(MemoryKind kind) noexcept {
   switch (kind) {
-    case MemoryKind::host: return "host";
-    case MemoryKind::cuda: return "cuda";
-    case MemoryKind::rocm: return "rocm";
+    case MemoryKind::host:
+      return "host";
+    case MemoryKind::cuda:
+      return "cuda";
+    case MemoryKind::rocm:
+      return "rocm";
   }
   return "unknown";
 }
@@ -153,11 +156,15 @@ class UcxTransport final : public Transport {
     for (auto& [id, conn] : conns_) {
       if (conn->ep != nullptr && !conn->closing) close(id, true, nullptr);
     }
-    for (int i = 0; i < 1000 && pending_closes_ > 0; ++i) ucp_worker_progress(worker_);
-    for (auto& [id, conn] : conns_) destroy_rkeys(*conn);
-    for (ucp_conn_request_h req : conn_requests_) ucp_listener_reject(listener_, req);
+    for (int i = 0; i < 1000 && pending_closes_ > 0; ++i)
+      ucp_worker_progress(worker_);
+    for (auto& [id, conn] : conns_)
+      destroy_rkeys(*conn);
+    for (ucp_conn_request_h req : conn_requests_)
+      ucp_listener_reject(listener_, req);
     if (listener_ != nullptr) ucp_listener_destroy(listener_);
-    for (ucp_mem_h memh : memhs_) ucp_mem_unmap(context_, memh);
+    for (ucp_mem_h memh : memhs_)
+      ucp_mem_unmap(context_, memh);
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
   }
@@ -173,9 +180,12 @@ class UcxTransport final : public Transport {
 
   bool supports(MemoryKind kind) const noexcept override {
     switch (kind) {
-      case MemoryKind::host: return true;
-      case MemoryKind::cuda: return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
-      case MemoryKind::rocm: return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_ROCM)) != 0;
+      case MemoryKind::host:
+        return true;
+      case MemoryKind::cuda:
+        return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+      case MemoryKind::rocm:
+        return (memory_types_ & UCS_BIT(UCS_MEMORY_TYPE_ROCM)) != 0;
     }
     return false;
   }
@@ -192,7 +202,8 @@ class UcxTransport final : public Transport {
     lp.conn_handler.arg = this;
     if (ucs_status_t st = ucp_listener_create(worker_, &lp, &listener_); st != UCS_OK) {
       listener_ = nullptr;
-      throw TransferError(fmt::format("cannot listen on {}:{}: {}", host, port, ucs_status_string(st)));
+      throw TransferError(
+          fmt::format("cannot listen on {}:{}: {}", host, port, ucs_status_string(st)));
     }
     ucp_listener_attr_t la{};
     la.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
@@ -217,7 +228,8 @@ class UcxTransport final : public Transport {
       conn->ep = nullptr;
       const ConnId id = conn->id;
       conns_.erase(id);
-      throw TransferError(fmt::format("cannot connect to {}:{}: {}", host, port, ucs_status_string(st)));
+      throw TransferError(
+          fmt::format("cannot connect to {}:{}: {}", host, port, ucs_status_string(st)));
     }
     by_ep_[conn->ep] = conn->id;
     return conn->id;
@@ -250,7 +262,8 @@ class UcxTransport final : public Transport {
     if (ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep); st != UCS_OK) {
       conn->ep = nullptr;
       conns_.erase(conn->id);
-      throw TransferError(fmt::format("cannot connect to the peer's address: {}", ucs_status_string(st)));
+      throw TransferError(
+          fmt::format("cannot connect to the peer's address: {}", ucs_status_string(st)));
     }
     return conn->id;
   }
@@ -264,8 +277,8 @@ class UcxTransport final : public Transport {
     Conn& conn = *it->second;
     conn.closing = true;
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                     UCP_OP_ATTR_FIELD_USER_DATA;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     // A failed endpoint can only be force-closed, and UCX force-closes only
     // an endpoint with peer error handling (it refuses the others with
     // "invalid parameter" and leaves them and their operations in place).
@@ -298,8 +311,9 @@ class UcxTransport final : public Transport {
       // what waits for it (the transfers' blocks) stays held: leaked, never
       // overwritten.
       --pending_closes_;
-      log::error(fmt::format("transfer: closing connection {} failed: {}; its transfers stay pending", id,
-                             ucs_status_string(UCS_PTR_STATUS(req))));
+      log::error(
+          fmt::format("transfer: closing connection {} failed: {}; its transfers stay pending", id,
+                      ucs_status_string(UCS_PTR_STATUS(req))));
       delete ctx;
     }
   }
@@ -330,7 +344,8 @@ class UcxTransport final : public Transport {
     Conn& conn = live(id, "import_remote_key");
     ucp_rkey_h rkey = nullptr;
     if (ucs_status_t st = ucp_ep_rkey_unpack(conn.ep, key.data(), &rkey); st != UCS_OK) {
-      throw TransferError(fmt::format("the peer's memory key is unusable: {}", ucs_status_string(st)));
+      throw TransferError(
+          fmt::format("the peer's memory key is unusable: {}", ucs_status_string(st)));
     }
     conn.rkeys.push_back(rkey);
     return conn.rkeys.size() - 1;
@@ -340,8 +355,8 @@ class UcxTransport final : public Transport {
     Conn& conn = live(id, "send");
     auto* ctx = new SendContext{{message.begin(), message.end()}};
     ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK |
-                     UCP_OP_ATTR_FIELD_USER_DATA;
+    p.op_attr_mask =
+        UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
     p.user_data = ctx;
     p.cb.send = [](void* request, ucs_status_t, void* user) {
@@ -433,7 +448,8 @@ class UcxTransport final : public Transport {
     // Bounded, so that the owner's timers (heartbeats) run between rounds
     // even while traffic keeps the worker busy.
     bool any = false;
-    for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) any = true;
+    for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i)
+      any = true;
     // Accept queued connection requests (outside the listener callback).
     while (!conn_requests_.empty()) {
       ucp_conn_request_h req = conn_requests_.front();
@@ -483,7 +499,8 @@ class UcxTransport final : public Transport {
   };
 
   static void check(ucs_status_t st, const char* call) {
-    if (st != UCS_OK) throw TransferError(fmt::format("{} failed: {}", call, ucs_status_string(st)));
+    if (st != UCS_OK)
+      throw TransferError(fmt::format("{} failed: {}", call, ucs_status_string(st)));
   }
 
   Conn* new_conn() {
@@ -510,7 +527,8 @@ class UcxTransport final : public Transport {
   }
 
   void destroy_rkeys(Conn& conn) {
-    for (ucp_rkey_h rkey : conn.rkeys) ucp_rkey_destroy(rkey);
+    for (ucp_rkey_h rkey : conn.rkeys)
+      ucp_rkey_destroy(rkey);
     conn.rkeys.clear();
   }
 

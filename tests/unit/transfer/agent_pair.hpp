@@ -19,7 +19,7 @@ namespace kvport::transfer {
 using namespace std::chrono_literals;
 
 inline KvCacheConfig config(KvCacheLayout layout, std::size_t heads = 4,
-                     KvCacheDtype dtype = KvCacheDtype::bf16) {
+                            KvCacheDtype dtype = KvCacheDtype::bf16) {
   KvCacheConfig c;
   c.num_layers = 3;
   c.block_size = 16;
@@ -33,7 +33,8 @@ inline KvCacheConfig config(KvCacheLayout layout, std::size_t heads = 4,
 
 inline std::vector<TokenId> tokens(std::size_t n, TokenId seed = 1) {
   std::vector<TokenId> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<TokenId>(seed * 7919 + i * 31);
+  for (std::size_t i = 0; i < n; ++i)
+    t[i] = static_cast<TokenId>(seed * 7919 + i * 31);
   return t;
 }
 
@@ -51,7 +52,8 @@ struct Side {
   }
   std::vector<BlockId> alloc(std::size_t n) {
     std::vector<BlockId> out;
-    for (std::size_t i = 0; i < n; ++i) out.push_back(cache.alloc_block());
+    for (std::size_t i = 0; i < n; ++i)
+      out.push_back(cache.alloc_block());
     return out;
   }
   PoolLayout layout() const { return agent->layout(); }
@@ -72,8 +74,10 @@ inline std::pair<PeerId, PeerId> link(Side& a, Side& b) {
   PeerId to_a = 0;
   for (int i = 0; i < 500 && to_a == 0; ++i) {
     auto ids = b.agent->peers();
-    if (!ids.empty()) to_a = ids.back();
-    else std::this_thread::sleep_for(2ms);
+    if (!ids.empty())
+      to_a = ids.back();
+    else
+      std::this_thread::sleep_for(2ms);
   }
   return {to_b, to_a};
 }

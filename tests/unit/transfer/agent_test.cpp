@@ -9,11 +9,11 @@
 #include <numeric>
 #include <thread>
 
+#include "agent_pair.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/transfer/agent.hpp"
 #include "kvport/transfer/kv_content.hpp"
-#include "agent_pair.hpp"
 
 namespace kvport::transfer {
 namespace {
@@ -75,7 +75,8 @@ TEST(Agent, ReadIsByteExactAcrossLayouts) {
   expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::block_major);
 }
 TEST(Agent, ReadIsByteExactWithScales) {
-  expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::layer_major, KvCacheDtype::nvfp4);
+  expect_read_is_byte_exact(KvCacheLayout::layer_major, KvCacheLayout::layer_major,
+                            KvCacheDtype::nvfp4);
 }
 
 TEST(Agent, MixedDtypesAndWrite) {
@@ -104,12 +105,14 @@ void expect_head_sliced(std::uint32_t src_tp, std::uint32_t dst_tp) {
   // Model: 4 KV heads. Each rank holds 4 / tp of them.
   std::vector<std::unique_ptr<Side>> srcs, dsts;
   for (std::uint32_t r = 0; r < src_tp; ++r) {
-    srcs.push_back(std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / src_tp, KvCacheDtype::turbo4),
-                                          8, named("prefill", r, src_tp)));
+    srcs.push_back(
+        std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / src_tp, KvCacheDtype::turbo4),
+                               8, named("prefill", r, src_tp)));
   }
   for (std::uint32_t r = 0; r < dst_tp; ++r) {
-    dsts.push_back(std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / dst_tp, KvCacheDtype::turbo4),
-                                          8, named("decode", r, dst_tp)));
+    dsts.push_back(
+        std::make_unique<Side>(config(KvCacheLayout::layer_major, 4 / dst_tp, KvCacheDtype::turbo4),
+                               8, named("decode", r, dst_tp)));
   }
   auto t = tokens(2 * 16, 5);
   std::vector<std::vector<BlockId>> src_blocks;
@@ -131,8 +134,12 @@ void expect_head_sliced(std::uint32_t src_tp, std::uint32_t dst_tp) {
   }
 }
 
-TEST(Agent, TensorParallelTwoToOne) { expect_head_sliced(2, 1); }
-TEST(Agent, TensorParallelOneToTwo) { expect_head_sliced(1, 2); }
+TEST(Agent, TensorParallelTwoToOne) {
+  expect_head_sliced(2, 1);
+}
+TEST(Agent, TensorParallelOneToTwo) {
+  expect_head_sliced(1, 2);
+}
 
 TEST(Agent, IncompatiblePeerIsRejectedNamingTheField) {
   auto other = config(KvCacheLayout::layer_major);
@@ -149,7 +156,8 @@ TEST(Agent, IncompatiblePeerIsRejectedNamingTheField) {
   }
   EXPECT_TRUE(a.agent->peers().empty());
   EXPECT_EQ(a.agent->counters().handshakes_rejected, 1u);
-  for (int i = 0; i < 200 && b.agent->counters().handshakes_rejected == 0; ++i) std::this_thread::sleep_for(5ms);
+  for (int i = 0; i < 200 && b.agent->counters().handshakes_rejected == 0; ++i)
+    std::this_thread::sleep_for(5ms);
   EXPECT_EQ(b.agent->counters().handshakes_rejected, 1u);
   EXPECT_TRUE(b.agent->peers().empty());
 }
@@ -172,7 +180,8 @@ TEST(Agent, DifferentTpNeedsLayerMajor) {
 
 TEST(Agent, BadAddressesAreOneLineErrors) {
   Side a(config(KvCacheLayout::layer_major), 4);
-  for (const char* bad : {"", "127.0.0.1", "127.0.0.1:", ":80", "127.0.0.1:http", "127.0.0.1:70000"}) {
+  for (const char* bad :
+       {"", "127.0.0.1", "127.0.0.1:", ":80", "127.0.0.1:http", "127.0.0.1:70000"}) {
     EXPECT_THROW(a.agent->connect(bad, 1s), InvalidArgument) << bad;
     EXPECT_THROW(a.agent->listen(bad), InvalidArgument) << bad;
   }
@@ -199,11 +208,13 @@ TEST(Agent, NotificationsArriveInOrder) {
   auto [to_b, to_a] = link(a, b);
   const std::vector<BlockId> blocks{3, 1, 2};
   const std::vector<std::uint8_t> payload{1, 2, 3, 4};
-  for (std::uint64_t r = 1; r <= 5; ++r) a.agent->notify(to_b, r, 7, blocks, payload);
+  for (std::uint64_t r = 1; r <= 5; ++r)
+    a.agent->notify(to_b, r, 7, blocks, payload);
   std::vector<Notification> got;
   for (int i = 0; i < 500 && got.size() < 5; ++i) {
     b.agent->wait_event(10ms);
-    for (auto& n : b.agent->take_notifications()) got.push_back(std::move(n));
+    for (auto& n : b.agent->take_notifications())
+      got.push_back(std::move(n));
   }
   ASSERT_EQ(got.size(), 5u);
   for (std::uint64_t r = 1; r <= 5; ++r) {
@@ -234,13 +245,14 @@ TEST(Agent, PostRejectsBadInputBeforeMovingAnything) {
   auto [to_b, to_a] = link(a, b);
   (void)to_a;
   auto mine = a.alloc(2);
-  EXPECT_THROW(a.agent->post(to_b, true, mine, std::vector<BlockId>{0}), InvalidArgument);  // lengths
+  EXPECT_THROW(a.agent->post(to_b, true, mine, std::vector<BlockId>{0}),
+               InvalidArgument);  // lengths
   EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{9}, std::vector<BlockId>{0}),
                InvalidArgument);  // out of range here
   EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{3}, std::vector<BlockId>{0}),
                InvalidArgument);  // free here
   EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{mine[0]}, std::vector<BlockId>{4}),
-               InvalidArgument);  // out of range there
+               InvalidArgument);                                          // out of range there
   EXPECT_THROW(a.agent->post(12345, true, mine, mine), InvalidArgument);  // unknown peer
   EXPECT_EQ(a.agent->counters().transfers_posted, 0u);
   EXPECT_THROW(a.agent->poll(77), InvalidArgument);

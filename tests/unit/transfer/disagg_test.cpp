@@ -24,7 +24,8 @@ struct Node {
   // Allocates and fills blocks for `t` the way a prefill rank does.
   std::vector<BlockId> prefill(const std::vector<TokenId>& t) {
     std::vector<BlockId> blocks;
-    for (std::size_t i = 0; i < (t.size() + 15) / 16; ++i) blocks.push_back(prefix.alloc_block());
+    for (std::size_t i = 0; i < (t.size() + 15) / 16; ++i)
+      blocks.push_back(prefix.alloc_block());
     write_kv_content(side.cache, side.layout(), blocks, t, side.stream);
     side.agent->publish(blocks);
     return blocks;
@@ -47,7 +48,8 @@ struct Pair {
   PeerId to_decode = 0;
   PeerId to_prefill = 0;
   explicit Pair(std::size_t decode_blocks = 16, KvCacheLayout layout = KvCacheLayout::layer_major)
-      : prefill(config(layout), 16, named("prefill")), decode(config(layout), decode_blocks, named("decode")) {
+      : prefill(config(layout), 16, named("prefill")),
+        decode(config(layout), decode_blocks, named("decode")) {
     const std::string address = decode.side.agent->listen("127.0.0.1:0");
     to_decode = prefill.side.agent->connect(address, 5s);
     eventually([&] { return !decode.side.agent->peers().empty(); });
@@ -67,8 +69,10 @@ TEST(Disagg, DecodePullsVerifiesAndCaches) {
     std::vector<DecodeResult> results;
     std::vector<LeaseResult> leases;
     ASSERT_TRUE(eventually([&] {
-      for (auto& r : decode.poll()) results.push_back(std::move(r));
-      for (auto& l : prefill.poll()) leases.push_back(l);
+      for (auto& r : decode.poll())
+        results.push_back(std::move(r));
+      for (auto& l : prefill.poll())
+        leases.push_back(l);
       return !results.empty() && !leases.empty();
     }));
     ASSERT_EQ(results.size(), 1u);
@@ -102,7 +106,8 @@ TEST(Disagg, LeaseExpiresWhenNobodyPulls) {
   const std::size_t free_before = p.prefill.side.cache.num_free_blocks();
   std::vector<LeaseResult> leases;
   ASSERT_TRUE(eventually([&] {
-    for (auto& l : prefill.poll()) leases.push_back(l);
+    for (auto& l : prefill.poll())
+      leases.push_back(l);
     return !leases.empty();
   }));
   EXPECT_EQ(leases[0].end, LeaseEnd::expired);
@@ -113,7 +118,8 @@ TEST(Disagg, LeaseExpiresWhenNobodyPulls) {
   DecodeNode decode(*p.decode.side.agent, p.decode.prefix);
   std::vector<DecodeResult> results;
   ASSERT_TRUE(eventually([&] {
-    for (auto& r : decode.poll()) results.push_back(std::move(r));
+    for (auto& r : decode.poll())
+      results.push_back(std::move(r));
     prefill.poll();
     return !results.empty();
   }));
@@ -137,10 +143,12 @@ TEST(Disagg, PrefillAbortThenReuseNeverCorruptsEitherSide) {
   // The new owner gets the same blocks (LIFO) and writes its own KV.
   auto other = tokens(32, 2);
   auto reused = p.prefill.prefill(other);
-  EXPECT_EQ(std::set<BlockId>(reused.begin(), reused.end()), std::set<BlockId>(blocks.begin(), blocks.end()));
+  EXPECT_EQ(std::set<BlockId>(reused.begin(), reused.end()),
+            std::set<BlockId>(blocks.begin(), blocks.end()));
   std::vector<DecodeResult> results;
   ASSERT_TRUE(eventually([&] {
-    for (auto& r : decode.poll()) results.push_back(std::move(r));
+    for (auto& r : decode.poll())
+      results.push_back(std::move(r));
     prefill.poll();
     return !results.empty();
   }));
@@ -177,11 +185,13 @@ TEST(Disagg, DecodeAbortFreesOnlyAfterTheTransferIsFinal) {
   // The new owner's data is what it wrote.
   auto mine = tokens(48, 4);
   std::vector<BlockId> reused;
-  for (int i = 0; i < 3; ++i) reused.push_back(p.decode.prefix.alloc_block());
+  for (int i = 0; i < 3; ++i)
+    reused.push_back(p.decode.prefix.alloc_block());
   write_kv_content(p.decode.side.cache, p.decode.side.layout(), reused, mine, p.decode.side.stream);
   std::vector<LeaseResult> leases;
   ASSERT_TRUE(eventually([&] {
-    for (auto& l : prefill.poll()) leases.push_back(l);
+    for (auto& l : prefill.poll())
+      leases.push_back(l);
     decode.poll();
     return !leases.empty();
   }));
@@ -203,8 +213,10 @@ TEST(Disagg, NoRoomIsRefusedAfterTheAssembleTimeout) {
   std::vector<DecodeResult> results;
   std::vector<LeaseResult> leases;
   ASSERT_TRUE(eventually([&] {
-    for (auto& r : decode.poll()) results.push_back(std::move(r));
-    for (auto& l : prefill.poll()) leases.push_back(l);
+    for (auto& r : decode.poll())
+      results.push_back(std::move(r));
+    for (auto& l : prefill.poll())
+      leases.push_back(l);
     return !results.empty() && !leases.empty();
   }));
   EXPECT_FALSE(results[0].ok);
@@ -230,7 +242,8 @@ TEST(Disagg, LostPrefillFailsTheRequestAndFreesTheDecodeSide) {
   p->prefill.side.agent.reset();
   std::vector<DecodeResult> results;
   ASSERT_TRUE(eventually([&] {
-    for (auto& r : decode.poll()) results.push_back(std::move(r));
+    for (auto& r : decode.poll())
+      results.push_back(std::move(r));
     return !results.empty();
   }));
   EXPECT_FALSE(results[0].ok);
@@ -245,9 +258,12 @@ TEST(Disagg, LateAndMalformedNotificationsAreCountedAndIgnored) {
   // A pulled for a lease that never existed, and a confirm for a request the
   // decode side does not track.
   std::vector<std::uint8_t> lease{99, 0, 0, 0, 0, 0, 0, 0};
-  p.decode.side.agent->notify(p.to_prefill, 1234, static_cast<std::uint32_t>(DisaggKind::pulled), {}, lease);
-  p.prefill.side.agent->notify(p.to_decode, 1234, static_cast<std::uint32_t>(DisaggKind::confirm), {}, lease);
-  p.prefill.side.agent->notify(p.to_decode, 1, static_cast<std::uint32_t>(DisaggKind::lease), {}, {});
+  p.decode.side.agent->notify(p.to_prefill, 1234, static_cast<std::uint32_t>(DisaggKind::pulled),
+                              {}, lease);
+  p.prefill.side.agent->notify(p.to_decode, 1234, static_cast<std::uint32_t>(DisaggKind::confirm),
+                               {}, lease);
+  p.prefill.side.agent->notify(p.to_decode, 1, static_cast<std::uint32_t>(DisaggKind::lease), {},
+                               {});
   ASSERT_TRUE(eventually([&] {
     prefill.poll();
     decode.poll();
@@ -263,8 +279,9 @@ TEST(Disagg, OfferRejectsBadInput) {
   auto t = tokens(32);
   auto blocks = p.prefill.prefill(t);
   EXPECT_THROW(prefill.offer(1, 0, blocks, t, {}), InvalidArgument);
-  EXPECT_THROW(prefill.offer(1, 0, std::vector<BlockId>{blocks[0]}, t, std::vector<PeerId>{p.to_decode}),
-               InvalidArgument);
+  EXPECT_THROW(
+      prefill.offer(1, 0, std::vector<BlockId>{blocks[0]}, t, std::vector<PeerId>{p.to_decode}),
+      InvalidArgument);
   EXPECT_THROW(prefill.offer(1, 0, blocks, t, std::vector<PeerId>{999}), InvalidArgument);
   prefill.offer(1, 0, blocks, t, std::vector<PeerId>{p.to_decode});
   EXPECT_THROW(prefill.offer(1, 0, blocks, t, std::vector<PeerId>{p.to_decode}), InvalidArgument);
@@ -289,14 +306,16 @@ TEST(Disagg, TensorParallelTwoToOneThroughNodes) {
   n1.offer(77, 3, p1.prefill(t), t, std::vector<PeerId>{d1});
   std::vector<DecodeResult> results;
   ASSERT_TRUE(eventually([&] {
-    for (auto& r : decode.poll()) results.push_back(std::move(r));
+    for (auto& r : decode.poll())
+      results.push_back(std::move(r));
     n0.poll();
     n1.poll();
     return !results.empty() && n0.held_blocks() == 0 && n1.held_blocks() == 0;
   }));
   ASSERT_TRUE(results[0].ok) << results[0].why;
   EXPECT_EQ(results[0].group, 3u);
-  EXPECT_TRUE(verify_kv_content(d.side.cache, d.side.layout(), results[0].blocks, t, d.side.stream).ok());
+  EXPECT_TRUE(
+      verify_kv_content(d.side.cache, d.side.layout(), results[0].blocks, t, d.side.stream).ok());
   EXPECT_EQ(decode.counters().transfers, 2u);
   d.prefix.release_blocks(results[0].blocks);
 }

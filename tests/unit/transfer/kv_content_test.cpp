@@ -273,7 +273,7 @@ TEST(KvContentFunctionTest, Llama3_8bBatchAndATailPastACachedPrefix) {
   EXPECT_TRUE(verify_kv_content(cache, layout, tail, tokens, stream, 61).ok());
   // The tail's bytes depend on its positions: the blocks before differ.
   EXPECT_FALSE(verify_kv_content(cache, layout, std::vector<BlockId>{64},
-                                std::span<const TokenId>(tokens).first(61 * 16), stream, 60)
+                                 std::span<const TokenId>(tokens).first(61 * 16), stream, 60)
                    .ok());
   std::vector<BlockId> whole(blocks.begin(), blocks.begin() + 61);
   whole.insert(whole.end(), tail.begin(), tail.end());

@@ -35,7 +35,8 @@ constexpr CommandInfo kCommands[] = {
      &make_bench_command},
     {"replay", "Replay a Mooncake request trace over the prefix cache: hit rate, evictions",
      &make_replay_command},
-    {"disagg", "Move KV blocks between prefill and decode processes over UCX: throughput, leases, kills",
+    {"disagg",
+     "Move KV blocks between prefill and decode processes over UCX: throughput, leases, kills",
      &make_disagg_command},
 };
 

@@ -59,7 +59,7 @@ struct Request {
   std::vector<TokenId> tokens;
   std::size_t blocks = 0;
   std::optional<std::uint32_t> prefill;  // instance
-  std::uint32_t decode = 0;               // instance, or the prefill instance for a local recompute
+  std::uint32_t decode = 0;              // instance, or the prefill instance for a local recompute
   bool local_on_prefill = false;
   std::set<std::uint32_t> ranks_done;  // ranks of the instance that reported
   bool done = false;
@@ -83,23 +83,29 @@ class DisaggCommand final : public Command {
     app.add_option("--trace", trace_, "Mooncake trace (JSON lines) to replay")->type_name("FILE");
     app.add_option("--prefill", prefill_, "Prefill instances (default 1)")->type_name("N");
     app.add_option("--decode", decode_, "Decode instances (default 1)")->type_name("M");
-    app.add_option("--tp-prefill", tp_prefill_, "Tensor-parallel ranks per prefill instance (default 1)")
+    app.add_option("--tp-prefill", tp_prefill_,
+                   "Tensor-parallel ranks per prefill instance (default 1)")
         ->type_name("P");
-    app.add_option("--tp-decode", tp_decode_, "Tensor-parallel ranks per decode instance (default 1)")
+    app.add_option("--tp-decode", tp_decode_,
+                   "Tensor-parallel ranks per decode instance (default 1)")
         ->type_name("D");
-    app.add_option("--capacity-blocks", capacity_, "KV blocks of each worker's cache")->type_name("B");
+    app.add_option("--capacity-blocks", capacity_, "KV blocks of each worker's cache")
+        ->type_name("B");
     app.add_option("--requests", max_requests_, "Replay at most this many requests of the trace")
         ->type_name("N");
-    app.add_option("--kill", kill_role_, "Kill one process of this role with SIGKILL: prefill or decode")
+    app.add_option("--kill", kill_role_,
+                   "Kill one process of this role with SIGKILL: prefill or decode")
         ->type_name("ROLE");
     app.add_option("--after", kill_after_, "... after this many completed transfers (with --kill)")
         ->type_name("N");
     app.add_option("--peer-timeout-ms", peer_timeout_ms_,
                    "A peer silent this long is lost (default 1500; the loss bound)")
         ->type_name("MS");
-    app.add_option("--lease-ttl-ms", lease_ttl_ms_, "Prefill leases expire after this (default 10000)")
+    app.add_option("--lease-ttl-ms", lease_ttl_ms_,
+                   "Prefill leases expire after this (default 10000)")
         ->type_name("MS");
-    app.add_option("--timeout-s", timeout_s_, "Give up (and stop every process) after this (default 600)")
+    app.add_option("--timeout-s", timeout_s_,
+                   "Give up (and stop every process) after this (default 600)")
         ->type_name("S");
     app.add_option("--bind", bind_, "Local address the workers listen on (default 127.0.0.1)")
         ->type_name("HOST");
@@ -140,12 +146,14 @@ class DisaggCommand final : public Command {
     }
     {
       in6_addr probe{};
-      if (::inet_pton(AF_INET, bind_.c_str(), &probe) != 1 && ::inet_pton(AF_INET6, bind_.c_str(), &probe) != 1) {
+      if (::inet_pton(AF_INET, bind_.c_str(), &probe) != 1 &&
+          ::inet_pton(AF_INET6, bind_.c_str(), &probe) != 1) {
         throw InvalidArgument(fmt::format("--bind: '{}' is not an IPv4 or IPv6 address", bind_));
       }
     }
     if (!kill_role_.empty() && kill_role_ != "prefill" && kill_role_ != "decode") {
-      throw InvalidArgument(fmt::format("--kill: expected prefill or decode, got '{}'", kill_role_));
+      throw InvalidArgument(
+          fmt::format("--kill: expected prefill or decode, got '{}'", kill_role_));
     }
     if (kill_role_.empty() && kill_after_) throw InvalidArgument("--after needs --kill");
     if (peer_timeout_ms_ <= 0 || lease_ttl_ms_ <= 0 || timeout_s_ <= 0) {
@@ -160,18 +168,22 @@ class DisaggCommand final : public Command {
       }
     }
     if (tp_prefill_ != tp_decode_ && config_.layout != KvCacheLayout::layer_major) {
-      throw InvalidArgument("different --tp-prefill and --tp-decode need --layout layer-major (head slicing)");
+      throw InvalidArgument(
+          "different --tp-prefill and --tp-decode need --layout layer-major (head slicing)");
     }
-    const double bytes = static_cast<double>(config_.bytes_per_block()) * static_cast<double>(capacity_);
+    const double bytes =
+        static_cast<double>(config_.bytes_per_block()) * static_cast<double>(capacity_);
     if (bytes > 64.0 * (1u << 30)) {
-      throw InvalidArgument(fmt::format("--capacity-blocks: {} blocks of {} bytes is over 64 GiB per process",
-                                        capacity_, config_.bytes_per_block()));
+      throw InvalidArgument(
+          fmt::format("--capacity-blocks: {} blocks of {} bytes is over 64 GiB per process",
+                      capacity_, config_.bytes_per_block()));
     }
   }
 
   void load_trace() {
     const auto trace = sim::read_mooncake_trace(trace_);
-    const std::size_t count = max_requests_ ? std::min<std::size_t>(*max_requests_, trace.size()) : trace.size();
+    const std::size_t count =
+        max_requests_ ? std::min<std::size_t>(*max_requests_, trace.size()) : trace.size();
     for (std::size_t i = 0; i < count; ++i) {
       Request r;
       r.index = i;
@@ -184,8 +196,8 @@ class DisaggCommand final : public Command {
       requests_.push_back(std::move(r));
     }
     if (requests_.empty()) {
-      throw InvalidArgument(fmt::format("--trace: no request fits --capacity-blocks {} ({} skipped)", capacity_,
-                                        skipped_));
+      throw InvalidArgument(fmt::format(
+          "--trace: no request fits --capacity-blocks {} ({} skipped)", capacity_, skipped_));
     }
   }
 
@@ -237,8 +249,9 @@ class DisaggCommand final : public Command {
           w.role = role;
           w.instance = i;
           w.rank = r;
-          w.child = group.spawn(fmt::format("{}{}.{}", role, i, r),
-                                {"/proc/self/exe", "disagg", "--worker", spec(role, i, r).to_json().dump()});
+          w.child = group.spawn(
+              fmt::format("{}{}.{}", role, i, r),
+              {"/proc/self/exe", "disagg", "--worker", spec(role, i, r).to_json().dump()});
           workers_.push_back(w);
         }
       }
@@ -249,10 +262,12 @@ class DisaggCommand final : public Command {
 
     // Phase 1: every worker ready; then the prefill ranks connect.
     if (!wait_for(group, signals, deadline, [&] {
-          return std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.ready; });
+          return std::all_of(workers_.begin(), workers_.end(),
+                             [](const Worker& w) { return w.ready; });
         })) {
       if (listen_failed_) {
-        throw InvalidArgument(fmt::format("--bind {}: the workers cannot listen there: {}", bind_, failure_));
+        throw InvalidArgument(
+            fmt::format("--bind {}: the workers cannot listen there: {}", bind_, failure_));
       }
       return fail(err, failure_.empty() ? "the workers did not start" : failure_);
     }
@@ -274,7 +289,8 @@ class DisaggCommand final : public Command {
       return fail(err, "the prefill workers did not connect");
     }
     // Phase 2: the raw baseline, before any request (the pools are idle).
-    send(group, find("decode", 0, 0), {{"op", "baseline"}, {"bytes", baseline_bytes_}, {"repeat", 5}});
+    send(group, find("decode", 0, 0),
+         {{"op", "baseline"}, {"bytes", baseline_bytes_}, {"repeat", 5}});
     if (!wait_for(group, signals, deadline, [&] { return baseline_done_; })) {
       return fail(err, "the baseline transfer did not finish");
     }
@@ -284,24 +300,29 @@ class DisaggCommand final : public Command {
     std::size_t next = 0;
     while (true) {
       std::size_t in_flight = 0;
-      for (const Request& r : requests_) in_flight += r.sent && !r.done;
+      for (const Request& r : requests_)
+        in_flight += r.sent && !r.done;
       while (next < requests_.size() && in_flight < window) {
         dispatch(group, requests_[next++]);
         ++in_flight;
       }
       if (next == requests_.size() && in_flight == 0) break;
       if (signals.requested()) return fail(err, "interrupted");
-      if (Clock::now() > deadline) return fail(err, fmt::format("not done within --timeout-s {}", timeout_s_));
+      if (Clock::now() > deadline)
+        return fail(err, fmt::format("not done within --timeout-s {}", timeout_s_));
       if (!alive_any("decode") && !alive_any("prefill")) return fail(err, "every worker died");
       pump(group, std::chrono::milliseconds(20));
       maybe_kill(group);
     }
     // Phase 4: drain and collect each survivor's stats.
-    for (const Worker& w : workers_) send(group, w, {{"op", "finish"}});
-    const auto finish_deadline = Clock::now() + std::chrono::milliseconds(lease_ttl_ms_ + 4 * peer_timeout_ms_) +
+    for (const Worker& w : workers_)
+      send(group, w, {{"op", "finish"}});
+    const auto finish_deadline = Clock::now() +
+                                 std::chrono::milliseconds(lease_ttl_ms_ + 4 * peer_timeout_ms_) +
                                  std::chrono::seconds(10);
     wait_for(group, signals, std::min(deadline, finish_deadline) + std::chrono::seconds(5), [&] {
-      return std::all_of(workers_.begin(), workers_.end(), [](const Worker& w) { return !w.alive || w.stats; });
+      return std::all_of(workers_.begin(), workers_.end(),
+                         [](const Worker& w) { return !w.alive || w.stats; });
     });
     wall_seconds_ = std::chrono::duration<double>(Clock::now() - started_).count();
     return 0;
@@ -315,7 +336,8 @@ class DisaggCommand final : public Command {
   }
 
   template <typename Pred>
-  bool wait_for(ProcessGroup& group, TerminationSignals& signals, Clock::time_point deadline, Pred pred) {
+  bool wait_for(ProcessGroup& group, TerminationSignals& signals, Clock::time_point deadline,
+                Pred pred) {
     while (!pred()) {
       if (signals.requested() || Clock::now() > deadline) return false;
       pump(group, std::chrono::milliseconds(20));
@@ -357,7 +379,8 @@ class DisaggCommand final : public Command {
     return std::nullopt;
   }
 
-  void send_to_instance(ProcessGroup& group, const std::string& role, std::uint32_t instance, const json& j) {
+  void send_to_instance(ProcessGroup& group, const std::string& role, std::uint32_t instance,
+                        const json& j) {
     for (const Worker& w : workers_) {
       if (w.role == role && w.instance == instance) send(group, w, j);
     }
@@ -375,17 +398,20 @@ class DisaggCommand final : public Command {
     if (decode && prefill) {
       r.prefill = *prefill;
       r.decode = *decode;
-      send_to_instance(group, "prefill", *prefill,
-                       {{"op", "prefill"}, {"req", r.index}, {"decode", *decode}, {"tokens", r.tokens}});
+      send_to_instance(
+          group, "prefill", *prefill,
+          {{"op", "prefill"}, {"req", r.index}, {"decode", *decode}, {"tokens", r.tokens}});
     } else if (decode) {
       r.decode = *decode;
       ++recomputed_;
-      send_to_instance(group, "decode", *decode, {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
+      send_to_instance(group, "decode", *decode,
+                       {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
     } else if (auto local = pick("prefill", prefill_cursor_)) {
       r.decode = *local;
       r.local_on_prefill = true;
       ++recomputed_;
-      send_to_instance(group, "prefill", *local, {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
+      send_to_instance(group, "prefill", *local,
+                       {{"op", "recompute"}, {"req", r.index}, {"tokens", r.tokens}});
     } else {
       r.sent = false;  // nobody left: the loop stops on "every worker died"
     }
@@ -425,17 +451,20 @@ class DisaggCommand final : public Command {
     if (w.stats) return;  // finished normally
     if (!w.killed) {
       ++unexpected_exits_;
-      failure_notes_.push_back(fmt::format("{}{}.{} exited unexpectedly (code {}, signal {})", w.role, w.instance,
-                                           w.rank, e.exit_code, e.signal));
+      failure_notes_.push_back(fmt::format("{}{}.{} exited unexpectedly (code {}, signal {})",
+                                           w.role, w.instance, w.rank, e.exit_code, e.signal));
       // Before the replay a missing worker ends the run at once.
       if (!dispatching_ && failure_.empty()) failure_ = failure_notes_.back();
     }
     // Requests waiting on the dead instance go elsewhere.
     for (Request& r : requests_) {
       if (!r.sent || r.done) continue;
-      const bool via_dead_prefill = w.role == "prefill" && r.prefill == w.instance && !r.local_on_prefill;
-      const bool on_dead_decode = w.role == "decode" && r.decode == w.instance && !r.local_on_prefill;
-      const bool local_on_dead = w.role == "prefill" && r.local_on_prefill && r.decode == w.instance;
+      const bool via_dead_prefill =
+          w.role == "prefill" && r.prefill == w.instance && !r.local_on_prefill;
+      const bool on_dead_decode =
+          w.role == "decode" && r.decode == w.instance && !r.local_on_prefill;
+      const bool local_on_dead =
+          w.role == "prefill" && r.local_on_prefill && r.decode == w.instance;
       if (on_dead_decode || local_on_dead) {
         dispatch_recompute(group, r);
       } else if (via_dead_prefill) {
@@ -486,23 +515,27 @@ class DisaggCommand final : public Command {
       w.connected = true;
     } else if (event == "baseline") {
       baseline_done_ = true;
-      for (const auto& s : j.at("seconds")) baseline_seconds_.push_back(s.get<double>());
+      for (const auto& s : j.at("seconds"))
+        baseline_seconds_.push_back(s.get<double>());
       baseline_why_ = j.value("why", "");
     } else if (event == "fatal") {
       // A worker that cannot start or follow the protocol ends the run.
-      failure_notes_.push_back(fmt::format("{}{}.{}: {}", w.role, w.instance, w.rank, j.value("why", "")));
+      failure_notes_.push_back(
+          fmt::format("{}{}.{}: {}", w.role, w.instance, w.rank, j.value("why", "")));
       if (failure_.empty()) failure_ = failure_notes_.back();
       listen_failed_ = listen_failed_ || (!w.ready && j.value("listen", false));
     } else if (event == "peer_lost") {
       // The detection time of the process killed on purpose; other losses
       // (an instance's other ranks, workers leaving at the end) are not it.
       if (kill_time_ && j.value("peer", "") == victim_name_) {
-        const double ms = std::chrono::duration<double, std::milli>(Clock::now() - *kill_time_).count();
+        const double ms =
+            std::chrono::duration<double, std::milli>(Clock::now() - *kill_time_).count();
         loss_detect_ms_ = std::max(loss_detect_ms_, ms);
         ++loss_reports_;
       }
     } else if (event == "prefill_failed") {
-      if (Request* r = request(j.at("req").get<std::uint64_t>()); r && !r->done && r->prefill == w.instance) {
+      if (Request* r = request(j.at("req").get<std::uint64_t>());
+          r && !r->done && r->prefill == w.instance) {
         // Only once per request: the first rank that could not lease it.
         r->prefill.reset();
         dispatch_recompute(group, *r);
@@ -578,24 +611,30 @@ class DisaggCommand final : public Command {
     if (completed_ != requests_.size()) return false;
     for (const Worker& w : workers_) {
       if (w.killed) continue;
-      if (!w.stats || (*w.stats).value("leaked_blocks", 1) != 0 || !(*w.stats).value("invariants_ok", false)) {
+      if (!w.stats || (*w.stats).value("leaked_blocks", 1) != 0 ||
+          !(*w.stats).value("invariants_ok", false)) {
         return false;
       }
     }
-    return !kill_time_ || (loss_reports_ > 0 && loss_detect_ms_ <= static_cast<double>(peer_timeout_ms_) + 500);
+    return !kill_time_ ||
+           (loss_reports_ > 0 && loss_detect_ms_ <= static_cast<double>(peer_timeout_ms_) + 500);
   }
 
   json report_json(int code) const {
-    const double gbps = transfer_seconds_ > 0 ? static_cast<double>(bytes_) / transfer_seconds_ / 1e9 : 0;
-    const double bulk_gbps = bulk_seconds_ > 0 ? static_cast<double>(bulk_bytes_) / bulk_seconds_ / 1e9 : 0;
+    const double gbps =
+        transfer_seconds_ > 0 ? static_cast<double>(bytes_) / transfer_seconds_ / 1e9 : 0;
+    const double bulk_gbps =
+        bulk_seconds_ > 0 ? static_cast<double>(bulk_bytes_) / bulk_seconds_ / 1e9 : 0;
     const double idle_s = baseline_seconds_.empty() ? 0 : percentile(baseline_seconds_, 0.5);
     const double idle_gbps = idle_s > 0 ? static_cast<double>(baseline_bytes_) / idle_s / 1e9 : 0;
-    const double raw_gbps = raw_seconds_ > 0 ? static_cast<double>(raw_bytes_) / raw_seconds_ / 1e9 : 0;
+    const double raw_gbps =
+        raw_seconds_ > 0 ? static_cast<double>(raw_bytes_) / raw_seconds_ / 1e9 : 0;
     const double paired_gbps =
         paired_seconds_ > 0 ? static_cast<double>(paired_bytes_) / paired_seconds_ / 1e9 : 0;
     json leaks = json::array();
     for (const Worker& w : workers_) {
-      json entry{{"role", w.role}, {"instance", w.instance}, {"rank", w.rank}, {"killed", w.killed}};
+      json entry{
+          {"role", w.role}, {"instance", w.instance}, {"rank", w.rank}, {"killed", w.killed}};
       if (w.stats) {
         entry["leaked_blocks"] = (*w.stats).value("leaked_blocks", -1);
         entry["invariants_ok"] = (*w.stats).value("invariants_ok", false);
@@ -605,48 +644,50 @@ class DisaggCommand final : public Command {
       }
       leaks.push_back(entry);
     }
-    json j{{"model", model_},
-           {"trace", trace_},
-           {"prefill_instances", prefill_},
-           {"decode_instances", decode_},
-           {"tp_prefill", tp_prefill_},
-           {"tp_decode", tp_decode_},
-           {"capacity_blocks", capacity_},
-           {"block_bytes", config_.bytes_per_block()},
-           {"transport", transport_},
-           {"memory_path", memory_path_},
-           {"requests", requests_.size()},
-           {"requests_completed", completed_},
-           {"requests_failed", failed_requests_},
-           {"requests_skipped_too_large", skipped_},
-           {"requests_recomputed", recomputed_},
-           {"rank_recomputes", rank_recomputes_},
-           {"transfers", transfers_},
-           {"blocks_transferred", blocks_},
-           {"bytes_transferred", bytes_},
-           {"transfer_gbps", gbps},
-           {"bulk_transfer_gbps", bulk_gbps},
-           {"transfer_latency_ms", {{"p50", percentile(latencies_, 0.5) * 1e3},
-                                    {"p99", percentile(latencies_, 0.99) * 1e3}}},
-           {"request_latency_ms", {{"p50", percentile(e2e_latencies_, 0.5) * 1e3},
-                                   {"p99", percentile(e2e_latencies_, 0.99) * 1e3}}},
-           {"raw_ucx",
-            {{"gbps", raw_gbps},
-             {"samples", raw_samples_},
-             {"bytes", raw_bytes_},
-             {"paired_transfer_gbps", paired_gbps},
-             {"idle_gbps", idle_gbps},
-             {"idle_bytes", baseline_bytes_},
-             {"why", baseline_why_}}},
-           {"ratio_vs_raw", raw_gbps > 0 ? paired_gbps / raw_gbps : 0},
-           {"ratio_vs_idle_raw", idle_gbps > 0 ? bulk_gbps / idle_gbps : 0},
-           {"verification_failures", verification_failures_},
-           {"leases", lease_ends_},
-           {"processes_started", processes_started_},
-           {"unexpected_exits", unexpected_exits_},
-           {"workers", leaks},
-           {"wall_seconds", wall_seconds_},
-           {"ok", code == 0 && checks_pass()}};
+    json j{
+        {"model", model_},
+        {"trace", trace_},
+        {"prefill_instances", prefill_},
+        {"decode_instances", decode_},
+        {"tp_prefill", tp_prefill_},
+        {"tp_decode", tp_decode_},
+        {"capacity_blocks", capacity_},
+        {"block_bytes", config_.bytes_per_block()},
+        {"transport", transport_},
+        {"memory_path", memory_path_},
+        {"requests", requests_.size()},
+        {"requests_completed", completed_},
+        {"requests_failed", failed_requests_},
+        {"requests_skipped_too_large", skipped_},
+        {"requests_recomputed", recomputed_},
+        {"rank_recomputes", rank_recomputes_},
+        {"transfers", transfers_},
+        {"blocks_transferred", blocks_},
+        {"bytes_transferred", bytes_},
+        {"transfer_gbps", gbps},
+        {"bulk_transfer_gbps", bulk_gbps},
+        {"transfer_latency_ms",
+         {{"p50", percentile(latencies_, 0.5) * 1e3}, {"p99", percentile(latencies_, 0.99) * 1e3}}},
+        {"request_latency_ms",
+         {{"p50", percentile(e2e_latencies_, 0.5) * 1e3},
+          {"p99", percentile(e2e_latencies_, 0.99) * 1e3}}},
+        {"raw_ucx",
+         {{"gbps", raw_gbps},
+          {"samples", raw_samples_},
+          {"bytes", raw_bytes_},
+          {"paired_transfer_gbps", paired_gbps},
+          {"idle_gbps", idle_gbps},
+          {"idle_bytes", baseline_bytes_},
+          {"why", baseline_why_}}},
+        {"ratio_vs_raw", raw_gbps > 0 ? paired_gbps / raw_gbps : 0},
+        {"ratio_vs_idle_raw", idle_gbps > 0 ? bulk_gbps / idle_gbps : 0},
+        {"verification_failures", verification_failures_},
+        {"leases", lease_ends_},
+        {"processes_started", processes_started_},
+        {"unexpected_exits", unexpected_exits_},
+        {"workers", leaks},
+        {"wall_seconds", wall_seconds_},
+        {"ok", code == 0 && checks_pass()}};
     std::uint64_t leaked = 0;
     for (const Worker& w : workers_) {
       if (w.stats) leaked += (*w.stats).value("leaked_blocks", std::uint64_t{0});
@@ -670,35 +711,43 @@ class DisaggCommand final : public Command {
       out << j.dump(2) << '\n';
       return;
     }
-    out << fmt::format("kvport disagg: {} prefill x TP{} -> {} decode x TP{}, {} ({} bytes/block), {}\n",
-                       prefill_, tp_prefill_, decode_, tp_decode_, model_, config_.bytes_per_block(), transport_);
+    out << fmt::format(
+        "kvport disagg: {} prefill x TP{} -> {} decode x TP{}, {} ({} bytes/block), {}\n", prefill_,
+        tp_prefill_, decode_, tp_decode_, model_, config_.bytes_per_block(), transport_);
     TextTable t({"", "value"});
-    t.add_row({"requests (completed / replayed)", fmt::format("{} / {}", completed_, requests_.size())});
+    t.add_row(
+        {"requests (completed / replayed)", fmt::format("{} / {}", completed_, requests_.size())});
     t.add_row({"skipped (larger than capacity)", std::to_string(skipped_)});
     t.add_row({"recomputed (no transfer)", std::to_string(recomputed_)});
     t.add_row({"transfers / blocks", fmt::format("{} / {}", transfers_, blocks_)});
-    t.add_row({"bytes transferred", fmt::format("{:.1f} MiB", static_cast<double>(bytes_) / (1 << 20))});
+    t.add_row(
+        {"bytes transferred", fmt::format("{:.1f} MiB", static_cast<double>(bytes_) / (1 << 20))});
     t.add_row({"transfer GB/s (all / >= 16 blocks)",
-           fmt::format("{:.2f} / {:.2f}", j["transfer_gbps"].get<double>(), j["bulk_transfer_gbps"].get<double>())});
+               fmt::format("{:.2f} / {:.2f}", j["transfer_gbps"].get<double>(),
+                           j["bulk_transfer_gbps"].get<double>())});
     t.add_row({"raw UCX GB/s, one contiguous read (n)",
                fmt::format("{:.2f} ({})", j["raw_ucx"]["gbps"].get<double>(), raw_samples_)});
-    t.add_row({"ratio (same pulls / raw, same moments)", fmt::format("{:.2f}", j["ratio_vs_raw"].get<double>())});
+    t.add_row({"ratio (same pulls / raw, same moments)",
+               fmt::format("{:.2f}", j["ratio_vs_raw"].get<double>())});
     t.add_row({"raw UCX GB/s before the replay (idle)",
                fmt::format("{:.2f} ({:.1f} MiB)", j["raw_ucx"]["idle_gbps"].get<double>(),
                            static_cast<double>(baseline_bytes_) / (1 << 20))});
     t.add_row({"transfer latency p50 / p99",
-           fmt::format("{:.2f} / {:.2f} ms", j["transfer_latency_ms"]["p50"].get<double>(),
-                       j["transfer_latency_ms"]["p99"].get<double>())});
+               fmt::format("{:.2f} / {:.2f} ms", j["transfer_latency_ms"]["p50"].get<double>(),
+                           j["transfer_latency_ms"]["p99"].get<double>())});
     t.add_row({"verification failures", std::to_string(verification_failures_)});
-    t.add_row({"leaked blocks (all workers)", std::to_string(j["leaked_blocks"].get<std::uint64_t>())});
+    t.add_row(
+        {"leaked blocks (all workers)", std::to_string(j["leaked_blocks"].get<std::uint64_t>())});
     if (kill_time_) {
-      t.add_row({"killed", fmt::format("{}0.0 after {} transfers", kill_role_, kill_at_transfers_)});
+      t.add_row(
+          {"killed", fmt::format("{}0.0 after {} transfers", kill_role_, kill_at_transfers_)});
       t.add_row({"loss detected (max over survivors)",
-             fmt::format("{:.0f} ms (bound {} ms)", loss_detect_ms_, peer_timeout_ms_)});
+                 fmt::format("{:.0f} ms (bound {} ms)", loss_detect_ms_, peer_timeout_ms_)});
     }
     t.add_row({"wall time", fmt::format("{:.1f} s", wall_seconds_)});
     t.print(out);
-    for (const std::string& note : failure_notes_) out << "note: " << note << '\n';
+    for (const std::string& note : failure_notes_)
+      out << "note: " << note << '\n';
     if (!failure_.empty()) out << "FAILED: " << failure_ << '\n';
     out << (j["ok"].get<bool>() ? "Result OK\n" : "Result FAILED\n");
   }
@@ -751,6 +800,8 @@ class DisaggCommand final : public Command {
 
 }  // namespace
 
-std::unique_ptr<Command> make_disagg_command() { return std::make_unique<DisaggCommand>(); }
+std::unique_ptr<Command> make_disagg_command() {
+  return std::make_unique<DisaggCommand>();
+}
 
 }  // namespace kvport::cli

@@ -33,7 +33,8 @@ using Clock = std::chrono::steady_clock;
 
 json WorkerSpec::to_json() const {
   json dtypes = json::array();
-  for (KvCacheDtype d : config.layer_dtypes) dtypes.push_back(std::string(kvport::to_string(d)));
+  for (KvCacheDtype d : config.layer_dtypes)
+    dtypes.push_back(std::string(kvport::to_string(d)));
   return json{{"role", role},
               {"instance", instance},
               {"rank", rank},
@@ -57,7 +58,8 @@ WorkerSpec WorkerSpec::from_json(const json& j) {
   try {
     WorkerSpec s;
     s.role = j.at("role").get<std::string>();
-    if (s.role != "prefill" && s.role != "decode") throw InvalidArgument("worker spec: bad role " + s.role);
+    if (s.role != "prefill" && s.role != "decode")
+      throw InvalidArgument("worker spec: bad role " + s.role);
     s.instance = j.at("instance").get<std::uint32_t>();
     s.rank = j.at("rank").get<std::uint32_t>();
     s.tp = j.at("tp").get<std::uint32_t>();
@@ -72,10 +74,12 @@ WorkerSpec WorkerSpec::from_json(const json& j) {
       return *d;
     };
     s.config.dtype = dtype(j.at("dtype").get<std::string>());
-    for (const auto& d : j.at("layer_dtypes")) s.config.layer_dtypes.push_back(dtype(d.get<std::string>()));
+    for (const auto& d : j.at("layer_dtypes"))
+      s.config.layer_dtypes.push_back(dtype(d.get<std::string>()));
     const std::string layout = j.at("layout").get<std::string>();
-    s.config.layout = layout == kvport::to_string(KvCacheLayout::block_major) ? KvCacheLayout::block_major
-                                                                              : KvCacheLayout::layer_major;
+    s.config.layout = layout == kvport::to_string(KvCacheLayout::block_major)
+                          ? KvCacheLayout::block_major
+                          : KvCacheLayout::layer_major;
     s.capacity_blocks = j.at("capacity_blocks").get<std::size_t>();
     s.peer_timeout = std::chrono::milliseconds(j.at("peer_timeout_ms").get<std::int64_t>());
     s.lease_ttl = std::chrono::milliseconds(j.at("lease_ttl_ms").get<std::int64_t>());
@@ -155,7 +159,7 @@ class Worker {
     std::string address;
     try {
       address = agent_->listen(spec_.bind.find(':') != std::string::npos ? "[" + spec_.bind + "]:0"
-                                                                          : spec_.bind + ":0");
+                                                                         : spec_.bind + ":0");
     } catch (const Error& e) {
       emit({{"event", "fatal"}, {"why", e.what()}, {"listen", true}});
       return 2;
@@ -168,8 +172,8 @@ class Worker {
     while (true) {
       const bool busy = !waiting_.empty() || (decode_ && decode_->pending_requests() > 0) ||
                         (prefill_ && prefill_->active_leases() > 0);
-      for (const std::string& line : input.read(busy ? std::chrono::milliseconds(1)
-                                                     : std::chrono::milliseconds(5))) {
+      for (const std::string& line :
+           input.read(busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5))) {
         handle(line);
       }
       if (input.eof()) return 3;  // the coordinator is gone
@@ -198,7 +202,9 @@ class Worker {
 
   void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
 
-  static std::vector<TokenId> tokens_of(const json& j) { return j.at("tokens").get<std::vector<TokenId>>(); }
+  static std::vector<TokenId> tokens_of(const json& j) {
+    return j.at("tokens").get<std::vector<TokenId>>();
+  }
 
   std::size_t blocks_for(std::size_t tokens) const {
     return (tokens + cache_.config().block_size - 1) / cache_.config().block_size;
@@ -214,8 +220,8 @@ class Worker {
       } else if (op == "baseline") {
         baseline(j);
       } else if (op == "prefill") {
-        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(), tokens_of(j),
-                            Clock::now()});
+        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(),
+                            tokens_of(j), Clock::now()});
       } else if (op == "recompute") {
         recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
       } else if (op == "finish") {
@@ -233,7 +239,8 @@ class Worker {
     const auto& instances = j.at("decode");
     for (std::size_t i = 0; i < instances.size(); ++i) {
       for (const auto& address : instances[i]) {
-        decode_peers_[static_cast<std::uint32_t>(i)].push_back(agent_->connect(address.get<std::string>()));
+        decode_peers_[static_cast<std::uint32_t>(i)].push_back(
+            agent_->connect(address.get<std::string>()));
       }
     }
     emit({{"event", "connected"}});
@@ -247,7 +254,8 @@ class Worker {
     if (auto p = scratch_peer()) {
       why.clear();
       try {
-        for (int i = 0; i < repeat; ++i) seconds.push_back(agent_->read_scratch(*p, bytes));
+        for (int i = 0; i < repeat; ++i)
+          seconds.push_back(agent_->read_scratch(*p, bytes));
       } catch (const Error& e) {
         why = e.what();
         seconds.clear();
@@ -268,8 +276,9 @@ class Worker {
       if (!b) break;
       blocks.push_back(*b);
     }
-    json e{{"event", "done"}, {"req", req},     {"ok", false},  {"recomputed", true}, {"blocks", n},
-           {"bytes", 0},      {"transfer_s", 0}, {"latency_s", 0}, {"wrong_bytes", 0}};
+    json e{{"event", "done"},    {"req", req},     {"ok", false},
+           {"recomputed", true}, {"blocks", n},    {"bytes", 0},
+           {"transfer_s", 0},    {"latency_s", 0}, {"wrong_bytes", 0}};
     if (blocks.size() == n) {
       transfer::write_kv_content(cache_, agent_->layout(), blocks, tokens, stream_);
       cache_full_blocks(blocks, tokens);
@@ -299,7 +308,8 @@ class Worker {
   // Prefill: the request's blocks (cached prefix reused), filled, leased.
   bool try_prefill(const Waiting& w) {
     auto peers = decode_peers_.find(w.decode);
-    if (peers == decode_peers_.end()) throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
+    if (peers == decode_peers_.end())
+      throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
     const std::size_t n = blocks_for(w.tokens.size());
     std::vector<BlockId> blocks = prefix_.lookup(w.tokens).blocks;
     const std::size_t hits = blocks.size();
@@ -311,7 +321,8 @@ class Worker {
       }
       blocks.push_back(*b);
     }
-    std::span<const BlockId> fresh(blocks.begin() + static_cast<std::ptrdiff_t>(hits), blocks.end());
+    std::span<const BlockId> fresh(blocks.begin() + static_cast<std::ptrdiff_t>(hits),
+                                   blocks.end());
     transfer::write_kv_content(cache_, agent_->layout(), fresh, w.tokens, stream_, hits);
     cache_full_blocks(blocks, w.tokens);
     agent_->publish(fresh);
@@ -345,12 +356,15 @@ class Worker {
         waiting_.pop_front();
       }
       for (const auto& l : prefill_->poll()) {
-        emit({{"event", "lease_end"}, {"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
+        emit({{"event", "lease_end"},
+              {"req", l.request_id},
+              {"end", std::string(transfer::to_string(l.end))}});
       }
       report_losses(prefill_->lost_peers());
     }
     if (decode_) {
-      for (auto& r : decode_->poll()) finish_decode(r);
+      for (auto& r : decode_->poll())
+        finish_decode(r);
       report_losses(decode_->lost_peers());
     }
   }
@@ -365,7 +379,8 @@ class Worker {
       recompute(r.request_id, r.tokens);
       return;
     }
-    const auto check = transfer::verify_kv_content(cache_, agent_->layout(), r.blocks, r.tokens, stream_);
+    const auto check =
+        transfer::verify_kv_content(cache_, agent_->layout(), r.blocks, r.tokens, stream_);
     prefix_.release_blocks(r.blocks);
     done_.insert(r.request_id);
     // The raw baseline under the same load: one contiguous read of the same
@@ -440,17 +455,26 @@ class Worker {
            {"peers_lost", a.peers_lost}};
     if (prefill_) {
       const auto& c = prefill_->counters();
-      j["leases"] = {{"active", prefill_->active_leases()}, {"held_blocks", prefill_->held_blocks()},
-                     {"offered", c.leases_offered}, {"pulled", c.leases_pulled},   {"refused", c.leases_refused},
-                     {"expired", c.leases_expired}, {"lost", c.leases_lost},       {"aborted", c.leases_aborted},
+      j["leases"] = {{"active", prefill_->active_leases()},
+                     {"held_blocks", prefill_->held_blocks()},
+                     {"offered", c.leases_offered},
+                     {"pulled", c.leases_pulled},
+                     {"refused", c.leases_refused},
+                     {"expired", c.leases_expired},
+                     {"lost", c.leases_lost},
+                     {"aborted", c.leases_aborted},
                      {"late_notifications", c.late_notifications}};
     }
     if (decode_) {
       const auto& c = decode_->counters();
-      j["decode"] = {{"pending", decode_->pending_requests()}, {"held_blocks", decode_->held_blocks()},
-                     {"completed", c.requests_completed}, {"failed", c.requests_failed},
-                     {"revoked", c.revoked},               {"late_notifications", c.late_notifications},
-                     {"no_room", c.no_room},               {"blocks_registered", c.blocks_registered}};
+      j["decode"] = {{"pending", decode_->pending_requests()},
+                     {"held_blocks", decode_->held_blocks()},
+                     {"completed", c.requests_completed},
+                     {"failed", c.requests_failed},
+                     {"revoked", c.revoked},
+                     {"late_notifications", c.late_notifications},
+                     {"no_room", c.no_room},
+                     {"blocks_registered", c.blocks_registered}};
     }
     emit(j);
   }

@@ -40,7 +40,9 @@ enum class TransferState : std::uint8_t {
   failed,     ///< the transport reported an error (the message is in `why`)
 };
 std::string_view to_string(TransferState state) noexcept;
-constexpr bool is_final(TransferState s) noexcept { return s != TransferState::pending; }
+constexpr bool is_final(TransferState s) noexcept {
+  return s != TransferState::pending;
+}
 
 /// How the cache's memory reaches the transport.
 enum class MemoryPath : std::uint8_t {

@@ -27,7 +27,8 @@ namespace kvport::transfer {
 
 /// Notification kinds the protocol uses (Notification::kind).
 enum class DisaggKind : std::uint32_t {
-  lease = 1,    ///< prefill -> decode: blocks held for a request (payload: lease id, group, ttl, tokens)
+  lease =
+      1,  ///< prefill -> decode: blocks held for a request (payload: lease id, group, ttl, tokens)
   pulled = 2,   ///< decode -> prefill: the pull of this lease completed
   confirm = 3,  ///< prefill -> decode: the lease was valid when pulled; blocks released
   revoked = 4,  ///< prefill -> decode: unknown lease (expired, aborted): discard what you pulled

@@ -24,12 +24,11 @@ namespace kvport::transfer {
 /// function of (token id, layer, kv, global head, position, j): the same on
 /// every rank and every TP size, so a TP-2 rank's half of a block equals the
 /// matching half of the TP-1 block. Copies through host staging on `stream`
-/// and waits for them: one pinned buffer of blocks.size() x bytes_per_block
-/// and one batched host-to-device copy per call. Throws InvalidArgument (before
-/// any copy) when blocks.size() * block_size < tokens.size(), an id is out of
-/// range or listed twice, or `layout` does not describe `cache`
-/// (pool_layout(cache, layout.tp_rank, layout.tp_size) != layout). An empty
-/// `blocks` does nothing.
+/// and waits for them: one pinned buffer and one batched host-to-device copy
+/// per chunk of up to 64 MiB of whole blocks (one chunk for short lists). Throws InvalidArgument
+/// (before any copy) when blocks.size() * block_size < tokens.size(), an id is out of range or
+/// listed twice, or `layout` does not describe `cache` (pool_layout(cache, layout.tp_rank,
+/// layout.tp_size) != layout). An empty `blocks` does nothing.
 ///
 /// `first_block` > 0 writes the tail of a sequence whose first blocks exist
 /// already (a cached prefix): blocks[i] then holds positions
@@ -50,7 +49,7 @@ struct ContentCheck {
 /// data and scale byte of the heads this rank holds with what
 /// write_kv_content writes for `tokens`. Padding is not checked (head-sliced
 /// transfers do not move it). Same preconditions and staging as
-/// write_kv_content (one batched device-to-host copy); an empty `blocks`
+/// write_kv_content (one batched device-to-host copy per chunk); an empty `blocks`
 /// checks nothing (ok() is false).
 ContentCheck verify_kv_content(PagedKvCache& cache, const PoolLayout& layout,
                                std::span<const BlockId> blocks, std::span<const TokenId> tokens,
