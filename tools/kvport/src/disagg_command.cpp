@@ -105,7 +105,7 @@ class DisaggCommand final : public Command {
                    "Prefill leases expire after this (default 10000)")
         ->type_name("MS");
     app.add_option("--timeout-s", timeout_s_,
-                   "Give up (and stop every process) after this (default 600)")
+                   "Give up (and stop every process) after this (default 3600)")
         ->type_name("S");
     app.add_option("--bind", bind_, "Local address the workers listen on (default 127.0.0.1)")
         ->type_name("HOST");
@@ -513,6 +513,7 @@ class DisaggCommand final : public Command {
       memory_path_ = j.value("memory_path", "");
     } else if (event == "connected") {
       w.connected = true;
+      if (lanes_.empty()) lanes_ = j.value("lanes", "");
     } else if (event == "baseline") {
       baseline_done_ = true;
       for (const auto& s : j.at("seconds"))
@@ -655,6 +656,7 @@ class DisaggCommand final : public Command {
         {"block_bytes", config_.bytes_per_block()},
         {"transport", transport_},
         {"memory_path", memory_path_},
+        {"data_lanes", lanes_},
         {"requests", requests_.size()},
         {"requests_completed", completed_},
         {"requests_failed", failed_requests_},
@@ -693,8 +695,15 @@ class DisaggCommand final : public Command {
       if (w.stats) leaked += (*w.stats).value("leaked_blocks", std::uint64_t{0});
     }
     j["leaked_blocks"] = leaked;
+    if (!kill_role_.empty() && !kill_time_) {
+      j["kill"] = {{"role", kill_role_},
+                   {"performed", false},
+                   {"why", fmt::format("the run had {} transfers, --after asked for {}", transfers_,
+                                       kill_after_.value_or(1))}};
+    }
     if (kill_time_) {
       j["kill"] = {{"role", kill_role_},
+                   {"performed", true},
                    {"after_transfers", kill_at_transfers_},
                    {"loss_reports", loss_reports_},
                    {"loss_detected_ms_max", loss_detect_ms_},
@@ -738,6 +747,10 @@ class DisaggCommand final : public Command {
     t.add_row({"verification failures", std::to_string(verification_failures_)});
     t.add_row(
         {"leaked blocks (all workers)", std::to_string(j["leaked_blocks"].get<std::uint64_t>())});
+    if (!kill_role_.empty() && !kill_time_) {
+      t.add_row({"killed", fmt::format("nobody: {} transfers, --after {}", transfers_,
+                                       kill_after_.value_or(1))});
+    }
     if (kill_time_) {
       t.add_row(
           {"killed", fmt::format("{}0.0 after {} transfers", kill_role_, kill_at_transfers_)});
@@ -759,7 +772,7 @@ class DisaggCommand final : public Command {
   std::optional<std::size_t> max_requests_;
   std::string kill_role_;
   std::optional<std::uint64_t> kill_after_;
-  std::int64_t peer_timeout_ms_ = 1500, lease_ttl_ms_ = 10000, timeout_s_ = 600;
+  std::int64_t peer_timeout_ms_ = 1500, lease_ttl_ms_ = 10000, timeout_s_ = 3600;
   bool json_ = false;
   std::string bind_ = "127.0.0.1";
   std::string worker_spec_;
@@ -774,7 +787,7 @@ class DisaggCommand final : public Command {
   bool baseline_done_ = false;
   std::vector<double> baseline_seconds_;
   std::string baseline_why_;
-  std::string transport_, memory_path_;
+  std::string transport_, memory_path_, lanes_;
   std::uint32_t decode_cursor_ = 0, prefill_cursor_ = 0;
   std::uint64_t transfers_ = 0, blocks_ = 0, bytes_ = 0, bulk_bytes_ = 0;
   double transfer_seconds_ = 0, bulk_seconds_ = 0;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <deque>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <ostream>
 #include <set>
@@ -156,6 +157,14 @@ class Worker {
   }
 
   int run() {
+    // Touch the pools once, as an engine zeroes its KV cache at start: the
+    // first pulls then do not pay the pools' page faults.
+    {
+      std::vector<BlockId> all(cache_.num_blocks());
+      std::iota(all.begin(), all.end(), BlockId{0});
+      cache_.zero_blocks(all, stream_);
+      backend_->synchronize(stream_);
+    }
     std::string address;
     try {
       address = agent_->listen(spec_.bind.find(':') != std::string::npos ? "[" + spec_.bind + "]:0"
@@ -243,7 +252,12 @@ class Worker {
             agent_->connect(address.get<std::string>()));
       }
     }
-    emit({{"event", "connected"}});
+    // What UCX chose for the data of the first connection (its lanes).
+    std::string lanes;
+    if (!decode_peers_.empty() && !decode_peers_.begin()->second.empty()) {
+      lanes = agent_->peer_transport(decode_peers_.begin()->second.front());
+    }
+    emit({{"event", "connected"}, {"lanes", lanes}});
   }
 
   void baseline(const json& j) {
