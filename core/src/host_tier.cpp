@@ -627,6 +627,9 @@ std::size_t HostTier::num_held_device_blocks() const noexcept {
 std::size_t HostTier::slot_bytes() const noexcept {
   return state_->slot_bytes;
 }
+std::span<std::byte> HostTier::slot_memory() const noexcept {
+  return {state_->memory, state_->slots.size() * state_->slot_bytes};
+}
 const HostTierOptions& HostTier::options() const noexcept {
   return state_->options;
 }

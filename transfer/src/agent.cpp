@@ -315,7 +315,22 @@ struct Agent::State {
           {scratch_base, options.scratch_bytes,
            transport->register_memory(scratch_base, options.scratch_bytes, MemoryKind::host)});
     }
+    for (std::span<std::byte> r : options.host_regions) {
+      if (r.empty()) throw InvalidArgument("Agent: an empty host region");
+      const auto base = reinterpret_cast<std::uint64_t>(r.data());
+      regions.push_back(
+          {base, r.size(), transport->register_memory(base, r.size(), MemoryKind::host)});
+    }
     address = transport->local_address();
+  }
+
+  // Whether [addr, addr + bytes) lies in memory we registered (host memory
+  // only: with staging the device pools are not the transport's).
+  bool local_registered(std::uint64_t addr, std::uint64_t bytes) const {
+    for (const Region& r : regions) {
+      if (addr >= r.base && bytes <= r.bytes && addr - r.base <= r.bytes - bytes) return true;
+    }
+    return false;
   }
 
   // ---- messages ----------------------------------------------------------------
@@ -634,7 +649,7 @@ struct Agent::State {
 
   const RemoteRegion& remote_region(const Peer& p, std::uint64_t addr, std::uint64_t bytes) const {
     for (const RemoteRegion& r : p.regions) {
-      if (addr >= r.base && addr - r.base + bytes <= r.bytes) return r;
+      if (addr >= r.base && bytes <= r.bytes && addr - r.base <= r.bytes - bytes) return r;
     }
     throw InvalidArgument(fmt::format("post: peer {} has no registered memory at {:#x} (+{} bytes)",
                                       p.id, addr, bytes));
@@ -943,6 +958,26 @@ TransferId Agent::post(PeerId peer_id, bool read, std::span<const BlockId> local
     }
   }
   return s.start(p, read, std::move(ops), std::move(keys), std::move(stage_in));
+}
+
+TransferId Agent::post_ranges(PeerId peer_id, bool read, std::span<const RangeCopy> ranges) {
+  State& s = *state_;
+  std::lock_guard lock(s.mutex);
+  State::Peer& p = s.connected_peer(peer_id, "post_ranges");
+  std::vector<RmaOp> ops;
+  std::vector<std::uint64_t> keys;
+  ops.reserve(ranges.size());
+  keys.reserve(ranges.size());
+  for (const RangeCopy& r : ranges) {
+    if (r.bytes == 0) throw InvalidArgument("post_ranges: an empty range");
+    if (!s.local_registered(r.local, r.bytes)) {
+      throw InvalidArgument(fmt::format(
+          "post_ranges: local range {:#x} (+{} bytes) is not registered memory", r.local, r.bytes));
+    }
+    keys.push_back(s.remote_region(p, r.remote, r.bytes).key);
+    ops.push_back({r.local, r.remote, r.bytes});
+  }
+  return s.start(p, read, std::move(ops), std::move(keys), {});
 }
 
 TransferState Agent::poll(TransferId id) const {

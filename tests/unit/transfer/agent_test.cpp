@@ -6,12 +6,15 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
 #include <numeric>
 #include <thread>
 
 #include "agent_pair.hpp"
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/transfer/agent.hpp"
 #include "kvport/transfer/kv_content.hpp"
 
@@ -328,6 +331,56 @@ TEST(Agent, ScratchReadMeasuresOneContiguousTransfer) {
   EXPECT_THROW(a.agent->read_scratch(to_b, 0), InvalidArgument);
 }
 
+TEST(Agent, RegisteredHostRangesMoveAsOneTransfer) {
+  // A host tier's slots on one side, a plain pinned range on the other.
+  auto src_backend = make_host_backend(HostBackendOptions{64u << 20});
+  PagedKvCache src_cache(config(KvCacheLayout::layer_major), 4, *src_backend);
+  PrefixCache prefix(src_cache);
+  HostTierOptions tier_options;
+  tier_options.num_host_blocks = 4;
+  HostTier tier(prefix, tier_options, src_backend->default_stream());
+  std::span<std::byte> slots = tier.slot_memory();
+  ASSERT_EQ(slots.size(), 4 * tier.slot_bytes());
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    slots[i] = static_cast<std::byte>(i * 7 + 1);
+  AgentOptions src_options;
+  src_options.host_regions = {slots};
+  Agent src(src_cache, src_options);
+
+  auto dst_backend = make_host_backend(HostBackendOptions{64u << 20});
+  PagedKvCache dst_cache(config(KvCacheLayout::layer_major), 4, *dst_backend);
+  std::vector<std::byte> landing(slots.size());
+  AgentOptions dst_options;
+  dst_options.host_regions = {std::span<std::byte>(landing)};
+  Agent dst(dst_cache, dst_options);
+  const PeerId peer = dst.connect(src.listen("127.0.0.1:0"), 5s);
+
+  const auto local = reinterpret_cast<std::uint64_t>(landing.data());
+  const auto remote = reinterpret_cast<std::uint64_t>(slots.data());
+  const std::uint64_t half = slots.size() / 2;
+  const std::vector<RangeCopy> ranges{{local, remote + half, half}, {local + half, remote, half}};
+  const TransferId id = dst.post_ranges(peer, true, ranges);
+  ASSERT_EQ(dst.wait(id, 10s), TransferState::done) << dst.why(id);
+  EXPECT_EQ(dst.bytes(id), slots.size());
+  EXPECT_EQ(std::memcmp(landing.data(), slots.data() + half, half), 0);
+  EXPECT_EQ(std::memcmp(landing.data() + half, slots.data(), half), 0);
+
+  // Ranges outside registered memory, on either side, move nothing.
+  std::vector<std::byte> unregistered(64);
+  const auto stray = reinterpret_cast<std::uint64_t>(unregistered.data());
+  EXPECT_THROW(dst.post_ranges(peer, true, std::vector<RangeCopy>{{stray, remote, 64}}),
+               InvalidArgument);
+  EXPECT_THROW(
+      dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, remote + slots.size() - 8, 64}}),
+      InvalidArgument);
+  EXPECT_THROW(dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, remote, 0}}),
+               InvalidArgument);
+  EXPECT_THROW(
+      dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, ~std::uint64_t{0} - 8, 64}}),
+      InvalidArgument);
+  EXPECT_THROW(dst.post_ranges(999, true, ranges), InvalidArgument);
+}
+
 TEST(Agent, BadOptionsAreRejected) {
   auto backend = make_host_backend(HostBackendOptions{16u << 20});
   PagedKvCache cache(config(KvCacheLayout::layer_major), 4, *backend);
@@ -340,6 +393,9 @@ TEST(Agent, BadOptionsAreRejected) {
   EXPECT_THROW(Agent(cache, o), InvalidArgument);
   o = {};
   o.peer_timeout = 0ms;
+  EXPECT_THROW(Agent(cache, o), InvalidArgument);
+  o = {};
+  o.host_regions = {std::span<std::byte>()};
   EXPECT_THROW(Agent(cache, o), InvalidArgument);
 }
 

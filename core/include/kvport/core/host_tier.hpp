@@ -195,6 +195,11 @@ class HostTier final : public PrefixCacheTier {
   /// num_blocks).
   InvariantReport check_invariants() const;
 
+  /// The pinned host memory of every slot (one allocation of
+  /// num_host_blocks x slot bytes), e.g. to register it with a transfer agent
+  /// (AgentOptions::host_regions) so that peers can read host-tier blocks.
+  std::span<std::byte> slot_memory() const noexcept;
+
   /// The regions of one block's copy between the device and a host slot at
   /// `slot` (slot_bytes() bytes): each layer's K block then its V block, in
   /// layer order, coalesced where the device ranges are contiguous inside

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -86,6 +87,18 @@ struct AgentOptions {
   /// Bytes of a registered contiguous scratch buffer (pinned host) for the
   /// raw-bandwidth baseline (read_scratch); 0: none.
   std::size_t scratch_bytes = 0;
+  /// More host memory to register and offer to peers (a HostTier's slots,
+  /// HostTier::slot_memory(), or any pinned host range), moved with
+  /// post_ranges(). Each must stay valid for the agent's lifetime.
+  std::vector<std::span<std::byte>> host_regions;
+};
+
+/// One contiguous copy of post_ranges(): `bytes` between our address `local`
+/// and the peer's address `remote`.
+struct RangeCopy {
+  std::uint64_t local = 0;
+  std::uint64_t remote = 0;
+  std::uint64_t bytes = 0;
 };
 
 /// What a peer said about itself at the handshake.
@@ -167,6 +180,15 @@ class Agent {
   /// copies the mirror to them before it is done.
   TransferId post(PeerId peer, bool read, std::span<const BlockId> local_blocks,
                   std::span<const BlockId> remote_blocks);
+
+  /// Reads (peer -> us) or writes (us -> peer) arbitrary byte ranges as ONE
+  /// transfer: each local range must lie in memory this agent registered
+  /// (host_regions, the scratch buffer, or the cache's pools with direct
+  /// memory), each remote range in memory the peer offered. Throws
+  /// InvalidArgument (nothing posted) otherwise, or for an unknown or lost
+  /// peer or an empty range. For block lists use post(), which plans the
+  /// ranges from the two layouts.
+  TransferId post_ranges(PeerId peer, bool read, std::span<const RangeCopy> ranges);
 
   /// The transfer's state. Throws InvalidArgument for an unknown (or
   /// released) id.
