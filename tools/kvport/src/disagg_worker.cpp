@@ -179,7 +179,8 @@ class Worker {
           {"memory_path", std::string(transfer::to_string(agent_->memory_path()))}});
     LineInput input(STDIN_FILENO);
     while (true) {
-      const bool busy = !waiting_.empty() || (decode_ && decode_->pending_requests() > 0) ||
+      const bool busy = !waiting_.empty() || !recomputes_.empty() ||
+                        (decode_ && decode_->pending_requests() > 0) ||
                         (prefill_ && prefill_->active_leases() > 0);
       for (const std::string& line :
            input.read(busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5))) {
@@ -280,29 +281,61 @@ class Worker {
 
   // Computes a request here ("recompute"): fills its blocks, caches the full
   // ones, releases them.
-  void recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
+  // Computes a request here ("recompute"): fills its blocks, caches the full
+  // ones, releases them. Without room now (blocks held by pulls under way),
+  // it waits in recomputes_ and is retried by step().
+  void recompute(std::uint64_t req, std::vector<TokenId> tokens) {
     if (done_.contains(req)) return;
     if (decode_) decode_->abort(req);  // a pull still under way is dropped
+    if (!try_recompute(req, tokens))
+      recomputes_.push_back({req, 0, std::move(tokens), Clock::now()});
+  }
+
+  // False when there is no room yet.
+  bool try_recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
+    if (done_.contains(req)) return true;
     std::vector<BlockId> blocks;
     const std::size_t n = blocks_for(tokens.size());
     for (std::size_t i = 0; i < n; ++i) {
       auto b = prefix_.try_alloc_block();
-      if (!b) break;
+      if (!b) {
+        prefix_.release_blocks(blocks);
+        return false;
+      }
       blocks.push_back(*b);
     }
-    json e{{"event", "done"},    {"req", req},     {"ok", false},
-           {"recomputed", true}, {"blocks", n},    {"bytes", 0},
-           {"transfer_s", 0},    {"latency_s", 0}, {"wrong_bytes", 0}};
-    if (blocks.size() == n) {
-      transfer::write_kv_content(cache_, agent_->layout(), blocks, tokens, stream_);
-      cache_full_blocks(blocks, tokens);
-    } else {
-      e["why"] = "no room to recompute";
-      e["recomputed"] = false;
-    }
+    transfer::write_kv_content(cache_, agent_->layout(), blocks, tokens, stream_);
+    cache_full_blocks(blocks, tokens);
     prefix_.release_blocks(blocks);
     done_.insert(req);
-    emit(e);
+    emit({{"event", "done"},
+          {"req", req},
+          {"ok", false},
+          {"recomputed", true},
+          {"blocks", n},
+          {"bytes", 0},
+          {"transfer_s", 0},
+          {"latency_s", 0},
+          {"wrong_bytes", 0}});
+    return true;
+  }
+
+  // Retries the recomputes waiting for room; one that waited two lease TTLs
+  // fails (reported, not computed).
+  void retry_recomputes() {
+    while (!recomputes_.empty()) {
+      Waiting& w = recomputes_.front();
+      if (!try_recompute(w.req, w.tokens)) {
+        if (Clock::now() - w.since <= spec_.lease_ttl * 2) return;
+        done_.insert(w.req);
+        emit({{"event", "done"},
+              {"req", w.req},
+              {"ok", false},
+              {"recomputed", false},
+              {"why", "no room to recompute"}});
+      }
+      recomputes_.pop_front();
+    }
   }
 
   void cache_full_blocks(const std::vector<BlockId>& blocks, const std::vector<TokenId>& tokens) {
@@ -356,6 +389,7 @@ class Worker {
   }
 
   void step() {
+    retry_recomputes();
     if (prefill_) {
       while (!waiting_.empty()) {
         const Waiting& w = waiting_.front();
@@ -443,7 +477,7 @@ class Worker {
   }
 
   bool idle() const {
-    if (!waiting_.empty()) return false;
+    if (!waiting_.empty() || !recomputes_.empty()) return false;
     if (prefill_ && prefill_->active_leases() > 0) return false;
     if (decode_ && decode_->pending_requests() > 0) return false;
     return true;
@@ -504,6 +538,7 @@ class Worker {
   std::optional<transfer::DecodeNode> decode_;
   std::map<std::uint32_t, std::vector<transfer::PeerId>> decode_peers_;
   std::deque<Waiting> waiting_;
+  std::deque<Waiting> recomputes_;
   std::set<std::uint64_t> done_;
   std::size_t reported_losses_ = 0;
   bool finishing_ = false;
