@@ -4,10 +4,14 @@
 #include "kvport/transfer/agent.hpp"
 
 #include <poll.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -154,7 +158,23 @@ struct Hello {
   std::uint64_t scratch_base = 0;
   std::uint64_t scratch_bytes = 0;
   std::vector<std::uint8_t> address;  // the transport's, for one-sided operations
+  std::string host;                   // this boot of this machine (host_identity())
+  std::uint32_t pid = 0;
 };
+
+// This boot of this machine: the hostname and the kernel's boot id. Two
+// agents with the same identity share a host (and its process ids).
+std::string host_identity() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {};
+    if (std::fgets(buf, sizeof buf, f) != nullptr) boot = buf;
+    std::fclose(f);
+  }
+  return std::string(name) + "/" + boot;
+}
 
 std::pair<std::string, std::uint16_t> parse_address(const std::string& address) {
   const auto colon = address.rfind(':');
@@ -192,6 +212,8 @@ struct Agent::State {
     PeerId id = 0;
     ConnId conn = 0;  // handshake, notifications, heartbeats
     ConnId data = 0;  // one-sided operations (a connection to the peer's address)
+    bool same_host = false;
+    bool transfers_ended = false;  // after a loss: its transfers are final
     PeerStatus status = PeerStatus::handshaking;
     bool outgoing = false;
     std::string address;
@@ -236,6 +258,7 @@ struct Agent::State {
   std::uint64_t scratch_base = 0;
   std::optional<Stream> stage_stream;
   std::vector<std::uint8_t> address;  // the transport's, sent at the handshake
+  std::string host = host_identity();
 
   std::map<PeerId, Peer> peers;
   std::unordered_map<ConnId, PeerId> by_conn;
@@ -356,6 +379,8 @@ struct Agent::State {
     w.u64(scratch_base);
     w.u64(options.scratch_bytes);
     w.blob(address);
+    w.str(host);
+    w.u32(static_cast<std::uint32_t>(::getpid()));
     return std::move(w.bytes());
   }
 
@@ -391,6 +416,8 @@ struct Agent::State {
     auto address = r.blob();
     if (address.size() > kMaxKeyBytes) throw InvalidArgument("hello: bad address size");
     h.address.assign(address.begin(), address.end());
+    h.host = r.str();
+    h.pid = r.u32();
     if (!r.at_end()) throw InvalidArgument("hello: trailing bytes");
     return h;
   }
@@ -406,7 +433,11 @@ struct Agent::State {
   // the transport cannot use what the peer sent.
   void adopt(Peer& p, Hello h) {
     try {
-      p.data = h.address.empty() ? p.conn : transport->connect_to(h.address);
+      // Same host: no peer error handling on the data connection, so that
+      // UCX may use CMA and shared memory; a lost peer's transfers then end
+      // when its process is gone (reap_dead_peers) or the flush completes.
+      p.same_host = !h.host.empty() && h.host == host;
+      p.data = h.address.empty() ? p.conn : transport->connect_to(h.address, !p.same_host);
       by_conn[p.data] = p.id;
       for (const Region& region : h.regions) {
         RemoteRegion rr{region.base, region.bytes,
@@ -546,24 +577,45 @@ struct Agent::State {
   // pending transfers end then, even if their operations never report (UCX
   // does not complete an operation on an endpoint without error handling
   // whose peer died).
+  // Ends every pending transfer with the peer (their operations can no
+  // longer touch our memory).
+  void end_transfers(PeerId id, const char* why) {
+    for (auto& [tid, t] : transfers) {
+      if (t.peer == id && t.state == TransferState::pending) {
+        if (!t.fail_as && !t.cancel_requested) {
+          t.fail_as = TransferState::peer_lost;
+          t.why = why;
+        }
+        finish(tid, false, t.why);
+      }
+    }
+    if (auto it = peers.find(id); it != peers.end()) it->second.transfers_ended = true;
+  }
+
+  // A lost peer on this host whose data connection (no peer error handling)
+  // cannot be force-closed: once its process is gone nothing can write our
+  // memory for it any more, except what it already queued in our shared
+  // memory, which a drain of the worker delivers first. Then its transfers
+  // end. (A live peer's transfers wait for the flush instead.)
+  void reap_dead_peers() {
+    for (auto& [id, p] : peers) {
+      if (p.status != PeerStatus::lost || p.transfers_ended || !p.same_host || p.hello.pid == 0)
+        continue;
+      if (::kill(static_cast<pid_t>(p.hello.pid), 0) == 0 || errno != ESRCH) continue;
+      for (int i = 0; i < 256 && transport->progress(); ++i) {
+      }
+      end_transfers(id, "the peer's process exited");
+    }
+  }
+
   void close_peer(Peer& p, bool force) {
     const PeerId id = p.id;
-    auto end_transfers = [this, id] {
-      for (auto& [tid, t] : transfers) {
-        if (t.peer == id && t.state == TransferState::pending) {
-          if (!t.fail_as && !t.cancel_requested) {
-            t.fail_as = TransferState::peer_lost;
-            t.why = "the connection was closed";
-          }
-          finish(tid, false, t.why);
-        }
-      }
-    };
+    auto end = [this, id] { end_transfers(id, "the connection was closed"); };
     if (p.data != 0 && p.data != p.conn) {
-      transport->close(p.data, force, end_transfers);
+      transport->close(p.data, force, end);
       transport->close(p.conn, force, nullptr);
     } else {
-      transport->close(p.conn, force, end_transfers);
+      transport->close(p.conn, force, end);
     }
   }
 
@@ -717,6 +769,7 @@ struct Agent::State {
   // ---- the progress thread -----------------------------------------------------
 
   void housekeeping(Clock::time_point now) {
+    reap_dead_peers();
     const auto beat = std::max(options.peer_timeout / 8, std::chrono::milliseconds(1));
     for (auto& [id, p] : peers) {
       if (p.status != PeerStatus::connected) continue;

@@ -245,18 +245,18 @@ class UcxTransport final : public Transport {
     return out;
   }
 
-  ConnId connect_to(std::span<const std::uint8_t> address) override {
+  ConnId connect_to(std::span<const std::uint8_t> address, bool peer_errors) override {
     if (address.empty()) throw InvalidArgument("connect_to: an empty address");
     auto conn = new_conn();
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-    // No peer error handling: with it UCX 1.13 gives this endpoint TCP only,
-    // never CMA or shared memory. The control connection and the heartbeats
-    // detect a lost peer instead.
-    ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-    conn->peer_errors = false;
+    // Without peer error handling UCX 1.13 may use CMA and shared memory
+    // (with it, TCP only); the control connection and the heartbeats detect
+    // a lost peer then.
+    ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    conn->peer_errors = peer_errors;
     ep.err_handler.cb = &UcxTransport::on_ep_error;
     ep.err_handler.arg = conn;
     if (ucs_status_t st = ucp_ep_create(worker_, &ep, &conn->ep); st != UCS_OK) {

@@ -61,9 +61,11 @@ class Transport {
   virtual std::vector<std::uint8_t> local_address() = 0;
   /// Connects to a peer's local_address() for one-sided operations. UCX
   /// picks shared memory and cross-memory attach (CMA) for a peer on the same
-  /// host only on such a connection, not on one made through a listener;
-  /// messages are not received on it. Fails through on_error.
-  virtual ConnId connect_to(std::span<const std::uint8_t> address) = 0;
+  /// host only on such a connection, not on one made through a listener, and
+  /// only without peer error handling (`peer_errors` false): such a
+  /// connection reports no failure and can only be closed with a flush.
+  /// Messages are not received on it. Fails through on_error.
+  virtual ConnId connect_to(std::span<const std::uint8_t> address, bool peer_errors) = 0;
   /// Closes a connection; `force` cancels its outstanding operations (their
   /// completions report an error). Idempotent. `done` runs once the
   /// transport no longer touches memory for this connection.
