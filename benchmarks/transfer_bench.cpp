@@ -9,10 +9,12 @@
 //           between two registered scratch buffers (the baseline `kvport
 //           disagg` reports)
 //   memcpy  std::memcpy of the same bytes between two host buffers (what a
-//           copy through this machine's memory costs; CMA is a kernel copy)
+//           copy through this machine's memory costs)
 //
-// Both agents live in this process, on 127.0.0.1, so UCX uses cross-memory
-// attach (CMA) as it does between processes on one host. Block ids: the
+// Both agents live in this process, on 127.0.0.1, so UCX picks the
+// transports it picks between processes on one host (shared memory, CMA;
+// with UCX 1.13 the gets run in software over shared memory, see
+// docs/performance.md). Block ids: the
 // first `batch` ids (consecutive) or `batch` ids drawn at random from a
 // 192-block cache (scattered), on both sides. Counters: bytes and regions per
 // transfer; GBps (ours), raw_GBps, memcpy_GBps; ratio (ours over raw) and
