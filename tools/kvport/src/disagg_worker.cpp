@@ -321,12 +321,15 @@ class Worker {
   }
 
   // Retries the recomputes waiting for room; one that waited two lease TTLs
-  // fails (reported, not computed).
+  // with no pull holding blocks fails (reported, not computed).
   void retry_recomputes() {
     while (!recomputes_.empty()) {
       Waiting& w = recomputes_.front();
       if (!try_recompute(w.req, w.tokens)) {
-        if (Clock::now() - w.since <= spec_.lease_ttl * 2) return;
+        // Blocks held by pulls under way come back when those end: keep
+        // waiting while there are any.
+        const bool pulls_hold_blocks = decode_ && decode_->held_blocks() > 0;
+        if (pulls_hold_blocks || Clock::now() - w.since <= spec_.lease_ttl * 2) return;
         done_.insert(w.req);
         emit({{"event", "done"},
               {"req", w.req},
