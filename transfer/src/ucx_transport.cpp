@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -63,7 +64,20 @@ struct Batch {
   }
 };
 
-struct OpContext {
+// A request UCX has not completed yet. The transport keeps the set of them:
+// at destruction it releases those that never complete (an operation on an
+// endpoint without error handling whose peer died), which UCX requires before
+// its worker is destroyed; their callbacks then do nothing.
+class UcxTransport;
+struct Pending {
+  virtual ~Pending() = default;
+  void* request = nullptr;
+  bool abandoned = false;
+  UcxTransport* owner = nullptr;
+};
+
+struct OpContext : Pending {
+  explicit OpContext(std::shared_ptr<Batch> b) : batch(std::move(b)) {}
   std::shared_ptr<Batch> batch;
 };
 
@@ -72,7 +86,8 @@ struct SendContext {
   std::vector<std::uint8_t> bytes;
 };
 
-struct CloseContext {
+struct CloseContext : Pending {
+  explicit CloseContext(std::function<void()> d) : done(std::move(d)) {}
   std::function<void()> done;
 };
 
@@ -158,6 +173,12 @@ class UcxTransport final : public Transport {
     }
     for (int i = 0; i < 1000 && pending_closes_ > 0; ++i)
       ucp_worker_progress(worker_);
+    // Requests that will never complete: released, so the worker can go.
+    std::vector<Pending*> left(pending_.begin(), pending_.end());
+    for (Pending* r : left) {
+      r->abandoned = true;
+      ucp_request_free(r->request);
+    }
     for (auto& [id, conn] : conns_)
       destroy_rkeys(*conn);
     for (ucp_conn_request_h req : conn_requests_)
@@ -167,6 +188,8 @@ class UcxTransport final : public Transport {
       ucp_mem_unmap(context_, memh);
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
+    for (Pending* r : left)
+      delete r;  // no callback can run any more
   }
 
   std::string description() const override {
@@ -285,7 +308,7 @@ class UcxTransport final : public Transport {
     // An endpoint without it is closed with a flush: `done` runs once its
     // operations completed, so no byte of theirs lands after it.
     p.flags = conn.peer_errors && (force || conn.failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    auto* ctx = new CloseContext{[this, id, done = std::move(done)] {
+    auto* ctx = new CloseContext([this, id, done = std::move(done)] {
       --pending_closes_;
       if (auto c = conns_.find(id); c != conns_.end()) {
         destroy_rkeys(*c->second);
@@ -293,16 +316,23 @@ class UcxTransport final : public Transport {
         c->second->ep = nullptr;
       }
       if (done) done();
-    }};
+    });
     p.user_data = ctx;
     p.cb.send = [](void* request, ucs_status_t, void* user) {
       auto* c = static_cast<CloseContext*>(user);
+      if (c->abandoned) return;
+      c->owner->pending_.erase(c);
       c->done();
       delete c;
       ucp_request_free(request);
     };
     ++pending_closes_;
+    ctx->owner = this;
     ucs_status_ptr_t req = ucp_ep_close_nbx(conn.ep, &p);
+    if (req != nullptr && !UCS_PTR_IS_ERR(req)) {
+      ctx->request = req;
+      pending_.insert(ctx);
+    }
     if (req == nullptr) {
       ctx->done();
       delete ctx;
@@ -390,12 +420,17 @@ class UcxTransport final : public Transport {
       } else if (UCS_PTR_IS_ERR(req)) {
         delete ctx;
         batch->finish_one(UCS_PTR_STATUS(req));
+      } else {
+        ctx->request = req;
+        pending_.insert(ctx);
       }
     };
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = [](void* request, ucs_status_t status, void* user) {
       auto* ctx = static_cast<OpContext*>(user);
+      if (ctx->abandoned) return;
+      ctx->owner->pending_.erase(ctx);
       auto owner = std::move(ctx->batch);
       delete ctx;
       ucp_request_free(request);
@@ -404,7 +439,8 @@ class UcxTransport final : public Transport {
     for (std::size_t i = 0; i < ops.size(); ++i) {
       if (!batch->ok) break;  // the connection failed: do not pile on
       const RmaOp& op = ops[i];
-      auto* ctx = new OpContext{batch};
+      auto* ctx = new OpContext(batch);
+      ctx->owner = this;
       p.user_data = ctx;
       ++batch->remaining;
       ucp_rkey_h rkey = conn.rkeys[remote_keys[i]];
@@ -415,7 +451,8 @@ class UcxTransport final : public Transport {
     }
     if (write && batch->ok && !ops.empty()) {
       // Puts complete locally; the flush completes when they are remote.
-      auto* ctx = new OpContext{batch};
+      auto* ctx = new OpContext(batch);
+      ctx->owner = this;
       p.user_data = ctx;
       ++batch->remaining;
       submit(ucp_ep_flush_nbx(conn.ep, &p), ctx);
@@ -569,6 +606,9 @@ class UcxTransport final : public Transport {
   std::deque<std::pair<ConnId, std::string>> errors_;
   std::vector<ucp_mem_h> memhs_;
   int pending_closes_ = 0;
+  std::unordered_set<Pending*> pending_;  // requests UCX has not completed
+
+  friend struct Pending;
 };
 
 }  // namespace
