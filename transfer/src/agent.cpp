@@ -786,20 +786,10 @@ struct Agent::State {
       if (t.state != TransferState::pending || t.fail_as || now < t.deadline) continue;
       t.fail_as = TransferState::timed_out;
       t.why = fmt::format("not done within {} ms", options.transfer_timeout.count());
-      auto pit = peers.find(t.peer);
-      if (pit != peers.end() && pit->second.status == PeerStatus::connected) {
-        Peer& p = pit->second;
-        p.status = PeerStatus::lost;
-        p.why = "a transfer timed out; the connection was reset";
-        ++counters.peers_lost;
-        lost.push_back(p.id);
-        for (auto& [oid, other] : transfers) {
-          if (other.peer == p.id && other.state == TransferState::pending && !other.fail_as) {
-            other.fail_as = TransferState::peer_lost;
-            other.why = p.why;
-          }
-        }
-        close_peer(p, true);
+      // The connection is reset so that no byte lands later: the peer is
+      // lost, its other pending transfers with it.
+      if (auto pit = peers.find(t.peer); pit != peers.end()) {
+        lose_peer(pit->second, "a transfer timed out; the connection was reset", true);
       }
     }
   }
