@@ -1,0 +1,155 @@
+// HybridBlockTable: one sequence over every KV cache group of a HybridKvCache.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kvport/core/block_hash.hpp"
+#include "kvport/core/block_table.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/stream.hpp"
+
+namespace kvport {
+
+/// The entry of a released block in a block list (never a valid id: a cache
+/// has at most 2^32 - 1 blocks).
+inline constexpr BlockId kNullBlock = 0xFFFFFFFFu;
+
+/// A sequence's blocks in every group: one block list per block group
+/// (full attention, MLA, sliding window, chunked), with kNullBlock entries
+/// where blocks were released, and one state slot per state group.
+///
+/// Freeing rules (docs/hybrid-models.md), applied at the start of each
+/// append, when the tokens appended before have been computed:
+///  - sliding window W: every block wholly before token n - W + 1 (n: tokens
+///    held) is released and its entry becomes kNullBlock;
+///  - chunked C: every block before the chunk of token n is released;
+///  - a released block that was full goes back to its group's prefix cache
+///    with its hash kept (evictable, still hittable by other requests).
+///
+/// State: the sequence's working state lives in one slot per state group,
+/// zeroed when it is first allocated; the engine updates it in place. At an
+/// append that starts at a multiple of state_checkpoint_interval blocks, the
+/// working state (which then holds the state after those tokens: the engine
+/// has computed everything appended before) is copied into a fresh slot that
+/// is cached under the hash of the last full block, one batched copy per
+/// group, in the prefix cache's LRU like any block. Checkpoints are
+/// best-effort: with no slot free or evictable, none is taken.
+///
+/// Every block and hash is the table's; over a cache of one full-attention
+/// group it holds the same blocks as a BlockTable (the single-group hit rule
+/// differs only in the compute-last-token case: see reuse_cached_prefix).
+///
+/// Not thread-safe. The cache must outlive the table; the destructor releases
+/// everything.
+class HybridBlockTable {
+ public:
+  /// An empty table; `extra_key` goes into every block hash (as BlockTable's).
+  explicit HybridBlockTable(HybridKvCache& cache, std::uint64_t extra_key = 0);
+  ~HybridBlockTable();
+  HybridBlockTable(const HybridBlockTable&) = delete;
+  HybridBlockTable& operator=(const HybridBlockTable&) = delete;
+  HybridBlockTable(HybridBlockTable&& other) noexcept;
+  HybridBlockTable& operator=(HybridBlockTable&& other) noexcept;
+
+  /// Starts an empty table from the longest cached prefix of `prompt` valid
+  /// for every group (find_hybrid_hit: full attention needs the chain from
+  /// block 0; a window group the blocks covering the W - 1 tokens before the
+  /// hit point; a chunked group the hit point's chunk; a state group a cached
+  /// state at exactly the hit point) and returns how many tokens it covers.
+  /// Entries before what a group needs are kNullBlock; a state group's
+  /// working slot gets a copy of the checkpoint (one copy on `stream`; with no
+  /// slot to copy into the hit is 0 tokens).
+  ///
+  /// compute_last_token (the default): the hit covers at most
+  /// prompt.size() - 1 tokens, in whole blocks (vLLM's rule; the single-group
+  /// BlockTable instead copies the last block to hit n - 1 tokens exactly,
+  /// which a state group cannot do: its state exists at block boundaries
+  /// only). full: every full block may hit.
+  ///
+  /// Throws InvalidArgument when the table is not empty; a backend error of
+  /// the state copy propagates with the strong guarantee.
+  std::size_t reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream);
+
+  PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
+  void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
+
+  /// Blocks (slots) appending `num_tokens` needs in each group, net of the
+  /// blocks the freeing rules release first (which come back to the group
+  /// when no other sequence holds them): what admission checks. One entry per
+  /// group; a state group needs 1 when the table has no working slot yet.
+  /// Checkpoint slots are not counted (they are best-effort).
+  struct GroupNeed {
+    std::size_t fresh = 0;     ///< blocks (slots) to allocate
+    std::size_t released = 0;  ///< blocks the freeing rules give back to the group first
+  };
+  std::vector<GroupNeed> blocks_needed(std::size_t num_tokens) const;
+
+  /// Whether append_tokens(num_tokens tokens) would find every block it
+  /// needs in every group (free or evictable, counting what it releases).
+  bool can_append(std::size_t num_tokens) const;
+
+  /// Appends `tokens` in every group: applies the freeing rules, takes a
+  /// state checkpoint when due, fills the last block (copying it first when
+  /// it is shared: copy-on-write, one batched copy per group), allocates the
+  /// blocks needed and registers full blocks in every group's prefix cache.
+  /// All or nothing: when some group lacks blocks it throws CacheExhausted
+  /// naming the group before any change. A backend error of a copy also
+  /// leaves the table as it was, except that blocks the freeing rules
+  /// released to make room stay released (they were no longer part of the
+  /// sequence's span).
+  void append_tokens(std::span<const TokenId> tokens, StreamView stream);
+
+  /// A table sharing every live block (one reference each) with the same
+  /// tokens; each state group's working state is copied into a new slot on
+  /// `stream`. Throws CacheExhausted (strong guarantee) when a state group
+  /// has no slot for the copy.
+  HybridBlockTable fork(StreamView stream) const;
+
+  /// Releases every block and slot (last block first, as BlockTable does).
+  void release() noexcept;
+
+  /// Group g's block list (kNullBlock where released); empty for a state
+  /// group. InvalidArgument out of range.
+  std::span<const BlockId> blocks(std::size_t g) const;
+  /// Live (non-null) blocks of group g.
+  std::size_t num_live_blocks(std::size_t g) const;
+  /// Group g's working state slot, or nullopt (no state yet, or not a state
+  /// group).
+  std::optional<BlockId> state_slot(std::size_t g) const;
+
+  std::span<const TokenId> tokens() const noexcept { return tokens_; }
+  std::size_t num_tokens() const noexcept { return tokens_.size(); }
+  bool empty() const noexcept { return tokens_.empty(); }
+  HybridKvCache& cache() const noexcept { return *cache_; }
+  /// Copy-on-write copies (every group) this table made.
+  std::uint64_t copy_on_writes() const noexcept { return copy_on_writes_; }
+
+ private:
+  struct Group {
+    std::vector<BlockId> blocks;   // block groups; kNullBlock where released
+    std::size_t live_begin = 0;    // entries before it are all null
+    std::optional<BlockId> state;  // state groups: the working slot
+  };
+  struct Plan;
+
+  Plan plan_append(std::size_t num_tokens) const;
+  void register_full_blocks() noexcept;
+  void release_before(std::size_t g, std::size_t first) noexcept;
+  void release_block(std::size_t g, BlockId block) noexcept;
+
+  HybridKvCache* cache_;
+  std::uint64_t extra_key_ = 0;
+  std::size_t block_size_ = 0;
+  std::vector<Group> groups_;
+  std::vector<TokenId> tokens_;
+  std::vector<BlockHash> hashes_;    // chained hashes of every full block
+  std::size_t checkpointed_at_ = 0;  // tokens at the last checkpoint (0: none)
+  std::uint64_t copy_on_writes_ = 0;
+  PrefixHitMode hit_mode_ = PrefixHitMode::compute_last_token;
+};
+
+}  // namespace kvport

@@ -1,0 +1,149 @@
+// HybridKvCache: a model's KV cache as KV cache groups (layer_spec.hpp), one
+// block pool and one prefix cache per group.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kvport/core/kv_cache_plan.hpp"
+#include "kvport/core/layer_spec.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
+
+namespace kvport {
+
+/// The shape of a hybrid cache.
+struct HybridKvCacheConfig {
+  /// One spec per model layer (`none` for layers without KV).
+  std::vector<LayerSpec> layers;
+  std::size_t block_size = 16;  ///< tokens per block, every group
+  KvCacheLayout layout = KvCacheLayout::layer_major;
+  /// State groups cache a copy of a sequence's state every this many full
+  /// blocks (at token counts that are multiples of interval * block_size), so
+  /// that a later request can hit there; 0 caches no state (a hit then stops
+  /// at 0 tokens in every model that has a state group).
+  std::size_t state_checkpoint_interval = 1;
+};
+
+/// Where a model layer lives.
+struct LayerLocation {
+  std::size_t group = 0;  ///< its group
+  std::size_t index = 0;  ///< its layer index inside the group's pool
+};
+
+/// Counters of HybridBlockTable::reuse_cached_prefix over this cache.
+struct HybridHitCounters {
+  std::uint64_t lookups = 0;
+  std::uint64_t lookup_tokens = 0;      ///< prompt tokens looked up
+  std::uint64_t hit_tokens = 0;         ///< tokens the hits covered (valid for every group)
+  std::uint64_t state_checkpoints = 0;  ///< state copies cached (every state group)
+  double hit_rate() const noexcept {
+    return lookup_tokens == 0
+               ? 0.0
+               : static_cast<double>(hit_tokens) / static_cast<double>(lookup_tokens);
+  }
+};
+
+/// Every group's pool (a PagedKvCache: refcounts, LIFO free list, double-free
+/// guard, trace, invariants, pointers and strides per layer) and its prefix
+/// cache. Sequences use it through HybridBlockTable.
+///
+/// A group's pool: attention kinds as today; MLA with no V pool; a state
+/// group's "blocks" are state slots of one request's state each. Pointers for
+/// a model layer: group_cache(locate(layer)->group).k_cache_ptr(index, block).
+///
+/// Not thread-safe (one scheduler thread), like PagedKvCache.
+class HybridKvCache {
+ public:
+  /// Groups `config.layers` (group_layers) and allocates group g's pool with
+  /// `blocks_per_group[g]` blocks (slots). Throws InvalidArgument for a bad
+  /// spec, a count of entries other than the number of groups, a zero count,
+  /// or what PagedKvCache's constructor throws (everything allocated is freed
+  /// first). `backend` must outlive the cache.
+  HybridKvCache(HybridKvCacheConfig config, std::span<const std::size_t> blocks_per_group,
+                Backend& backend, PagedKvCacheOptions options = {});
+  /// Sizes each group from a plan (plan_kv_cache of the same groups).
+  HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
+                PagedKvCacheOptions options = {});
+  ~HybridKvCache();
+  HybridKvCache(const HybridKvCache&) = delete;
+  HybridKvCache& operator=(const HybridKvCache&) = delete;
+
+  const HybridKvCacheConfig& config() const noexcept { return config_; }
+  std::size_t block_size() const noexcept { return config_.block_size; }
+  std::size_t num_layers() const noexcept { return config_.layers.size(); }
+  std::size_t num_groups() const noexcept { return groups_.size(); }
+  /// Group g (InvalidArgument out of range).
+  const KvCacheGroup& group(std::size_t g) const;
+  /// Group g's pool and prefix cache (InvalidArgument out of range).
+  PagedKvCache& group_cache(std::size_t g) const;
+  PrefixCache& prefix_cache(std::size_t g) const;
+  /// Where model layer `layer` is; nullopt for a layer without KV. Throws
+  /// InvalidArgument for layer >= num_layers().
+  std::optional<LayerLocation> locate(std::size_t layer) const;
+  /// Bytes of every pool.
+  std::size_t total_bytes() const noexcept;
+  /// Blocks (slots) group g holds for sequences: in use and not evictable.
+  std::size_t blocks_in_use(std::size_t g) const;
+  Backend& backend() const noexcept { return *backend_; }
+
+  const HybridHitCounters& hit_counters() const noexcept { return counters_; }
+  HybridHitCounters& hit_counters() noexcept { return counters_; }
+
+  /// Every group's PrefixCache::check_invariants(), violations prefixed with
+  /// "group g: "; the counts are sums. O(total blocks).
+  InvariantReport check_invariants() const;
+  /// One report per group.
+  std::vector<InvariantReport> check_group_invariants() const;
+
+  /// PagedKvCache::synchronize of every group (every group is synchronized
+  /// even when one throws; the first error is rethrown).
+  void synchronize();
+
+ private:
+  HybridKvCacheConfig config_;
+  std::vector<KvCacheGroup> groups_;
+  std::vector<LayerLocation> locations_;  // per model layer; group == SIZE_MAX for none
+  Backend* backend_ = nullptr;
+  std::vector<std::unique_ptr<PagedKvCache>> caches_;
+  std::vector<std::unique_ptr<PrefixCache>> prefixes_;  // destroyed before caches_
+  HybridHitCounters counters_;
+};
+
+/// The hybrid hit rule for one group (docs/hybrid-models.md), as
+/// find_hybrid_hit takes it.
+struct GroupHitRule {
+  LayerKind kind = LayerKind::full_attention;
+  std::size_t window = 0;  ///< sliding_window
+  std::size_t chunk = 0;   ///< chunked_local
+};
+
+/// The rule of `spec`.
+GroupHitRule hit_rule_of(const LayerSpec& spec) noexcept;
+
+/// The first block a group needs when the next token is at `position`
+/// (every block before it may be a null entry): 0 for full attention and MLA;
+/// floor(max(0, position - W + 1) / bs) for a window of W; the chunk start of
+/// `position`, in blocks, for chunked; `position / bs` for state (a state group
+/// holds no blocks: it needs the checkpoint of the block before).
+std::size_t first_needed_block(const GroupHitRule& rule, std::size_t block_size,
+                               std::size_t position) noexcept;
+
+/// The longest hit, in blocks, valid for every group: the largest p <= max_blocks
+/// such that, for every group g, each block i in [first_needed_block(g, p * bs), p)
+/// is cached in g (`cached(g, i)`) — for a state group: p == 0 or block p - 1
+/// has a cached state. Found as a fixed point (every group may only shorten the
+/// candidate, full attention first), with `cached` called only for blocks that
+/// decide it (the caller may memoize them). O(max_blocks + hit * W / bs) calls
+/// at most per window group; a full group's chain is probed once.
+template <typename Cached>
+std::size_t find_hybrid_hit(std::span<const GroupHitRule> rules, std::size_t block_size,
+                            std::size_t max_blocks, Cached&& cached);
+
+}  // namespace kvport
+
+#include "kvport/core/detail/hybrid_hit_impl.hpp"

@@ -1,0 +1,95 @@
+// The hybrid capacity planner: how a memory budget is split between a model's
+// KV cache groups (layer_spec.hpp), and how much each group holds per request.
+//
+// Design (docs/hybrid-models.md): one pool per group, sized by the ratio of
+// the groups' peak needs per request (TensorRT-LLM's v2 manager), rather than
+// one shared pool of a unified page size (vLLM). A group's pool keeps the
+// block size asked for and its own page bytes, so no page is padded and no
+// group's block size is scaled; the cost is that memory does not move between
+// groups at run time, which is why the split follows the peak need exactly.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "kvport/core/layer_spec.hpp"
+
+namespace kvport {
+
+/// What the planner is asked to fit.
+struct KvCachePlanRequest {
+  std::size_t budget_bytes = 0;        ///< memory for every group's pools together
+  std::size_t max_context_tokens = 0;  ///< the longest sequence (prompt + output)
+  /// Requests that must run at once, each of max_context_tokens; 0: no
+  /// minimum (the plan says how many fit). The split does not depend on it.
+  std::size_t max_requests = 0;
+  /// Tokens a running request appends per step (1 for decode; the chunk size
+  /// under chunked prefill). Window and chunked groups hold this many tokens
+  /// beyond their span at the peak.
+  std::size_t step_tokens = 1;
+  /// Cached state checkpoints kept per request beside its working state
+  /// (state groups only).
+  std::size_t state_checkpoints = 1;
+};
+
+/// One group's share.
+struct GroupPlan {
+  LayerSpec spec;  ///< of the group's first layer
+  std::size_t num_layers = 0;
+  std::size_t bytes_per_block = 0;    ///< one block id (one state slot), all layers
+  std::size_t bytes_per_token = 0;    ///< per-token kinds, all layers; 0 for state
+  std::size_t bytes_per_request = 0;  ///< state kinds: one state, all layers; else 0
+  /// Blocks (slots) one request of max_context_tokens holds at its peak.
+  std::size_t peak_blocks_per_request = 0;
+  std::size_t num_blocks = 0;  ///< blocks (slots) of the group's pool
+  std::size_t bytes = 0;       ///< the pool's bytes, allocation rounding included
+};
+
+/// The planner's answer.
+struct KvCachePlan {
+  std::size_t block_size = 0;
+  std::vector<GroupPlan> groups;  ///< in group order
+  std::size_t total_bytes = 0;    ///< every pool
+  /// Requests of max_context_tokens that fit at once (the smallest over groups).
+  std::size_t max_concurrent_requests = 0;
+  /// Bytes one request of max_context_tokens holds at its peak, over groups.
+  std::size_t peak_bytes_per_request = 0;
+  /// The same, with every sliding-window and chunked layer treated as full
+  /// attention (MLA, full and state layers unchanged): what a runtime without
+  /// groups holds.
+  std::size_t all_full_peak_bytes_per_request = 0;
+  /// The same in one shared pool whose pages are padded to the largest
+  /// group's page (the unified-page alternative), for the design comparison.
+  std::size_t shared_pool_peak_bytes_per_request = 0;
+
+  /// peak_bytes_per_request / all_full_peak_bytes_per_request.
+  double ratio_to_all_full() const noexcept;
+};
+
+/// Blocks (slots) one request of `context_tokens` holds at its peak in a
+/// group of `spec`, appending `step_tokens` at a time (docs/hybrid-models.md
+/// has the derivation; HybridBlockTable frees by exactly these rules):
+///   full, MLA       ceil(context / block_size)
+///   window W        min(full, ceil((W - 2 + step) / block_size) + 1)
+///   chunked C       min(full, ceil((C - 1 + step) / block_size))
+///   state           1 + state_checkpoints
+/// Throws InvalidArgument for zero block_size, context or step.
+std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_size,
+                                    std::size_t context_tokens, std::size_t step_tokens,
+                                    std::size_t state_checkpoints = 1);
+
+/// Splits `request.budget_bytes` between `groups` in the ratio of their peak
+/// bytes per request, each share turned into blocks by
+/// PagedKvCache::compute_num_blocks (so a cache built from the plan fits the
+/// budget). For a single full-attention group the answer is
+/// compute_num_blocks of the whole budget. Throws InvalidArgument for no
+/// group, a zero block size, budget, context or step; never returns a group of
+/// 0 blocks: a budget too small for one block of some group throws
+/// InvalidArgument naming the group, and one that holds fewer than
+/// request.max_requests requests at their peak throws saying how many fit.
+KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t block_size,
+                          const KvCachePlanRequest& request,
+                          KvCacheLayout layout = KvCacheLayout::layer_major);
+
+}  // namespace kvport

@@ -1,0 +1,451 @@
+#include "kvport/core/hybrid_block_table.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+
+namespace kvport {
+namespace {
+
+template <typename T>
+void reserve_total(std::vector<T>& v, std::size_t total) {
+  if (total > v.capacity()) v.reserve(std::max(total, 2 * v.capacity()));
+}
+
+bool is_full_kind(LayerKind k) {
+  return k == LayerKind::full_attention || k == LayerKind::mla;
+}
+
+}  // namespace
+
+struct HybridBlockTable::Plan {
+  struct PerGroup {
+    std::size_t release_to = 0;  // entries before it are released first
+    std::size_t releasable = 0;  // of those, blocks that come back to the group
+    std::size_t fresh = 0;       // new blocks (or 1 new working state slot)
+    bool copy_on_write = false;  // the shared, partly filled last block is copied
+    bool checkpoint = false;     // a state checkpoint is due (best-effort)
+    std::size_t needed() const { return fresh + (copy_on_write ? 1 : 0); }
+  };
+  std::vector<PerGroup> groups;
+};
+
+HybridBlockTable::HybridBlockTable(HybridKvCache& cache, std::uint64_t extra_key)
+    : cache_(&cache),
+      extra_key_(extra_key),
+      block_size_(cache.block_size()),
+      groups_(cache.num_groups()) {}
+
+HybridBlockTable::~HybridBlockTable() {
+  release();
+}
+
+HybridBlockTable::HybridBlockTable(HybridBlockTable&& other) noexcept
+    : cache_(other.cache_),
+      extra_key_(other.extra_key_),
+      block_size_(other.block_size_),
+      groups_(std::exchange(other.groups_, std::vector<Group>(other.groups_.size()))),
+      tokens_(std::exchange(other.tokens_, {})),
+      hashes_(std::exchange(other.hashes_, {})),
+      checkpointed_at_(std::exchange(other.checkpointed_at_, 0)),
+      copy_on_writes_(std::exchange(other.copy_on_writes_, 0)),
+      hit_mode_(other.hit_mode_) {}
+
+HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept {
+  if (this != &other) {
+    release();
+    cache_ = other.cache_;
+    extra_key_ = other.extra_key_;
+    block_size_ = other.block_size_;
+    groups_ = std::exchange(other.groups_, std::vector<Group>(other.groups_.size()));
+    tokens_ = std::exchange(other.tokens_, {});
+    hashes_ = std::exchange(other.hashes_, {});
+    checkpointed_at_ = std::exchange(other.checkpointed_at_, 0);
+    copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
+    hit_mode_ = other.hit_mode_;
+  }
+  return *this;
+}
+
+std::span<const BlockId> HybridBlockTable::blocks(std::size_t g) const {
+  (void)cache_->group(g);
+  return groups_[g].blocks;
+}
+
+std::size_t HybridBlockTable::num_live_blocks(std::size_t g) const {
+  (void)cache_->group(g);
+  return groups_[g].blocks.size() - groups_[g].live_begin;
+}
+
+std::optional<BlockId> HybridBlockTable::state_slot(std::size_t g) const {
+  (void)cache_->group(g);
+  return groups_[g].state;
+}
+
+void HybridBlockTable::release_block(std::size_t g, BlockId block) noexcept {
+  try {
+    cache_->prefix_cache(g).release(block);
+  } catch (...) {  // only logging can throw; the release itself happened
+  }
+}
+
+void HybridBlockTable::release_before(std::size_t g, std::size_t first) noexcept {
+  Group& grp = groups_[g];
+  // Oldest first: the LRU evicts them before the blocks released later.
+  for (std::size_t i = grp.live_begin; i < first; ++i) {
+    if (grp.blocks[i] != kNullBlock) release_block(g, grp.blocks[i]);
+    grp.blocks[i] = kNullBlock;
+  }
+  grp.live_begin = std::max(grp.live_begin, first);
+}
+
+void HybridBlockTable::release() noexcept {
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    Group& grp = groups_[g];
+    for (std::size_t i = grp.blocks.size(); i-- > grp.live_begin;) {
+      if (grp.blocks[i] != kNullBlock) release_block(g, grp.blocks[i]);
+    }
+    if (grp.state) release_block(g, *grp.state);
+    grp = Group{};
+  }
+  tokens_.clear();
+  hashes_.clear();
+  checkpointed_at_ = 0;
+}
+
+HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) const {
+  Plan plan;
+  plan.groups.resize(groups_.size());
+  const std::size_t n = tokens_.size();
+  const std::size_t interval = cache_->config().state_checkpoint_interval;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const LayerSpec& spec = cache_->group(g).spec;
+    const Group& grp = groups_[g];
+    Plan::PerGroup& p = plan.groups[g];
+    if (spec.has_state()) {
+      p.fresh = (!grp.state && num_tokens > 0) ? 1 : 0;
+      p.checkpoint = num_tokens > 0 && grp.state && interval > 0 && n > 0 &&
+                     n % (interval * block_size_) == 0 && checkpointed_at_ != n;
+      continue;
+    }
+    const PagedKvCache& pool = cache_->group_cache(g);
+    const PrefixCache& prefix = cache_->prefix_cache(g);
+    p.release_to = std::max(grp.live_begin, first_needed_block(hit_rule_of(spec), block_size_, n));
+    for (std::size_t i = grp.live_begin; i < p.release_to; ++i) {
+      const BlockId b = grp.blocks[i];
+      if (b == kNullBlock) continue;
+      if (pool.ref_count(b) == (prefix.is_cached(b) ? 2u : 1u)) ++p.releasable;
+    }
+    const std::size_t fill = grp.blocks.empty() ? 0 : n - (grp.blocks.size() - 1) * block_size_;
+    const std::size_t room = grp.blocks.empty() ? 0 : block_size_ - fill;
+    p.fresh = div_ceil(num_tokens > room ? num_tokens - room : 0, block_size_);
+    p.copy_on_write = num_tokens > 0 && room > 0 && pool.ref_count(grp.blocks.back()) > 1;
+  }
+  return plan;
+}
+
+std::vector<HybridBlockTable::GroupNeed> HybridBlockTable::blocks_needed(
+    std::size_t num_tokens) const {
+  const Plan plan = plan_append(num_tokens);
+  std::vector<GroupNeed> out;
+  out.reserve(plan.groups.size());
+  for (const Plan::PerGroup& p : plan.groups)
+    out.push_back(GroupNeed{p.needed(), p.releasable});
+  return out;
+}
+
+bool HybridBlockTable::can_append(std::size_t num_tokens) const {
+  const Plan plan = plan_append(num_tokens);
+  for (std::size_t g = 0; g < plan.groups.size(); ++g) {
+    const Plan::PerGroup& p = plan.groups[g];
+    if (p.needed() > cache_->prefix_cache(g).num_available_blocks() + p.releasable) return false;
+  }
+  return true;
+}
+
+void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
+  if (tokens.empty()) return;
+  const Plan plan = plan_append(tokens.size());
+  const std::size_t ng = groups_.size();
+  for (std::size_t g = 0; g < ng; ++g) {
+    const Plan::PerGroup& p = plan.groups[g];
+    const std::size_t available = cache_->prefix_cache(g).num_available_blocks();
+    if (p.needed() > available + p.releasable) {
+      throw CacheExhausted(fmt::format(
+          "KV cache exhausted: appending {} tokens needs {} blocks in group {} ({}), {} are free "
+          "or evictable and {} come back from the freeing rules",
+          tokens.size(), p.needed(), g, cache_->group(g).spec.describe(), available, p.releasable));
+    }
+  }
+  // Everything that can throw happens before the table changes (but see the
+  // freeing rules below).
+  const std::size_t n = tokens_.size();
+  reserve_total(tokens_, n + tokens.size());
+  reserve_total(hashes_, (n + tokens.size()) / block_size_);
+  for (std::size_t g = 0; g < ng; ++g)
+    reserve_total(groups_[g].blocks, groups_[g].blocks.size() + plan.groups[g].fresh);
+
+  // Groups that only have room once their freeing rules ran release first:
+  // those blocks are out of the sequence's span, whatever happens next.
+  for (std::size_t g = 0; g < ng; ++g) {
+    const Plan::PerGroup& p = plan.groups[g];
+    if (p.needed() > cache_->prefix_cache(g).num_available_blocks())
+      release_before(g, p.release_to);
+  }
+
+  std::vector<std::vector<BlockId>> fresh(ng);
+  std::vector<std::optional<BlockId>> checkpoint(ng);
+  auto give_back = [&]() noexcept {
+    for (std::size_t g = 0; g < ng; ++g) {
+      for (auto it = fresh[g].rbegin(); it != fresh[g].rend(); ++it)
+        release_block(g, *it);
+      if (checkpoint[g]) release_block(g, *checkpoint[g]);
+    }
+  };
+  try {
+    for (std::size_t g = 0; g < ng; ++g) {
+      const Plan::PerGroup& p = plan.groups[g];
+      PrefixCache& prefix = cache_->prefix_cache(g);
+      PagedKvCache& pool = cache_->group_cache(g);
+      fresh[g].reserve(p.needed());
+      for (std::size_t i = 0; i < p.needed(); ++i)
+        fresh[g].push_back(prefix.alloc_block());
+      if (p.copy_on_write) {
+        const BlockCopy c{groups_[g].blocks.back(), fresh[g].front()};
+        pool.copy_blocks({&c, 1}, stream);
+      }
+      if (cache_->group(g).spec.has_state()) {
+        if (p.fresh > 0) pool.zero_blocks(fresh[g], stream);  // a new sequence's state starts at 0
+        if (p.checkpoint && !prefix.find(hashes_[n / block_size_ - 1])) {
+          checkpoint[g] = prefix.try_alloc_block();
+          if (checkpoint[g]) {
+            const BlockCopy c{*groups_[g].state, *checkpoint[g]};
+            pool.copy_blocks({&c, 1}, stream);
+          }
+        }
+      }
+    }
+  } catch (...) {
+    give_back();
+    throw;
+  }
+
+  // Commit: nothing below throws.
+  for (std::size_t g = 0; g < ng; ++g) {
+    const Plan::PerGroup& p = plan.groups[g];
+    Group& grp = groups_[g];
+    if (cache_->group(g).spec.has_state()) {
+      if (!fresh[g].empty()) grp.state = fresh[g].front();
+      if (checkpoint[g]) {
+        PrefixCache& prefix = cache_->prefix_cache(g);
+        try {
+          (void)prefix.insert(hashes_[n / block_size_ - 1], *checkpoint[g]);
+          ++cache_->hit_counters().state_checkpoints;
+        } catch (...) {  // out of memory for the index: no checkpoint
+        }
+        release_block(g, *checkpoint[g]);  // cached: evictable; else freed
+      }
+      continue;
+    }
+    release_before(g, p.release_to);
+    auto next = fresh[g].begin();
+    if (p.copy_on_write) {
+      const BlockId shared = grp.blocks.back();
+      grp.blocks.back() = *next++;
+      release_block(g, shared);  // the other sharers keep it
+      ++copy_on_writes_;
+    }
+    grp.blocks.insert(grp.blocks.end(), next, fresh[g].end());
+  }
+  for (std::size_t g = 0; g < ng; ++g) {
+    if (plan.groups[g].checkpoint) {
+      checkpointed_at_ = n;
+      break;
+    }
+  }
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  register_full_blocks();
+}
+
+void HybridBlockTable::register_full_blocks() noexcept {
+  const std::size_t full = tokens_.size() / block_size_;
+  while (hashes_.size() < full) {
+    const std::size_t i = hashes_.size();
+    const std::optional<BlockHash> parent =
+        hashes_.empty() ? std::nullopt : std::optional<BlockHash>(hashes_.back());
+    const BlockHash h =
+        hash_block(parent, std::span<const TokenId>(tokens_).subspan(i * block_size_, block_size_),
+                   extra_key_);
+    hashes_.push_back(h);  // capacity reserved by append_tokens
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const Group& grp = groups_[g];
+      if (i >= grp.blocks.size() || grp.blocks[i] == kNullBlock) continue;
+      try {
+        (void)cache_->prefix_cache(g).insert(h, grp.blocks[i]);
+      } catch (...) {  // out of memory for the index: the block stays uncached
+      }
+    }
+  }
+}
+
+std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> prompt,
+                                                  StreamView stream) {
+  if (!tokens_.empty()) {
+    throw InvalidArgument(fmt::format(
+        "HybridBlockTable::reuse_cached_prefix: the table already holds {} tokens; a cached "
+        "prefix can only start an empty table",
+        tokens_.size()));
+  }
+  HybridHitCounters& counters = cache_->hit_counters();
+  ++counters.lookups;
+  counters.lookup_tokens += prompt.size();
+  const std::size_t max_blocks = hit_mode_ == PrefixHitMode::full
+                                     ? prompt.size() / block_size_
+                                     : (prompt.empty() ? 0 : (prompt.size() - 1) / block_size_);
+  if (max_blocks == 0) return 0;
+  std::vector<BlockHash> hashes = hash_full_blocks(prompt, block_size_, extra_key_);
+  hashes.resize(max_blocks);
+
+  const std::size_t ng = groups_.size();
+  std::vector<GroupHitRule> rules(ng);
+  std::size_t anchor = ng;  // the first full-attention (or MLA) group
+  for (std::size_t g = 0; g < ng; ++g) {
+    rules[g] = hit_rule_of(cache_->group(g).spec);
+    if (anchor == ng && is_full_kind(rules[g].kind)) anchor = g;
+  }
+  // The anchor's lookup takes the chain (one probe a block, as BlockTable's);
+  // the other groups are probed only where the rule needs them.
+  PrefixMatch anchor_match;
+  if (anchor < ng) anchor_match = cache_->prefix_cache(anchor).lookup_hashes(hashes);
+  const std::size_t anchor_chain = anchor_match.blocks.size();
+  auto cached = [&](std::size_t g, std::size_t i) {
+    if (g == anchor) return i < anchor_chain;
+    return cache_->prefix_cache(g).find(hashes[i]).has_value();
+  };
+  std::size_t hit = find_hybrid_hit(rules, block_size_, max_blocks, cached);
+
+  std::vector<std::vector<BlockId>> taken(ng);
+  std::vector<std::optional<BlockId>> slots(ng);
+  std::vector<std::size_t> first(ng, 0);
+  auto give_back = [&]() noexcept {
+    for (std::size_t g = 0; g < ng; ++g) {
+      for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
+        release_block(g, *it);
+      taken[g].clear();
+      if (slots[g]) release_block(g, *slots[g]);
+      slots[g].reset();
+    }
+  };
+  if (anchor < ng) {
+    taken[anchor] = std::move(anchor_match.blocks);
+    while (taken[anchor].size() > hit) {
+      release_block(anchor, taken[anchor].back());
+      taken[anchor].pop_back();
+    }
+  }
+  if (hit == 0) {
+    give_back();
+    return 0;
+  }
+  try {
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (g == anchor) continue;
+      PrefixCache& prefix = cache_->prefix_cache(g);
+      first[g] = std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
+      const auto span = std::span<const BlockHash>(hashes).subspan(first[g], hit - first[g]);
+      PrefixMatch m = prefix.lookup_hashes(span);
+      taken[g] = std::move(m.blocks);
+      if (taken[g].size() != span.size()) {
+        throw std::logic_error(
+            "HybridBlockTable::reuse_cached_prefix: a block the hit rule found is gone");
+      }
+    }
+    // State: the checkpoint's reference is held (taken[g]) while a slot is
+    // found, so allocating cannot evict it.
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (rules[g].kind != LayerKind::state) continue;
+      slots[g] = cache_->prefix_cache(g).try_alloc_block();
+      if (!slots[g]) {  // no slot to copy the state into: no hit
+        give_back();
+        return 0;
+      }
+      const BlockCopy c{taken[g].front(), *slots[g]};
+      cache_->group_cache(g).copy_blocks({&c, 1}, stream);
+    }
+  } catch (...) {
+    give_back();
+    throw;
+  }
+
+  // Commit: nothing below throws (the vectors' memory is reserved first).
+  try {
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (rules[g].kind != LayerKind::state) groups_[g].blocks.reserve(hit);
+    }
+    tokens_.reserve(prompt.size());
+  } catch (...) {
+    give_back();
+    for (Group& grp : groups_)
+      grp = Group{};
+    throw;
+  }
+  for (std::size_t g = 0; g < ng; ++g) {
+    Group& grp = groups_[g];
+    if (rules[g].kind == LayerKind::state) {
+      for (BlockId b : taken[g])
+        release_block(g, b);  // the checkpoint stays cached, evictable again
+      grp.state = slots[g];
+      continue;
+    }
+    grp.blocks.assign(first[g], kNullBlock);
+    grp.blocks.insert(grp.blocks.end(), taken[g].begin(), taken[g].end());
+    grp.live_begin = first[g];
+  }
+  tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit * block_size_));
+  hashes.resize(hit);
+  hashes_ = std::move(hashes);
+  checkpointed_at_ = tokens_.size();  // the state there came from a checkpoint
+  counters.hit_tokens += tokens_.size();
+  return tokens_.size();
+}
+
+HybridBlockTable HybridBlockTable::fork(StreamView stream) const {
+  HybridBlockTable child(*cache_, extra_key_);
+  child.hit_mode_ = hit_mode_;
+  const std::size_t ng = groups_.size();
+  // State copies first: they are what can fail.
+  for (std::size_t g = 0; g < ng; ++g) {
+    if (!groups_[g].state) continue;
+    std::optional<BlockId> slot = cache_->prefix_cache(g).try_alloc_block();
+    if (!slot) {
+      throw CacheExhausted(fmt::format(
+          "KV cache exhausted: fork needs a state slot in group {} ({}), none is free or evictable",
+          g, cache_->group(g).spec.describe()));
+    }
+    child.groups_[g].state = slot;  // the child releases it if a later step throws
+    const BlockCopy c{*groups_[g].state, *slot};
+    cache_->group_cache(g).copy_blocks({&c, 1}, stream);
+  }
+  for (std::size_t g = 0; g < ng; ++g) {
+    const Group& grp = groups_[g];
+    Group& dst = child.groups_[g];
+    dst.blocks.reserve(grp.blocks.size());
+    for (std::size_t i = 0; i < grp.blocks.size(); ++i) {
+      const BlockId b = grp.blocks[i];
+      if (b != kNullBlock) cache_->group_cache(g).inc_ref(b);
+      dst.blocks.push_back(b);  // reserved: cannot throw
+    }
+    dst.live_begin = grp.live_begin;
+  }
+  child.tokens_ = tokens_;
+  child.hashes_ = hashes_;
+  child.checkpointed_at_ = checkpointed_at_;
+  return child;
+}
+
+}  // namespace kvport

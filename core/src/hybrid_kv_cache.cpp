@@ -1,0 +1,162 @@
+#include "kvport/core/hybrid_kv_cache.hpp"
+
+#include <fmt/format.h>
+
+#include <exception>
+#include <limits>
+#include <utility>
+
+#include "kvport/platform/error.hpp"
+
+namespace kvport {
+namespace {
+
+constexpr std::size_t kNoGroup = std::numeric_limits<std::size_t>::max();
+
+std::vector<std::size_t> blocks_of(const KvCachePlan& plan) {
+  std::vector<std::size_t> out;
+  out.reserve(plan.groups.size());
+  for (const GroupPlan& g : plan.groups)
+    out.push_back(g.num_blocks);
+  return out;
+}
+
+}  // namespace
+
+HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
+                             std::span<const std::size_t> blocks_per_group, Backend& backend,
+                             PagedKvCacheOptions options)
+    : config_(std::move(config)), backend_(&backend) {
+  groups_ = group_layers(config_.layers, config_.block_size);
+  if (blocks_per_group.size() != groups_.size()) {
+    throw InvalidArgument(fmt::format(
+        "HybridKvCache: {} block counts for {} KV cache groups (one per group, in group order)",
+        blocks_per_group.size(), groups_.size()));
+  }
+  locations_.assign(config_.layers.size(), LayerLocation{kNoGroup, 0});
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    for (std::size_t i = 0; i < groups_[g].layers.size(); ++i)
+      locations_[groups_[g].layers[i]] = LayerLocation{g, i};
+  }
+  caches_.reserve(groups_.size());
+  prefixes_.reserve(groups_.size());
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (blocks_per_group[g] == 0) {
+      throw InvalidArgument(
+          fmt::format("HybridKvCache: group {} ({}) has 0 blocks", g, groups_[g].spec.describe()));
+    }
+    // On a throw the members built so far are destroyed (prefix caches
+    // first), freeing every pool.
+    caches_.push_back(std::make_unique<PagedKvCache>(
+        group_pool_config(groups_[g], config_.block_size, config_.layout), blocks_per_group[g],
+        backend, options));
+    prefixes_.push_back(std::make_unique<PrefixCache>(*caches_.back()));
+  }
+}
+
+HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
+                             PagedKvCacheOptions options)
+    : HybridKvCache(std::move(config), blocks_of(plan), backend, options) {}
+
+HybridKvCache::~HybridKvCache() {
+  prefixes_.clear();  // they drop their references before the pools go
+}
+
+const KvCacheGroup& HybridKvCache::group(std::size_t g) const {
+  if (g >= groups_.size()) {
+    throw InvalidArgument(
+        fmt::format("HybridKvCache: group {} out of range ({} groups)", g, groups_.size()));
+  }
+  return groups_[g];
+}
+
+PagedKvCache& HybridKvCache::group_cache(std::size_t g) const {
+  (void)group(g);
+  return *caches_[g];
+}
+
+PrefixCache& HybridKvCache::prefix_cache(std::size_t g) const {
+  (void)group(g);
+  return *prefixes_[g];
+}
+
+std::optional<LayerLocation> HybridKvCache::locate(std::size_t layer) const {
+  if (layer >= locations_.size()) {
+    throw InvalidArgument(
+        fmt::format("HybridKvCache: layer {} out of range ({} layers)", layer, locations_.size()));
+  }
+  if (locations_[layer].group == kNoGroup) return std::nullopt;
+  return locations_[layer];
+}
+
+std::size_t HybridKvCache::total_bytes() const noexcept {
+  std::size_t total = 0;
+  for (const auto& c : caches_)
+    total += c->total_bytes();
+  return total;
+}
+
+std::size_t HybridKvCache::blocks_in_use(std::size_t g) const {
+  const PrefixCache& p = prefix_cache(g);
+  return p.kv_cache().num_blocks_in_use() - p.num_evictable_blocks();
+}
+
+std::vector<InvariantReport> HybridKvCache::check_group_invariants() const {
+  std::vector<InvariantReport> out;
+  out.reserve(prefixes_.size());
+  for (const auto& p : prefixes_)
+    out.push_back(p->check_invariants());
+  return out;
+}
+
+InvariantReport HybridKvCache::check_invariants() const {
+  InvariantReport total;
+  const std::vector<InvariantReport> reports = check_group_invariants();
+  for (std::size_t g = 0; g < reports.size(); ++g) {
+    const InvariantReport& r = reports[g];
+    total.blocks_checked += r.blocks_checked;
+    total.free_blocks += r.free_blocks;
+    total.blocks_in_use += r.blocks_in_use;
+    total.evictable_blocks += r.evictable_blocks;
+    total.cached_blocks += r.cached_blocks;
+    for (const std::string& v : r.violations)
+      total.add_violation(fmt::format("group {}: {}", g, v));
+    if (!r.ok && r.violations.empty()) total.add_violation(fmt::format("group {}: not ok", g));
+  }
+  return total;
+}
+
+void HybridKvCache::synchronize() {
+  std::exception_ptr first;
+  for (const auto& c : caches_) {
+    try {
+      c->synchronize();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+GroupHitRule hit_rule_of(const LayerSpec& spec) noexcept {
+  return GroupHitRule{spec.kind, spec.window, spec.chunk};
+}
+
+std::size_t first_needed_block(const GroupHitRule& rule, std::size_t block_size,
+                               std::size_t position) noexcept {
+  switch (rule.kind) {
+    case LayerKind::sliding_window:
+      return position + 1 > rule.window ? (position + 1 - rule.window) / block_size : 0;
+    case LayerKind::chunked_local:
+      return rule.chunk == 0 ? 0 : position / rule.chunk * (rule.chunk / block_size);
+    case LayerKind::state:
+      return position / block_size;
+    case LayerKind::full_attention:
+    case LayerKind::mla:
+    case LayerKind::none:
+      return 0;
+  }
+  return 0;
+}
+
+}  // namespace kvport

@@ -1,0 +1,168 @@
+#include "kvport/core/kv_cache_plan.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+
+namespace kvport {
+namespace {
+
+constexpr std::size_t kMaxSize = std::numeric_limits<std::size_t>::max();
+
+std::size_t sat_mul(std::size_t a, std::size_t b) {
+  return (a != 0 && b > kMaxSize / a) ? kMaxSize : a * b;
+}
+
+std::size_t sat_add(std::size_t a, std::size_t b) {
+  return b > kMaxSize - a ? kMaxSize : a + b;
+}
+
+// The bytes of the pools of `config` with `n` blocks, each allocation
+// rounded to kAllocAlignment as PagedKvCache allocates them.
+std::size_t pools_bytes(const KvCacheConfig& config, std::size_t n) {
+  auto round = [](std::size_t b) { return sat_mul(div_ceil(b, kAllocAlignment), kAllocAlignment); };
+  if (config.layout == KvCacheLayout::block_major)
+    return round(sat_mul(n, config.bytes_per_block()));
+  std::size_t total = 0;
+  for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+    total = sat_add(total, round(sat_mul(n, config.k_block_bytes(layer))));
+    if (config.head_dim_v != 0)
+      total = sat_add(total, round(sat_mul(n, config.v_block_bytes(layer))));
+  }
+  return total;
+}
+
+// A full-attention spec of the same heads and dtype: what a runtime without
+// groups would keep for a window or chunked layer.
+LayerSpec as_full(const LayerSpec& spec) {
+  if (spec.kind != LayerKind::sliding_window && spec.kind != LayerKind::chunked_local) return spec;
+  return LayerSpec::full_attention(spec.num_kv_heads, spec.head_dim_k, spec.head_dim_v, spec.dtype);
+}
+
+}  // namespace
+
+double KvCachePlan::ratio_to_all_full() const noexcept {
+  if (all_full_peak_bytes_per_request == 0) return 0.0;
+  return static_cast<double>(peak_bytes_per_request) /
+         static_cast<double>(all_full_peak_bytes_per_request);
+}
+
+std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_size,
+                                    std::size_t context_tokens, std::size_t step_tokens,
+                                    std::size_t state_checkpoints) {
+  if (block_size == 0) throw InvalidArgument("peak_blocks_per_request: block_size must be > 0");
+  if (context_tokens == 0)
+    throw InvalidArgument("peak_blocks_per_request: the context must be > 0 tokens");
+  if (step_tokens == 0) throw InvalidArgument("peak_blocks_per_request: step_tokens must be > 0");
+  const std::size_t full = div_ceil(context_tokens, block_size);
+  switch (spec.kind) {
+    case LayerKind::full_attention:
+    case LayerKind::mla:
+      return full;
+    case LayerKind::sliding_window:
+      // Held: the blocks covering [n - W + 1, n + step) for some n; a span of
+      // W - 1 + step tokens starting anywhere in a block covers at most
+      // ceil((W - 2 + step) / bs) + 1 blocks.
+      return std::min(full, div_ceil(sat_add(spec.window, step_tokens) - 2, block_size) + 1);
+    case LayerKind::chunked_local:
+      // Held: from the chunk start of token n (block-aligned) to n + step.
+      return std::min(full, div_ceil(sat_add(spec.chunk - 1, step_tokens), block_size));
+    case LayerKind::state:
+      return sat_add(1, state_checkpoints);
+    case LayerKind::none:
+      return 0;
+  }
+  return 0;
+}
+
+KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t block_size,
+                          const KvCachePlanRequest& request, KvCacheLayout layout) {
+  if (groups.empty()) throw InvalidArgument("plan_kv_cache: no KV cache group to plan");
+  if (block_size == 0) throw InvalidArgument("plan_kv_cache: block_size must be > 0");
+  if (request.budget_bytes == 0) throw InvalidArgument("plan_kv_cache: the memory budget is 0");
+  if (request.max_context_tokens == 0)
+    throw InvalidArgument("plan_kv_cache: max_context_tokens must be > 0");
+
+  KvCachePlan plan;
+  plan.block_size = block_size;
+  std::vector<KvCacheConfig> configs;
+  std::size_t largest_page = 0;
+  for (const KvCacheGroup& group : groups) {
+    GroupPlan g;
+    g.spec = group.spec;
+    g.num_layers = group.layers.size();
+    KvCacheConfig config = group_pool_config(group, block_size, layout);
+    config.validate();
+    g.bytes_per_block = config.bytes_per_block();
+    if (group.spec.has_blocks()) {
+      // Per-layer dtypes: sum the layers' own token bytes.
+      for (std::size_t i = 0; i < group.layers.size(); ++i) {
+        LayerSpec layer = group.spec;
+        if (group.spec.mla_format != MlaFormat::fp8_ds_mla) layer.dtype = group.layer_dtypes[i];
+        g.bytes_per_token = sat_add(g.bytes_per_token, layer.token_bytes(block_size));
+      }
+    } else {
+      g.bytes_per_request = g.bytes_per_block;
+    }
+    g.peak_blocks_per_request =
+        peak_blocks_per_request(group.spec, block_size, request.max_context_tokens,
+                                request.step_tokens, request.state_checkpoints);
+    plan.peak_bytes_per_request =
+        sat_add(plan.peak_bytes_per_request, sat_mul(g.peak_blocks_per_request, g.bytes_per_block));
+    const LayerSpec full = as_full(group.spec);
+    const std::size_t full_peak =
+        peak_blocks_per_request(full, block_size, request.max_context_tokens, request.step_tokens,
+                                request.state_checkpoints);
+    plan.all_full_peak_bytes_per_request =
+        sat_add(plan.all_full_peak_bytes_per_request, sat_mul(full_peak, g.bytes_per_block));
+    largest_page = std::max(largest_page, g.bytes_per_block);
+    plan.groups.push_back(std::move(g));
+    configs.push_back(std::move(config));
+  }
+  for (const GroupPlan& g : plan.groups) {
+    plan.shared_pool_peak_bytes_per_request = sat_add(
+        plan.shared_pool_peak_bytes_per_request, sat_mul(g.peak_blocks_per_request, largest_page));
+  }
+
+  // Shares in the ratio of the peak bytes per request.
+  const long double total_peak = static_cast<long double>(plan.peak_bytes_per_request);
+  std::size_t concurrent = kMaxSize;
+  for (std::size_t i = 0; i < plan.groups.size(); ++i) {
+    GroupPlan& g = plan.groups[i];
+    const long double share =
+        plan.groups.size() == 1
+            ? 1.0L
+            : static_cast<long double>(sat_mul(g.peak_blocks_per_request, g.bytes_per_block)) /
+                  total_peak;
+    const auto budget =
+        static_cast<std::size_t>(static_cast<long double>(request.budget_bytes) * share);
+    g.num_blocks = PagedKvCache::compute_num_blocks(configs[i], budget);
+    if (g.num_blocks == 0) {
+      throw InvalidArgument(fmt::format(
+          "plan_kv_cache: the budget of {} bytes leaves group {} ({}, {} layers) {} bytes, less "
+          "than one block of {} bytes",
+          request.budget_bytes, i, g.spec.describe(), g.num_layers, budget, g.bytes_per_block));
+    }
+    g.bytes = pools_bytes(configs[i], g.num_blocks);
+    plan.total_bytes = sat_add(plan.total_bytes, g.bytes);
+    if (g.peak_blocks_per_request > 0)
+      concurrent = std::min(concurrent, g.num_blocks / g.peak_blocks_per_request);
+  }
+  plan.max_concurrent_requests = concurrent == kMaxSize ? 0 : concurrent;
+  if (request.max_requests > plan.max_concurrent_requests) {
+    throw InvalidArgument(fmt::format(
+        "plan_kv_cache: {} requests of {} tokens need {} bytes at their peak ({} per request); "
+        "the budget of {} bytes holds {}",
+        request.max_requests, request.max_context_tokens,
+        sat_mul(request.max_requests, plan.peak_bytes_per_request), plan.peak_bytes_per_request,
+        request.budget_bytes, plan.max_concurrent_requests));
+  }
+  return plan;
+}
+
+}  // namespace kvport
