@@ -1,0 +1,277 @@
+// HybridKvCache and HybridBlockTable over attention groups: the freeing rules
+// (window, chunked), the hybrid hit, all-or-nothing appends, fork and
+// copy-on-write, and invariants in every group.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "core_test_util.hpp"
+#include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
+
+namespace kvport {
+namespace {
+
+using test::host_backend;
+using ::testing::HasSubstr;
+
+constexpr std::size_t kBs = 4;
+
+std::vector<TokenId> tokens(std::size_t n, TokenId first = 1) {
+  std::vector<TokenId> t(n);
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+
+// Group 0: 2 full-attention layers; group 1: 2 window layers (W = 8);
+// group 2: 1 chunked layer (C = 8). Small heads: 64-byte regions.
+HybridKvCacheConfig hybrid_config() {
+  HybridKvCacheConfig c;
+  c.block_size = kBs;
+  c.layers = {LayerSpec::sliding_window(8, 1, 8, 8),
+              LayerSpec::full_attention(1, 8, 8),
+              LayerSpec::chunked_local(8, 1, 8, 8),
+              LayerSpec::sliding_window(8, 1, 8, 8),
+              LayerSpec::no_kv(),
+              LayerSpec::full_attention(1, 8, 8)};
+  return c;
+}
+
+class HybridTableTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<Backend> backend = host_backend();
+  Stream stream = backend->create_stream();
+  std::vector<std::size_t> counts{16, 16, 16};
+  HybridKvCache cache{hybrid_config(), counts, *backend};
+
+  void expect_ok() {
+    const InvariantReport r = cache.check_invariants();
+    EXPECT_TRUE(r.ok) << r.to_string();
+  }
+  static std::size_t nulls(std::span<const BlockId> blocks) {
+    return static_cast<std::size_t>(std::count(blocks.begin(), blocks.end(), kNullBlock));
+  }
+};
+
+TEST_F(HybridTableTest, GroupsAndLocations) {
+  ASSERT_EQ(cache.num_groups(), 3u);
+  EXPECT_EQ(cache.group(0).spec.kind, LayerKind::sliding_window);
+  EXPECT_EQ(cache.group(1).spec.kind, LayerKind::full_attention);
+  EXPECT_EQ(cache.group(2).spec.kind, LayerKind::chunked_local);
+  EXPECT_EQ(cache.locate(3)->group, 0u);
+  EXPECT_EQ(cache.locate(3)->index, 1u);
+  EXPECT_EQ(cache.locate(5)->group, 1u);
+  EXPECT_FALSE(cache.locate(4).has_value());
+  EXPECT_THROW((void)cache.locate(6), InvalidArgument);
+  EXPECT_THROW((void)cache.group(3), InvalidArgument);
+  EXPECT_EQ(cache.group_cache(0).num_layers(), 2u);
+  EXPECT_EQ(cache.group_cache(2).num_layers(), 1u);
+  EXPECT_EQ(cache.total_bytes(), cache.group_cache(0).total_bytes() +
+                                     cache.group_cache(1).total_bytes() +
+                                     cache.group_cache(2).total_bytes());
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, ConstructorErrors) {
+  const std::vector<std::size_t> two{4, 4};
+  EXPECT_THAT(
+      [&] {
+        try {
+          HybridKvCache c(hybrid_config(), two, *backend);
+        } catch (const InvalidArgument& e) {
+          throw std::runtime_error(e.what());
+        }
+      },
+      ::testing::ThrowsMessage<std::runtime_error>(HasSubstr("2 block counts for 3")));
+  const std::vector<std::size_t> zero{4, 0, 4};
+  EXPECT_THROW(HybridKvCache(hybrid_config(), zero, *backend), InvalidArgument);
+}
+
+TEST_F(HybridTableTest, WindowAndChunkedBlocksAreReleasedAsTheSequenceGrows) {
+  HybridBlockTable t(cache);
+  for (std::size_t n = 0; n < 40; ++n) {
+    const std::vector<TokenId> one{static_cast<TokenId>(n + 1)};
+    t.append_tokens(one, stream);
+    const std::size_t held = n + 1;
+    // Full attention keeps everything.
+    EXPECT_EQ(t.num_live_blocks(1), div_ceil(held, kBs));
+    // Window 8: blocks wholly before token n - 8 + 1 (n tokens before this
+    // append) are null.
+    const std::size_t first_w = n + 1 > 8 ? (n + 1 - 8) / kBs : 0;
+    EXPECT_EQ(nulls(t.blocks(0)), first_w) << "n=" << n;
+    EXPECT_EQ(t.blocks(0).size(), div_ceil(held, kBs));
+    // Chunked 8: blocks before the chunk of token n.
+    EXPECT_EQ(nulls(t.blocks(2)), n / 8 * 2) << "n=" << n;
+    EXPECT_LE(t.num_live_blocks(0), peak_blocks_per_request(cache.group(0).spec, kBs, 1000, 1));
+    EXPECT_LE(t.num_live_blocks(2), peak_blocks_per_request(cache.group(2).spec, kBs, 1000, 1));
+  }
+  // Released full blocks stay cached (evictable) in their group.
+  EXPECT_GT(cache.prefix_cache(0).num_evictable_blocks(), 0u);
+  EXPECT_EQ(cache.prefix_cache(0).num_cached_blocks(), 10u);  // every full block of 40 tokens
+  expect_ok();
+  t.release();
+  EXPECT_EQ(cache.blocks_in_use(0) + cache.blocks_in_use(1) + cache.blocks_in_use(2), 0u);
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, HitNeedsEveryGroupsRule) {
+  const std::vector<TokenId> prompt = tokens(33);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(prompt, stream);
+  }
+  expect_ok();
+  HybridBlockTable b(cache);
+  // compute_last_token: at most 32 tokens of 33, all 8 blocks valid.
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 32u);
+  // Window: the next token is 32, it needs tokens 25..31 (blocks 6, 7).
+  EXPECT_EQ(nulls(b.blocks(0)), 6u);
+  // Chunked: token 32 starts a chunk: no block needed.
+  EXPECT_EQ(nulls(b.blocks(2)), 8u);
+  EXPECT_EQ(nulls(b.blocks(1)), 0u);
+  EXPECT_EQ(cache.hit_counters().hit_tokens, 32u);
+  b.append_tokens(tokens(1, 33), stream);
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, AnEvictedWindowBlockShortensTheHit) {
+  const std::vector<TokenId> prompt = tokens(33);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(prompt, stream);
+  }
+  // Drop the window group's block 7 (the last one of the prompt): a hit of 8
+  // blocks needs it; 7 blocks need blocks 5 and 6, still cached.
+  PrefixCache& w = cache.prefix_cache(0);
+  const std::vector<BlockHash> h = hash_full_blocks(prompt, kBs);
+  const std::optional<BlockId> b7 = w.find(h[7]);
+  ASSERT_TRUE(b7.has_value());
+  // Evict everything evictable, then check which hashes survive.
+  while (w.find(h[7])) {
+    ASSERT_EQ(w.evict(1), 1u);
+  }
+  // The table was released last block first, so block 7 was the least
+  // recently used and the only one evicted. A hit of 7 blocks (28 tokens)
+  // needs the window's blocks 5 and 6 and the chunk's block 6.
+  HybridBlockTable b(cache);
+  const std::size_t hit = b.reuse_cached_prefix(prompt, stream);
+  EXPECT_EQ(hit, 28u);
+  // The hit is valid: its window blocks are live.
+  for (std::size_t i = first_needed_block(hit_rule_of(cache.group(0).spec), kBs, hit);
+       i < hit / kBs; ++i) {
+    EXPECT_NE(b.blocks(0)[i], kNullBlock);
+  }
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, AppendIsAllOrNothingAcrossGroups) {
+  // A cache whose window group is small: 3 blocks.
+  const std::vector<std::size_t> small{3, 16, 16};
+  HybridKvCache c(hybrid_config(), small, *backend);
+  HybridBlockTable t(c);
+  t.append_tokens(tokens(12), stream);  // window holds 3 blocks
+  const auto before_tokens = std::vector<TokenId>(t.tokens().begin(), t.tokens().end());
+  const auto before_full = std::vector<BlockId>(t.blocks(1).begin(), t.blocks(1).end());
+  const auto before_window = std::vector<BlockId>(t.blocks(0).begin(), t.blocks(0).end());
+  // 9 more tokens: the window releases block 0 first (token 12 - 7 = 5 is
+  // past it) and needs 3 new blocks: 1 comes back, 0 are free.
+  EXPECT_FALSE(t.can_append(9));
+  const auto need = t.blocks_needed(9);
+  EXPECT_EQ(need[0].fresh, 3u);
+  EXPECT_EQ(need[0].released, 1u);
+  try {
+    t.append_tokens(tokens(9, 100), stream);
+    FAIL() << "expected CacheExhausted";
+  } catch (const CacheExhausted& e) {
+    EXPECT_THAT(e.what(), HasSubstr("group 0 (sliding_window(8)"));
+  }
+  EXPECT_EQ(std::vector<TokenId>(t.tokens().begin(), t.tokens().end()), before_tokens);
+  EXPECT_EQ(std::vector<BlockId>(t.blocks(1).begin(), t.blocks(1).end()), before_full);
+  EXPECT_EQ(std::vector<BlockId>(t.blocks(0).begin(), t.blocks(0).end()), before_window);
+  EXPECT_TRUE(c.check_invariants().ok);
+  // One token fits: it needs one block, and block 0 comes back.
+  EXPECT_TRUE(t.can_append(1));
+  t.append_tokens(tokens(1, 100), stream);
+  EXPECT_EQ(t.blocks(0)[0], kNullBlock);
+  EXPECT_TRUE(c.check_invariants().ok);
+}
+
+TEST_F(HybridTableTest, ForkSharesLiveBlocksAndCopiesOnWrite) {
+  HybridBlockTable parent(cache);
+  parent.append_tokens(tokens(14), stream);
+  HybridBlockTable child = parent.fork(stream);
+  for (std::size_t g = 0; g < 3; ++g) {
+    ASSERT_EQ(child.blocks(g).size(), parent.blocks(g).size());
+    for (std::size_t i = 0; i < parent.blocks(g).size(); ++i) {
+      EXPECT_EQ(child.blocks(g)[i], parent.blocks(g)[i]);
+      if (parent.blocks(g)[i] != kNullBlock) {
+        EXPECT_GE(cache.group_cache(g).ref_count(parent.blocks(g)[i]), 2u);
+      }
+    }
+  }
+  // The last block (2 of 4 tokens) is shared: the child's append copies it
+  // in every group.
+  child.append_tokens(tokens(1, 500), stream);
+  EXPECT_EQ(child.copy_on_writes(), 3u);
+  for (std::size_t g = 0; g < 3; ++g)
+    EXPECT_NE(child.blocks(g).back(), parent.blocks(g).back());
+  expect_ok();
+  HybridBlockTable moved = std::move(child);
+  EXPECT_TRUE(child.empty());  // NOLINT(bugprone-use-after-move): documented state
+  EXPECT_EQ(moved.num_tokens(), 15u);
+  moved.release();
+  parent.release();
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, ReuseOnANonEmptyTableThrows) {
+  HybridBlockTable t(cache);
+  t.append_tokens(tokens(5), stream);
+  EXPECT_THROW((void)t.reuse_cached_prefix(tokens(5), stream), InvalidArgument);
+  EXPECT_THROW((void)t.blocks(3), InvalidArgument);
+}
+
+TEST_F(HybridTableTest, FullModeHitsTheWholePromptAndExtraKeySeparates) {
+  const std::vector<TokenId> prompt = tokens(16);
+  {
+    HybridBlockTable a(cache, /*extra_key=*/7);
+    a.append_tokens(prompt, stream);
+  }
+  HybridBlockTable other_key(cache, 8);
+  EXPECT_EQ(other_key.reuse_cached_prefix(prompt, stream), 0u);
+  HybridBlockTable last(cache, 7);
+  EXPECT_EQ(last.reuse_cached_prefix(prompt, stream), 12u);  // leaves the last token to compute
+  HybridBlockTable full(cache, 7);
+  full.set_prefix_hit_mode(PrefixHitMode::full);
+  EXPECT_EQ(full.reuse_cached_prefix(prompt, stream), 16u);
+  expect_ok();
+}
+
+// One sequence of a gpt-oss-like model decoded to 32k tokens holds the bytes
+// the planner says: the window group stays at its peak.
+TEST(HybridLongContext, WindowGroupStaysAtItsPeak) {
+  auto backend = host_backend();
+  Stream stream = backend->create_stream();
+  HybridKvCacheConfig c;
+  c.block_size = 16;
+  c.layers = {LayerSpec::sliding_window(128, 1, 8, 8), LayerSpec::full_attention(1, 8, 8)};
+  const std::vector<std::size_t> counts{64, 2100};
+  HybridKvCache cache(c, counts, *backend);
+  HybridBlockTable t(cache);
+  std::vector<TokenId> one(1);
+  std::size_t peak_window = 0;
+  for (std::size_t n = 0; n < 32768; ++n) {
+    one[0] = static_cast<TokenId>(n % 50000);
+    t.append_tokens(one, stream);
+    peak_window = std::max(peak_window, t.num_live_blocks(0));
+  }
+  EXPECT_EQ(t.num_live_blocks(1), 2048u);
+  EXPECT_EQ(peak_window, peak_blocks_per_request(cache.group(0).spec, 16, 32768, 1));
+  EXPECT_TRUE(cache.check_invariants().ok);
+}
+
+}  // namespace
+}  // namespace kvport
