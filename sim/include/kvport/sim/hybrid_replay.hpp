@@ -1,0 +1,97 @@
+// Replay of a Mooncake trace over a hybrid model's KV cache groups
+// (HybridKvCache, HybridBlockTable): `kvport replay` for models with sliding
+// window, chunked, MLA or state layers, and beside it the same model treated
+// as all full attention, with the same memory.
+//
+// The scheduler loop is the one of scheduler.hpp, with the choices of
+// replay.hpp (FIFO admission with prefix reuse, one token per running request
+// per step, preemption of the newest, RetirePoint::before_admission), plus:
+//   - memory: `budget_bytes` of the REAL model is split between its groups by
+//     plan_kv_cache (max_context_tokens, prefill_chunk_tokens as the step);
+//     the simulated pools have those block counts but one tiny layer each, so
+//     bytes are MODELED: blocks x the real model's bytes per block.
+//   - prefill is chunked: the rest of a prompt after its hit is appended
+//     prefill_chunk_tokens at a time (each chunk computed before the next, so
+//     the freeing rules run between chunks, as under an engine's chunked
+//     prefill); admission succeeds only when every chunk found its blocks.
+//   - a request whose peak need in some group exceeds that group's pool is
+//     rejected at arrival.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvport/core/block_table.hpp"
+#include "kvport/core/layer_spec.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/platform/backend.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
+
+namespace kvport::sim {
+
+struct HybridReplayOptions {
+  std::vector<LayerSpec> layers;  ///< the model, one spec per layer
+  std::size_t block_size = 16;    ///< tokens per block
+  std::size_t budget_bytes = 0;   ///< the real model's KV memory (> 0)
+  /// The planner's context; 0: the longest request of the trace.
+  std::size_t max_context_tokens = 0;
+  std::size_t prefill_chunk_tokens = 512;  ///< > 0
+  std::size_t trace_block_tokens = 512;    ///< tokens per hash id (> 0)
+  std::size_t concurrency = 1024;          ///< most requests running at once (> 0)
+  std::uint64_t step_ms = 10;              ///< > 0
+  std::size_t state_checkpoint_interval = 1;
+  PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
+  /// Throws InvalidArgument naming the option for a zero size or no layers.
+  void validate() const;
+};
+
+/// One group in the replay.
+struct HybridGroupUsage {
+  LayerSpec spec;
+  std::size_t num_layers = 0;
+  std::size_t num_blocks = 0;       ///< the group's pool (from the plan)
+  std::size_t bytes_per_block = 0;  ///< the real model's bytes of one block (slot)
+  std::size_t peak_blocks_in_use = 0;
+  std::size_t peak_bytes_in_use() const noexcept { return peak_blocks_in_use * bytes_per_block; }
+  std::uint64_t block_steps = 0;  ///< blocks in use summed over steps (mean = / steps)
+};
+
+struct HybridReplayResult {
+  std::size_t requests = 0;
+  std::size_t completed = 0;
+  std::size_t rejected = 0;
+  std::size_t preemptions = 0;
+  std::uint64_t steps = 0;
+  std::size_t peak_running = 0;     ///< most requests running at once
+  double mean_running = 0.0;        ///< running requests, mean over steps
+  std::uint64_t prompt_tokens = 0;  ///< of admitted requests, at first admission
+  std::uint64_t hit_tokens = 0;
+  std::uint64_t prefill_tokens = 0;
+  std::uint64_t recomputed_tokens = 0;
+  std::uint64_t generated_tokens = 0;
+  std::uint64_t state_checkpoints = 0;
+  std::size_t budget_bytes = 0;
+  std::size_t pool_bytes = 0;  ///< the real model's bytes of every pool (<= budget)
+  std::vector<HybridGroupUsage> groups;
+  InvariantReport invariants;  ///< at the end (every block back)
+  double wall_s = 0.0;
+  double hit_rate() const noexcept {
+    return prompt_tokens == 0
+               ? 0.0
+               : static_cast<double>(hit_tokens) / static_cast<double>(prompt_tokens);
+  }
+  std::size_t peak_bytes_in_use() const noexcept;
+};
+
+/// Runs the replay. Throws InvalidArgument for bad options or a budget the
+/// planner cannot split, and what the scheduler throws.
+HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
+                                 const HybridReplayOptions& options, Backend& backend);
+
+/// `layers` with every sliding-window and chunked layer made full attention
+/// of the same heads (what a runtime without groups holds).
+std::vector<LayerSpec> as_all_full_attention(std::span<const LayerSpec> layers);
+
+}  // namespace kvport::sim

@@ -1,0 +1,282 @@
+#include "kvport/sim/hybrid_replay.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+
+#include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/core/kv_cache_plan.hpp"
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/sim/scheduler.hpp"
+#include "kvport/sim/trace_tokens.hpp"
+
+namespace kvport::sim {
+namespace {
+
+// The same kind of layer in a small shape: the simulation needs the rules
+// (window, chunk, state), not the bytes, which are modeled. Group g gets
+// g + 1 heads (or values) so that no two groups merge.
+LayerSpec tiny(const LayerSpec& spec, std::size_t g) {
+  const std::size_t n = g + 1;
+  switch (spec.kind) {
+    case LayerKind::full_attention:
+      return LayerSpec::full_attention(n, 8, 8);
+    case LayerKind::sliding_window:
+      return LayerSpec::sliding_window(spec.window, n, 8, 8);
+    case LayerKind::chunked_local:
+      return LayerSpec::chunked_local(spec.chunk, n, 8, 8);
+    case LayerKind::mla:
+      return LayerSpec::mla(8 * n, 0);
+    case LayerKind::state:
+      return LayerSpec::recurrent_state({StateTensor{"state", {4 * n}, StateDtype::f32}});
+    case LayerKind::none:
+      break;
+  }
+  return LayerSpec::no_kv();
+}
+
+class HybridReplayWorkload final : public Workload {
+ public:
+  HybridReplayWorkload(std::span<const TraceRequest> requests, const HybridReplayOptions& options,
+                       HybridKvCache& cache, std::vector<HybridGroupUsage>& usage,
+                       StreamView stream)
+      : requests_(requests),
+        options_(options),
+        cache_(cache),
+        usage_(usage),
+        stream_(stream),
+        bs_(options.block_size),
+        state_(requests.size()) {}
+
+  HybridReplayResult run() {
+    result_.requests = requests_.size();
+    order_.resize(requests_.size());
+    std::iota(order_.begin(), order_.end(), std::size_t{0});
+    std::stable_sort(order_.begin(), order_.end(), [&](std::size_t a, std::size_t b) {
+      return requests_[a].timestamp_ms < requests_[b].timestamp_ms;
+    });
+    SchedulerOptions scheduling;
+    scheduling.max_running = options_.concurrency;
+    scheduling.step_ms = static_cast<double>(options_.step_ms);
+    scheduling.start_ms = requests_.empty() ? 0.0 : requests_[order_.front()].timestamp_ms;
+    scheduling.retire = RetirePoint::before_admission;
+    scheduling.retry_head_after_release = true;
+    Scheduler scheduler(*this, scheduling);
+    const SchedulerStats stats = scheduler.run();
+    result_.steps = stats.steps;
+    result_.completed = stats.completed;
+    result_.rejected = stats.rejected;
+    result_.preemptions = stats.preemptions;
+    if (stats.steps != 0)
+      result_.mean_running = static_cast<double>(running_steps_) / static_cast<double>(stats.steps);
+    for (RequestState& s : state_)
+      s.table.reset();
+    cache_.synchronize();
+    result_.state_checkpoints = cache_.hit_counters().state_checkpoints;
+    result_.invariants = cache_.check_invariants();
+    if (result_.invariants.blocks_in_use != 0) {
+      result_.invariants.add_violation(
+          fmt::format("{} blocks are still in use after the last request finished",
+                      result_.invariants.blocks_in_use));
+    }
+    return std::move(result_);
+  }
+
+  std::size_t num_requests() const override { return requests_.size(); }
+
+  void arrive(Scheduler& scheduler) override {
+    for (; next_ < order_.size() && requests_[order_[next_]].timestamp_ms <= scheduler.now_ms();
+         ++next_) {
+      const std::size_t index = order_[next_];
+      const TraceRequest& r = requests_[index];
+      if (!fits_alone(r.input_length + r.output_length)) {
+        scheduler.reject();
+        continue;
+      }
+      scheduler.enqueue(index);
+    }
+  }
+
+  void idle(Scheduler& scheduler) override {
+    if (next_ == order_.size()) throw std::logic_error("kvport replay: requests lost (a bug)");
+    scheduler.advance_to(requests_[order_[next_]].timestamp_ms);
+  }
+
+  bool reserve_token(RequestId id) override { return state_[id].table->can_append(1); }
+
+  void decode_token(RequestId id) override {
+    RequestState& state = state_[id];
+    const TokenId token = unique_token(id, state.table->num_tokens());
+    state.table->append_tokens({&token, 1}, stream_);
+    ++state.generated;
+    ++result_.generated_tokens;
+  }
+
+  bool finished(RequestId id) const override {
+    return state_[id].generated == requests_[id].output_length;
+  }
+
+  bool try_admit(RequestId id, const Scheduler& scheduler) override {
+    (void)scheduler;
+    const TraceRequest& request = requests_[id];
+    RequestState& state = state_[id];
+    const std::size_t context = request.input_length + state.generated;
+    sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
+    HybridBlockTable table(cache_);
+    table.set_prefix_hit_mode(options_.prefix_hit_mode);
+    const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
+    // Chunked prefill: each chunk is computed before the next is appended.
+    for (std::size_t at = hit; at < scratch_.size();) {
+      const std::size_t n = std::min(options_.prefill_chunk_tokens, scratch_.size() - at);
+      if (!table.can_append(n)) return false;  // the table gives everything back
+      table.append_tokens(std::span<const TokenId>(scratch_).subspan(at, n), stream_);
+      at += n;
+    }
+    if (!state.admitted) {
+      state.admitted = true;
+      result_.prompt_tokens += request.input_length;
+      result_.hit_tokens += hit;
+    } else {
+      result_.recomputed_tokens += scratch_.size() - hit;
+    }
+    result_.prefill_tokens += scratch_.size() - hit;
+    state.table.emplace(std::move(table));
+    return true;
+  }
+
+  void release(RequestId id) override { state_[id].table.reset(); }
+
+  bool end_step(const Scheduler& scheduler) override {
+    const std::size_t running = scheduler.running().size();
+    result_.peak_running = std::max(result_.peak_running, running);
+    running_steps_ += running;
+    for (std::size_t g = 0; g < usage_.size(); ++g) {
+      const std::size_t in_use = cache_.blocks_in_use(g);
+      usage_[g].peak_blocks_in_use = std::max(usage_[g].peak_blocks_in_use, in_use);
+      usage_[g].block_steps += in_use;
+    }
+    return true;
+  }
+
+  std::string stall_message(RequestId head, const Scheduler& /*scheduler*/) const override {
+    return fmt::format(
+        "kvport replay: request on line {} cannot be admitted into an empty cache (a bug)",
+        requests_[head].line);
+  }
+
+ private:
+  struct RequestState {
+    std::size_t generated = 0;
+    bool admitted = false;
+    std::optional<HybridBlockTable> table;
+  };
+
+  // Whether a request of `context` tokens fits an empty cache in every group.
+  bool fits_alone(std::size_t context) const {
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
+      const std::size_t peak =
+          peak_blocks_per_request(cache_.group(g).spec, bs_, std::max<std::size_t>(context, 1),
+                                  options_.prefill_chunk_tokens, 1);
+      if (peak > cache_.group_cache(g).num_blocks()) return false;
+    }
+    return true;
+  }
+
+  std::span<const TraceRequest> requests_;
+  const HybridReplayOptions& options_;
+  HybridKvCache& cache_;
+  std::vector<HybridGroupUsage>& usage_;
+  StreamView stream_;
+  std::size_t bs_;
+  std::vector<RequestState> state_;
+  std::vector<std::size_t> order_;
+  std::size_t next_ = 0;
+  std::uint64_t running_steps_ = 0;
+  std::vector<TokenId> scratch_;
+  HybridReplayResult result_;
+};
+
+}  // namespace
+
+void HybridReplayOptions::validate() const {
+  if (layers.empty()) throw InvalidArgument("replay: the model has no layers");
+  if (block_size == 0) throw InvalidArgument("--block-size: must be positive");
+  if (budget_bytes == 0) throw InvalidArgument("--memory: the KV memory must be positive");
+  if (prefill_chunk_tokens == 0) throw InvalidArgument("--prefill-chunk: must be positive");
+  if (trace_block_tokens == 0) throw InvalidArgument("--trace-block-tokens: must be positive");
+  if (concurrency == 0) throw InvalidArgument("--concurrency: must be positive");
+  if (step_ms == 0) throw InvalidArgument("--step-ms: must be positive");
+}
+
+std::size_t HybridReplayResult::peak_bytes_in_use() const noexcept {
+  std::size_t total = 0;
+  for (const HybridGroupUsage& g : groups)
+    total += g.peak_bytes_in_use();
+  return total;
+}
+
+std::vector<LayerSpec> as_all_full_attention(std::span<const LayerSpec> layers) {
+  std::vector<LayerSpec> out;
+  out.reserve(layers.size());
+  for (const LayerSpec& s : layers) {
+    if (s.kind == LayerKind::sliding_window || s.kind == LayerKind::chunked_local) {
+      out.push_back(LayerSpec::full_attention(s.num_kv_heads, s.head_dim_k, s.head_dim_v, s.dtype));
+    } else {
+      out.push_back(s);
+    }
+  }
+  return out;
+}
+
+HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
+                                 const HybridReplayOptions& options, Backend& backend) {
+  options.validate();
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<KvCacheGroup> groups = group_layers(options.layers, options.block_size);
+  KvCachePlanRequest want;
+  want.budget_bytes = options.budget_bytes;
+  want.max_context_tokens = options.max_context_tokens;
+  if (want.max_context_tokens == 0) {
+    for (const TraceRequest& r : requests)
+      want.max_context_tokens = std::max(want.max_context_tokens, r.input_length + r.output_length);
+  }
+  want.max_context_tokens = std::max<std::size_t>(want.max_context_tokens, 1);
+  want.step_tokens = options.prefill_chunk_tokens;
+  const KvCachePlan plan = plan_kv_cache(groups, options.block_size, want);
+
+  // The simulated cache: one tiny layer per group, the plan's block counts.
+  HybridKvCacheConfig sim;
+  sim.block_size = options.block_size;
+  sim.state_checkpoint_interval = options.state_checkpoint_interval;
+  std::vector<HybridGroupUsage> usage;
+  for (const GroupPlan& g : plan.groups) {
+    sim.layers.push_back(tiny(g.spec, sim.layers.size()));
+    HybridGroupUsage u;
+    u.spec = g.spec;
+    u.num_layers = g.num_layers;
+    u.num_blocks = g.num_blocks;
+    u.bytes_per_block = g.bytes_per_block;
+    usage.push_back(u);
+  }
+  HybridKvCache cache(sim, plan, backend);
+  if (cache.num_groups() != plan.groups.size()) {
+    throw std::logic_error("kvport replay: the simulated groups differ from the plan's (a bug)");
+  }
+  Stream stream = backend.create_stream();
+  HybridReplayWorkload workload(requests, options, cache, usage, stream);
+  HybridReplayResult result = workload.run();
+  result.groups = std::move(usage);
+  result.budget_bytes = options.budget_bytes;
+  result.pool_bytes = plan.total_bytes;
+  result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return result;
+}
+
+}  // namespace kvport::sim
