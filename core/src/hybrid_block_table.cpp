@@ -1,5 +1,6 @@
 #include "kvport/core/hybrid_block_table.hpp"
 
+#include <absl/container/inlined_vector.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -32,7 +33,7 @@ struct HybridBlockTable::Plan {
     bool checkpoint = false;     // a state checkpoint is due (best-effort)
     std::size_t needed() const { return fresh + (copy_on_write ? 1 : 0); }
   };
-  std::vector<PerGroup> groups;
+  absl::InlinedVector<PerGroup, 4> groups;
 };
 
 HybridBlockTable::HybridBlockTable(HybridKvCache& cache, std::uint64_t extra_key)
@@ -168,8 +169,44 @@ bool HybridBlockTable::can_append(std::size_t num_tokens) const {
   return true;
 }
 
+bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
+  const std::size_t n = tokens_.size();
+  const std::size_t interval = cache_->config().state_checkpoint_interval;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const Group& grp = groups_[g];
+    const LayerSpec& spec = cache_->group(g).spec;
+    if (spec.has_state()) {
+      if (!grp.state) return false;
+      if (interval > 0 && n > 0 && n % (interval * block_size_) == 0 && checkpointed_at_ != n)
+        return false;
+      continue;
+    }
+    if (grp.blocks.empty()) return false;
+    const std::size_t room = block_size_ - (n - (grp.blocks.size() - 1) * block_size_);
+    if (room < num_tokens) return false;
+    if (first_needed_block(hit_rule_of(spec), block_size_, n) > grp.live_begin) return false;
+    if (cache_->group_cache(g).ref_count(grp.blocks.back()) != 1) return false;
+  }
+  return true;
+}
+
 void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
   if (tokens.empty()) return;
+  // Decode's usual case: every group's last block has room, nothing to free,
+  // copy or checkpoint.
+  if (fits_in_place(tokens.size())) {
+    tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+    if (tokens_.size() % block_size_ == 0) {
+      try {
+        reserve_total(hashes_, tokens_.size() / block_size_);
+      } catch (...) {
+        tokens_.resize(tokens_.size() - tokens.size());
+        throw;
+      }
+      register_full_blocks();
+    }
+    return;
+  }
   const Plan plan = plan_append(tokens.size());
   const std::size_t ng = groups_.size();
   for (std::size_t g = 0; g < ng; ++g) {
@@ -198,8 +235,8 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
       release_before(g, p.release_to);
   }
 
-  std::vector<std::vector<BlockId>> fresh(ng);
-  std::vector<std::optional<BlockId>> checkpoint(ng);
+  absl::InlinedVector<absl::InlinedVector<BlockId, 4>, 4> fresh(ng);
+  absl::InlinedVector<std::optional<BlockId>, 4> checkpoint(ng);
   auto give_back = [&]() noexcept {
     for (std::size_t g = 0; g < ng; ++g) {
       for (auto it = fresh[g].rbegin(); it != fresh[g].rend(); ++it)
@@ -312,7 +349,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   hashes.resize(max_blocks);
 
   const std::size_t ng = groups_.size();
-  std::vector<GroupHitRule> rules(ng);
+  absl::InlinedVector<GroupHitRule, 4> rules(ng);
   std::size_t anchor = ng;  // the first full-attention (or MLA) group
   for (std::size_t g = 0; g < ng; ++g) {
     rules[g] = hit_rule_of(cache_->group(g).spec);
@@ -329,9 +366,9 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   };
   std::size_t hit = find_hybrid_hit(rules, block_size_, max_blocks, cached);
 
-  std::vector<std::vector<BlockId>> taken(ng);
-  std::vector<std::optional<BlockId>> slots(ng);
-  std::vector<std::size_t> first(ng, 0);
+  absl::InlinedVector<std::vector<BlockId>, 4> taken(ng);
+  absl::InlinedVector<std::optional<BlockId>, 4> slots(ng);
+  absl::InlinedVector<std::size_t, 4> first(ng, 0);
   auto give_back = [&]() noexcept {
     for (std::size_t g = 0; g < ng; ++g) {
       for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)

@@ -137,6 +137,7 @@ class HybridBlockTable {
   struct Plan;
 
   Plan plan_append(std::size_t num_tokens) const;
+  bool fits_in_place(std::size_t num_tokens) const;
   void register_full_blocks() noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
   void release_block(std::size_t g, BlockId block) noexcept;

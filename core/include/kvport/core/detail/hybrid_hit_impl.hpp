@@ -15,7 +15,17 @@ std::size_t find_hybrid_hit(std::span<const GroupHitRule> rules, std::size_t blo
   auto is_full = [](LayerKind k) { return k == LayerKind::full_attention || k == LayerKind::mla; };
   // A full group's chain length from block 0, probed once (up to the first
   // candidate; the candidate only shrinks).
-  std::vector<std::size_t> chain(rules.size(), kUnknown);
+  // On the stack for the usual few groups (this runs on every lookup).
+  constexpr std::size_t kInline = 8;
+  std::size_t inline_chain[kInline];
+  std::vector<std::size_t> heap_chain;
+  std::size_t* chain = inline_chain;
+  if (rules.size() > kInline) {
+    heap_chain.resize(rules.size());
+    chain = heap_chain.data();
+  }
+  for (std::size_t g = 0; g < rules.size(); ++g)
+    chain[g] = kUnknown;
   std::size_t cand = max_blocks;
 
   auto largest_valid = [&](std::size_t g, std::size_t limit) -> std::size_t {
