@@ -678,7 +678,7 @@ void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, st
   };
   for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
     add(cache.k_cache_ptr(layer, block), cache.k_block_bytes(layer));
-    add(cache.v_cache_ptr(layer, block), cache.v_block_bytes(layer));
+    if (cache.config().has_v()) add(cache.v_cache_ptr(layer, block), cache.v_block_bytes(layer));
   }
 }
 

@@ -393,7 +393,11 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
     for (std::size_t g = 0; g < ng; ++g) {
       if (g == anchor) continue;
       PrefixCache& prefix = cache_->prefix_cache(g);
-      first[g] = std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
+      // A state group needs the checkpoint cached under the hash of block
+      // hit - 1; a block group the blocks [first, hit).
+      const bool state = rules[g].kind == LayerKind::state;
+      first[g] = state ? hit - 1
+                       : std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
       const auto span = std::span<const BlockHash>(hashes).subspan(first[g], hit - first[g]);
       PrefixMatch m = prefix.lookup_hashes(span);
       taken[g] = std::move(m.blocks);

@@ -23,7 +23,6 @@ void KvCacheConfig::validate() const {
   if (block_size == 0) throw InvalidArgument("KvCacheConfig: block_size must be > 0");
   if (num_kv_heads == 0) throw InvalidArgument("KvCacheConfig: num_kv_heads must be > 0");
   if (head_dim_k == 0) throw InvalidArgument("KvCacheConfig: head_dim_k must be > 0");
-  if (head_dim_v == 0) throw InvalidArgument("KvCacheConfig: head_dim_v must be > 0");
   if (!layer_dtypes.empty() && layer_dtypes.size() != num_layers) {
     throw InvalidArgument(fmt::format(
         "KvCacheConfig: layer_dtypes has {} entries but num_layers is {} (use an empty list for "
@@ -60,6 +59,10 @@ BlockRegionLayout KvCacheConfig::k_layout(std::size_t layer) const {
 }
 
 BlockRegionLayout KvCacheConfig::v_layout(std::size_t layer) const {
+  if (!has_v()) {
+    (void)dtype_for_layer(layer);  // the same range check as with V
+    return BlockRegionLayout{};
+  }
   return block_region_layout(dtype_for_layer(layer), block_size, num_kv_heads, head_dim_v,
                              "head_dim_v");
 }

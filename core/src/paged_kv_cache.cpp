@@ -91,9 +91,13 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
         const std::size_t v = config_.v_block_bytes(layer);
         DevicePtr k_pool = backend.alloc(checked_pool_bytes(num_blocks, k, "K"));
         allocations_.push_back(k_pool);
-        DevicePtr v_pool = backend.alloc(checked_pool_bytes(num_blocks, v, "V"));
-        allocations_.push_back(v_pool);
-        pools_.push_back(Pool{k_pool, v_pool, k, v, k, v, config_.dtype_for_layer(layer)});
+        DevicePtr v_pool;  // K-only layers have no V pool
+        if (config_.has_v()) {
+          v_pool = backend.alloc(checked_pool_bytes(num_blocks, v, "V"));
+          allocations_.push_back(v_pool);
+        }
+        pools_.push_back(
+            Pool{k_pool, v_pool, k, v, k, config_.has_v() ? v : 0, config_.dtype_for_layer(layer)});
       }
     } else {
       block_major_stride_ = per_block;
@@ -103,8 +107,9 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
       for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
         const std::size_t k = config_.k_block_bytes(layer);
         const std::size_t v = config_.v_block_bytes(layer);
-        pools_.push_back(Pool{base.offset(offset), base.offset(offset + k), k, v, per_block,
-                              per_block, config_.dtype_for_layer(layer)});
+        pools_.push_back(
+            Pool{base.offset(offset), config_.has_v() ? base.offset(offset + k) : DevicePtr{}, k, v,
+                 per_block, config_.has_v() ? per_block : 0, config_.dtype_for_layer(layer)});
         offset += k + v;
       }
     }
@@ -116,7 +121,7 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
     } else {
       for (const Pool& pool : pools_) {
         table.push_back(BlockPool{pool.k_base, pool.k_bytes, pool.k_stride});
-        table.push_back(BlockPool{pool.v_base, pool.v_bytes, pool.v_stride});
+        if (config_.has_v()) table.push_back(BlockPool{pool.v_base, pool.v_bytes, pool.v_stride});
       }
     }
     pool_set_ = backend.register_block_pools(table, num_blocks);
@@ -259,7 +264,8 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
     if (config.layout == KvCacheLayout::block_major) return round(n * per_block);
     std::size_t total = 0;
     for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
-      total += round(n * config.k_block_bytes(layer)) + round(n * config.v_block_bytes(layer));
+      total += round(n * config.k_block_bytes(layer));
+      if (config.has_v()) total += round(n * config.v_block_bytes(layer));
     }
     return total;
   };
@@ -280,6 +286,13 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
 void PagedKvCache::throw_block_out_of_range(BlockId block, const char* op) const {
   throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
                                     block, num_blocks_));
+}
+
+void PagedKvCache::check_has_v(const char* op) const {
+  if (!config_.has_v()) {
+    throw InvalidArgument(fmt::format(
+        "PagedKvCache::{}: the layers have no V (head_dim_v is 0: K-only layers, e.g. MLA)", op));
+  }
 }
 
 void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
@@ -360,6 +373,7 @@ DevicePtr PagedKvCache::k_cache_ptr(std::size_t layer, BlockId block) const {
 
 DevicePtr PagedKvCache::v_cache_ptr(std::size_t layer, BlockId block) const {
   check_layer(layer, "v_cache_ptr");
+  check_has_v("v_cache_ptr");
   check_block(block, "v_cache_ptr");
   return pools_[layer].v_base.offset(block * pools_[layer].v_stride);
 }
@@ -371,6 +385,7 @@ DevicePtr PagedKvCache::k_pool_ptr(std::size_t layer) const {
 
 DevicePtr PagedKvCache::v_pool_ptr(std::size_t layer) const {
   check_layer(layer, "v_pool_ptr");
+  check_has_v("v_pool_ptr");
   return pools_[layer].v_base;
 }
 
@@ -381,6 +396,7 @@ std::size_t PagedKvCache::k_block_stride(std::size_t layer) const {
 
 std::size_t PagedKvCache::v_block_stride(std::size_t layer) const {
   check_layer(layer, "v_block_stride");
+  check_has_v("v_block_stride");
   return pools_[layer].v_stride;
 }
 
@@ -477,6 +493,7 @@ void PagedKvCache::copy_blocks(std::span<const BlockCopy> copies, StreamView str
       scratch_regions_.push_back(CopyRegion{pool.k_base.offset(c.dst * pool.k_stride),
                                             pool.k_base.offset(c.src * pool.k_stride),
                                             pool.k_bytes});
+      if (!config_.has_v()) continue;
       scratch_regions_.push_back(CopyRegion{pool.v_base.offset(c.dst * pool.v_stride),
                                             pool.v_base.offset(c.src * pool.v_stride),
                                             pool.v_bytes});
@@ -495,6 +512,10 @@ PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId bloc
   out.k.resize(pools_[layer].k_bytes);
   out.v.resize(pools_[layer].v_bytes);
   backend_->copy_d2h_async(out.k.data(), k_cache_ptr(layer, block), out.k.size(), stream);
+  if (!config_.has_v()) {
+    backend_->synchronize(stream);
+    return out;
+  }
   try {
     backend_->copy_d2h_async(out.v.data(), v_cache_ptr(layer, block), out.v.size(), stream);
   } catch (...) {
@@ -516,6 +537,10 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
         layer, pool.k_bytes, pool.v_bytes, k.size(), v.size()));
   }
   backend_->copy_h2d_async(k_cache_ptr(layer, block), k.data(), k.size(), stream);
+  if (!config_.has_v()) {
+    backend_->synchronize(stream);
+    return;
+  }
   try {
     backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
   } catch (...) {

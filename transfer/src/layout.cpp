@@ -137,6 +137,11 @@ PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank, std::ui
         fmt::format("pool_layout: tp_rank {} must be below tp_size {}", tp_rank, tp_size));
   }
   const KvCacheConfig& c = cache.config();
+  if (!c.has_v()) {
+    throw InvalidArgument(
+        "pool_layout: the cache's layers have no V (K-only: MLA or state slots); the transfer "
+        "layout describes K and V pools only");
+  }
   PoolLayout l;
   l.num_layers = to_u32(c.num_layers, "num_layers");
   l.block_size = to_u32(c.block_size, "block_size");
@@ -315,6 +320,11 @@ PoolAddresses pool_addresses(const PagedKvCache& cache) {
   a.v_base.reserve(n);
   a.k_stride.reserve(n);
   a.v_stride.reserve(n);
+  if (!cache.config().has_v()) {
+    throw InvalidArgument(
+        "pool_addresses: the cache's layers have no V (K-only: MLA or state slots); the transfer "
+        "layout describes K and V pools only");
+  }
   for (std::size_t layer = 0; layer < n; ++layer) {
     a.k_base.push_back(cache.k_pool_ptr(layer).address());
     a.v_base.push_back(cache.v_pool_ptr(layer).address());

@@ -275,3 +275,152 @@ TEST(HybridLongContext, WindowGroupStaysAtItsPeak) {
 
 }  // namespace
 }  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// A Mamba-hybrid: group 0 full attention (1 layer), group 1 state (2 layers,
+// a 32-byte state each), group 2 MLA (1 layer, no V). Checkpoints every block.
+class HybridStateTest : public ::testing::Test {
+ protected:
+  static HybridKvCacheConfig config(std::size_t interval) {
+    HybridKvCacheConfig c;
+    c.block_size = kBs;
+    c.state_checkpoint_interval = interval;
+    const LayerSpec state = LayerSpec::recurrent_state(
+        {StateTensor{"ssm", {2, 2}, StateDtype::f32}, StateTensor{"conv", {3}, StateDtype::f16}});
+    c.layers = {LayerSpec::full_attention(1, 8, 8), state, state, LayerSpec::mla(8, 4)};
+    return c;
+  }
+  std::unique_ptr<Backend> backend = host_backend();
+  Stream stream = backend->create_stream();
+  std::vector<std::size_t> counts{16, 8, 16};
+  HybridKvCache cache{config(1), counts, *backend};
+
+  PagedKvCache& state_pool() { return cache.group_cache(1); }
+  // Writes `seed` into every byte of the working state of `t` (both layers).
+  void write_state(const HybridBlockTable& t, std::uint8_t seed) {
+    const BlockId slot = *t.state_slot(1);
+    for (std::size_t layer = 0; layer < 2; ++layer) {
+      const std::vector<std::uint8_t> bytes(state_pool().k_block_bytes(layer), seed);
+      state_pool().write_block(layer, slot, bytes, {}, stream);
+    }
+  }
+  std::vector<std::uint8_t> read_state(BlockId slot, std::size_t layer = 0) {
+    return state_pool().read_block(layer, slot, stream).k;
+  }
+  void expect_ok() {
+    const InvariantReport r = cache.check_invariants();
+    EXPECT_TRUE(r.ok) << r.to_string();
+  }
+};
+
+TEST_F(HybridStateTest, PoolsHoldTheSpecsBytes) {
+  ASSERT_EQ(cache.num_groups(), 3u);
+  EXPECT_EQ(cache.group(1).spec.kind, LayerKind::state);
+  EXPECT_EQ(state_pool().config().block_size, 1u);
+  EXPECT_EQ(state_pool().k_block_bytes(0), 32u);  // 16 B ssm + 6 B conv padded to 16
+  EXPECT_FALSE(state_pool().config().has_v());
+  EXPECT_EQ(cache.group_cache(2).k_block_bytes(0), kBs * 12 * 2);  // MLA: 12 bf16 a token
+  EXPECT_FALSE(cache.group_cache(2).config().has_v());
+  EXPECT_EQ(cache.locate(2)->group, 1u);
+  EXPECT_EQ(cache.locate(2)->index, 1u);
+}
+
+TEST_F(HybridStateTest, ANewSequenceGetsAZeroedStateSlot) {
+  HybridBlockTable t(cache);
+  EXPECT_FALSE(t.state_slot(1).has_value());
+  EXPECT_TRUE(t.blocks(1).empty());
+  t.append_tokens(tokens(3), stream);
+  ASSERT_TRUE(t.state_slot(1).has_value());
+  cache.synchronize();
+  EXPECT_EQ(read_state(*t.state_slot(1)), std::vector<std::uint8_t>(32, 0));
+  EXPECT_EQ(cache.blocks_in_use(1), 1u);
+  expect_ok();
+}
+
+TEST_F(HybridStateTest, CheckpointsAreTakenAtBlockBoundariesAndHit) {
+  const std::vector<TokenId> prompt = tokens(9);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(std::span<const TokenId>(prompt).subspan(0, 4), stream);  // 1 block
+    write_state(a, 0x11);  // the engine computed tokens 0..3
+    a.append_tokens(std::span<const TokenId>(prompt).subspan(4, 4), stream);  // checkpoint at 4
+    write_state(a, 0x22);
+    a.append_tokens(std::span<const TokenId>(prompt).subspan(8, 1), stream);  // checkpoint at 8
+  }
+  EXPECT_EQ(cache.hit_counters().state_checkpoints, 2u);
+  EXPECT_EQ(cache.prefix_cache(1).num_cached_blocks(), 2u);
+  expect_ok();
+  HybridBlockTable b(cache);
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 8u);  // the checkpoint at exactly 8
+  ASSERT_TRUE(b.state_slot(1).has_value());
+  cache.synchronize();
+  EXPECT_EQ(read_state(*b.state_slot(1), 0), std::vector<std::uint8_t>(32, 0x22));
+  EXPECT_EQ(read_state(*b.state_slot(1), 1), std::vector<std::uint8_t>(32, 0x22));
+  // The checkpoint itself stays cached for the next request.
+  EXPECT_EQ(cache.prefix_cache(1).num_cached_blocks(), 2u);
+  expect_ok();
+}
+
+TEST_F(HybridStateTest, WithoutACheckpointAtTheHitPointTheHitStopsEarlier) {
+  HybridKvCache sparse(config(2), counts, *backend);  // a checkpoint every 2 blocks
+  const std::vector<TokenId> prompt = tokens(13);
+  {
+    HybridBlockTable a(sparse);
+    for (std::size_t at = 0; at < 12; at += 4)
+      a.append_tokens(std::span<const TokenId>(prompt).subspan(at, 4), stream);
+    a.append_tokens(std::span<const TokenId>(prompt).subspan(12, 1), stream);
+  }
+  // Checkpoints at 8 only (4 and 12 are not multiples of 2 blocks); full
+  // attention holds 3 blocks.
+  EXPECT_EQ(sparse.hit_counters().state_checkpoints, 1u);
+  HybridBlockTable b(sparse);
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 8u);
+  EXPECT_EQ(b.blocks(0).size(), 2u);
+  EXPECT_TRUE(sparse.check_invariants().ok);
+  // No checkpoints at all: no hit in a model with state.
+  HybridKvCache none(config(0), counts, *backend);
+  {
+    HybridBlockTable a(none);
+    a.append_tokens(prompt, stream);
+    a.append_tokens(tokens(1, 100), stream);
+  }
+  HybridBlockTable c(none);
+  EXPECT_EQ(c.reuse_cached_prefix(prompt, stream), 0u);
+  EXPECT_EQ(none.hit_counters().state_checkpoints, 0u);
+}
+
+TEST_F(HybridStateTest, ForkCopiesTheState) {
+  HybridBlockTable parent(cache);
+  parent.append_tokens(tokens(6), stream);
+  write_state(parent, 0x5A);
+  HybridBlockTable child = parent.fork(stream);
+  ASSERT_TRUE(child.state_slot(1).has_value());
+  EXPECT_NE(*child.state_slot(1), *parent.state_slot(1));
+  cache.synchronize();
+  EXPECT_EQ(read_state(*child.state_slot(1), 1), std::vector<std::uint8_t>(32, 0x5A));
+  // MLA and full blocks are shared.
+  EXPECT_EQ(child.blocks(2)[0], parent.blocks(2)[0]);
+  EXPECT_EQ(cache.group_cache(2).ref_count(parent.blocks(2)[0]), 3u);  // 2 tables + the cache
+  expect_ok();
+}
+
+TEST_F(HybridStateTest, ForkWithoutAFreeStateSlotThrowsAndChangesNothing) {
+  const std::vector<std::size_t> one_slot{16, 1, 16};
+  HybridKvCache tight(config(0), one_slot, *backend);
+  HybridBlockTable parent(tight);
+  parent.append_tokens(tokens(6), stream);
+  EXPECT_THROW((void)parent.fork(stream), CacheExhausted);
+  EXPECT_EQ(tight.group_cache(0).ref_count(parent.blocks(0)[0]), 2u);  // parent + cache
+  EXPECT_TRUE(tight.check_invariants().ok);
+  // A second sequence cannot get a state slot either: all or nothing.
+  HybridBlockTable other(tight);
+  EXPECT_FALSE(other.can_append(1));
+  EXPECT_THROW(other.append_tokens(tokens(1), stream), CacheExhausted);
+  EXPECT_EQ(tight.blocks_in_use(0), 2u);
+  EXPECT_TRUE(tight.check_invariants().ok);
+}
+
+}  // namespace
+}  // namespace kvport

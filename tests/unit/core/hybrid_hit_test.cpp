@@ -111,7 +111,14 @@ TEST(HybridBlockTableReference, RandomWorkloadsHitWhatTheReferenceSays) {
         case LayerKind::chunked_local:
           c.layers.push_back(LayerSpec::chunked_local(r.chunk, 1, 8, 8));
           break;
-        default:  // state needs V-less pools: attention of other heads instead
+        case LayerKind::state:
+          c.layers.push_back(
+              LayerSpec::recurrent_state({StateTensor{"s", {4 + g}, StateDtype::f32}}));
+          break;
+        case LayerKind::mla:
+          c.layers.push_back(LayerSpec::mla(8 + g, 4));
+          break;
+        default:
           c.layers.push_back(LayerSpec::full_attention(1 + g, 8, 8));
           break;
       }
@@ -120,6 +127,7 @@ TEST(HybridBlockTableReference, RandomWorkloadsHitWhatTheReferenceSays) {
     const std::vector<KvCacheGroup> groups = group_layers(c.layers, bs);
     for (std::size_t g = 0; g < groups.size(); ++g)
       counts.push_back(8 + rng() % 40);
+    c.state_checkpoint_interval = rng() % 3;  // 0: no checkpoints
     HybridKvCache cache(c, counts, *backend);
     std::vector<std::vector<TokenId>> prefixes;
     for (int p = 0; p < 4; ++p) {

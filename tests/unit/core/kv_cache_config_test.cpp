@@ -33,14 +33,28 @@ TEST(KvCacheConfig, ZeroSizesThrowNamingTheField) {
   const Case cases[] = {{"num_layers", &KvCacheConfig::num_layers},
                         {"block_size", &KvCacheConfig::block_size},
                         {"num_kv_heads", &KvCacheConfig::num_kv_heads},
-                        {"head_dim_k", &KvCacheConfig::head_dim_k},
-                        {"head_dim_v", &KvCacheConfig::head_dim_v}};
+                        {"head_dim_k", &KvCacheConfig::head_dim_k}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.field);
     KvCacheConfig config = llama3_8b_config();
     config.*c.member = 0;
     expect_invalid_argument([&] { config.validate(); }, c.field);
   }
+}
+
+// head_dim_v 0 is not an error: K-only layers (MLA's latent, state slots).
+TEST(KvCacheConfig, KOnlyLayersHaveNoVBytes) {
+  KvCacheConfig config = llama3_8b_config();
+  config.num_kv_heads = 1;
+  config.head_dim_k = 576;
+  config.head_dim_v = 0;
+  EXPECT_NO_THROW(config.validate());
+  EXPECT_FALSE(config.has_v());
+  EXPECT_EQ(config.v_block_bytes(0), 0u);
+  EXPECT_EQ(config.v_layout(3), BlockRegionLayout{});
+  EXPECT_EQ(config.bytes_per_block(), 32u * 16 * 576 * 2);
+  expect_invalid_argument([&] { (void)config.v_layout(32); }, "out of range");
+  EXPECT_TRUE(llama3_8b_config().has_v());
 }
 
 TEST(KvCacheConfig, DefaultConfigIsInvalid) {

@@ -1079,3 +1079,63 @@ INSTANTIATE_TEST_SUITE_P(Layouts, BlockMajorLayoutTest,
 
 }  // namespace
 }  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// K-only layers (head_dim_v 0: MLA's latent, state slots): K pools only, V
+// calls that need a pool throw, and zero/copy/read/write cover K alone.
+class KOnlyCacheTest : public ::testing::TestWithParam<KvCacheLayout> {
+ protected:
+  static KvCacheConfig config(KvCacheLayout layout) {
+    KvCacheConfig c = test::small_config(layout);  // 3 layers, 128-byte K regions
+    c.head_dim_v = 0;
+    return c;
+  }
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+};
+
+TEST_P(KOnlyCacheTest, KPoolsOnlyAndVCallsThrow) {
+  PagedKvCache cache(config(GetParam()), 8, *backend, PagedKvCacheOptions{false});
+  const bool layer_major = GetParam() == KvCacheLayout::layer_major;
+  EXPECT_EQ(backend->call_counts().alloc, layer_major ? 3u : 1u);
+  EXPECT_EQ(cache.total_bytes(), 8u * 3 * 128);
+  EXPECT_EQ(cache.v_block_bytes(0), 0u);
+  expect_invalid_argument([&] { (void)cache.v_cache_ptr(0, 0); }, "no V");
+  expect_invalid_argument([&] { (void)cache.v_pool_ptr(1); }, "no V");
+  expect_invalid_argument([&] { (void)cache.v_block_stride(2); }, "no V");
+  expect_invalid_argument([&] { (void)cache.v_pool_ptr(3); }, "out of range");
+  EXPECT_EQ(cache.k_block_stride(0), layer_major ? 128u : 3u * 128);
+  EXPECT_EQ(PagedKvCache::compute_num_blocks(config(GetParam()), 8 * 3 * 128), 8u);
+}
+
+TEST_P(KOnlyCacheTest, ZeroCopyReadWriteCoverK) {
+  PagedKvCache cache(config(GetParam()), 8, *backend, PagedKvCacheOptions{false});
+  std::vector<std::uint8_t> k(128);
+  std::iota(k.begin(), k.end(), std::uint8_t{1});
+  for (std::size_t layer = 0; layer < 3; ++layer)
+    cache.write_block(layer, 2, k, {}, stream);
+  expect_invalid_argument([&] { cache.write_block(0, 2, k, k, stream); }, "0 V bytes");
+  const BlockCopy c{2, 5};
+  cache.copy_blocks({&c, 1}, stream);
+  cache.synchronize();
+  for (std::size_t layer = 0; layer < 3; ++layer) {
+    const PagedKvCache::HostBlock hb = cache.read_block(layer, 5, stream);
+    EXPECT_EQ(hb.k, k);
+    EXPECT_TRUE(hb.v.empty());
+  }
+  const BlockId zero = 5;
+  cache.zero_blocks({&zero, 1}, stream);
+  cache.synchronize();
+  EXPECT_EQ(cache.read_block(1, 5, stream).k, std::vector<std::uint8_t>(128, 0));
+  EXPECT_EQ(cache.read_block(1, 2, stream).k, k);  // the neighbour is untouched
+  EXPECT_EQ(cache.last_fill_regions(), GetParam() == KvCacheLayout::layer_major ? 3u : 1u);
+  EXPECT_TRUE(cache.check_invariants().ok);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, KOnlyCacheTest,
+                         ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major));
+
+}  // namespace
+}  // namespace kvport

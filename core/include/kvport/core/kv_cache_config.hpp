@@ -26,6 +26,8 @@ struct KvCacheConfig {
   std::size_t block_size = 16;  ///< tokens per block
   std::size_t num_kv_heads = 0;
   std::size_t head_dim_k = 0;
+  /// 0: the layers keep K only, no V (MLA's latent, a state slot): no V
+  /// pools, no V regions (docs/formats.md, "K-only layers").
   std::size_t head_dim_v = 0;
   KvCacheDtype dtype = KvCacheDtype::bf16;
   /// Per-layer dtype override (mixed precision). Empty: every layer uses
@@ -33,7 +35,11 @@ struct KvCacheConfig {
   std::vector<KvCacheDtype> layer_dtypes;
   KvCacheLayout layout = KvCacheLayout::layer_major;
 
-  /// Throws InvalidArgument naming the field when: a size is zero,
+  /// Whether the layers have a V part (head_dim_v > 0).
+  bool has_v() const noexcept { return head_dim_v != 0; }
+
+  /// Throws InvalidArgument naming the field when: a size other than
+  /// head_dim_v is zero,
   /// layer_dtypes has a length other than num_layers, a packed dtype's group
   /// does not divide head_dim_k/head_dim_v, or a byte size overflows size_t.
   void validate() const;
@@ -45,7 +51,8 @@ struct KvCacheConfig {
   /// Number of layers whose dtype differs from `dtype` (0 when uniform).
   std::size_t num_override_layers() const noexcept;
 
-  /// Layout of layer `layer`'s K / V region of one block.
+  /// Layout of layer `layer`'s K / V region of one block (V: all zero when
+  /// the layers have no V).
   BlockRegionLayout k_layout(std::size_t layer) const;
   BlockRegionLayout v_layout(std::size_t layer) const;
 

@@ -91,7 +91,8 @@ struct PagedKvCacheOptions {
 class PagedKvCache {
  public:
   /// Validates `config` and allocates the pools on `backend`: 2 * num_layers
-  /// allocations in layer-major layout, 1 in block-major. If an allocation
+  /// allocations in layer-major layout (num_layers for K-only layers), 1 in
+  /// block-major. If an allocation
   /// fails midway (device or host), everything allocated so far is freed
   /// before the exception (OutOfMemory, BackendError, std::bad_alloc)
   /// propagates. Throws InvalidArgument for a bad config, num_blocks == 0,
@@ -160,7 +161,8 @@ class PagedKvCache {
   // ---- pointers and strides --------------------------------------------------
 
   /// Address of `block`'s K (V) data for `layer`. Throws InvalidArgument for an
-  /// out-of-range layer or block.
+  /// out-of-range layer or block, and the V calls (pointers, strides) for a
+  /// cache of K-only layers (config().has_v() false: MLA, state slots).
   DevicePtr k_cache_ptr(std::size_t layer, BlockId block) const;
   DevicePtr v_cache_ptr(std::size_t layer, BlockId block) const;
 
@@ -174,7 +176,8 @@ class PagedKvCache {
   std::size_t k_block_stride(std::size_t layer) const;
   std::size_t v_block_stride(std::size_t layer) const;
 
-  /// Bytes of `layer`'s K (V) region in one block (what read_block returns).
+  /// Bytes of `layer`'s K (V) region in one block (what read_block returns;
+  /// V: 0 for K-only layers).
   std::size_t k_block_bytes(std::size_t layer) const;
   std::size_t v_block_bytes(std::size_t layer) const;
 
@@ -215,7 +218,8 @@ class PagedKvCache {
   /// order between them would be undefined). An empty batch queues nothing.
   void copy_blocks(std::span<const BlockCopy> copies, StreamView stream);
 
-  /// Copies `layer`'s K and V bytes of `block` to the host, synchronizing
+  /// Copies `layer`'s K and V bytes of `block` to the host (v empty for
+  /// K-only layers), synchronizing
   /// `stream` (work queued before on it is ordered first). When the second
   /// copy cannot be queued, the stream is still synchronized before the
   /// error propagates, so the first copy never writes into freed memory.
@@ -228,7 +232,8 @@ class PagedKvCache {
   /// Copies host bytes into `layer`'s K and V of `block` and synchronizes
   /// (also when queueing the second copy throws, so the spans are never read
   /// after the call). The spans must be exactly k_block_bytes(layer) /
-  /// v_block_bytes(layer) long (InvalidArgument otherwise).
+  /// v_block_bytes(layer) long (InvalidArgument otherwise; v empty for K-only
+  /// layers).
   void write_block(std::size_t layer, BlockId block, std::span<const std::uint8_t> k,
                    std::span<const std::uint8_t> v, StreamView stream);
 
@@ -275,6 +280,7 @@ class PagedKvCache {
   [[noreturn]] void throw_block_out_of_range(BlockId block, const char* op) const;
   [[noreturn]] void throw_exhausted();
   void check_layer(std::size_t layer, const char* op) const;
+  void check_has_v(const char* op) const;
   BlockId take_free(BlockOp op, const std::source_location& where);
   bool release(BlockId block, BlockOp op, const std::source_location& where);
   bool ignore_release(BlockId block, BlockOp op, const std::source_location& where);
