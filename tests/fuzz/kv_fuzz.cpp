@@ -28,6 +28,7 @@
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/testing/hybrid_model.hpp"
 #include "kvport/testing/kv_model.hpp"
 #include "kvport/testing/tier_model.hpp"
 
@@ -114,6 +115,76 @@ void fuzz_tier(const std::uint8_t* data, std::size_t size) {
   }
 }
 
+bool is_hybrid_input(const std::uint8_t* data, std::size_t size) {
+  return size >= 8 && (data[1] >> 1) % 8 == 5;
+}
+
+void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
+  using kvport::LayerSpec;
+  Fixture& f = fixture();
+  kvport::HybridKvCacheConfig c;
+  c.block_size = 1 + data[2] % 4;
+  c.state_checkpoint_interval = (data[2] >> 2) % 4;
+  for (std::size_t i = 0; i < 4; ++i) {
+    const std::uint8_t choice = static_cast<std::uint8_t>((data[3] >> (2 * i)) % 4);
+    const std::uint8_t param = data[4 + i];
+    switch (choice == 0 ? param % 6 : choice) {
+      case 0:
+        c.layers.push_back(LayerSpec::no_kv());
+        break;
+      case 1:
+        c.layers.push_back(LayerSpec::full_attention(1 + i, 8, 8));
+        break;
+      case 2:
+        c.layers.push_back(LayerSpec::sliding_window(1 + param % 8, 1 + i, 8, 8));
+        break;
+      case 3:
+        c.layers.push_back(LayerSpec::chunked_local(c.block_size * (1 + param % 2), 1 + i, 8, 8));
+        break;
+      case 4:
+        c.layers.push_back(LayerSpec::mla(4 * (1 + i), 4));
+        break;
+      default:
+        c.layers.push_back(LayerSpec::recurrent_state(
+            {kvport::StateTensor{"s", {1 + i}, kvport::StateDtype::f32}}));
+        break;
+    }
+  }
+  std::vector<kvport::KvCacheGroup> groups;
+  try {
+    groups = kvport::group_layers(c.layers, c.block_size);
+  } catch (const kvport::InvalidArgument&) {
+    return;  // every layer 'none'
+  }
+  const std::vector<std::size_t> counts(groups.size(), 4 + data[0] % 32);
+  kvport::HybridKvCache cache(c, counts, *f.backend);
+  {
+    kvport::testing::HybridDriver driver(cache, f.stream);
+    const std::size_t ops = std::min((size - 8) / 5, kMaxOps);
+    for (std::size_t i = 0; i < ops; ++i) {
+      const std::uint8_t* p = data + 8 + 5 * i;
+      const kvport::testing::HybridOp op{
+          static_cast<kvport::testing::HybridOpKind>(
+              p[0] % static_cast<std::uint8_t>(kvport::testing::HybridOpKind::count)),
+          u16(p + 1), u16(p + 3)};
+      const std::string diff = driver.apply(op);
+      if (!diff.empty()) {
+        std::fprintf(stderr, "kvport fuzz (hybrid): op %zu: %s\n", i, diff.c_str());
+        std::abort();
+      }
+    }
+    driver.release_all();
+    cache.synchronize();
+  }
+  for (std::size_t g = 0; g < cache.num_groups(); ++g) {
+    if (cache.blocks_in_use(g) != 0 || !cache.check_invariants().ok) {
+      std::fprintf(stderr, "kvport fuzz (hybrid): leaked blocks: %s\n",
+                   cache.check_invariants().to_string().c_str());
+      std::abort();
+    }
+  }
+}
+
 void fuzz_kv(const std::uint8_t* data, std::size_t size) {
   Fixture& f = fixture();
   const std::size_t num_blocks = 4 + data[0] % 64;
@@ -154,6 +225,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size < 2) return 0;
   if (is_tier_input(data, size)) {
     fuzz_tier(data, size);
+  } else if (is_hybrid_input(data, size)) {
+    fuzz_hybrid(data, size);
   } else {
     fuzz_kv(data, size);
   }
