@@ -10,19 +10,11 @@
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "vector_growth.hpp"
 
 namespace kvport {
-namespace {
 
-// reserve() with geometric growth: libstdc++'s reserve allocates exactly what
-// is asked, which would make one-token decode appends copy the whole vector
-// every time.
-template <typename T>
-void reserve_total(std::vector<T>& v, std::size_t total) {
-  if (total > v.capacity()) v.reserve(std::max(total, 2 * v.capacity()));
-}
-
-}  // namespace
+using detail::reserve_total;
 
 BlockTable::BlockTable(PagedKvCache* cache, PrefixCache* prefix, std::uint64_t extra_key)
     : cache_(cache),

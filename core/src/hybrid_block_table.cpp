@@ -9,14 +9,12 @@
 
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "vector_growth.hpp"
 
 namespace kvport {
 namespace {
 
-template <typename T>
-void reserve_total(std::vector<T>& v, std::size_t total) {
-  if (total > v.capacity()) v.reserve(std::max(total, 2 * v.capacity()));
-}
+using detail::reserve_total;
 
 bool is_full_kind(LayerKind k) {
   return k == LayerKind::full_attention || k == LayerKind::mla;
@@ -396,8 +394,9 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
       // A state group needs the checkpoint cached under the hash of block
       // hit - 1; a block group the blocks [first, hit).
       const bool state = rules[g].kind == LayerKind::state;
-      first[g] = state ? hit - 1
-                       : std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
+      first[g] = state
+                     ? hit - 1
+                     : std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
       const auto span = std::span<const BlockHash>(hashes).subspan(first[g], hit - first[g]);
       PrefixMatch m = prefix.lookup_hashes(span);
       taken[g] = std::move(m.blocks);

@@ -15,6 +15,7 @@
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/scheduler.hpp"
+#include "kvport/sim/trace_arrivals.hpp"
 #include "kvport/sim/trace_tokens.hpp"
 
 namespace kvport::sim {
@@ -57,15 +58,10 @@ class HybridReplayWorkload final : public Workload {
 
   HybridReplayResult run() {
     result_.requests = requests_.size();
-    order_.resize(requests_.size());
-    std::iota(order_.begin(), order_.end(), std::size_t{0});
-    std::stable_sort(order_.begin(), order_.end(), [&](std::size_t a, std::size_t b) {
-      return requests_[a].timestamp_ms < requests_[b].timestamp_ms;
-    });
     SchedulerOptions scheduling;
     scheduling.max_running = options_.concurrency;
     scheduling.step_ms = static_cast<double>(options_.step_ms);
-    scheduling.start_ms = requests_.empty() ? 0.0 : requests_[order_.front()].timestamp_ms;
+    scheduling.start_ms = arrivals_.first_arrival_ms();
     scheduling.retire = RetirePoint::before_admission;
     scheduling.retry_head_after_release = true;
     Scheduler scheduler(*this, scheduling);
@@ -92,22 +88,13 @@ class HybridReplayWorkload final : public Workload {
   std::size_t num_requests() const override { return requests_.size(); }
 
   void arrive(Scheduler& scheduler) override {
-    for (; next_ < order_.size() && requests_[order_[next_]].timestamp_ms <= scheduler.now_ms();
-         ++next_) {
-      const std::size_t index = order_[next_];
-      const TraceRequest& r = requests_[index];
-      if (!fits_alone(r.input_length + r.output_length)) {
-        scheduler.reject();
-        continue;
-      }
-      scheduler.enqueue(index);
-    }
+    arrivals_.arrive(
+        scheduler,
+        [&](const TraceRequest& r) { return fits_alone(r.input_length + r.output_length); },
+        [](const TraceRequest&) {});
   }
 
-  void idle(Scheduler& scheduler) override {
-    if (next_ == order_.size()) throw std::logic_error("kvport replay: requests lost (a bug)");
-    scheduler.advance_to(requests_[order_[next_]].timestamp_ms);
-  }
+  void idle(Scheduler& scheduler) override { arrivals_.idle(scheduler); }
 
   bool reserve_token(RequestId id) override { return state_[id].table->can_append(1); }
 
@@ -196,8 +183,7 @@ class HybridReplayWorkload final : public Workload {
   StreamView stream_;
   std::size_t bs_;
   std::vector<RequestState> state_;
-  std::vector<std::size_t> order_;
-  std::size_t next_ = 0;
+  TraceArrivals arrivals_{requests_};
   std::uint64_t running_steps_ = 0;
   std::vector<TokenId> scratch_;
   HybridReplayResult result_;

@@ -23,6 +23,7 @@
 #include "kvport/platform/host_memory.hpp"
 #include "kvport/sim/model_presets.hpp"
 #include "kvport/sim/scheduler.hpp"
+#include "kvport/sim/trace_arrivals.hpp"
 #include "kvport/sim/trace_tokens.hpp"
 
 namespace kvport::sim {
@@ -104,12 +105,7 @@ class ReplayWorkload final : public Workload {
   ReplayResult run() {
     const auto start = std::chrono::steady_clock::now();
     result_.requests = requests_.size();
-    order_.resize(requests_.size());
-    std::iota(order_.begin(), order_.end(), std::size_t{0});
-    std::stable_sort(order_.begin(), order_.end(), [&](std::size_t a, std::size_t b) {
-      return requests_[a].timestamp_ms < requests_[b].timestamp_ms;
-    });
-    const double first_arrival = requests_[order_.front()].timestamp_ms;
+    const double first_arrival = arrivals_.first_arrival_ms();
     last_finish_ = first_arrival;
 
     SchedulerOptions scheduling;
@@ -163,25 +159,15 @@ class ReplayWorkload final : public Workload {
   std::size_t num_requests() const override { return requests_.size(); }
 
   void arrive(Scheduler& scheduler) override {
-    for (; next_ < order_.size() && requests_[order_[next_]].timestamp_ms <= scheduler.now_ms();
-         ++next_) {
-      const std::size_t index = order_[next_];
-      const TraceRequest& r = requests_[index];
-      // Alone in an empty cache it would still run out of blocks, and
-      // preempting itself would only start it over.
-      if (div_ceil(r.input_length + r.output_length, bs_) > options_.capacity_blocks) {
-        scheduler.reject();
-        finished(r.timestamp_ms);
-        continue;
-      }
-      scheduler.enqueue(index);
-    }
+    arrivals_.arrive(
+        scheduler,
+        [&](const TraceRequest& r) {
+          return div_ceil(r.input_length + r.output_length, bs_) <= options_.capacity_blocks;
+        },
+        [&](const TraceRequest& r) { finished(r.timestamp_ms); });
   }
 
-  void idle(Scheduler& scheduler) override {
-    if (next_ == order_.size()) throw std::logic_error("kvport replay: requests lost (a bug)");
-    scheduler.advance_to(requests_[order_[next_]].timestamp_ms);  // jump to the next arrival
-  }
+  void idle(Scheduler& scheduler) override { arrivals_.idle(scheduler); }
 
   bool reserve_token(RequestId id) override {
     return state_[id].table->blocks_needed(1) <= prefix_.num_available_blocks();
@@ -330,8 +316,7 @@ class ReplayWorkload final : public Workload {
   StreamView stream_;
   std::size_t bs_;
   std::vector<RequestState> state_;
-  std::vector<std::size_t> order_;  // request indices by arrival
-  std::size_t next_ = 0;            // the next of order_ to arrive
+  TraceArrivals arrivals_{requests_};
   double last_finish_ = 0.0;
   double queue_ms_sum_ = 0.0;
   std::size_t finished_ = 0;  // completed or rejected
