@@ -67,8 +67,9 @@ std::optional<std::size_t> positive_field(const json& object, const char* key,
 
 ModelSpec find_model_preset(std::string_view name) {
   if (const std::optional<sim::ModelPreset> preset = sim::find_model_preset(name)) {
-    return ModelSpec{std::string(preset->name), "preset",         preset->num_layers,
-                     preset->num_kv_heads,      preset->head_dim, preset->head_dim};
+    const KvCacheConfig config = sim::preset_config(*preset);  // refuses hybrid models
+    return ModelSpec{std::string(preset->name), "preset",          config.num_layers,
+                     config.num_kv_heads,       config.head_dim_k, config.head_dim_v};
   }
   // A long name is cut so that the list of known presets stays on the line.
   const std::string shown =
