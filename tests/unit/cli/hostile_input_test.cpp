@@ -321,6 +321,37 @@ TEST(cli_hostile_config, HugeAndInconsistentShapes) {
   });
 }
 
+TEST(cli_hostile_config, HugePerLayerListsAreRefusedWithoutTheirDom) {
+  // 16 MiB of one-byte list entries would cost ~30x that as a DOM: a kept
+  // list longer than the layer limit is refused while it is parsed.
+  const auto list = [](std::string_view item, std::size_t n) {
+    std::string text;
+    text.reserve(n * (item.size() + 1));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i > 0) text += ',';
+      text += item;
+    }
+    return "[" + text + "]";
+  };
+  const std::size_t n = (std::size_t{15} << 20) / 3;
+  const auto start = std::chrono::steady_clock::now();
+  expect_configs_rejected({
+      {R"({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": )" + list("\"\"", n) +
+           "}",
+       "a JSON array of more than 65536 elements ('layer_types')"},
+      {R"({"model_type": "llama4", "text_config": {"num_hidden_layers": 2, "no_rope_layers": )" +
+           list("0", n) + "}}",
+       "a JSON array of more than 65536 elements ('no_rope_layers')"},
+      {R"({"num_hidden_layers": )" + list("[]", n) + "}",
+       "a JSON array of more than 65536 elements ('num_hidden_layers')"},
+  });
+  EXPECT_LT(seconds_since(start), 5.0);
+  // At the limit a list is read (and its length checked against the layers).
+  expect_configs_rejected({{R"({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": )" +
+                                list("\"full_attention\"", kMaxModelLayers) + "}",
+                            "'layer_types' has 65536 entries but num_hidden_layers is 2"}});
+}
+
 TEST(cli_hostile_config, FilesThatAreNotSmallRegularFiles) {
   const TempFile dir_holder("placeholder", "");
   const std::filesystem::path dir = dir_holder.dir();
@@ -407,7 +438,7 @@ TEST(cli_hostile_flags, UnknownPresetsAndNames) {
                     "31m"),
         std::string(100000, 'x')}) {
     // The list of known presets survives a huge name.
-    cases.push_back({{"plan", "--model", name, "--memory", "1GiB"}, "(known: llama-3-70b"});
+    cases.push_back({{"plan", "--model", name, "--memory", "1GiB"}, "(known: deepseek-v3"});
     // bench trims the name: "llama-3-8b " is a valid bench model.
     if (name.find("llama") == std::string::npos) {
       cases.push_back({{"bench", "--model", name}, "--model: "});

@@ -54,6 +54,28 @@ TEST(sim_json_input, RefusesNulBytesDepthAndMalformedText) {
   EXPECT_THAT(error_of("\"\xc3\x28\""), StartsWith("in:7: bad JSON: "));  // invalid UTF-8
 }
 
+TEST(sim_json_input, KeptContainersHaveAtMostTheElementsAllowed) {
+  JsonInputOptions o = options();
+  o.max_kept_elements = 3;
+  o.keep_key = [](int depth, const std::string& key) { return depth != 1 || key != "big"; };
+  // At the limit; a dropped key's array is not counted, however long.
+  const nlohmann::json j = parse_json_input(
+      R"({"a": [1, 2, [3]], "big": [1, 2, 3, 4, 5, 6, 7], "c": {"x": 1, "y": 2}})", o);
+  EXPECT_EQ(j.at("a").size(), 3u);
+  EXPECT_FALSE(j.contains("big"));
+  EXPECT_EQ(error_of(R"({"a": [1, 2, 3, 4]})", o),
+            "in:7: a JSON array of more than 3 elements ('a')");
+  EXPECT_EQ(error_of(R"({"a": [[], {}, "x", null]})", o),
+            "in:7: a JSON array of more than 3 elements ('a')");
+  EXPECT_EQ(error_of(R"({"c": {"w": 1, "x": 1, "y": 2, "z": 3}})", o),
+            "in:7: a JSON object of more than 3 elements ('c')");
+  EXPECT_EQ(error_of(R"({"a": [[1, 2, 3, 4]]})", o),
+            "in:7: a JSON array of more than 3 elements ('a')");
+  EXPECT_EQ(error_of("[1, 2, 3, 4]", o), "in:7: a JSON array of more than 3 elements");
+  // A dropped member of the top level may hold anything.
+  EXPECT_NO_THROW((void)parse_json_input(R"({"big": {"a": 1, "b": 2, "c": 3, "d": 4}})", o));
+}
+
 TEST(sim_json_input, LongParserMessagesAreCutOnAUtf8Boundary) {
   // An unterminated string of 2-byte characters: the parser quotes it all.
   std::string text = "\"";

@@ -249,7 +249,10 @@ TEST(sim_replay, HostTierOptionsAreValidatedByFlag) {
   expect_invalid(options, "--host-link-gbps");
   options.host_link_gbps = 64.0;
   options.model = "no-such-model";
-  expect_invalid(options, "--model: unknown model 'no-such-model' (known: llama-3-70b");
+  expect_invalid(options, "--model: unknown model 'no-such-model' (known: deepseek-v3");
+  // A hybrid model has no one block shape to model the transfers on.
+  options.model = "gpt-oss-120b";
+  expect_invalid(options, "model preset 'gpt-oss-120b' is a hybrid model");
   options.model = "qwen2.5-0.5b";
   const ReplayResult r = run_replay(requests, options, *backend);
   EXPECT_TRUE(r.ok()) << r.invariants.to_string();

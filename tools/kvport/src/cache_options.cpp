@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <utility>
 
 #include "kvport/cli/flag_values.hpp"
 #include "kvport/cli/layer_dtypes.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/registry.hpp"
+#include "text.hpp"
 
 namespace kvport::cli {
 namespace {
@@ -23,6 +26,20 @@ CLI::Option* add_text(CLI::App& app, const char* name, TextFlag& flag, const cha
 std::optional<std::size_t> count_flag(const TextFlag& flag, std::string_view name) {
   if (!flag.given()) return std::nullopt;
   return parse_positive_count(flag.value, name);
+}
+
+// vLLM's --kv-cache-dtype fp8_ds_mla: a latent format, not an element dtype.
+bool is_ds_mla(std::string_view value) {
+  std::string name = text::lower(text::trim(value));
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name == "fp8_ds_mla";
+}
+
+std::optional<StateDtype> state_dtype_flag(const TextFlag& flag, std::string_view name) {
+  if (!flag.given()) return std::nullopt;
+  if (const auto dtype = parse_state_dtype(text::lower(text::trim(flag.value)))) return dtype;
+  throw InvalidArgument(
+      fmt::format("{}: unknown state dtype '{}' (known: f32, f16, bf16)", name, flag.value));
 }
 
 }  // namespace
@@ -55,7 +72,8 @@ void CacheShapeOptions::add_to(CLI::App& app, std::string_view default_model) {
 
   dtype_.value = "bf16";
   add_text(app, "--dtype", dtype_, "DTYPE",
-           "Element format: f16, bf16, fp8_e4m3, fp8_e5m2, nvfp4, turbo2/3/4/8 (default bf16)")
+           "Element format: f16, bf16, fp8_e4m3, fp8_e5m2, nvfp4, turbo2/3/4/8 (default bf16); "
+           "MLA models also fp8_ds_mla (vLLM's 656-byte DeepSeek latent)")
       ->group("Cache");
   add_text(app, "--layer-dtypes", layer_dtypes_, "SPEC",
            "Per-layer dtypes: overrides like 'first:bf16,last:bf16' or '0-3:bf16,31:f16', or one "
@@ -67,9 +85,16 @@ void CacheShapeOptions::add_to(CLI::App& app, std::string_view default_model) {
   layout_.value = "layer_major";
   add_text(app, "--layout", layout_, "LAYOUT", "layer_major (default) or block_major")
       ->group("Cache");
+  add_text(app, "--state-dtype", state_dtype_, "DTYPE",
+           "State layers (Mamba, linear attention): f32, f16 or bf16 for every state tensor "
+           "(default: the model dtype, the SSM state as the config's mamba_ssm_cache_dtype)")
+      ->group("Cache");
+  add_text(app, "--ssm-state-dtype", ssm_state_dtype_, "DTYPE",
+           "State layers: f32, f16 or bf16 for the SSM (recurrent) state only")
+      ->group("Cache");
 }
 
-CacheShapeOptions::Resolved CacheShapeOptions::resolve() const {
+ModelOverrides CacheShapeOptions::overrides() const {
   ModelOverrides overrides;
   if (model_.given()) overrides.preset = model_.value;
   if (hf_config_.given()) {
@@ -81,9 +106,22 @@ CacheShapeOptions::Resolved CacheShapeOptions::resolve() const {
   overrides.head_dim = count_flag(head_dim_, "--head-dim");
   overrides.head_dim_k = count_flag(head_dim_k_, "--head-dim-k");
   overrides.head_dim_v = count_flag(head_dim_v_, "--head-dim-v");
+  return overrides;
+}
 
+CacheShapeOptions::Resolved CacheShapeOptions::resolve_full_attention(ModelSpec model) const {
+  if (is_ds_mla(dtype_.value)) {
+    throw InvalidArgument(fmt::format(
+        "--dtype fp8_ds_mla is an MLA latent format, and '{}' has no MLA layers", model.name));
+  }
+  for (const auto& [flag, name] : {std::pair{&state_dtype_, "--state-dtype"},
+                                   std::pair{&ssm_state_dtype_, "--ssm-state-dtype"}}) {
+    if (flag->given()) {
+      throw InvalidArgument(fmt::format("{}: '{}' has no state layers", name, model.name));
+    }
+  }
   Resolved resolved;
-  resolved.model = resolve_model_spec(overrides, default_model_);
+  resolved.model = std::move(model);
   KvCacheConfig& config = resolved.config;
   config.num_layers = resolved.model.num_layers;
   config.num_kv_heads = resolved.model.num_kv_heads;
@@ -106,6 +144,92 @@ CacheShapeOptions::Resolved CacheShapeOptions::resolve() const {
   }
   config.validate();
   return resolved;
+}
+
+CacheShapeOptions::Resolved CacheShapeOptions::resolve() const {
+  ModelSpec model = resolve_model_spec(overrides(), default_model_);
+  if (model.is_hybrid()) {
+    throw InvalidArgument(fmt::format(
+        "'{}' is a hybrid model ({}): this command runs models whose every layer is full "
+        "attention of one shape (kvport plan plans hybrid models)",
+        model.name, layer_kinds_text(model.layers)));
+  }
+  return resolve_full_attention(std::move(model));
+}
+
+CacheShapeOptions::Layered CacheShapeOptions::resolve_layers() const {
+  Layered out;
+  out.model = resolve_model_spec(overrides(), default_model_);
+  if (!out.model.is_hybrid()) {
+    Resolved full = resolve_full_attention(out.model);
+    out.layers = layer_specs_of(full.config);
+    out.dtype = std::string(to_string(full.config.dtype));
+    out.block_size = full.config.block_size;
+    out.layout = full.config.layout;
+    out.full_attention = std::move(full);
+    return out;
+  }
+
+  out.block_size = parse_positive_count(block_size_.value, "--block-size");
+  out.layout = parse_layout_value(layout_.value, "--layout");
+  out.layers = out.model.layers;
+  const std::string& name = out.model.name;
+  if (is_ds_mla(dtype_.value)) {
+    out.dtype = "fp8_ds_mla";
+    for (LayerSpec& layer : out.layers) {
+      if (layer.kind == LayerKind::mla) {
+        layer = LayerSpec::mla(layer.kv_lora_rank, layer.rope_dim, KvCacheDtype::bf16,
+                               MlaFormat::fp8_ds_mla);
+      } else if (layer.has_blocks()) {
+        throw InvalidArgument(
+            fmt::format("--dtype fp8_ds_mla is an MLA latent format, and '{}' also has {} layers",
+                        name, to_string(layer.kind)));
+      }
+    }
+    if (layer_dtypes_.given()) {
+      throw InvalidArgument(
+          "--layer-dtypes: fp8_ds_mla fixes the element types of every MLA layer");
+    }
+  } else {
+    const KvCacheDtype dtype = parse_dtype_value(dtype_.value, "--dtype");
+    out.dtype = std::string(to_string(dtype));
+    std::vector<KvCacheDtype> per_layer(out.layers.size(), dtype);
+    if (layer_dtypes_.given()) {
+      per_layer = parse_layer_dtypes(layer_dtypes_.value, out.layers.size(), dtype);
+    }
+    for (std::size_t i = 0; i < out.layers.size(); ++i) {
+      LayerSpec& layer = out.layers[i];
+      if (layer.has_blocks()) {
+        layer.dtype = per_layer[i];
+      } else if (per_layer[i] != dtype) {
+        throw InvalidArgument(
+            fmt::format("--layer-dtypes: layer {} of '{}' is a {} layer, which keeps no KV blocks "
+                        "(--state-dtype "
+                        "sets the state layers' dtype)",
+                        i, name, to_string(layer.kind)));
+      }
+    }
+  }
+
+  const std::optional<StateDtype> all_state = state_dtype_flag(state_dtype_, "--state-dtype");
+  const std::optional<StateDtype> ssm_state =
+      state_dtype_flag(ssm_state_dtype_, "--ssm-state-dtype");
+  if (all_state || ssm_state) {
+    const bool has_state = std::any_of(out.layers.begin(), out.layers.end(),
+                                       [](const LayerSpec& l) { return l.has_state(); });
+    if (!has_state) {
+      throw InvalidArgument(fmt::format("{}: '{}' has no state layers",
+                                        all_state ? "--state-dtype" : "--ssm-state-dtype", name));
+    }
+    for (LayerSpec& layer : out.layers) {
+      for (StateTensor& tensor : layer.state) {
+        const bool conv = tensor.name == "conv";
+        if (all_state) tensor.dtype = *all_state;
+        if (ssm_state && !conv) tensor.dtype = *ssm_state;
+      }
+    }
+  }
+  return out;
 }
 
 void BudgetOptions::add_to(CLI::App& app, std::string_view default_memory) {

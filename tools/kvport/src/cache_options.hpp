@@ -6,10 +6,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "kvport/cli/memory_budget.hpp"
 #include "kvport/cli/model_spec.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/layer_spec.hpp"
 #include "kvport/platform/backend.hpp"
 
 namespace CLI {
@@ -29,23 +31,46 @@ struct TextFlag {
 };
 
 /// --model, --hf-config, --layers, --kv-heads, --head-dim[-k|-v], --dtype,
-/// --layer-dtypes, --block-size, --layout.
+/// --layer-dtypes, --block-size, --layout, --state-dtype, --ssm-state-dtype.
 class CacheShapeOptions {
  public:
   void add_to(CLI::App& app, std::string_view default_model);
 
   /// The model (a preset, a config, flags) and the validated cache config.
-  /// Throws InvalidArgument naming the bad flag or field.
   struct Resolved {
     ModelSpec model;
     KvCacheConfig config;
   };
+  /// For the commands that run one PagedKvCache: throws InvalidArgument
+  /// naming the bad flag or field, and for a hybrid model (its layers do not
+  /// fit one cache config).
   Resolved resolve() const;
 
+  /// A model of any layers, as the cache keeps them (`kvport plan`).
+  struct Layered {
+    ModelSpec model;
+    /// One per layer: --dtype and --layer-dtypes applied to the layers with
+    /// blocks, --state-dtype and --ssm-state-dtype to the state layers.
+    std::vector<LayerSpec> layers;
+    std::string dtype;  ///< --dtype's name: a KvCacheDtype's, or "fp8_ds_mla"
+    std::size_t block_size = 0;
+    KvCacheLayout layout = KvCacheLayout::layer_major;
+    /// What resolve() gives, for a model whose every layer is full attention.
+    std::optional<Resolved> full_attention;
+  };
+  /// Throws InvalidArgument naming the bad flag or field: as resolve(), and
+  /// for --dtype fp8_ds_mla on a model with other than MLA layers,
+  /// --layer-dtypes setting a layer without blocks (or with fp8_ds_mla), or
+  /// a state dtype flag on a model without state layers.
+  Layered resolve_layers() const;
+
  private:
+  ModelOverrides overrides() const;
+  Resolved resolve_full_attention(ModelSpec model) const;
+
   std::string default_model_;
   TextFlag model_, hf_config_, layers_, kv_heads_, head_dim_, head_dim_k_, head_dim_v_;
-  TextFlag dtype_, layer_dtypes_, block_size_, layout_;
+  TextFlag dtype_, layer_dtypes_, block_size_, layout_, state_dtype_, ssm_state_dtype_;
 };
 
 /// --memory, --utilization, --backend.

@@ -17,6 +17,8 @@
 #include <system_error>
 #include <vector>
 
+#include "hf_fields.hpp"
+#include "hf_layers.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/file_error.hpp"
 #include "kvport/sim/json_input.hpp"
@@ -28,47 +30,82 @@ namespace {
 
 using nlohmann::json;
 
-// The config keys kvport reads, at the top level or under "text_config".
+// The config keys kvport reads, at the top level or under "text_config",
+// besides those of the layer readers (hf_layers.hpp).
 constexpr std::array<std::string_view, 7> kShapeKeys{
     "_name_or_path",       "model_type", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim",   "hidden_size"};
 
 bool is_shape_key(std::string_view key) {
-  return std::find(kShapeKeys.begin(), kShapeKeys.end(), key) != kShapeKeys.end();
+  return std::find(kShapeKeys.begin(), kShapeKeys.end(), key) != kShapeKeys.end() ||
+         is_layer_key(key);
 }
 
-// A JSON value for an error message, shortened so that the message stays one
-// readable line. Arrays and objects are named, not printed: dump() recurses
-// once per level of nesting.
-std::string short_dump(const json& value) {
-  if (value.is_array()) return "an array";
-  if (value.is_object()) return "an object";
-  std::string text = value.dump();
-  if (text.size() > 40) text = text.substr(0, 37) + "...";
-  return text;
+// The family keys (hf_layers.hpp) of one object that were not kept: a few
+// names are enough to refuse the config.
+constexpr std::size_t kMaxUnkeptFamilyKeys = 4;
+
+void note_unkept(std::vector<std::string>& names, const std::string& key) {
+  if (names.size() < kMaxUnkeptFamilyKeys) names.push_back(key);
 }
 
-// `key` of `object` as a count > 0; empty when absent or null.
-std::optional<std::size_t> positive_field(const json& object, const char* key,
-                                          std::string_view source) {
-  const auto it = object.find(key);
-  if (it == object.end() || it->is_null()) return std::nullopt;
-  if (it->is_number_unsigned()) {
-    const auto value = it->get<std::uint64_t>();
-    if (value > 0 && value <= std::numeric_limits<std::size_t>::max()) {
-      return static_cast<std::size_t>(value);
+// The shape of the first layer that keeps blocks: what ModelSpec's
+// num_kv_heads and head dims say of a hybrid model.
+void set_shape_of_hybrid(ModelSpec& spec) {
+  spec.num_layers = spec.layers.size();
+  for (const LayerSpec& layer : spec.layers) {
+    if (layer.kind == LayerKind::mla) {
+      spec.num_kv_heads = 1;
+      spec.head_dim_k = layer.kv_lora_rank + layer.rope_dim;
+      spec.head_dim_v = 0;
+      return;
+    }
+    if (layer.has_blocks()) {
+      spec.num_kv_heads = layer.num_kv_heads;
+      spec.head_dim_k = layer.head_dim_k;
+      spec.head_dim_v = layer.head_dim_v;
+      return;
     }
   }
-  throw InvalidArgument(fmt::format("HF config '{}': '{}' must be a positive integer, got {}",
-                                    source, key, short_dump(*it)));
 }
 
 }  // namespace
 
+std::string layer_kinds_text(std::span<const LayerSpec> layers) {
+  std::vector<std::pair<LayerKind, std::size_t>> counts;
+  for (const LayerSpec& layer : layers) {
+    const auto it = std::find_if(counts.begin(), counts.end(),
+                                 [&](const auto& c) { return c.first == layer.kind; });
+    if (it == counts.end()) {
+      counts.emplace_back(layer.kind, 1);
+    } else {
+      ++it->second;
+    }
+  }
+  std::string out;
+  for (const auto& [kind, n] : counts) {
+    // to_string names state layers "mamba" (vLLM's event name), which would
+    // mislabel linear attention.
+    const std::string_view name = kind == LayerKind::state ? "state" : to_string(kind);
+    out += fmt::format("{}{} {}", out.empty() ? "" : ", ", n, name);
+  }
+  return out;
+}
+
 ModelSpec find_model_preset(std::string_view name) {
   if (const std::optional<sim::ModelPreset> preset = sim::find_model_preset(name)) {
-    return ModelSpec{std::string(preset->name), "preset",         preset->num_layers,
-                     preset->num_kv_heads,      preset->head_dim, preset->head_dim};
+    ModelSpec spec;
+    spec.name = std::string(preset->name);
+    spec.source = "preset";
+    spec.num_layers = preset->num_layers;
+    spec.num_kv_heads = preset->num_kv_heads;
+    spec.head_dim_k = spec.head_dim_v = preset->head_dim;
+    spec.max_position_embeddings = preset->max_position_embeddings;
+    if (preset->is_hybrid()) {
+      spec.layers = preset->layer_specs();
+      set_shape_of_hybrid(spec);
+    }
+    return spec;
   }
   // A long name is cut so that the list of known presets stays on the line.
   const std::string shown =
@@ -88,17 +125,26 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   // The DOM costs ~100 bytes per value and per level: keep only the keys
   // kvport reads (everything is still checked to be JSON).
   std::string top_key;
+  std::vector<std::string> unkept_top, unkept_text;
   const std::string prefix = fmt::format("HF config '{}': ", source);
   sim::JsonInputOptions input;
   input.prefix = prefix;
   input.malformed = "not valid JSON";
   input.max_depth = kMaxHfConfigDepth;
+  // The longest list a reader keeps is one entry per layer (layer_types).
+  input.max_kept_elements = kMaxModelLayers;
   input.keep_key = [&](int depth, const std::string& key) {
     if (depth == 1) {
       top_key = key;
-      return top_key == "text_config" || is_shape_key(top_key);
+      if (top_key == "text_config" || is_shape_key(top_key)) return true;
+      if (is_shape_family_key(key)) note_unkept(unkept_top, key);
+      return false;
     }
-    if (depth == 2 && top_key == "text_config") return is_shape_key(key);
+    if (depth == 2 && top_key == "text_config") {
+      if (is_shape_key(key)) return true;
+      if (is_shape_family_key(key)) note_unkept(unkept_text, key);
+      return false;
+    }
     return true;
   };
   const json root = sim::parse_json_input(json_text, input);
@@ -112,7 +158,9 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   for (const char* key : {"_name_or_path", "model_type"}) {
     const auto it = root.find(key);
     if (it != root.end() && it->is_string() && !it->get<std::string>().empty()) {
-      fields.name = it->get<std::string>();
+      // Printed on the Model line and in JSON: escaped and cut like an error
+      // line, so that a hostile name can neither drive the terminal nor fill it.
+      fields.name = text::one_line(it->get<std::string>(), kMaxModelNameBytes - 3);  // + "..."
       break;
     }
   }
@@ -120,24 +168,29 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
   // Multimodal configs (Llava, Gemma 3, ...) keep the language model's shape in
   // "text_config".
   const json* model = &root;
+  bool nested = false;
   if (!root.contains("num_hidden_layers")) {
     const auto it = root.find("text_config");
-    if (it != root.end() && it->is_object()) model = &*it;
+    if (it != root.end() && it->is_object()) {
+      model = &*it;
+      nested = true;
+    }
   }
+  const HfFields config(*model, source);
 
-  fields.num_layers = positive_field(*model, "num_hidden_layers", source);
+  fields.num_layers = config.count("num_hidden_layers");
   if (fields.num_layers && *fields.num_layers > kMaxModelLayers) {
     throw InvalidArgument(
         fmt::format("HF config '{}': 'num_hidden_layers' is {}, more than the {} layers kvport "
                     "supports",
                     source, *fields.num_layers, kMaxModelLayers));
   }
-  const auto attention_heads = positive_field(*model, "num_attention_heads", source);
-  fields.num_kv_heads = positive_field(*model, "num_key_value_heads", source);
+  const auto attention_heads = config.count("num_attention_heads");
+  fields.num_kv_heads = config.count("num_key_value_heads");
   if (!fields.num_kv_heads) fields.num_kv_heads = attention_heads;
-  fields.head_dim = positive_field(*model, "head_dim", source);
+  fields.head_dim = config.count("head_dim");
   if (!fields.head_dim) {
-    const auto hidden = positive_field(*model, "hidden_size", source);
+    const auto hidden = config.count("hidden_size");
     if (hidden && attention_heads) {
       if (*hidden % *attention_heads != 0) {
         throw InvalidArgument(fmt::format(
@@ -148,6 +201,21 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
       fields.head_dim = *hidden / *attention_heads;
     }
   }
+  fields.max_position_embeddings = config.count("max_position_embeddings");
+
+  // The architecture: the language model's own model_type ("gemma3_text"),
+  // else the config's ("gemma3").
+  std::string model_type;
+  for (const json* object : {model, &root}) {
+    const auto it = object->find("model_type");
+    if (it != object->end() && it->is_string()) {
+      model_type = it->get<std::string>();
+      break;
+    }
+  }
+  fields.layers =
+      read_hf_layers(HfModelView{config, model_type, nested ? unkept_text : unkept_top,
+                                 fields.num_layers, fields.num_kv_heads, fields.head_dim});
   return fields;
 }
 
@@ -228,9 +296,11 @@ ModelSpec resolve_model_spec(const ModelOverrides& overrides, std::string_view d
   std::optional<std::size_t> layers, kv_heads, head_dim_k, head_dim_v;
   std::string missing_hint = "use --model NAME or --hf-config PATH, or give them as flags";
   if (overrides.hf_config) {
-    const HfConfigFields fields = load_hf_config(*overrides.hf_config);
+    HfConfigFields fields = load_hf_config(*overrides.hf_config);
     spec.name = fields.name;
     spec.source = "hf-config";
+    spec.max_position_embeddings = fields.max_position_embeddings;
+    spec.layers = std::move(fields.layers);
     layers = fields.num_layers;
     kv_heads = fields.num_kv_heads;
     head_dim_k = head_dim_v = fields.head_dim;
@@ -250,6 +320,16 @@ ModelSpec resolve_model_spec(const ModelOverrides& overrides, std::string_view d
 
   const bool any_flag = overrides.num_layers || overrides.num_kv_heads || overrides.head_dim ||
                         overrides.head_dim_k || overrides.head_dim_v;
+  if (spec.is_hybrid()) {
+    if (any_flag) {
+      throw InvalidArgument(fmt::format(
+          "--layers, --kv-heads and --head-dim[-k|-v] set one shape for every layer, and '{}' is "
+          "a hybrid model whose layers differ ({}): they cannot override it",
+          spec.name, layer_kinds_text(spec.layers)));
+    }
+    set_shape_of_hybrid(spec);
+    return spec;
+  }
   if (any_flag && spec.source != "flags") spec.source += "+flags";
   if (overrides.num_layers) layers = overrides.num_layers;
   if (overrides.num_kv_heads) kv_heads = overrides.num_kv_heads;

@@ -22,6 +22,11 @@ struct JsonInputOptions {
   /// others are parsed (so still checked to be JSON) but dropped, so large
   /// fields cost no memory. Empty: keep every key.
   std::function<bool(int depth, const std::string& key)> keep_key;
+  /// The most elements (array) or members (object) one container that is
+  /// kept may hold; a longer one is an error. 0: no limit. The DOM costs tens
+  /// of bytes per value, so a kept array of a few bytes per element (a config
+  /// with 5 million layer types in 16 MiB) would cost 30x the text.
+  std::size_t max_kept_elements = 0;
 };
 
 /// The most bytes of a parser's message quoted in an InvalidArgument.
@@ -33,6 +38,8 @@ inline constexpr std::size_t kMaxJsonErrorBytes = 200;
 ///         "{...}\0garbage" would parse;
 ///   PREFIX JSON nested deeper than D levels - the parser is iterative, but
 ///       the DOM it builds costs memory per level;
+///   PREFIX a JSON array or object of more than N kept elements (N:
+///       max_kept_elements), naming the key that holds it;
 ///   PREFIX MALFORMED: <the parser's message> - without its exception id and
 ///       "at line 1, " (a one-line text), cut to kMaxJsonErrorBytes without
 ///       splitting a UTF-8 sequence; invalid UTF-8 in a string is reported
