@@ -14,9 +14,11 @@
 
 #include "cache_options.hpp"
 #include "command.hpp"
+#include "group_replay.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
+#include "kvport/cli/model_spec.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
@@ -93,6 +95,7 @@ class ReplayCommand final : public Command {
         "  kvport replay --trace mooncake_trace.jsonl --capacity-blocks 8192\n"
         "  kvport replay --trace trace.jsonl --capacity-blocks 512 --concurrency 1 --json\n"
         "  kvport replay --trace trace.jsonl --capacity-blocks 65536 --host-tier-blocks 196608\n"
+        "  kvport replay --trace trace.jsonl --memory 40GiB --model gpt-oss-120b\n"
         "Exit status: 0 when the invariant checks pass, 1 when one fails, 2 on bad input.");
     add(app, "--trace", trace_, "FILE",
         "Mooncake trace, JSON Lines: timestamp (ms), input_length, output_length, hash_ids "
@@ -128,6 +131,19 @@ class ReplayCommand final : public Command {
     add(app, "--model", model_, "NAME",
         "Model preset whose block bytes (bf16, --block-size tokens) model the transfer bytes "
         "(default llama-3-8b)");
+    add(app, "--memory", memory_, "SIZE",
+        "Replay over the model's KV cache groups with SIZE of the real model's KV memory (e.g. "
+        "40GiB), beside the same model as all full attention; replaces --capacity-blocks");
+    add(app, "--hf-config", hf_config_, "FILE",
+        "With --memory: the model from a Hugging Face config.json (instead of --model)");
+    add(app, "--context", context_, "TOKENS",
+        "With --memory: the context the memory is planned for (default: the longest request)");
+    prefill_chunk_.value = "512";
+    add(app, "--prefill-chunk", prefill_chunk_, "TOKENS",
+        "With --memory: tokens prefilled per chunk (default 512)");
+    checkpoint_interval_.value = "1";
+    add(app, "--checkpoint-interval", checkpoint_interval_, "BLOCKS",
+        "With --memory: cache a state checkpoint every BLOCKS blocks (default 1; 0: none)");
     static const std::string progress_help =
         "Progress bar on stderr (default: when stderr is a terminal and the trace has at least "
         "1000 requests)";
@@ -141,6 +157,16 @@ class ReplayCommand final : public Command {
   int execute(std::ostream& out, std::ostream& err) override {
     if (!trace_.given()) throw InvalidArgument("--trace: missing (a Mooncake trace, JSON Lines)");
     if (trace_.value.empty()) throw InvalidArgument("--trace: empty path");
+    if (memory_.given()) return execute_groups(out);
+    for (const auto& [flag, name] :
+         {std::pair{&hf_config_, "--hf-config"}, std::pair{&context_, "--context"},
+          std::pair{&prefill_chunk_, "--prefill-chunk"},
+          std::pair{&checkpoint_interval_, "--checkpoint-interval"}}) {
+      if (flag->given()) {
+        throw InvalidArgument(
+            fmt::format("{}: needs --memory (the replay over KV cache groups)", name));
+      }
+    }
     if (!capacity_.given()) {
       throw InvalidArgument("--capacity-blocks: missing (the size of the KV cache in blocks)");
     }
@@ -225,6 +251,59 @@ class ReplayCommand final : public Command {
   }
 
  private:
+  // --memory: the replay over the model's KV cache groups (group_replay.hpp).
+  int execute_groups(std::ostream& out) const {
+    for (const auto& [flag, name] : {std::pair{&capacity_, "--capacity-blocks"},
+                                     std::pair{&host_tier_blocks_, "--host-tier-blocks"},
+                                     std::pair{&tier_policy_, "--tier-policy"},
+                                     std::pair{&tier_inclusion_, "--tier-inclusion"},
+                                     std::pair{&host_link_gbps_, "--host-link-gbps"},
+                                     std::pair{&check_every_, "--check-every"}}) {
+      if (flag->given()) {
+        throw InvalidArgument(fmt::format(
+            "{}: not with --memory (the group replay sizes its groups from the memory and checks "
+            "the invariants at the end)",
+            name));
+      }
+    }
+    GroupReplayRun run;
+    run.trace = trace_.value;
+    sim::HybridReplayOptions& o = run.options;
+    try {
+      o.budget_bytes = parse_byte_size(memory_.value);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("--memory: {}", e.what()));
+    }
+    if (o.budget_bytes == 0) throw InvalidArgument("--memory: must be more than 0 bytes");
+    o.block_size = parse_positive_count(block_size_.value, "--block-size");
+    o.trace_block_tokens = parse_positive_count(trace_block_tokens_.value, "--trace-block-tokens");
+    o.concurrency = parse_positive_count(concurrency_.value, "--concurrency");
+    o.step_ms = parse_positive_count(step_ms_.value, "--step-ms");
+    o.prefill_chunk_tokens = parse_positive_count(prefill_chunk_.value, "--prefill-chunk");
+    o.state_checkpoint_interval = parse_count(checkpoint_interval_.value, "--checkpoint-interval");
+    if (context_.given()) o.max_context_tokens = parse_positive_count(context_.value, "--context");
+    if (full_prefix_hits_) o.prefix_hit_mode = PrefixHitMode::full;
+    ModelOverrides model;
+    if (model_.given()) model.preset = model_.value;
+    if (hf_config_.given()) model.hf_config = hf_config_.value;
+    const ModelSpec spec = resolve_model_spec(model, "llama-3-8b");
+    run.model = spec.name;
+    run.model_source = spec.source;
+    o.layers = spec.layers;
+    if (o.layers.empty()) {
+      o.layers.assign(spec.num_layers, LayerSpec::full_attention(spec.num_kv_heads, spec.head_dim_k,
+                                                                 spec.head_dim_v));
+    }
+    o.validate();
+    run_group_replay(run);
+    if (json_) {
+      print_group_replay_json(out, run);
+    } else {
+      print_group_replay_text(out, run);
+    }
+    return run.groups.invariants.ok && run.all_full.invariants.ok ? kExitOk : kExitCheckFailed;
+  }
+
   static void add(CLI::App& app, const char* name, TextFlag& flag, const char* type,
                   const char* help) {
     flag.option = app.add_option(name, flag.value, help);
@@ -396,7 +475,8 @@ class ReplayCommand final : public Command {
   }
 
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
-      check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_;
+      check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_,
+      memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_;
   bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;
   CLI::Option* progress_on_ = nullptr;

@@ -1,0 +1,92 @@
+// `kvport replay --memory`: the trace over a model's KV cache groups beside
+// the same model as all full attention, and its bad input.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "cli_test_util.hpp"
+
+namespace kvport::cli {
+namespace {
+
+using testing::CliResult;
+using testing::expect_bad_input;
+using ::testing::HasSubstr;
+using testing::run_cli;
+
+const std::string kSmallTrace = std::string(KVPORT_TEST_DATA_DIR) + "/mooncake_small.jsonl";
+const std::string kConfigs = std::string(KVPORT_TEST_DATA_DIR) + "/hf_configs";
+
+CliResult group_replay(std::initializer_list<std::string> more) {
+  std::vector<std::string> args{"replay", "--trace", kSmallTrace};
+  args.insert(args.end(), more);
+  return run_cli(args);
+}
+
+TEST(cli_group_replay, GptOssGroupsBesideAllFull) {
+  // 2 GiB of gpt-oss-120b KV: about 1,800 tokens per request of all-full
+  // bytes, so the small trace's 2-4k-token requests contend for memory.
+  const CliResult r = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  const nlohmann::json j = r.json();
+  EXPECT_EQ(j.at("mode"), "groups");
+  EXPECT_EQ(j.at("model"), "gpt-oss-120b");
+  const nlohmann::json& g = j.at("groups");
+  const nlohmann::json& f = j.at("all_full");
+  ASSERT_EQ(g.at("group_usage").size(), 2u);
+  ASSERT_EQ(f.at("group_usage").size(), 1u);
+  EXPECT_EQ(g.at("group_usage")[0].at("kind"), "sliding_window");
+  EXPECT_EQ(g.at("group_usage")[1].at("kind"), "full_attention");
+  EXPECT_EQ(g.at("requests"), 200);
+  EXPECT_EQ(g.at("completed").get<int>() + g.at("rejected").get<int>(), 200);
+  EXPECT_TRUE(g.at("invariants_ok").get<bool>());
+  EXPECT_TRUE(f.at("invariants_ok").get<bool>());
+  EXPECT_LE(g.at("pool_bytes").get<std::size_t>(), std::size_t{2} << 30);
+  // The window group frees its blocks: more requests run at once.
+  EXPECT_GT(g.at("peak_running").get<std::size_t>(), f.at("peak_running").get<std::size_t>());
+  EXPECT_GT(j.at("concurrency_ratio").get<double>(), 1.0);
+  EXPECT_TRUE(j.at("ok").get<bool>());
+}
+
+TEST(cli_group_replay, TextReportAndAMambaHybridFromItsConfig) {
+  const CliResult r = group_replay(
+      {"--memory", "8GiB", "--hf-config", kConfigs + "/nemotron-h-8b.json", "--context", "8192"});
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  EXPECT_THAT(r.out, HasSubstr("KV cache groups:"));
+  EXPECT_THAT(r.out, HasSubstr("state("));
+  EXPECT_THAT(r.out, HasSubstr("all full attention"));
+  EXPECT_THAT(r.out, HasSubstr("Result        OK"));
+}
+
+TEST(cli_group_replay, PlainModelIsOneGroup) {
+  const CliResult r = group_replay({"--memory", "4GiB", "--model", "llama-3-8b", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = r.json();
+  EXPECT_EQ(j.at("groups").at("group_usage").size(), 1u);
+  // Nothing to free: the same run both ways.
+  EXPECT_EQ(j.at("groups").at("peak_running"), j.at("all_full").at("peak_running"));
+  EXPECT_EQ(j.at("groups").at("hit_tokens"), j.at("all_full").at("hit_tokens"));
+}
+
+TEST(cli_group_replay, BadInputIsOneLine) {
+  expect_bad_input(group_replay({"--memory", "4GiB", "--capacity-blocks", "10"}),
+                   "--capacity-blocks: not with --memory");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--host-tier-blocks", "10"}),
+                   "--host-tier-blocks: not with --memory");
+  expect_bad_input(group_replay({"--capacity-blocks", "10", "--context", "100"}),
+                   "--context: needs --memory");
+  expect_bad_input(group_replay({"--memory", "lots"}), "--memory:");
+  expect_bad_input(group_replay({"--memory", "0"}), "--memory:");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--model", "no-such-model"}),
+                   "unknown model preset");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--prefill-chunk", "0"}), "--prefill-chunk");
+  expect_bad_input(group_replay({"--memory", "1KiB", "--model", "gpt-oss-120b"}),
+                   "less than one block");
+  expect_bad_input(
+      group_replay({"--memory", "4GiB", "--model", "llama-3-8b", "--hf-config", "x.json"}),
+      "both give the model");
+}
+
+}  // namespace
+}  // namespace kvport::cli

@@ -1,0 +1,154 @@
+#include "group_replay.hpp"
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/platform/byte_size.hpp"
+#include "kvport/sim/mooncake_trace.hpp"
+#include "text_table.hpp"
+
+namespace kvport::cli {
+namespace {
+
+std::string percent(double ratio) {
+  return fmt::format("{:.1f}%", 100.0 * ratio);
+}
+
+nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
+  nlohmann::ordered_json j;
+  j["requests"] = r.requests;
+  j["completed"] = r.completed;
+  j["rejected"] = r.rejected;
+  j["preemptions"] = r.preemptions;
+  j["steps"] = r.steps;
+  j["peak_running"] = r.peak_running;
+  j["mean_running"] = r.mean_running;
+  j["prompt_tokens"] = r.prompt_tokens;
+  j["hit_tokens"] = r.hit_tokens;
+  j["hit_rate"] = r.hit_rate();
+  j["prefill_tokens"] = r.prefill_tokens;
+  j["recomputed_tokens"] = r.recomputed_tokens;
+  j["generated_tokens"] = r.generated_tokens;
+  j["state_checkpoints"] = r.state_checkpoints;
+  j["budget_bytes"] = r.budget_bytes;
+  j["pool_bytes"] = r.pool_bytes;
+  j["peak_bytes_in_use"] = r.peak_bytes_in_use();
+  nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+  for (const sim::HybridGroupUsage& g : r.groups) {
+    nlohmann::ordered_json u;
+    u["kind"] = std::string(to_string(g.spec.kind));
+    u["spec"] = g.spec.describe();
+    u["num_layers"] = g.num_layers;
+    u["num_blocks"] = g.num_blocks;
+    u["bytes_per_block"] = g.bytes_per_block;
+    u["peak_blocks_in_use"] = g.peak_blocks_in_use;
+    u["peak_bytes_in_use"] = g.peak_bytes_in_use();
+    u["mean_blocks_in_use"] =
+        r.steps == 0 ? 0.0 : static_cast<double>(g.block_steps) / static_cast<double>(r.steps);
+    groups.push_back(std::move(u));
+  }
+  j["group_usage"] = std::move(groups);
+  j["invariants_ok"] = r.invariants.ok;
+  j["invariants"] = r.invariants.to_string();
+  j["wall_s"] = r.wall_s;
+  return j;
+}
+
+void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
+  TextTable table({"group", "kind", "layers", "blocks", "bytes/block", "peak blocks", "peak bytes"},
+                  {TextTable::Align::left, TextTable::Align::left});
+  for (std::size_t g = 0; g < r.groups.size(); ++g) {
+    const sim::HybridGroupUsage& u = r.groups[g];
+    table.add_row({std::to_string(g), u.spec.describe(), std::to_string(u.num_layers),
+                   std::to_string(u.num_blocks), std::to_string(u.bytes_per_block),
+                   std::to_string(u.peak_blocks_in_use), format_bytes(u.peak_bytes_in_use())});
+  }
+  table.print(out, "  ");
+}
+
+}  // namespace
+
+void run_group_replay(GroupReplayRun& run) {
+  const std::vector<sim::TraceRequest> requests = sim::read_mooncake_trace(run.trace);
+  const std::unique_ptr<Backend> backend = make_host_backend();
+  run.groups = sim::replay_hybrid(requests, run.options, *backend);
+  sim::HybridReplayOptions all_full = run.options;
+  all_full.layers = sim::as_all_full_attention(run.options.layers);
+  run.all_full = sim::replay_hybrid(requests, all_full, *backend);
+}
+
+void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
+  const sim::HybridReplayOptions& o = run.options;
+  const sim::HybridReplayResult& g = run.groups;
+  const sim::HybridReplayResult& f = run.all_full;
+  out << fmt::format(
+      "kvport replay: {} requests from {}\n"
+      "model {} ({}), {} layers; {} of KV memory, {} tokens per block, prefill chunks of {}, "
+      "up to {} running, {} ms per step\n\n",
+      g.requests, run.trace, run.model, run.model_source, o.layers.size(),
+      format_bytes(o.budget_bytes), o.block_size, o.prefill_chunk_tokens, o.concurrency, o.step_ms);
+  out << "KV cache groups:\n";
+  group_table(out, g);
+  out << "Same model, every layer full attention:\n";
+  group_table(out, f);
+  out << '\n';
+  TextTable table({"", "groups", "all full attention"},
+                  {TextTable::Align::left, TextTable::Align::right, TextTable::Align::right});
+  auto row = [&](const char* what, const std::string& a, const std::string& b) {
+    table.add_row({what, a, b});
+  };
+  row("completed", std::to_string(g.completed), std::to_string(f.completed));
+  row("rejected", std::to_string(g.rejected), std::to_string(f.rejected));
+  row("peak running", std::to_string(g.peak_running), std::to_string(f.peak_running));
+  row("mean running", fmt::format("{:.1f}", g.mean_running), fmt::format("{:.1f}", f.mean_running));
+  row("token hit rate", percent(g.hit_rate()), percent(f.hit_rate()));
+  row("preemptions", std::to_string(g.preemptions), std::to_string(f.preemptions));
+  row("recomputed tokens", std::to_string(g.recomputed_tokens),
+      std::to_string(f.recomputed_tokens));
+  row("peak bytes in use", format_bytes(g.peak_bytes_in_use()),
+      format_bytes(f.peak_bytes_in_use()));
+  row("state checkpoints", std::to_string(g.state_checkpoints),
+      std::to_string(f.state_checkpoints));
+  row("steps", std::to_string(g.steps), std::to_string(f.steps));
+  table.print(out);
+  if (f.peak_running != 0) {
+    out << fmt::format("\nConcurrency   {:.2f}x all-full's peak\n",
+                       static_cast<double>(g.peak_running) / static_cast<double>(f.peak_running));
+  }
+  out << "Invariants    groups " << g.invariants.to_string() << "; all-full "
+      << f.invariants.to_string() << '\n';
+  out << "Result        " << (g.invariants.ok && f.invariants.ok ? "OK" : "FAILED") << '\n';
+}
+
+void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
+  const sim::HybridReplayOptions& o = run.options;
+  nlohmann::ordered_json j;
+  j["mode"] = "groups";
+  j["trace"] = run.trace;
+  j["model"] = run.model;
+  j["model_source"] = run.model_source;
+  j["num_layers"] = o.layers.size();
+  j["budget_bytes"] = o.budget_bytes;
+  j["block_size"] = o.block_size;
+  j["max_context_tokens"] = o.max_context_tokens;
+  j["prefill_chunk_tokens"] = o.prefill_chunk_tokens;
+  j["trace_block_tokens"] = o.trace_block_tokens;
+  j["concurrency"] = o.concurrency;
+  j["step_ms"] = o.step_ms;
+  j["state_checkpoint_interval"] = o.state_checkpoint_interval;
+  j["prefix_hit_mode"] = to_string(o.prefix_hit_mode);
+  j["groups"] = result_json(run.groups);
+  j["all_full"] = result_json(run.all_full);
+  j["concurrency_ratio"] = run.all_full.peak_running == 0
+                               ? 0.0
+                               : static_cast<double>(run.groups.peak_running) /
+                                     static_cast<double>(run.all_full.peak_running);
+  j["ok"] = run.groups.invariants.ok && run.all_full.invariants.ok;
+  out << j.dump(2) << '\n';
+}
+
+}  // namespace kvport::cli

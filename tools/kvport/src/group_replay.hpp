@@ -1,0 +1,38 @@
+// `kvport replay --memory SIZE`: the trace over a model's KV cache groups
+// (sim::replay_hybrid), beside the same model as all full attention with the
+// same memory, as a report or one JSON object.
+#pragma once
+
+#include <ostream>
+#include <string>
+
+#include "kvport/sim/hybrid_replay.hpp"
+
+namespace kvport::cli {
+
+/// What the group replay was run with, for the report.
+struct GroupReplayRun {
+  std::string trace;         ///< the trace's path
+  std::string model;         ///< the model's (escaped) name
+  std::string model_source;  ///< "preset" or "hf-config"
+  sim::HybridReplayOptions options;
+  sim::HybridReplayResult groups;    ///< over the model's groups
+  sim::HybridReplayResult all_full;  ///< every window/chunked layer as full attention
+};
+
+/// Runs both replays of `run.options` over the trace at `run.trace` (the
+/// options' layers are the model's) on a host backend and fills the results.
+/// Throws what the trace reader and replay_hybrid throw.
+void run_group_replay(GroupReplayRun& run);
+
+/// The report: the run's settings, a row per group (kind, layers, blocks,
+/// bytes per block, peak blocks and bytes in use), and the two replays side
+/// by side (requests, peak and mean running, hit rate, preemptions, peak
+/// bytes in use, invariants).
+void print_group_replay_text(std::ostream& out, const GroupReplayRun& run);
+
+/// The same as one JSON object: {"mode": "groups", "model", "options",
+/// "groups": {...result, "group_usage": [...]}, "all_full": {...}}.
+void print_group_replay_json(std::ostream& out, const GroupReplayRun& run);
+
+}  // namespace kvport::cli
