@@ -7,7 +7,6 @@
 #include <limits>
 #include <utility>
 
-#include "kvport/core/block_id_limit.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"

@@ -10,13 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "kvport/core/block_id.hpp"
 #include "kvport/core/block_trace.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/backend.hpp"
 
 namespace kvport {
-
-using BlockId = std::uint32_t;
 
 /// Monotonic counters since construction.
 struct KvCacheCounters {
