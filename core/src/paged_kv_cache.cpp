@@ -114,13 +114,14 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
     }
 
     // The pool table the backend fills from (device-resident on GPUs).
-    std::vector<BlockPool> table;
+    std::vector<PoolGeometry> table;
     if (block_major_stride_ != 0) {
-      table.push_back(BlockPool{pools_.front().k_base, per_block, per_block});
+      table.push_back(PoolGeometry{pools_.front().k_base, per_block, per_block});
     } else {
       for (const Pool& pool : pools_) {
-        table.push_back(BlockPool{pool.k_base, pool.k_bytes, pool.k_stride});
-        if (config_.has_v()) table.push_back(BlockPool{pool.v_base, pool.v_bytes, pool.v_stride});
+        table.push_back(PoolGeometry{pool.k_base, pool.k_bytes, pool.k_stride});
+        if (config_.has_v())
+          table.push_back(PoolGeometry{pool.v_base, pool.v_bytes, pool.v_stride});
       }
     }
     pool_set_ = backend.register_block_pools(table, num_blocks);
