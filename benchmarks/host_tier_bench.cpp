@@ -118,7 +118,7 @@ class TierBench {
     backend.memset_async(limit_.ptr(), 0, bytes, stream_);
     std::memset(host_.get(), 0, bytes);
     stream_.synchronize();
-    regions_.reserve(kMaxBatch * 2 * config.num_layers);
+    regions_.reserve(kMaxBatch * cache_->memory_pools().size());
   }
 
   // `batch` distinct ids, drawn at random from the whole cache.

@@ -706,14 +706,15 @@ class GpuBackend final : public Backend {
     KVPORT_GPU_CHECK(Api::event_record(use->event, stream.native));
   }
 
-  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
+  void* do_register_block_pools(std::span<const PoolGeometry> pools,
+                                std::size_t num_blocks) override {
     auto d = std::make_unique<DevicePools>();
     std::vector<PoolDescriptor> descriptors;
     descriptors.reserve(pools.size());
     {
       auto lock = tracker_.read_lock();
-      for (const BlockPool& p : pools) {
-        const std::size_t extent = (num_blocks - 1) * p.stride + p.bytes;
+      for (const PoolGeometry& p : pools) {
+        const std::size_t extent = p.extent(num_blocks).value();  // checked at registration
         const std::uint64_t serial = tracker_.check_locked(p.base, extent, "register_block_pools");
         d->pools.push_back(AllocationTracker::Use{p.base, extent,
                                                   "fill_blocks_async (a registered pool)", serial});

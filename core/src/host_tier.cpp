@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "kvport/core/block_regions.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/host_memory.hpp"
@@ -657,29 +658,8 @@ std::size_t HostTier::slot_bytes_for(const PagedKvCache& cache) {
 
 void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
                                     std::vector<HostCopyRegion>& out) {
-  const std::size_t first = out.size();
-  // Coalesce inside the block-major layout's one pool only: in layer-major
-  // layout each K and V region lives in an allocation of its own, and two
-  // allocations that happen to be adjacent are still two (a backend checks
-  // each region against one allocation).
-  const bool one_pool = cache.config().layout == KvCacheLayout::block_major;
-  auto add = [&](DevicePtr device, std::size_t bytes) {
-    if (one_pool && out.size() > first) {
-      HostCopyRegion& last = out.back();
-      if (last.device.offset(last.bytes) == device &&
-          static_cast<std::byte*>(last.host) + last.bytes == slot) {
-        last.bytes += bytes;
-        slot += bytes;
-        return;
-      }
-    }
-    out.push_back({device, slot, bytes});
-    slot += bytes;
-  };
-  for (std::size_t layer = 0; layer < cache.num_layers(); ++layer) {
-    add(cache.k_cache_ptr(layer, block), cache.k_block_bytes(layer));
-    if (cache.config().has_v()) add(cache.v_cache_ptr(layer, block), cache.v_block_bytes(layer));
-  }
+  // A slot is the block's image over the memory pools (block_regions.hpp).
+  append_host_copy_regions(cache.memory_pools(), {&block, 1}, slot, 0, out);
 }
 
 // ---- diagnostics ----------------------------------------------------------------------------

@@ -7,7 +7,6 @@
 #include <limits>
 #include <utility>
 
-#include "kvport/core/block_id_limit.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
@@ -82,48 +81,57 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
   const std::size_t per_block = config_.bytes_per_block();
   total_bytes_ = checked_pool_bytes(num_blocks, per_block, "total");
 
-  pools_.reserve(config_.num_layers);
+  const bool has_v = config_.has_v();
+  pools_.reserve(2 * config_.num_layers);
+  memory_pools_.reserve(2 * config_.num_layers);
   try {
+    // pools_[2 * layer + part]. A K-only layer's V entry stays empty: pool()
+    // refuses it before anyone sees it.
+    auto add_layer = [&](std::size_t layer, DevicePtr k_base, DevicePtr v_base,
+                         std::size_t block_major_stride) {
+      const KvCacheDtype dtype = config_.dtype_for_layer(layer);
+      const std::size_t k = config_.k_block_bytes(layer);
+      const std::size_t v = config_.v_block_bytes(layer);
+      pools_.push_back(BlockPool{k_base, k, block_major_stride != 0 ? block_major_stride : k,
+                                 num_blocks, dtype});
+      pools_.push_back(has_v
+                           ? BlockPool{v_base, v, block_major_stride != 0 ? block_major_stride : v,
+                                       num_blocks, dtype}
+                           : BlockPool{DevicePtr{}, 0, 0, num_blocks, dtype});
+    };
     if (config_.layout == KvCacheLayout::layer_major) {
       allocations_.reserve(2 * config_.num_layers);
       for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
-        const std::size_t k = config_.k_block_bytes(layer);
-        const std::size_t v = config_.v_block_bytes(layer);
-        DevicePtr k_pool = backend.alloc(checked_pool_bytes(num_blocks, k, "K"));
+        DevicePtr k_pool =
+            backend.alloc(checked_pool_bytes(num_blocks, config_.k_block_bytes(layer), "K"));
         allocations_.push_back(k_pool);
         DevicePtr v_pool;  // K-only layers have no V pool
-        if (config_.has_v()) {
-          v_pool = backend.alloc(checked_pool_bytes(num_blocks, v, "V"));
+        if (has_v) {
+          v_pool = backend.alloc(checked_pool_bytes(num_blocks, config_.v_block_bytes(layer), "V"));
           allocations_.push_back(v_pool);
         }
-        pools_.push_back(
-            Pool{k_pool, v_pool, k, v, k, config_.has_v() ? v : 0, config_.dtype_for_layer(layer)});
+        add_layer(layer, k_pool, v_pool, 0);
+        memory_pools_.push_back(pools_[2 * layer]);
+        if (has_v) memory_pools_.push_back(pools_[2 * layer + 1]);
       }
     } else {
-      block_major_stride_ = per_block;
       DevicePtr base = backend.alloc(total_bytes_);
       allocations_.push_back(base);
       std::size_t offset = 0;
       for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
         const std::size_t k = config_.k_block_bytes(layer);
-        const std::size_t v = config_.v_block_bytes(layer);
-        pools_.push_back(
-            Pool{base.offset(offset), config_.has_v() ? base.offset(offset + k) : DevicePtr{}, k, v,
-                 per_block, config_.has_v() ? per_block : 0, config_.dtype_for_layer(layer)});
-        offset += k + v;
+        add_layer(layer, base.offset(offset), has_v ? base.offset(offset + k) : DevicePtr{},
+                  per_block);
+        offset += k + config_.v_block_bytes(layer);
       }
+      memory_pools_.push_back(BlockPool{base, per_block, per_block, num_blocks, config_.dtype});
     }
 
     // The pool table the backend fills from (device-resident on GPUs).
-    std::vector<BlockPool> table;
-    if (block_major_stride_ != 0) {
-      table.push_back(BlockPool{pools_.front().k_base, per_block, per_block});
-    } else {
-      for (const Pool& pool : pools_) {
-        table.push_back(BlockPool{pool.k_base, pool.k_bytes, pool.k_stride});
-        if (config_.has_v()) table.push_back(BlockPool{pool.v_base, pool.v_bytes, pool.v_stride});
-      }
-    }
+    std::vector<PoolGeometry> table;
+    table.reserve(memory_pools_.size());
+    for (const BlockPool& pool : memory_pools_)
+      table.push_back(pool.geometry());
     pool_set_ = backend.register_block_pools(table, num_blocks);
 
     // Host-side state is built inside the try as well: a bad_alloc or a bad
@@ -227,7 +235,7 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       backend_(other.backend_),
       allocations_(std::exchange(other.allocations_, {})),
       pools_(std::move(other.pools_)),
-      block_major_stride_(other.block_major_stride_),
+      memory_pools_(std::move(other.memory_pools_)),
       total_bytes_(other.total_bytes_),
       free_list_(std::move(other.free_list_)),
       ref_counts_(std::move(other.ref_counts_)),
@@ -240,6 +248,7 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       queued_streams_(std::exchange(other.queued_streams_, {})) {
   other.num_blocks_ = 0;
   other.pools_.clear();
+  other.memory_pools_.clear();
   other.free_list_.clear();
   other.ref_counts_.clear();
 }
@@ -296,10 +305,16 @@ void PagedKvCache::check_has_v(const char* op) const {
 }
 
 void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
-  if (layer >= pools_.size()) {
+  if (layer >= pools_.size() / 2) {
     throw InvalidArgument(fmt::format("PagedKvCache::{}: layer {} out of range (num_layers = {})",
-                                      op, layer, pools_.size()));
+                                      op, layer, pools_.size() / 2));
   }
+}
+
+const BlockPool& PagedKvCache::layer_pool(std::size_t layer, KvPart part, const char* op) const {
+  check_layer(layer, op);
+  if (part == KvPart::v) check_has_v(op);
+  return pools_[2 * layer + static_cast<std::size_t>(part)];
 }
 
 // ---- allocation and refcounts ----------------------------------------------------------
@@ -366,53 +381,44 @@ std::uint32_t PagedKvCache::ref_count(BlockId block) const {
 // ---- pointers ----------------------------------------------------------------------------
 
 DevicePtr PagedKvCache::k_cache_ptr(std::size_t layer, BlockId block) const {
-  check_layer(layer, "k_cache_ptr");
+  const BlockPool& pool = layer_pool(layer, KvPart::k, "k_cache_ptr");
   check_block(block, "k_cache_ptr");
-  return pools_[layer].k_base.offset(block * pools_[layer].k_stride);
+  return pool.region(block).ptr;
 }
 
 DevicePtr PagedKvCache::v_cache_ptr(std::size_t layer, BlockId block) const {
-  check_layer(layer, "v_cache_ptr");
-  check_has_v("v_cache_ptr");
+  const BlockPool& pool = layer_pool(layer, KvPart::v, "v_cache_ptr");
   check_block(block, "v_cache_ptr");
-  return pools_[layer].v_base.offset(block * pools_[layer].v_stride);
+  return pool.region(block).ptr;
 }
 
 DevicePtr PagedKvCache::k_pool_ptr(std::size_t layer) const {
-  check_layer(layer, "k_pool_ptr");
-  return pools_[layer].k_base;
+  return layer_pool(layer, KvPart::k, "k_pool_ptr").base;
 }
 
 DevicePtr PagedKvCache::v_pool_ptr(std::size_t layer) const {
-  check_layer(layer, "v_pool_ptr");
-  check_has_v("v_pool_ptr");
-  return pools_[layer].v_base;
+  return layer_pool(layer, KvPart::v, "v_pool_ptr").base;
 }
 
 std::size_t PagedKvCache::k_block_stride(std::size_t layer) const {
-  check_layer(layer, "k_block_stride");
-  return pools_[layer].k_stride;
+  return layer_pool(layer, KvPart::k, "k_block_stride").stride;
 }
 
 std::size_t PagedKvCache::v_block_stride(std::size_t layer) const {
-  check_layer(layer, "v_block_stride");
-  check_has_v("v_block_stride");
-  return pools_[layer].v_stride;
+  return layer_pool(layer, KvPart::v, "v_block_stride").stride;
 }
 
 std::size_t PagedKvCache::k_block_bytes(std::size_t layer) const {
-  check_layer(layer, "k_block_bytes");
-  return pools_[layer].k_bytes;
+  return layer_pool(layer, KvPart::k, "k_block_bytes").region_bytes;
 }
 
 std::size_t PagedKvCache::v_block_bytes(std::size_t layer) const {
   check_layer(layer, "v_block_bytes");
-  return pools_[layer].v_bytes;
+  return pools_[2 * layer + 1].region_bytes;  // 0 for K-only layers
 }
 
 KvCacheDtype PagedKvCache::dtype_for_layer(std::size_t layer) const {
-  check_layer(layer, "dtype_for_layer");
-  return pools_[layer].dtype;
+  return layer_pool(layer, KvPart::k, "dtype_for_layer").dtype;
 }
 
 // ---- device work --------------------------------------------------------------------------
@@ -481,22 +487,12 @@ void PagedKvCache::copy_blocks(std::span<const BlockCopy> copies, StreamView str
     }
   }
   scratch_regions_.clear();
+  // One region per copy and memory pool: every layer's K and V (one region in
+  // block-major layout).
   for (const BlockCopy& c : copies) {
-    if (block_major_stride_ != 0) {
-      const DevicePtr base = pools_.front().k_base;
-      scratch_regions_.push_back(CopyRegion{base.offset(c.dst * block_major_stride_),
-                                            base.offset(c.src * block_major_stride_),
-                                            block_major_stride_});
-      continue;
-    }
-    for (const Pool& pool : pools_) {
-      scratch_regions_.push_back(CopyRegion{pool.k_base.offset(c.dst * pool.k_stride),
-                                            pool.k_base.offset(c.src * pool.k_stride),
-                                            pool.k_bytes});
-      if (!config_.has_v()) continue;
-      scratch_regions_.push_back(CopyRegion{pool.v_base.offset(c.dst * pool.v_stride),
-                                            pool.v_base.offset(c.src * pool.v_stride),
-                                            pool.v_bytes});
+    for (const BlockPool& pool : memory_pools_) {
+      scratch_regions_.push_back(
+          CopyRegion{pool.region(c.dst).ptr, pool.region(c.src).ptr, pool.region_bytes});
     }
   }
   const bool is_new = prepare_to_note(stream);
@@ -508,16 +504,18 @@ PagedKvCache::HostBlock PagedKvCache::read_block(std::size_t layer, BlockId bloc
                                                  StreamView stream) const {
   check_layer(layer, "read_block");
   check_block(block, "read_block");
+  const DeviceRegion k = pools_[2 * layer].region(block);
   HostBlock out;
-  out.k.resize(pools_[layer].k_bytes);
-  out.v.resize(pools_[layer].v_bytes);
-  backend_->copy_d2h_async(out.k.data(), k_cache_ptr(layer, block), out.k.size(), stream);
+  out.k.resize(k.bytes);
+  out.v.resize(pools_[2 * layer + 1].region_bytes);  // empty for K-only layers
+  backend_->copy_d2h_async(out.k.data(), k.ptr, out.k.size(), stream);
   if (!config_.has_v()) {
     backend_->synchronize(stream);
     return out;
   }
   try {
-    backend_->copy_d2h_async(out.v.data(), v_cache_ptr(layer, block), out.v.size(), stream);
+    backend_->copy_d2h_async(out.v.data(), pools_[2 * layer + 1].region(block).ptr, out.v.size(),
+                             stream);
   } catch (...) {
     wait_before_unwinding(*backend_, stream);  // the K copy still writes into `out`
     throw;
@@ -530,19 +528,22 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
                                std::span<const std::uint8_t> v, StreamView stream) {
   check_layer(layer, "write_block");
   check_block(block, "write_block");
-  const Pool& pool = pools_[layer];
-  if (k.size() != pool.k_bytes || v.size() != pool.v_bytes) {
+  const BlockPool& k_pool = pools_[2 * layer];
+  const BlockPool& v_pool = pools_[2 * layer + 1];
+  if (k.size() != k_pool.region_bytes || v.size() != v_pool.region_bytes) {
     throw InvalidArgument(fmt::format(
-        "PagedKvCache::write_block: layer {} expects {} K bytes and {} V bytes, got {} and {}",
-        layer, pool.k_bytes, pool.v_bytes, k.size(), v.size()));
+        "PagedKvCache::write_block: layer {} expects {} K bytes and {} V bytes{}, got {} and {}",
+        layer, k_pool.region_bytes, v_pool.region_bytes,
+        config_.has_v() ? "" : " (the layers have no V: K-only, so v must be empty)", k.size(),
+        v.size()));
   }
-  backend_->copy_h2d_async(k_cache_ptr(layer, block), k.data(), k.size(), stream);
+  backend_->copy_h2d_async(k_pool.region(block).ptr, k.data(), k.size(), stream);
   if (!config_.has_v()) {
     backend_->synchronize(stream);
     return;
   }
   try {
-    backend_->copy_h2d_async(v_cache_ptr(layer, block), v.data(), v.size(), stream);
+    backend_->copy_h2d_async(v_pool.region(block).ptr, v.data(), v.size(), stream);
   } catch (...) {
     wait_before_unwinding(*backend_, stream);  // the K copy still reads `k`
     throw;

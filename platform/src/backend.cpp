@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -331,7 +332,7 @@ BlockPoolSet::~BlockPoolSet() {
   if (backend_ != nullptr && native_ != nullptr) backend_->do_unregister_block_pools(native_);
 }
 
-BlockPoolSet Backend::register_block_pools(std::span<const BlockPool> pools,
+BlockPoolSet Backend::register_block_pools(std::span<const PoolGeometry> pools,
                                            std::size_t num_blocks) {
   if (pools.empty())
     throw InvalidArgument(fmt::format("{}: register_block_pools: no pools", name_));
@@ -340,18 +341,19 @@ BlockPoolSet Backend::register_block_pools(std::span<const BlockPool> pools,
   }
   bool dense = true;
   for (std::size_t i = 0; i < pools.size(); ++i) {
-    const BlockPool& p = pools[i];
+    const PoolGeometry& p = pools[i];
     if (p.base.is_null() || p.bytes == 0 || p.stride < p.bytes) {
       throw InvalidArgument(fmt::format(
           "{}: register_block_pools: pool {} is invalid (base {:#x}, bytes {}, stride {}): "
           "needs a non-null base, bytes > 0 and stride >= bytes",
           name_, i, p.base.address(), p.bytes, p.stride));
     }
-    if (num_blocks - 1 > (SIZE_MAX - p.bytes) / p.stride) {
+    const std::optional<std::size_t> extent = p.extent(num_blocks);
+    if (!extent) {
       throw InvalidArgument(fmt::format(
           "{}: register_block_pools: pool {} extent of {} blocks overflows", name_, i, num_blocks));
     }
-    range_end(name_, "register_block_pools", p.base, (num_blocks - 1) * p.stride + p.bytes);
+    range_end(name_, "register_block_pools", p.base, *extent);
     dense = dense && p.stride == p.bytes;
   }
   BlockPoolSet set;

@@ -462,7 +462,7 @@ void FaultInjectingBackend::do_fill_async(std::span<const FillRegion> regions, s
   inner_->fill_async(regions, value, stream->inner);
 }
 
-void* FaultInjectingBackend::do_register_block_pools(std::span<const BlockPool> pools,
+void* FaultInjectingBackend::do_register_block_pools(std::span<const PoolGeometry> pools,
                                                      std::size_t num_blocks) {
   if (const auto injection = decide(FaultKind::register_pools)) {
     throw_injected(*injection, "register_block_pools");

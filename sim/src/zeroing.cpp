@@ -91,10 +91,14 @@ StrategyResult ZeroingBench::timed(std::size_t bytes, Work&& work) {
 StrategyResult ZeroingBench::run_reference(const std::vector<BlockId>& ids) {
   PagedKvCache& c = *cache_;
   return timed(bytes_per_batch(ids.size()), [&] {
+    // One memset per block, layer and part, as the reference zeroes.
     for (BlockId id : ids) {
       for (std::size_t layer = 0; layer < c.num_layers(); ++layer) {
-        backend_.memset_async(c.k_cache_ptr(layer, id), 0, c.k_block_bytes(layer), stream_);
-        backend_.memset_async(c.v_cache_ptr(layer, id), 0, c.v_block_bytes(layer), stream_);
+        for (KvPart part : kKvParts) {
+          if (part == KvPart::v && !c.config().has_v()) continue;
+          const DeviceRegion r = c.pool(layer, part).region(id);
+          backend_.memset_async(r.ptr, 0, r.bytes, stream_);
+        }
       }
     }
   });

@@ -170,7 +170,7 @@ TEST_P(Conformance, FillBlocksOverRegisteredPools) {
   constexpr std::size_t kBlocks = 50;
   Bytes dense0 = random_bytes(kBlocks * 48, 6), sparse0 = random_bytes(kBlocks * 100, 7);
   DevicePtr dense = upload(dense0), sparse = upload(sparse0);
-  const BlockPool pools[] = {{dense, 48, 48}, {sparse, 70, 100}};
+  const PoolGeometry pools[] = {{dense, 48, 48}, {sparse, 70, 100}};
   BlockPoolSet set = b().register_block_pools(pools, kBlocks);
   EXPECT_EQ(set.num_pools(), 2u);
   EXPECT_FALSE(set.dense());
@@ -188,7 +188,7 @@ TEST_P(Conformance, FillBlocksOverRegisteredPools) {
   const std::uint32_t bad[] = {50};
   EXPECT_THAT(message_of([&] { b().fill_blocks_async(set, bad, 0, stream()); }),
               HasSubstr("out of range"));
-  const BlockPool invalid[] = {{dense, 48, 47}};
+  const PoolGeometry invalid[] = {{dense, 48, 47}};
   EXPECT_THROW(b().register_block_pools(invalid, kBlocks), InvalidArgument);
   EXPECT_THROW(b().register_block_pools({}, kBlocks), InvalidArgument);
 }

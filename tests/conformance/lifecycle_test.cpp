@@ -60,7 +60,8 @@ TEST_P(Conformance, DestroyingABlockPoolSetWithAFillPending) {
   constexpr std::size_t kBlocks = 256, kBlockBytes = 4096, kBusy = 64 * kMiB;
   Bytes model = random_bytes(kBlocks * kBlockBytes, 170);
   DevicePtr pool = upload(model), busy = alloc(kBusy);
-  const BlockPool pools[] = {{pool, kBlockBytes, kBlockBytes}, {pool.offset(100), 50, kBlockBytes}};
+  const PoolGeometry pools[] = {{pool, kBlockBytes, kBlockBytes},
+                                {pool.offset(100), 50, kBlockBytes}};
   Stream s = b().create_stream();
   b().memset_async(busy, 0x41, kBusy, s);  // holds the stream busy
   std::vector<std::uint32_t> ids = {255, 0, 1, 2, 3, 100, 7};

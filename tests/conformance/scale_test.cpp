@@ -101,12 +101,12 @@ TEST_P(Conformance, FillsAndCopiesAtOffsetsBeyond4GiB) {
   // Block 4103 is the last (the second pool's ends at 4104 MiB + 40001, inside
   // the allocation); the second pool's block 4095 lies across the line.
   constexpr std::size_t kBlocks = 4104;
-  const BlockPool pools[] = {{big, 4101, kMiB}, {big.offset(kMiB - 30000), 70001, kMiB}};
+  const PoolGeometry pools[] = {{big, 4101, kMiB}, {big.offset(kMiB - 30000), 70001, kMiB}};
   BlockPoolSet set = b().register_block_pools(pools, kBlocks);
   const std::uint32_t ids[] = {kBlocks - 1, 4095, 4096, 4097};
   b().fill_blocks_async(set, ids, 0x33, stream());
   for (std::uint32_t id : ids) {
-    for (const BlockPool& p : pools) {
+    for (const PoolGeometry& p : pools) {
       w.fill(p.base.address() - big.address() + std::size_t{id} * p.stride, p.bytes, 0x33);
     }
   }
@@ -147,7 +147,7 @@ TEST_P(Conformance, FillBlocksWith100000Ids) {
   // A dense pool (runs of ids coalesce on the host backend) and a sparse one.
   Bytes dense0 = random_bytes(kBlocks * 8, 53), sparse0 = random_bytes(kBlocks * 13, 54);
   DevicePtr dense = upload(dense0), sparse = upload(sparse0);
-  const BlockPool pools[] = {{dense, 8, 8}, {sparse, 5, 13}};
+  const PoolGeometry pools[] = {{dense, 8, 8}, {sparse, 5, 13}};
   BlockPoolSet set = b().register_block_pools(pools, kBlocks);
   std::vector<std::uint32_t> all(kBlocks);
   std::iota(all.begin(), all.end(), 0u);

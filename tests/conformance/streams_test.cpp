@@ -209,7 +209,7 @@ TEST_P(Conformance, EventsOrderFillsAndBatchedCopiesAcrossStreams) {
       // Two pools over `target`: blocks of 1000 bytes every 2048, and of 300
       // every 1024 from 600000.
       constexpr std::size_t kBlocks = 256;
-      const BlockPool pools[] = {{target, 1000, 2048}, {target.offset(600000), 300, 1024}};
+      const PoolGeometry pools[] = {{target, 1000, 2048}, {target.offset(600000), 300, 1024}};
       BlockPoolSet set = b().register_block_pools(pools, kBlocks);
       std::vector<std::uint32_t> even, thirds;
       for (std::uint32_t id = 0; id < kBlocks; id += 2)
@@ -219,7 +219,7 @@ TEST_P(Conformance, EventsOrderFillsAndBatchedCopiesAcrossStreams) {
       Bytes expected(kBytes, base);
       for (auto [ids, value] : {std::pair{&even, 0xC3}, std::pair{&thirds, 0xD4}}) {
         for (std::uint32_t id : *ids) {
-          for (const BlockPool& p : pools) {
+          for (const PoolGeometry& p : pools) {
             std::fill_n(expected.begin() + static_cast<std::ptrdiff_t>(
                                                p.base.address() - target.address() + id * p.stride),
                         p.bytes, static_cast<std::uint8_t>(value));

@@ -109,7 +109,7 @@ TEST_F(Gpusim, ABackendOnDevice1WorksFromAnotherThread) {
     Stream s = b1->create_stream();
     b1->memset_async(buf.ptr(), 0x5C, 8192, s);
     const std::uint32_t ids[] = {1};
-    const BlockPool pool[] = {{buf.ptr(), 1024, 1024}};
+    const PoolGeometry pool[] = {{buf.ptr(), 1024, 1024}};
     BlockPoolSet set = b1->register_block_pools(pool, 8);
     b1->fill_blocks_async(set, ids, 0x11, s);
     back.resize(8192);
@@ -362,7 +362,7 @@ TEST_F(Gpusim, StagingFromFourThreadsAtOnce) {
 TEST_F(Gpusim, UnregisteringWaitsForTheLastFillOnEveryStream) {
   auto b = make_gpusim_backend(256 * kMiB);
   DeviceBuffer buf(*b, 64 * 1024);
-  const BlockPool pool[] = {{buf.ptr(), 1024, 1024}};
+  const PoolGeometry pool[] = {{buf.ptr(), 1024, 1024}};
   Stream s1 = b->create_stream(), s2 = b->create_stream();
   {
     BlockPoolSet set = b->register_block_pools(pool, 64);
@@ -379,7 +379,7 @@ TEST_F(Gpusim, UnregisteringWaitsForTheLastFillOnEveryStream) {
 TEST_F(Gpusim, RegisteredPoolsAreRecheckedOnlyAfterAFree) {
   auto b = make_gpusim_backend(256 * kMiB);
   DeviceBuffer pool_memory(*b, 16 * 1024);
-  const BlockPool pool[] = {{pool_memory.ptr(), 1024, 1024}};
+  const PoolGeometry pool[] = {{pool_memory.ptr(), 1024, 1024}};
   BlockPoolSet set = b->register_block_pools(pool, 16);
   const std::uint32_t ids[] = {3};
   b->fill_blocks_async(set, ids, 0x33, b->default_stream());

@@ -3,7 +3,7 @@
 # Fails (listing every offending include or link) when
 #   - a file outside tools/ (and the CLI's own tests) includes kvport/cli/;
 #   - sim/ includes a backend or tools header (kvport/backends/, kvport/cli/);
-#   - core/ includes sim, a backend or the CLI; platform/ includes anything
+#   - core/ includes sim, transfer, a backend or the CLI; platform/ includes anything
 #     above it; backends/ include core, sim or the CLI;
 #   - benchmarks/ or sim/ link kvport_cli, or sim/ links a backend.
 # Usage: cmake -DSOURCE_DIR=<repo> -P check_layering.cmake
@@ -56,7 +56,7 @@ check_includes(sim "kvport/backends/" "sim depends on core and platform only")
 foreach(above sim backends)
   check_includes(transfer "kvport/${above}/" "transfer depends on core and platform only")
 endforeach()
-foreach(above sim backends)
+foreach(above sim transfer backends)
   check_includes(core "kvport/${above}/" "core depends on platform only")
 endforeach()
 foreach(above core sim backends)

@@ -23,6 +23,7 @@
 
 #include <fmt/format.h>
 
+#include "kvport/core/block_regions.hpp"
 #include "kvport/platform/host_buffer.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/platform/stream.hpp"
@@ -283,24 +284,8 @@ struct Agent::State {
   void register_memory(MemoryKind kind) {
     device_pools = pool_addresses(cache);
     // The pools' extents, merged (block-major layers share one allocation).
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
-    const std::uint64_t n = cache.num_blocks();
-    for (std::size_t l = 0; l < cache.num_layers(); ++l) {
-      ranges.emplace_back(
-          device_pools.k_base[l],
-          device_pools.k_base[l] + (n - 1) * device_pools.k_stride[l] + cache.k_block_bytes(l));
-      ranges.emplace_back(
-          device_pools.v_base[l],
-          device_pools.v_base[l] + (n - 1) * device_pools.v_stride[l] + cache.v_block_bytes(l));
-    }
-    std::sort(ranges.begin(), ranges.end());
-    for (const auto& r : ranges) {
-      if (!pool_ranges.empty() && r.first <= pool_ranges.back().second) {
-        pool_ranges.back().second = std::max(pool_ranges.back().second, r.second);
-      } else {
-        pool_ranges.push_back(r);
-      }
-    }
+    for (const DeviceRegion& r : pool_extents(cache.memory_pools()))
+      pool_ranges.emplace_back(r.ptr.address(), r.ptr.address() + r.bytes);
     if (agent.memory_path_ == MemoryPath::direct) {
       wire_pools = device_pools;
       for (const auto& [begin, end] : pool_ranges) {

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kvport/core/block_regions.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/platform/error.hpp"
@@ -189,13 +190,8 @@ std::vector<HostCopyRegion> staging_regions(const PagedKvCache& cache,
                                             std::span<const BlockId> blocks, std::uint8_t* staging,
                                             std::size_t block_bytes) {
   std::vector<HostCopyRegion> regions;
-  regions.reserve(cache.config().layout == KvCacheLayout::block_major
-                      ? blocks.size()
-                      : blocks.size() * 2 * cache.num_layers());
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    HostTier::append_block_regions(
-        cache, blocks[i], reinterpret_cast<std::byte*>(staging + i * block_bytes), regions);
-  }
+  append_host_copy_regions(cache.memory_pools(), blocks, reinterpret_cast<std::byte*>(staging),
+                           block_bytes, regions);
   return regions;
 }
 

@@ -326,10 +326,12 @@ PoolAddresses pool_addresses(const PagedKvCache& cache) {
         "layout describes K and V pools only");
   }
   for (std::size_t layer = 0; layer < n; ++layer) {
-    a.k_base.push_back(cache.k_pool_ptr(layer).address());
-    a.v_base.push_back(cache.v_pool_ptr(layer).address());
-    a.k_stride.push_back(cache.k_block_stride(layer));
-    a.v_stride.push_back(cache.v_block_stride(layer));
+    const BlockPool& k = cache.pool(layer, KvPart::k);
+    const BlockPool& v = cache.pool(layer, KvPart::v);
+    a.k_base.push_back(k.base.address());
+    a.v_base.push_back(v.base.address());
+    a.k_stride.push_back(k.stride);
+    a.v_stride.push_back(v.stride);
   }
   return a;
 }
@@ -442,19 +444,20 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
   std::vector<LayerPlan> plans;
   plans.reserve(2 * std::size_t{local.num_layers});
   for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      const std::uint32_t head_dim = kv == 0 ? local.head_dim_k : local.head_dim_v;
-      const char* what = kv == 0 ? "head_dim_k" : "head_dim_v";
+    for (KvPart part : kKvParts) {
+      const bool k = part == KvPart::k;
+      const std::uint32_t head_dim = k ? local.head_dim_k : local.head_dim_v;
+      const char* what = k ? "head_dim_k" : "head_dim_v";
       const KvCacheDtype dtype = local.layer_dtypes[layer];
       const BlockRegionLayout lr =
           block_region_layout(dtype, local.block_size, local.num_kv_heads, head_dim, what);
       const BlockRegionLayout rr =
           block_region_layout(dtype, remote.block_size, remote.num_kv_heads, head_dim, what);
       LayerPlan p{};
-      p.local = kv == 0 ? PoolSide{local_pools.k_base[layer], local_pools.k_stride[layer]}
-                        : PoolSide{local_pools.v_base[layer], local_pools.v_stride[layer]};
-      p.remote = kv == 0 ? PoolSide{remote_pools.k_base[layer], remote_pools.k_stride[layer]}
-                         : PoolSide{remote_pools.v_base[layer], remote_pools.v_stride[layer]};
+      const PoolAddresses::Pool lp = local_pools.at(layer, part);
+      const PoolAddresses::Pool rp = remote_pools.at(layer, part);
+      p.local = PoolSide{lp.base, lp.stride};
+      p.remote = PoolSide{rp.base, rp.stride};
       if (!sliced) {
         p.slices[0] = Slice{0, 0, lr.total_bytes};
         p.count = 1;

@@ -323,21 +323,23 @@ class HostBackend final : public Backend {
   // ---- block pools: checked once per pool, not once per block region ----
 
   struct HostPools {
-    std::vector<BlockPool> pools;
+    std::vector<PoolGeometry> pools;
     std::size_t num_blocks = 0;
   };
 
-  // A use covering every block region of one pool.
-  static Use pool_use(const BlockPool& p, std::size_t num_blocks) {
-    return Use{p.base, (num_blocks - 1) * p.stride + p.bytes, "fill_blocks_async"};
+  // A use covering every block region of one pool (its extent was checked
+  // for overflow at registration).
+  static Use pool_use(const PoolGeometry& p, std::size_t num_blocks) {
+    return Use{p.base, p.extent(num_blocks).value(), "fill_blocks_async"};
   }
 
-  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
+  void* do_register_block_pools(std::span<const PoolGeometry> pools,
+                                std::size_t num_blocks) override {
     auto table = std::make_unique<HostPools>();
     table->pools.assign(pools.begin(), pools.end());
     table->num_blocks = num_blocks;
     auto lock = tracker_.read_lock();
-    for (const BlockPool& p : pools) {
+    for (const PoolGeometry& p : pools) {
       const Use u = pool_use(p, num_blocks);
       tracker_.check_locked(u.ptr, u.bytes, "register_block_pools");
     }
@@ -357,10 +359,10 @@ class HostBackend final : public Backend {
     const auto& table = *static_cast<const HostPools*>(native);
     std::vector<Use> uses;
     uses.reserve(table.pools.size());
-    for (const BlockPool& p : table.pools)
+    for (const PoolGeometry& p : table.pools)
       uses.push_back(pool_use(p, table.num_blocks));
     std::size_t block_bytes = 0;
-    for (const BlockPool& p : table.pools)
+    for (const PoolGeometry& p : table.pools)
       block_bytes += p.bytes;
     const StreamingFill stream_fill =
         block_bytes * ids.size() >= streaming_threshold_ ? host::streaming_fill() : nullptr;
@@ -373,7 +375,7 @@ class HostBackend final : public Backend {
     enqueue_checked(stream, "fill_blocks_async", std::move(uses),
                     [pools = table.pools, ids = std::move(sorted), value,
                      stream_fill](const std::vector<Use>&) {
-                      for (const BlockPool& pool : pools) {
+                      for (const PoolGeometry& pool : pools) {
                         const bool dense = pool.stride == pool.bytes;
                         std::size_t i = 0;
                         while (i < ids.size()) {

@@ -252,18 +252,22 @@ py::capsule to_dlpack(const PoolView& view) {
   return py::reinterpret_steal<py::capsule>(capsule);
 }
 
-PoolView make_view(const std::shared_ptr<CacheState>& state, bool k, std::size_t layer, bool raw) {
+PoolView make_view(const std::shared_ptr<CacheState>& state, kvport::KvPart part, std::size_t layer,
+                   bool raw) {
   const kvport::PagedKvCache& cache = *state->cache;
   const KvCacheConfig& config = cache.config();
+  const bool k = part == kvport::KvPart::k;
+  // Validates the layer, and refuses V of K-only layers.
+  const kvport::BlockPool& pool = cache.pool(layer, part);
   PoolView v;
   v.state = state;
   v.what = std::string(k ? "k_pool(" : "v_pool(") + std::to_string(layer) + ")";
-  v.kv_dtype = cache.dtype_for_layer(layer);  // validates the layer
-  v.data = (k ? cache.k_pool_ptr(layer) : cache.v_pool_ptr(layer)).address();
-  const std::size_t block_stride = k ? cache.k_block_stride(layer) : cache.v_block_stride(layer);
+  v.kv_dtype = pool.dtype;
+  v.data = pool.base.address();
+  const std::size_t block_stride = pool.stride;
   const kvport::BlockRegionLayout region = k ? config.k_layout(layer) : config.v_layout(layer);
   const std::size_t head_dim = k ? config.head_dim_k : config.head_dim_v;
-  const auto n = static_cast<std::int64_t>(cache.num_blocks());
+  const auto n = static_cast<std::int64_t>(pool.num_blocks);
 
   std::size_t elem = 0;
   switch (v.kv_dtype) {
@@ -316,12 +320,14 @@ PoolView make_block_view(const std::shared_ptr<CacheState>& state) {
   PoolView v;
   v.state = state;
   v.what = "block_pool";
-  v.kv_dtype = cache.config().dtype;
-  v.data = cache.k_pool_ptr(0).address();
+  // The one memory pool: each region a whole block.
+  const kvport::BlockPool& pool = cache.memory_pools().front();
+  v.kv_dtype = pool.dtype;
+  v.data = pool.base.address();
   v.dl_dtype = DLDataType{kDLUInt, 8, 1};
   v.dtype = "uint8";
-  const auto stride = static_cast<std::int64_t>(cache.k_block_stride(0));
-  v.shape = {static_cast<std::int64_t>(cache.num_blocks()), stride};
+  const auto stride = static_cast<std::int64_t>(pool.stride);
+  v.shape = {static_cast<std::int64_t>(pool.num_blocks), stride};
   v.strides = {stride, 1};
   return v;
 }
@@ -917,13 +923,13 @@ PYBIND11_MODULE(_kvport, m) {
       .def(
           "k_pool",
           [](const PyCache& c, std::size_t l, bool raw) {
-            return make_view(c.state(), true, l, raw);
+            return make_view(c.state(), kvport::KvPart::k, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
       .def(
           "v_pool",
           [](const PyCache& c, std::size_t l, bool raw) {
-            return make_view(c.state(), false, l, raw);
+            return make_view(c.state(), kvport::KvPart::v, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
       .def(

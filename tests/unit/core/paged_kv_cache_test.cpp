@@ -332,6 +332,8 @@ TEST_F(PagedKvCacheTest, OutOfRangeIdsThrowForEveryAccessor) {
     const std::pair<const char*, std::function<void()>> calls[] = {
         {"k_cache_ptr", [&] { (void)cache.k_cache_ptr(bad, 0); }},
         {"v_cache_ptr", [&] { (void)cache.v_cache_ptr(bad, 0); }},
+        {"pool", [&] { (void)cache.pool(bad, KvPart::k); }},
+        {"pool", [&] { (void)cache.pool(bad, KvPart::v); }},
         {"k_pool_ptr", [&] { (void)cache.k_pool_ptr(bad); }},
         {"v_pool_ptr", [&] { (void)cache.v_pool_ptr(bad); }},
         {"k_block_stride", [&] { (void)cache.k_block_stride(bad); }},
@@ -851,6 +853,54 @@ TEST_P(PagedKvCacheLayoutTest, BlockPointersAreBasePlusIndexTimesStride) {
     for (BlockId b = 0; b < kBlocks; ++b) {
       EXPECT_EQ(cache_.k_cache_ptr(l, b), cache_.k_pool_ptr(l).offset(b * k_stride));
       EXPECT_EQ(cache_.v_cache_ptr(l, b), cache_.v_pool_ptr(l).offset(b * v_stride));
+    }
+  }
+}
+
+// pool() is the geometry the pointer calls forward to; memory_pools() lays a
+// block's bytes out pool after pool (layer 0 K, layer 0 V, ... or one whole
+// block in block-major layout).
+TEST_P(PagedKvCacheLayoutTest, PoolsAreTheGeometryThePointerCallsReport) {
+  for (std::size_t l = 0; l < cache_.num_layers(); ++l) {
+    SCOPED_TRACE(l);
+    const BlockPool& k = cache_.pool(l, KvPart::k);
+    const BlockPool& v = cache_.pool(l, KvPart::v);
+    EXPECT_EQ(k.base, cache_.k_pool_ptr(l));
+    EXPECT_EQ(v.base, cache_.v_pool_ptr(l));
+    EXPECT_EQ(k.stride, cache_.k_block_stride(l));
+    EXPECT_EQ(v.stride, cache_.v_block_stride(l));
+    EXPECT_EQ(k.region_bytes, GetParam().k_bytes[l]);
+    EXPECT_EQ(v.region_bytes, GetParam().v_bytes[l]);
+    EXPECT_EQ(k.num_blocks, kBlocks);
+    EXPECT_EQ(k.dtype, cache_.dtype_for_layer(l));
+    EXPECT_EQ(v.dtype, cache_.dtype_for_layer(l));
+    for (BlockId b = 0; b < kBlocks; ++b) {
+      EXPECT_EQ(k.region(b), (DeviceRegion{cache_.k_cache_ptr(l, b), cache_.k_block_bytes(l)}));
+      EXPECT_EQ(v.region(b), (DeviceRegion{cache_.v_cache_ptr(l, b), cache_.v_block_bytes(l)}));
+    }
+    EXPECT_EQ(k.extent(), (kBlocks - 1) * k.stride + k.region_bytes);
+    expect_invalid_argument([&] { (void)k.region(kBlocks); }, "out of range");
+  }
+  expect_invalid_argument([&] { (void)cache_.pool(cache_.num_layers(), KvPart::k); },
+                          "PagedKvCache::pool: layer 3 out of range");
+
+  const std::span<const BlockPool> memory = cache_.memory_pools();
+  std::size_t image = 0;
+  for (const BlockPool& p : memory) {
+    EXPECT_TRUE(p.dense());
+    EXPECT_EQ(p.num_blocks, kBlocks);
+    image += p.region_bytes;
+  }
+  EXPECT_EQ(image, GetParam().bytes_per_block);
+  if (block_major()) {
+    ASSERT_EQ(memory.size(), 1u);
+    EXPECT_EQ(memory[0].base, cache_.k_pool_ptr(0));
+    EXPECT_EQ(memory[0].extent(), cache_.total_bytes());
+  } else {
+    ASSERT_EQ(memory.size(), 2 * cache_.num_layers());
+    for (std::size_t l = 0; l < cache_.num_layers(); ++l) {
+      EXPECT_EQ(memory[2 * l], cache_.pool(l, KvPart::k));
+      EXPECT_EQ(memory[2 * l + 1], cache_.pool(l, KvPart::v));
     }
   }
 }

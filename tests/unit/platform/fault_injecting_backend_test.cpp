@@ -125,7 +125,7 @@ TEST_F(FaultInjectingBackendTest, WithoutAPlanEveryCallIsCountedAndForwarded) {
   fb_.fill_async(regions, 3, s);
   const CopyRegion copies[] = {{c, a, 16}};
   fb_.copy_batch_async(copies, s);
-  const BlockPool pools[] = {{a, 64, 64}};
+  const PoolGeometry pools[] = {{a, 64, 64}};
   BlockPoolSet set = fb_.register_block_pools(pools, 4);
   const std::uint32_t ids[] = {2};
   fb_.fill_blocks_async(set, ids, 9, s);
@@ -333,7 +333,7 @@ TEST_F(FaultInjectingBackendTest, ASynchronousFillFaultThrowsAtTheCallAndQueuesN
 TEST_F(FaultInjectingBackendTest, EveryFillAndCopyCallIsCovered) {
   DevicePtr a = buffer(0), c = buffer(0);
   StreamView s = fb_.default_stream();
-  const BlockPool pools[] = {{a, 64, 64}};
+  const PoolGeometry pools[] = {{a, 64, 64}};
   BlockPoolSet set = fb_.register_block_pools(pools, 4);
   fb_.set_plan(FaultKind::fill, {.from_nth = 1});
   fb_.set_plan(FaultKind::copy, {.from_nth = 1});
@@ -494,7 +494,7 @@ TEST_F(FaultInjectingBackendTest, StreamEventAndPoolCreationFaults) {
   EXPECT_GE(fb_.elapsed_seconds(start, stop), 0.0);
 
   DevicePtr a = buffer(0);
-  const BlockPool pools[] = {{a, 64, 64}};
+  const PoolGeometry pools[] = {{a, 64, 64}};
   fb_.set_plan(FaultKind::register_pools, {.nth = 1});
   EXPECT_THAT(message_of<BackendError>([&] { fb_.register_block_pools(pools, 4); }),
               HasSubstr("register_block_pools"));

@@ -934,8 +934,8 @@ TEST(HostBackendStreaming, ForcedStreamingFillsExactlyTheBlockRegions) {
     backend->copy_h2d(dense_buf.ptr(), dense.data(), dense.size(), s);
     backend->copy_h2d(sparse_buf.ptr(), sparse.data(), sparse.size(), s);
     // A dense pool at an odd address, and a sparse one with 4096-byte stride.
-    const BlockPool pools[] = {{dense_buf.ptr().offset(3), 1000, 1000},
-                               {sparse_buf.ptr().offset(64), 3001, 4096}};
+    const PoolGeometry pools[] = {{dense_buf.ptr().offset(3), 1000, 1000},
+                                  {sparse_buf.ptr().offset(64), 3001, 4096}};
     BlockPoolSet set = backend->register_block_pools(pools, kBlocks);
     // Out of order, with a repeat: the backend sorts a copy, runs merge.
     const std::vector<std::uint32_t> ids = {20, 0, 8, 2, 39, 1, 7, 2};

@@ -1,4 +1,4 @@
-// The platform layer: DevicePtr arithmetic, byte sizes, the exception
+// The platform layer: DevicePtr arithmetic, pool extents, byte sizes, the exception
 // hierarchy and the vendor TRY macros, the logging facade and the registry.
 #include <fmt/format.h>
 #include <gmock/gmock.h>
@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvport/platform/block_pool.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/device_ptr.hpp"
 #include "kvport/platform/error.hpp"
@@ -96,6 +97,24 @@ TEST(DevicePtr, Comparison) {
   EXPECT_GE(b, a);
   EXPECT_LT(DevicePtr(), a);
   static_assert(DevicePtr(1) < DevicePtr(2));
+}
+
+// ---- pool extents ----------------------------------------------------------------
+
+TEST(PoolExtent, LastBlockEndsTheExtent) {
+  static_assert(pool_extent(1, 4096, 100) == 100u);
+  static_assert(pool_extent(8, 256, 256) == 8u * 256);  // dense: n x region
+  static_assert(pool_extent(8, 1024, 256) == 7u * 1024 + 256);
+  static_assert(pool_extent(0, 1024, 256) == 0u);
+  constexpr PoolGeometry p{DevicePtr(4096), 100, 128};
+  static_assert(p.extent(3) == 2u * 128 + 100);
+}
+
+TEST(PoolExtent, OverflowIsNullopt) {
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
+  EXPECT_EQ(pool_extent(3, kMax / 2 + 1, 1), std::nullopt);  // (n - 1) * stride wraps
+  EXPECT_EQ(pool_extent(2, kMax - 10, 11), std::nullopt);    // + region wraps
+  EXPECT_EQ(pool_extent(2, kMax - 10, 10), kMax);            // exactly fits
 }
 
 // ---- byte sizes --------------------------------------------------------------------

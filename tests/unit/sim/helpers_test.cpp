@@ -6,7 +6,9 @@
 #include <limits>
 
 #include "kvport/backends/host_backend.hpp"
-#include "kvport/core/block_id_limit.hpp"
+#include "kvport/core/block_id.hpp"
+#include "kvport/core/block_id_limit.hpp"  // the compatibility forward still works
+#include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/file_error.hpp"
@@ -71,6 +73,9 @@ TEST(sim_helpers, ModelPresetsAreOneSortedTable) {
 TEST(sim_helpers, TheBlockIdLimitIsCoresAndTheCacheEnforcesIt) {
   static_assert(kMaxCacheBlocks == std::numeric_limits<BlockId>::max());
   EXPECT_EQ(kMaxCacheBlocks, 0xFFFF'FFFFu);
+  // The null entry of a block table is never an id: ids end at 2^32 - 2.
+  static_assert(kNullBlock == 0xFFFF'FFFFu);
+  static_assert(std::size_t{kNullBlock} >= kMaxCacheBlocks);
   auto backend = make_host_backend();
   const KvCacheConfig config = preset_config(*find_model_preset("qwen2.5-0.5b"));
   EXPECT_THROW(PagedKvCache(config, kMaxCacheBlocks + 1, *backend), InvalidArgument);

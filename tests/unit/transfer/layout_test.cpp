@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <limits>
+#include <stdexcept>
 #include <tuple>
 
 #include "transfer_test_util.hpp"
@@ -49,6 +50,23 @@ TEST(PoolLayoutTest, UniformCacheListsItsDtypeOncePerLayer) {
   const KvCacheConfig c = l.to_config();
   EXPECT_NO_THROW(c.validate());
   EXPECT_EQ(c.dtype_for_layer(2), KvCacheDtype::fp8_e5m2);
+}
+
+TEST(PoolLayoutTest, AddressesAreTheCachesPools) {
+  auto backend = host_backend();
+  for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
+    PagedKvCache cache(test::mixed_shape(2, layout), 5, *backend);
+    const PoolAddresses a = pool_addresses(cache);
+    ASSERT_EQ(a.k_base.size(), cache.num_layers());
+    for (std::size_t l = 0; l < cache.num_layers(); ++l) {
+      for (KvPart part : kKvParts) {
+        const BlockPool& pool = cache.pool(l, part);
+        EXPECT_EQ(a.at(l, part).base, pool.base.address());
+        EXPECT_EQ(a.at(l, part).stride, pool.stride);
+      }
+    }
+    EXPECT_THROW((void)a.at(cache.num_layers(), KvPart::v), std::out_of_range);
+  }
 }
 
 TEST(PoolLayoutTest, RejectsABadTensorParallelRank) {

@@ -177,7 +177,8 @@ class HostTier final : public PrefixCacheTier {
   /// Device blocks the tier holds while their copies are in flight or queued
   /// (write-backs and write-throughs).
   std::size_t num_held_device_blocks() const noexcept;
-  /// Bytes of one host block: every layer's K and V block.
+  /// Bytes of one host block: every layer's K and V block (K only for K-only
+  /// layers).
   std::size_t slot_bytes() const noexcept;
   /// The host blocks' ready hashes, least recently used first. O(n), for
   /// tests and diagnostics.
@@ -201,11 +202,13 @@ class HostTier final : public PrefixCacheTier {
   std::span<std::byte> slot_memory() const noexcept;
 
   /// The regions of one block's copy between the device and a host slot at
-  /// `slot` (slot_bytes() bytes): each layer's K block then its V block, in
-  /// layer order, coalesced where the device ranges are contiguous inside
-  /// the block-major layout's one pool (one region per block there; 2 *
-  /// num_layers in the layer-major one, whose pools are separate allocations
-  /// even when adjacent). Appended to `out`.
+  /// `slot` (slot_bytes() bytes): the block's image over
+  /// cache.memory_pools(), each layer's K block then its V block (none for
+  /// K-only layers) in layer order: one region per block in block-major
+  /// layout, 2 * num_layers (num_layers K-only) in layer-major, whose pools
+  /// are separate allocations even when adjacent. Appended to `out`
+  /// (append_host_copy_regions of block_regions.hpp for one block); throws
+  /// InvalidArgument for an out-of-range block, before appending.
   static void append_block_regions(const PagedKvCache& cache, BlockId block, std::byte* slot,
                                    std::vector<HostCopyRegion>& out);
   /// Bytes of one host slot for `cache`: its config's bytes_per_block().

@@ -8,15 +8,12 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/block_id.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/platform/stream.hpp"
 
 namespace kvport {
-
-/// The entry of a released block in a block list (never a valid id: a cache
-/// has at most 2^32 - 1 blocks).
-inline constexpr BlockId kNullBlock = 0xFFFFFFFFu;
 
 /// A sequence's blocks in every group: one block list per block group
 /// (full attention, MLA, sliding window, chunked), with kNullBlock entries

@@ -10,13 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "kvport/core/block_id.hpp"
+#include "kvport/core/block_pool.hpp"
 #include "kvport/core/block_trace.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/backend.hpp"
 
 namespace kvport {
-
-using BlockId = std::uint32_t;
 
 /// Monotonic counters since construction.
 struct KvCacheCounters {
@@ -158,8 +158,30 @@ class PagedKvCache {
   std::size_t num_blocks() const noexcept { return num_blocks_; }
   std::size_t num_blocks_in_use() const noexcept { return num_blocks_ - free_list_.size(); }
 
-  // ---- pointers and strides --------------------------------------------------
+  // ---- geometry: pools, pointers and strides ---------------------------------
 
+  /// Layer `layer`'s K (or V) pool: block b's bytes of that part are
+  /// pool.region(b); its stride is the region size in layer-major layout and
+  /// the whole block (all layers) in block-major. O(1), no device work. The
+  /// reference lives as long as the cache. Throws InvalidArgument for
+  /// layer >= num_layers(), and for KvPart::v when the layers have no V
+  /// (config().has_v() false: K-only layers, e.g. MLA).
+  const BlockPool& pool(std::size_t layer, KvPart part) const {
+    return layer_pool(layer, part, "pool");
+  }
+
+  /// The pools as the memory holds them, in block-image order: in layer-major
+  /// layout layer 0's K pool, layer 0's V pool, layer 1's K pool, ... (no V
+  /// pools for K-only layers); in block-major layout one pool whose region is
+  /// a whole block (every layer's K and V; dtype config().dtype). Block b's
+  /// bytes are these pools' region(b), one after another: the image a
+  /// HostTier slot or a transfer staging slot holds (block_regions.hpp). What
+  /// zero/poison register with the backend. O(1).
+  std::span<const BlockPool> memory_pools() const noexcept { return memory_pools_; }
+
+  /// The calls below forward to pool() (kept for compatibility); each names
+  /// itself in its errors.
+  ///
   /// Address of `block`'s K (V) data for `layer`. Throws InvalidArgument for an
   /// out-of-range layer or block, and the V calls (pointers, strides) for a
   /// cache of K-only layers (config().has_v() false: MLA, state slots).
@@ -177,7 +199,7 @@ class PagedKvCache {
   std::size_t v_block_stride(std::size_t layer) const;
 
   /// Bytes of `layer`'s K (V) region in one block (what read_block returns;
-  /// V: 0 for K-only layers).
+  /// V: 0 for K-only layers, which have no V pool, rather than an error).
   std::size_t k_block_bytes(std::size_t layer) const;
   std::size_t v_block_bytes(std::size_t layer) const;
 
@@ -261,16 +283,6 @@ class PagedKvCache {
   const BlockTrace& trace() const noexcept { return trace_; }
 
  private:
-  struct Pool {
-    DevicePtr k_base;  // block 0 of this layer's K
-    DevicePtr v_base;
-    std::size_t k_bytes;  // region size
-    std::size_t v_bytes;
-    std::size_t k_stride;  // distance between blocks
-    std::size_t v_stride;
-    KvCacheDtype dtype;
-  };
-
   // The hot paths (alloc, free, refcounts) are inline below; their rare
   // branches (errors, logging) stay out of line.
   void check_block(BlockId block, const char* op) const {
@@ -281,6 +293,8 @@ class PagedKvCache {
   [[noreturn]] void throw_exhausted();
   void check_layer(std::size_t layer, const char* op) const;
   void check_has_v(const char* op) const;
+  // pool(), naming `op` in its errors.
+  const BlockPool& layer_pool(std::size_t layer, KvPart part, const char* op) const;
   BlockId take_free(BlockOp op, const std::source_location& where);
   bool release(BlockId block, BlockOp op, const std::source_location& where);
   bool ignore_release(BlockId block, BlockOp op, const std::source_location& where);
@@ -295,8 +309,8 @@ class PagedKvCache {
   std::size_t num_blocks_ = 0;
   Backend* backend_ = nullptr;
   std::vector<DevicePtr> allocations_;
-  std::vector<Pool> pools_;
-  std::size_t block_major_stride_ = 0;  // 0 in layer-major layout
+  std::vector<BlockPool> pools_;         // [2 * layer + part]; V left empty for K-only layers
+  std::vector<BlockPool> memory_pools_;  // see memory_pools()
   std::size_t total_bytes_ = 0;
 
   std::vector<BlockId> free_list_;  // top of the stack at the back

@@ -18,6 +18,7 @@
 #include "kvport/platform/block_pool.hpp"
 #include "kvport/platform/device_buffer.hpp"
 #include "kvport/platform/device_ptr.hpp"
+#include "kvport/platform/device_region.hpp"
 #include "kvport/platform/host_buffer.hpp"
 #include "kvport/platform/stream.hpp"
 
@@ -29,11 +30,9 @@ struct MemInfo {
   std::size_t total_bytes = 0;
 };
 
-/// One region of a batched fill: `bytes` bytes starting at `ptr`.
-struct FillRegion {
-  DevicePtr ptr;
-  std::size_t bytes = 0;
-};
+/// One region of a batched fill: `bytes` bytes starting at `ptr` (a
+/// DeviceRegion, so block regions from core fill as they are).
+using FillRegion = DeviceRegion;
 
 /// One region of a batched device-to-device copy.
 struct CopyRegion {
@@ -191,7 +190,7 @@ class Backend {
   /// region, num_blocks == 0 or a pool extent that overflows. The GPU
   /// backends also require every pool to lie inside one live allocation; the
   /// host backend checks the regions at each fill, as fill_async does.
-  BlockPoolSet register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks);
+  BlockPoolSet register_block_pools(std::span<const PoolGeometry> pools, std::size_t num_blocks);
 
   /// Sets the regions of `block_ids` in every registered pool to `value` as
   /// ONE device operation (the cache-aware fill). Upload cost grows with the
@@ -305,7 +304,7 @@ class Backend {
 
   // Block pools: the GPU backends keep the table on the device; the host
   // backend checks each pool's extent once and walks the ids on its worker.
-  virtual void* do_register_block_pools(std::span<const BlockPool> pools,
+  virtual void* do_register_block_pools(std::span<const PoolGeometry> pools,
                                         std::size_t num_blocks) = 0;
   virtual void do_unregister_block_pools(void* native) noexcept = 0;
   virtual void do_fill_blocks_async(void* pools, std::span<const std::uint32_t> block_ids,

@@ -217,7 +217,8 @@ class FaultInjectingBackend final : public Backend {
   void do_copy_host_batch_async(std::span<const HostCopyRegion> regions,
                                 HostCopyDirection direction, void* stream) override;
   void do_inject_async_fault(void* stream) override;
-  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override;
+  void* do_register_block_pools(std::span<const PoolGeometry> pools,
+                                std::size_t num_blocks) override;
   void do_unregister_block_pools(void* native) noexcept override;
   void do_fill_blocks_async(void* pools, std::span<const std::uint32_t> block_ids,
                             std::uint8_t value, void* stream) override;

@@ -285,7 +285,8 @@ class GatedBackend final : public Backend {
     }
   }
   void do_inject_async_fault(void* stream) override { inner_->inject_async_fault(s(stream).inner); }
-  void* do_register_block_pools(std::span<const BlockPool> pools, std::size_t num_blocks) override {
+  void* do_register_block_pools(std::span<const PoolGeometry> pools,
+                                std::size_t num_blocks) override {
     return new GPools{inner_->register_block_pools(pools, num_blocks)};
   }
   void do_unregister_block_pools(void* native) noexcept override {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kvport/core/block_pool.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 
@@ -82,16 +83,29 @@ std::uint64_t compatibility_hash(const PoolLayout& layout);
 std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLayout& remote);
 
 /// Where one side's pools are: per layer, the address of block 0's K (V)
-/// bytes and the distance between consecutive blocks (PagedKvCache's
-/// k_pool_ptr / k_block_stride). Addresses are integers: they may be the
-/// peer's.
+/// bytes and the distance between consecutive blocks (the base and stride of
+/// PagedKvCache::pool(layer, part)). Addresses are integers: they may be the
+/// peer's. Four vectors, as the handshake message carries them.
 struct PoolAddresses {
   std::vector<std::uint64_t> k_base, v_base;
   std::vector<std::uint64_t> k_stride, v_stride;
+
+  /// One pool's address and stride.
+  struct Pool {
+    std::uint64_t base = 0;
+    std::uint64_t stride = 0;
+  };
+  /// Layer `layer`'s `part` pool. Throws std::out_of_range past the vectors.
+  Pool at(std::size_t layer, KvPart part) const {
+    return part == KvPart::k ? Pool{k_base.at(layer), k_stride.at(layer)}
+                             : Pool{v_base.at(layer), v_stride.at(layer)};
+  }
+
   friend bool operator==(const PoolAddresses&, const PoolAddresses&) = default;
 };
 
-/// The addresses of `cache`'s pools.
+/// The addresses of `cache`'s pools (PagedKvCache::pool of every layer and
+/// part).
 PoolAddresses pool_addresses(const PagedKvCache& cache);
 
 /// One contiguous copy between the two sides.

@@ -7,7 +7,7 @@
 #include <span>
 #include <vector>
 
-#include "kvport/core/block_id_limit.hpp"
+#include "kvport/core/block_id.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 
