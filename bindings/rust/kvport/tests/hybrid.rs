@@ -272,3 +272,17 @@ fn state_checkpoints_hit_with_the_same_bytes() {
     assert!(other.append_tokens(&[1], DEFAULT_STREAM).unwrap_err().is_cache_exhausted());
     assert!(tight.check_invariants().unwrap().ok);
 }
+
+#[test]
+fn the_docs_example_is_examples_hybrid() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let doc = match std::fs::read_to_string(dir.join("../../../docs/bindings/rust.md")) {
+        Ok(d) => d,
+        Err(_) => return, // an installed crate has no docs
+    };
+    let section = doc.split("## Hybrid models").nth(1).expect("a Hybrid models section");
+    let code = section.split("```rust\n").nth(1).and_then(|c| c.split("```").next()).expect("a rust block");
+    let example = std::fs::read_to_string(dir.join("examples/hybrid.rs")).unwrap();
+    let body: Vec<&str> = example.lines().skip_while(|l| l.starts_with("//!") || l.is_empty()).collect();
+    assert_eq!(code.trim_end(), body.join("\n").trim_end(), "docs/bindings/rust.md and examples/hybrid.rs differ");
+}
