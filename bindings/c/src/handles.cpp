@@ -41,6 +41,10 @@ const char* kind_name(Kind kind) noexcept {
       return "kvport_prefix_cache";
     case Kind::block_table:
       return "kvport_block_table";
+    case Kind::hybrid_cache:
+      return "kvport_hybrid_cache";
+    case Kind::hybrid_block_table:
+      return "kvport_hybrid_block_table";
   }
   return "handle";
 }
@@ -77,6 +81,20 @@ std::uintptr_t publish(std::unique_ptr<Object> object, Kind kind, Object* parent
   return token;
 }
 
+std::uintptr_t lend(std::unique_ptr<Object> object, Kind kind, Object* lender) {
+  Table& t = table();
+  const std::lock_guard lock(t.mutex);
+  const std::uintptr_t token = (t.next_serial << kKindBits) | static_cast<std::uintptr_t>(kind);
+  lender->lent_handles.reserve(lender->lent_handles.size() + 1);  // may throw: nothing changed
+  t.live.emplace(token, Entry{kind, object.get()});               // may throw: nothing changed
+  ++t.next_serial;
+  lender->lent_handles.push_back(token);  // reserved: no throw
+  object->parent = lender;
+  object->lent = true;
+  object.release();
+  return token;
+}
+
 Object* lookup(const void* handle, Kind kind) {
   Table& t = table();
   const std::lock_guard lock(t.mutex);
@@ -86,20 +104,35 @@ Object* lookup(const void* handle, Kind kind) {
 void retire(const void* handle, Kind kind) {
   Table& t = table();
   std::unique_ptr<Object> object;
+  std::vector<std::unique_ptr<Object>> lent;
   {
     const std::lock_guard lock(t.mutex);
     Entry& entry = find_locked(t, handle, kind);
+    if (entry.object->lent)
+      throw StatusError(KVPORT_ERR_INVALID_ARGUMENT,
+                        std::string(kind_name(kind)) +
+                            " is borrowed (a hybrid cache's group pool): it is destroyed with "
+                            "the hybrid cache, not on its own");
     if (entry.object->children != 0)
       throw StatusError(KVPORT_ERR_HANDLE_IN_USE,
                         std::string(kind_name(kind)) + " still has " +
                             std::to_string(entry.object->children) +
                             " live child handle(s) (streams, caches, prefix caches or block "
                             "tables created over it): destroy those first");
+    lent.reserve(entry.object->lent_handles.size());  // may throw: nothing changed
     object.reset(entry.object);
+    for (const std::uintptr_t token : object->lent_handles) {
+      const auto it = t.live.find(token);
+      if (it == t.live.end()) continue;
+      lent.emplace_back(it->second.object);  // reserved: no throw
+      t.live.erase(it);
+    }
     t.live.erase(reinterpret_cast<std::uintptr_t>(handle));
   }
-  // The parent stays alive until its count drops below, so the child's
-  // destructor may still use it.
+  // Lent objects point into their lender: they go first. The parent stays
+  // alive until its count drops below, so the child's destructor may still
+  // use it.
+  lent.clear();
   Object* parent = object->parent;
   object.reset();
   if (parent != nullptr) {

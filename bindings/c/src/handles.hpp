@@ -6,7 +6,11 @@
 // address is reused), and a handle of another kind is told apart by its
 // kind. Each object counts its live children (streams and caches of a
 // backend, prefix caches and block tables of a cache, block tables of a
-// prefix cache); destroying an object with children is refused.
+// prefix cache, hybrid block tables of a hybrid cache); destroying an object
+// with children is refused. An object may also lend handles to parts of
+// itself (a hybrid cache's group pools as kvport_cache handles): those are
+// not children, cannot be destroyed on their own, and are retired with their
+// lender.
 #pragma once
 
 #include <cstddef>
@@ -15,18 +19,24 @@
 #include <vector>
 
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/kvport.h"
 #include "kvport/platform/backend.hpp"
 
 namespace kvport::capi {
 
+// The kind lives in the token's low 3 bits: at most 7 kinds.
 enum class Kind : std::uintptr_t {
   backend = 1,
   stream = 2,
   cache = 3,
   prefix_cache = 4,
   block_table = 5,
+  hybrid_cache = 6,
+  hybrid_block_table = 7,
 };
 
 /// Base of every handle's object.
@@ -35,8 +45,12 @@ struct Object {
   /// Live children; guarded by the handle table's mutex.
   std::size_t children = 0;
   /// The object this one is a child of (its `children` counts this one), or
-  /// null for a backend.
+  /// null for a backend. For a lent object: its lender (not counted).
   Object* parent = nullptr;
+  /// True for an object lent by its parent (see lend()).
+  bool lent = false;
+  /// Handles this object lent out; retired with it. Guarded by the mutex.
+  std::vector<std::uintptr_t> lent_handles;
 };
 
 struct BackendObject final : Object {
@@ -54,7 +68,9 @@ struct StreamObject final : Object {
 
 struct CacheObject final : Object {
   static constexpr Kind kKind = Kind::cache;
-  std::unique_ptr<PagedKvCache> cache;
+  /// `owned`, or a hybrid cache's group pool (a lent handle).
+  PagedKvCache* cache = nullptr;
+  std::unique_ptr<PagedKvCache> owned;
   /// The config's per-layer dtypes as C values, for kvport_cache_config.
   std::vector<std::int32_t> layer_dtypes;
 };
@@ -69,6 +85,21 @@ struct BlockTableObject final : Object {
   std::unique_ptr<BlockTable> table;
 };
 
+struct HybridCacheObject final : Object {
+  static constexpr Kind kKind = Kind::hybrid_cache;
+  std::unique_ptr<HybridKvCache> cache;
+  /// Per group: its state tensors as C structs (names point into the
+  /// cache's specs), for kvport_hybrid_cache_group_spec.
+  std::vector<std::vector<kvport_state_tensor>> state_tensors;
+  /// Per group: its pool's lent kvport_cache handle, made on first use.
+  std::vector<kvport_cache*> group_handles;
+};
+
+struct HybridBlockTableObject final : Object {
+  static constexpr Kind kKind = Kind::hybrid_block_table;
+  std::unique_ptr<HybridBlockTable> table;
+};
+
 /// Registers `object` as a child of `parent` (may be null) and returns its
 /// handle. Strong guarantee: on failure (std::bad_alloc) nothing changed and
 /// the object is destroyed.
@@ -79,10 +110,17 @@ std::uintptr_t publish(std::unique_ptr<Object> object, Kind kind, Object* parent
 /// of another kind.
 Object* lookup(const void* handle, Kind kind);
 
-/// Removes `handle` from the table and destroys its object, then drops it
-/// from its parent's children. Throws StatusError: KVPORT_ERR_INVALID_HANDLE
-/// as lookup, KVPORT_ERR_HANDLE_IN_USE (nothing changed) while it has
-/// children. The object's destructor runs outside the table's lock.
+/// Registers `object` as lent by `lender` and returns its handle: not a
+/// child (the lender's `children` is unchanged), retired with the lender,
+/// refused by retire(). Strong guarantee as publish.
+std::uintptr_t lend(std::unique_ptr<Object> object, Kind kind, Object* lender);
+
+/// Removes `handle` from the table and destroys its object (after the objects
+/// it lent, which leave the table with it), then drops it from its parent's
+/// children. Throws StatusError: KVPORT_ERR_INVALID_HANDLE as lookup,
+/// KVPORT_ERR_HANDLE_IN_USE (nothing changed) while it has children,
+/// KVPORT_ERR_INVALID_ARGUMENT for a lent handle. Destructors run outside the
+/// table's lock.
 void retire(const void* handle, Kind kind);
 
 template <class T>
@@ -93,6 +131,11 @@ T& get(const void* handle) {
 template <class Handle, class T>
 Handle* make_handle(std::unique_ptr<T> object, Object* parent) {
   return reinterpret_cast<Handle*>(publish(std::move(object), T::kKind, parent));
+}
+
+template <class Handle, class T>
+Handle* make_lent_handle(std::unique_ptr<T> object, Object* lender) {
+  return reinterpret_cast<Handle*>(lend(std::move(object), T::kKind, lender));
 }
 
 }  // namespace kvport::capi

@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "arguments.hpp"
 #include "handles.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/kvport.h"
@@ -18,13 +19,6 @@ using namespace kvport;
 using namespace kvport::capi;
 
 namespace {
-
-KvCacheDtype to_dtype(std::int32_t value, const char* what) {
-  if (value < 0 || value > KVPORT_DTYPE_TURBO8)
-    throw InvalidArgument(std::string(what) + ": " + std::to_string(value) +
-                          " is not a kvport_dtype");
-  return static_cast<KvCacheDtype>(value);
-}
 
 KvCacheConfig to_config(const kvport_config* c) {
   require(c, "config");
@@ -56,12 +50,6 @@ KvCacheConfig to_config(const kvport_config* c) {
   return out;
 }
 
-template <class T>
-std::span<const T> span_of(const T* data, std::size_t count, const char* what) {
-  if (count > 0) require(data, what);
-  return {data, count};
-}
-
 void check_block(const PagedKvCache& cache, std::uint32_t block, const char* op) {
   if (block >= cache.num_blocks())
     throw StatusError(KVPORT_ERR_OUT_OF_RANGE, std::string(op) + ": block " +
@@ -82,30 +70,25 @@ void check_layer(const PagedKvCache& cache, std::size_t layer, const char* op) {
                                                    std::to_string(cache.num_layers()) + " layers)");
 }
 
-StreamView stream_for(Backend& backend, kvport_stream* stream) {
-  if (stream == nullptr) return backend.default_stream();
-  const StreamObject& object = get<StreamObject>(stream);
-  // Checked here, not only when work is queued: a call that ends up queuing
-  // nothing must fail the same way (the header's contract).
-  if (object.backend != &backend) {
-    throw InvalidArgument("the stream belongs to another backend than the cache's");
-  }
-  return object.stream.view();
-}
-
 PagedKvCache& cache_of(const kvport_cache* handle) {
   return *get<CacheObject>(handle).cache;
+}
+
+// The cache of a handle whose blocks the caller may allocate and release:
+// not a hybrid cache's group pool, whose blocks its hybrid tables own.
+PagedKvCache& owned_cache_of(const kvport_cache* handle, const char* op) {
+  const CacheObject& object = get<CacheObject>(handle);
+  if (object.lent)
+    throw InvalidArgument(std::string(op) +
+                          ": the cache is a hybrid cache's group pool (borrowed): its blocks "
+                          "are allocated and released by hybrid block tables");
+  return *object.cache;
 }
 PrefixCache& prefix_of(const kvport_prefix_cache* handle) {
   return *get<PrefixCacheObject>(handle).prefix;
 }
 BlockTable& table_of(const kvport_block_table* handle) {
   return *get<BlockTableObject>(handle).table;
-}
-
-template <class T>
-void put(T* out, T value, const char* what) {
-  *require(out, what) = value;
 }
 
 void* raw(DevicePtr p) {
@@ -120,26 +103,6 @@ void write_layout(const BlockRegionLayout& l, kvport_region_layout* out) {
   out->scale_bytes = l.scale_bytes;
   out->scale_padding = l.scale_padding;
   out->total_bytes = l.total_bytes;
-}
-
-void write_report(const InvariantReport& r, kvport_invariant_report* report, char* text,
-                  std::size_t text_size, std::size_t* text_needed) {
-  require(report, "report");
-  if (text_size > 0) require(text, "text (with text_size > 0)");
-  const std::string s = r.to_string();
-  report->ok = r.ok;
-  report->blocks_checked = r.blocks_checked;
-  report->free_blocks = r.free_blocks;
-  report->blocks_in_use = r.blocks_in_use;
-  report->evictable_blocks = r.evictable_blocks;
-  report->cached_blocks = r.cached_blocks;
-  report->num_violations = r.violations.size();
-  if (text_size > 0) {
-    const std::size_t n = std::min(s.size(), text_size - 1);
-    std::memcpy(text, s.data(), n);
-    text[n] = '\0';
-  }
-  if (text_needed != nullptr) *text_needed = s.size() + 1;
 }
 
 std::uint32_t* check_lookup_capacity(std::size_t num_tokens, std::size_t block_size,
@@ -314,7 +277,8 @@ kvport_status kvport_cache_create(const kvport_config* config, size_t num_blocks
     auto object = std::make_unique<CacheObject>();
     for (const KvCacheDtype d : c.layer_dtypes)
       object->layer_dtypes.push_back(static_cast<std::int32_t>(d));
-    object->cache = std::make_unique<PagedKvCache>(std::move(c), num_blocks, *parent.backend);
+    object->owned = std::make_unique<PagedKvCache>(std::move(c), num_blocks, *parent.backend);
+    object->cache = object->owned.get();
     *out = make_handle<kvport_cache>(std::move(object), &parent);
   });
 }
@@ -362,7 +326,7 @@ kvport_status kvport_cache_total_bytes(const kvport_cache* cache, size_t* out) {
 
 kvport_status kvport_cache_alloc(kvport_cache* cache, uint32_t* out_block) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_alloc");
     require(out_block, "out_block");
     *out_block = c.alloc_block();
   });
@@ -371,7 +335,7 @@ kvport_status kvport_cache_alloc(kvport_cache* cache, uint32_t* out_block) {
 kvport_status kvport_cache_try_alloc(kvport_cache* cache, uint32_t* out_block,
                                      bool* out_allocated) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_try_alloc");
     require(out_block, "out_block");
     require(out_allocated, "out_allocated");
     const std::optional<BlockId> b = c.try_alloc_block();
@@ -382,7 +346,7 @@ kvport_status kvport_cache_try_alloc(kvport_cache* cache, uint32_t* out_block,
 
 kvport_status kvport_cache_inc_ref(kvport_cache* cache, uint32_t block) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_inc_ref");
     check_block(c, block, "kvport_cache_inc_ref");
     c.inc_ref(block);
   });
@@ -390,7 +354,7 @@ kvport_status kvport_cache_inc_ref(kvport_cache* cache, uint32_t block) {
 
 kvport_status kvport_cache_dec_ref(kvport_cache* cache, uint32_t block, bool* out_freed) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_dec_ref");
     check_block(c, block, "kvport_cache_dec_ref");
     const bool freed = c.dec_ref(block);
     if (out_freed != nullptr) *out_freed = freed;
@@ -399,7 +363,7 @@ kvport_status kvport_cache_dec_ref(kvport_cache* cache, uint32_t block, bool* ou
 
 kvport_status kvport_cache_free(kvport_cache* cache, uint32_t block, bool* out_freed) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_free");
     check_block(c, block, "kvport_cache_free");
     const bool freed = c.free_block(block);
     if (out_freed != nullptr) *out_freed = freed;
@@ -408,7 +372,7 @@ kvport_status kvport_cache_free(kvport_cache* cache, uint32_t block, bool* out_f
 
 kvport_status kvport_cache_free_blocks(kvport_cache* cache, const uint32_t* blocks, size_t count) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_free_blocks");
     const auto ids = span_of(blocks, count, "blocks");
     check_blocks(c, ids, "kvport_cache_free_blocks");
     c.free_blocks(ids);
@@ -417,7 +381,7 @@ kvport_status kvport_cache_free_blocks(kvport_cache* cache, const uint32_t* bloc
 
 kvport_status kvport_cache_return_evicted_block(kvport_cache* cache, uint32_t block) {
   return guard([&] {
-    PagedKvCache& c = cache_of(cache);
+    PagedKvCache& c = owned_cache_of(cache, "kvport_cache_return_evicted_block");
     check_block(c, block, "kvport_cache_return_evicted_block");
     c.return_evicted_block(block);
   });
@@ -583,11 +547,11 @@ kvport_status kvport_cache_read_block(const kvport_cache* cache, size_t layer, u
                             std::to_string(c.k_block_bytes(layer)) + " / " +
                             std::to_string(c.v_block_bytes(layer)));
     require(k_out, "k_out");
-    require(v_out, "v_out");
+    if (v_bytes > 0) require(v_out, "v_out");
     const PagedKvCache::HostBlock host =
         c.read_block(layer, block, stream_for(c.backend(), stream));
     std::memcpy(k_out, host.k.data(), host.k.size());
-    std::memcpy(v_out, host.v.data(), host.v.size());
+    if (!host.v.empty()) std::memcpy(v_out, host.v.data(), host.v.size());
   });
 }
 
@@ -599,7 +563,7 @@ kvport_status kvport_cache_write_block(kvport_cache* cache, size_t layer, uint32
     check_layer(c, layer, "kvport_cache_write_block");
     check_block(c, block, "kvport_cache_write_block");
     require(k, "k");
-    require(v, "v");
+    if (v_bytes > 0) require(v, "v");
     c.write_block(layer, block, {static_cast<const std::uint8_t*>(k), k_bytes},
                   {static_cast<const std::uint8_t*>(v), v_bytes}, stream_for(c.backend(), stream));
   });
@@ -635,6 +599,7 @@ kvport_status kvport_cache_check_invariants(const kvport_cache* cache,
 kvport_status kvport_prefix_cache_create(kvport_cache* cache, kvport_prefix_cache** out) {
   return guard([&] {
     CacheObject& parent = get<CacheObject>(cache);
+    (void)owned_cache_of(cache, "kvport_prefix_cache_create");
     require(out, "out");
     auto object = std::make_unique<PrefixCacheObject>();
     object->prefix = std::make_unique<PrefixCache>(*parent.cache);
@@ -756,6 +721,7 @@ kvport_status kvport_prefix_cache_check_invariants(const kvport_prefix_cache* pr
 kvport_status kvport_block_table_create(kvport_cache* cache, kvport_block_table** out) {
   return guard([&] {
     CacheObject& parent = get<CacheObject>(cache);
+    (void)owned_cache_of(cache, "kvport_block_table_create");
     require(out, "out");
     auto object = std::make_unique<BlockTableObject>();
     object->table = std::make_unique<BlockTable>(*parent.cache);
@@ -795,22 +761,12 @@ kvport_status kvport_block_table_reuse_cached_prefix(kvport_block_table* table,
 kvport_status kvport_block_table_set_prefix_hit_mode(kvport_block_table* table, int32_t mode) {
   return guard([&] {
     BlockTable& t = table_of(table);
-    if (mode != KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN && mode != KVPORT_PREFIX_HIT_FULL)
-      throw InvalidArgument("kvport_block_table_set_prefix_hit_mode: " + std::to_string(mode) +
-                            " is not a kvport_prefix_hit_mode");
-    t.set_prefix_hit_mode(mode == KVPORT_PREFIX_HIT_FULL ? PrefixHitMode::full
-                                                         : PrefixHitMode::compute_last_token);
+    t.set_prefix_hit_mode(to_prefix_hit_mode(mode, "kvport_block_table_set_prefix_hit_mode"));
   });
 }
 
 kvport_status kvport_block_table_prefix_hit_mode(const kvport_block_table* table, int32_t* out) {
-  return guard([&] {
-    const bool full = table_of(table).prefix_hit_mode() == PrefixHitMode::full;
-    put(out,
-        full ? std::int32_t{KVPORT_PREFIX_HIT_FULL}
-             : std::int32_t{KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN},
-        "out");
-  });
+  return guard([&] { put(out, prefix_hit_mode_value(table_of(table).prefix_hit_mode()), "out"); });
 }
 
 kvport_status kvport_block_table_append_tokens(kvport_block_table* table, const uint32_t* tokens,

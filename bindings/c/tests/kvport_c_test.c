@@ -674,6 +674,655 @@ static void test_prefix_and_tables(kvport_backend* backend) {
   OK(kvport_cache_destroy(cache));
 }
 
+/* ---- layer specs and the planner ----------------------------------------------- */
+
+static kvport_layer_spec attention_spec(int32_t kind, size_t window_or_chunk) {
+  kvport_layer_spec s;
+  kvport_layer_spec_init(&s);
+  s.kind = kind;
+  s.num_kv_heads = 1;
+  s.head_dim_k = 8;
+  s.head_dim_v = 8;
+  if (kind == KVPORT_LAYER_SLIDING_WINDOW) s.window = window_or_chunk;
+  if (kind == KVPORT_LAYER_CHUNKED_LOCAL) s.chunk = window_or_chunk;
+  return s;
+}
+
+static kvport_layer_spec mla_spec(size_t rank, size_t rope, int32_t format) {
+  kvport_layer_spec s;
+  kvport_layer_spec_init(&s);
+  s.kind = KVPORT_LAYER_MLA;
+  s.kv_lora_rank = rank;
+  s.rope_dim = rope;
+  s.mla_format = format;
+  return s;
+}
+
+/* A Mamba-like state: a 2x2 f32 "ssm" (16 B) and a 3-element f16 "conv" (6 B,
+ * padded to 16): 32 bytes a slot. */
+static const kvport_state_tensor k_state_tensors[2] = {
+    {"ssm", 2, {2, 2}, KVPORT_STATE_F32},
+    {"conv", 1, {3}, KVPORT_STATE_F16},
+};
+
+static kvport_layer_spec state_spec(void) {
+  kvport_layer_spec s;
+  kvport_layer_spec_init(&s);
+  s.kind = KVPORT_LAYER_STATE;
+  s.state = k_state_tensors;
+  s.num_state = 2;
+  return s;
+}
+
+static void test_layer_specs(void) {
+  kvport_layer_spec s, bad;
+  kvport_state_tensor tensors[2];
+  char text[64];
+  char tiny[6];
+  size_t n = 0, needed = 0;
+
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_init(NULL));
+  OK(kvport_layer_spec_init(&s));
+  CHECK(s.kind == KVPORT_LAYER_FULL_ATTENTION && s.dtype == KVPORT_DTYPE_BF16);
+  CHECK(s.num_kv_heads == 0 && s.window == 0 && s.mla_format == KVPORT_MLA_PLAIN);
+  CHECK(s.state == NULL && s.num_state == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&s, 16)); /* heads 0 */
+
+  s = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 128);
+  s.num_kv_heads = 8;
+  s.head_dim_k = s.head_dim_v = 64;
+  OK(kvport_layer_spec_validate(&s, 16));
+  OK(kvport_layer_spec_describe(&s, text, sizeof text, &needed));
+  CHECK(strcmp(text, "sliding_window(128) 8x64 bf16") == 0 && needed == strlen(text) + 1);
+  OK(kvport_layer_spec_describe(&s, tiny, sizeof tiny, &needed));
+  CHECK(strcmp(tiny, "slidi") == 0 && needed > sizeof tiny);
+  OK(kvport_layer_spec_describe(&s, NULL, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_describe(&s, NULL, 8, NULL));
+  OK(kvport_layer_spec_block_bytes(&s, 16, &n));
+  CHECK(n == 2 * 16 * 8 * 64 * 2); /* K and V, bf16 */
+  s.window = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&s, 16));
+  CHECK(contains(kvport_last_error(), "window"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_block_bytes(&s, 16, &n));
+
+  s = attention_spec(KVPORT_LAYER_CHUNKED_LOCAL, 6); /* not a multiple of 4 */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&s, 4));
+  s.chunk = 8;
+  OK(kvport_layer_spec_validate(&s, 4));
+
+  /* MLA: DeepSeek's 512 + 64, plain bf16 and fp8_ds_mla (656 B a token). */
+  s = mla_spec(512, 64, KVPORT_MLA_PLAIN);
+  OK(kvport_layer_spec_block_bytes(&s, 16, &n));
+  CHECK(n == 16 * 576 * 2);
+  OK(kvport_layer_spec_describe(&s, text, sizeof text, NULL));
+  CHECK(strcmp(text, "mla(512+64) bf16") == 0);
+  s.mla_format = KVPORT_MLA_FP8_DS_MLA;
+  OK(kvport_layer_spec_block_bytes(&s, 16, &n));
+  CHECK(n == 16 * 656);
+  s.kv_lora_rank = 100; /* not a multiple of 128 */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&s, 16));
+  s.mla_format = 7;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&s, 16));
+  CHECK(contains(kvport_last_error(), "mla_format"));
+
+  /* State: padded sizes, offsets. */
+  s = state_spec();
+  OK(kvport_layer_spec_state_bytes(&s, &n));
+  CHECK(n == 32);
+  OK(kvport_layer_spec_state_offset(&s, 0, &n));
+  CHECK(n == 0);
+  OK(kvport_layer_spec_state_offset(&s, 1, &n));
+  CHECK(n == 16);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_layer_spec_state_offset(&s, 2, &n));
+  OK(kvport_layer_spec_block_bytes(&s, 16, &n));
+  CHECK(n == 0);
+  OK(kvport_layer_spec_describe(&s, text, sizeof text, NULL));
+  CHECK(strcmp(text, "state(ssm 2x2 f32, conv 3 f16)") == 0);
+  s = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  OK(kvport_layer_spec_state_bytes(&s, &n));
+  CHECK(n == 0);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_layer_spec_state_offset(&s, 0, &n));
+
+  /* Bad specs: each names its field. */
+  memcpy(tensors, k_state_tensors, sizeof tensors);
+  bad = state_spec();
+  bad.state = tensors;
+  tensors[1].name = NULL;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "state[1].name"));
+  tensors[1].name = "conv";
+  tensors[1].ndim = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  tensors[1].ndim = KVPORT_STATE_MAX_DIMS + 1;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "ndim"));
+  tensors[1].ndim = 1;
+  tensors[1].dtype = 3;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_state_bytes(&bad, &n));
+  tensors[1].dtype = KVPORT_STATE_BF16;
+  OK(kvport_layer_spec_validate(&bad, 16));
+  bad.num_state = 0; /* a state without tensors */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  bad.state = NULL;
+  bad.num_state = 2;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  bad = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  bad.kind = 6;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "kind"));
+  bad.kind = KVPORT_LAYER_FULL_ATTENTION;
+  bad.dtype = 42;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "dtype"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(NULL, 16));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_state_bytes(&s, NULL));
+  /* A none layer is valid; fields of other kinds are not read. */
+  bad.kind = KVPORT_LAYER_NONE;
+  OK(kvport_layer_spec_validate(&bad, 16));
+}
+
+/* gpt-oss-like: window 128 and full attention, alternating, 8 x 64 bf16. */
+static void test_plan(void) {
+  kvport_layer_spec layers[4];
+  kvport_plan_request request;
+  kvport_plan plan;
+  kvport_group_plan groups[4];
+  size_t i;
+
+  for (i = 0; i < 4; ++i) {
+    layers[i] =
+        attention_spec(i % 2 == 0 ? KVPORT_LAYER_SLIDING_WINDOW : KVPORT_LAYER_FULL_ATTENTION, 128);
+    layers[i].num_kv_heads = 8;
+    layers[i].head_dim_k = layers[i].head_dim_v = 64;
+  }
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_plan_request_init(NULL));
+  OK(kvport_plan_request_init(&request));
+  CHECK(request.budget_bytes == 0 && request.step_tokens == 1 && request.state_checkpoints == 1);
+  request.budget_bytes = (size_t)64 << 20;
+  request.max_context_tokens = 4096;
+
+  OK(kvport_plan_kv_cache(layers, 4, 16, &request, &plan, groups, 4));
+  CHECK(plan.block_size == 16 && plan.num_groups == 2);
+  CHECK(groups[0].kind == KVPORT_LAYER_SLIDING_WINDOW && groups[0].num_layers == 2);
+  CHECK(groups[1].kind == KVPORT_LAYER_FULL_ATTENTION && groups[1].num_layers == 2);
+  /* Window 128, decode: ceil((128 - 2 + 1) / 16) + 1 = 9 blocks; full: 256. */
+  CHECK(groups[0].peak_blocks_per_request == 9 && groups[1].peak_blocks_per_request == 256);
+  CHECK(groups[0].bytes_per_block == 2 * 2 * 16 * 8 * 64 * 2);
+  CHECK(groups[0].bytes_per_token == 2 * 2 * 8 * 64 * 2 && groups[0].bytes_per_request == 0);
+  CHECK(groups[0].num_blocks > 0 && groups[1].num_blocks > groups[0].num_blocks);
+  CHECK(plan.total_bytes == groups[0].bytes + groups[1].bytes);
+  CHECK(plan.total_bytes <= request.budget_bytes && plan.max_concurrent_requests > 0);
+  CHECK(plan.peak_bytes_per_request == (9 + 256) * groups[0].bytes_per_block);
+  CHECK(plan.all_full_peak_bytes_per_request == 2 * 256 * groups[0].bytes_per_block);
+  CHECK(plan.shared_pool_peak_bytes_per_request >= plan.peak_bytes_per_request);
+  CHECK(plan.ratio_to_all_full > 265.0 / 512 - 1e-9 && plan.ratio_to_all_full < 265.0 / 512 + 1e-9);
+
+  /* Totals only; a buffer too small; bad requests. */
+  OK(kvport_plan_kv_cache(layers, 4, 16, &request, &plan, NULL, 0));
+  CHECK(plan.num_groups == 2);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 4, 16, &request, &plan, groups, 1));
+  CHECK(contains(kvport_last_error(), "capacity"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 4, 16, &request, &plan, NULL, 4));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_plan_kv_cache(layers, 4, 16, NULL, &plan, NULL, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_plan_kv_cache(layers, 4, 16, &request, NULL, NULL, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_plan_kv_cache(NULL, 4, 16, &request, &plan, NULL, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 0, 16, &request, &plan, NULL, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_plan_kv_cache(layers, 4, 0, &request, &plan, NULL, 0));
+  request.max_requests = 1000000; /* more than fit */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 4, 16, &request, &plan, NULL, 0));
+  CHECK(contains(kvport_last_error(), "holds"));
+  request.max_requests = 0;
+  request.budget_bytes = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 4, 16, &request, &plan, NULL, 0));
+  request.budget_bytes = (size_t)64 << 20;
+  for (i = 0; i < 4; ++i)
+    layers[i].kind = KVPORT_LAYER_NONE;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_plan_kv_cache(layers, 4, 16, &request, &plan, NULL, 0));
+}
+
+/* ---- hybrid caches and tables ------------------------------------------------- */
+
+/* A Mamba-hybrid of 5 layers, 4-token blocks: group 0 full attention (layer
+ * 0), group 1 state (layers 1 and 2), group 2 MLA (layer 3, 8 + 4 bf16 = 24 B
+ * a token, no V); layer 4 has no KV. */
+static void mamba_layers(kvport_layer_spec layers[5]) {
+  layers[0] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  layers[1] = state_spec();
+  layers[2] = state_spec();
+  layers[3] = mla_spec(8, 4, KVPORT_MLA_PLAIN);
+  kvport_layer_spec_init(&layers[4]);
+  layers[4].kind = KVPORT_LAYER_NONE;
+}
+
+static void fill_tokens(uint32_t* tokens, size_t n, uint32_t first) {
+  size_t i;
+  for (i = 0; i < n; ++i)
+    tokens[i] = first + (uint32_t)i;
+}
+
+static void check_hybrid_ok(kvport_hybrid_cache* cache) {
+  kvport_invariant_report r;
+  char text[256];
+  OK(kvport_hybrid_cache_check_invariants(cache, &r, text, sizeof text, NULL));
+  CHECK(r.ok && r.num_violations == 0 && strncmp(text, "ok", 2) == 0);
+}
+
+static void test_hybrid_cache(kvport_backend* backend) {
+  kvport_layer_spec layers[5];
+  kvport_layer_spec spec;
+  size_t counts[3] = {16, 8, 16};
+  size_t zero_counts[3] = {16, 0, 16};
+  kvport_hybrid_cache* cache = NULL;
+  kvport_hybrid_block_table* table = NULL;
+  kvport_cache *pool = NULL, *again = NULL, *mla = NULL, *full = NULL;
+  kvport_prefix_cache* prefix = NULL;
+  kvport_block_table* plain = NULL;
+  kvport_config config;
+  kvport_invariant_report report;
+  size_t n = 0, group = 99, index = 99, total = 0, i;
+  size_t ids[4];
+  int32_t kind = -1;
+  bool has = true;
+  uint32_t b = 0;
+  void* p = NULL;
+
+  mamba_layers(layers);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 2, &cache));
+  CHECK(contains(kvport_last_error(), "2 block counts for 3"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, layers, 5, 4, 1, zero_counts, 3, &cache));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, layers, 5, 4, 1, NULL, 3, &cache));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 3, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, NULL, 5, 4, 1, counts, 3, &cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_cache_create(NULL, layers, 5, 4, 1, counts, 3, &cache));
+  layers[3].kv_lora_rank = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 3, &cache));
+  layers[3].kv_lora_rank = 8;
+  OK(kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 3, &cache));
+
+  OK(kvport_hybrid_cache_num_layers(cache, &n));
+  CHECK(n == 5);
+  OK(kvport_hybrid_cache_num_groups(cache, &n));
+  CHECK(n == 3);
+  OK(kvport_hybrid_cache_block_size(cache, &n));
+  CHECK(n == 4);
+  OK(kvport_hybrid_cache_group_kind(cache, 0, &kind));
+  CHECK(kind == KVPORT_LAYER_FULL_ATTENTION);
+  OK(kvport_hybrid_cache_group_kind(cache, 1, &kind));
+  CHECK(kind == KVPORT_LAYER_STATE);
+  OK(kvport_hybrid_cache_group_kind(cache, 2, &kind));
+  CHECK(kind == KVPORT_LAYER_MLA);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_kind(cache, 3, &kind));
+  CHECK(contains(kvport_last_error(), "group 3 out of range (3 groups)"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_kind(cache, 0, NULL));
+
+  /* Specs back: the state tensors point into the cache. */
+  OK(kvport_hybrid_cache_group_spec(cache, 1, &spec));
+  CHECK(spec.kind == KVPORT_LAYER_STATE && spec.num_state == 2 && spec.state != NULL);
+  CHECK(strcmp(spec.state[0].name, "ssm") == 0 && spec.state[0].ndim == 2);
+  CHECK(spec.state[0].shape[1] == 2 && spec.state[1].dtype == KVPORT_STATE_F16);
+  OK(kvport_layer_spec_state_offset(&spec, 1, &n));
+  CHECK(n == 16);
+  OK(kvport_hybrid_cache_group_spec(cache, 2, &spec));
+  CHECK(spec.kind == KVPORT_LAYER_MLA && spec.kv_lora_rank == 8 && spec.rope_dim == 4);
+  CHECK(spec.state == NULL && spec.num_state == 0);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_spec(cache, 3, &spec));
+
+  /* Layers of a group; locate. */
+  OK(kvport_hybrid_cache_group_num_layers(cache, 1, &n));
+  CHECK(n == 2);
+  OK(kvport_hybrid_cache_group_layers(cache, 1, ids, 4, &n));
+  CHECK(n == 2 && ids[0] == 1 && ids[1] == 2);
+  ids[0] = 77;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_layers(cache, 1, ids, 1, &n));
+  CHECK(ids[0] == 77); /* nothing written */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_layers(cache, 1, NULL, 4, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_layers(cache, 1, ids, 4, NULL));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_layers(cache, 3, ids, 4, &n));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_num_layers(cache, 9, &n));
+  OK(kvport_hybrid_cache_locate(cache, 2, &has, &group, &index));
+  CHECK(has && group == 1 && index == 1);
+  OK(kvport_hybrid_cache_locate(cache, 3, &has, NULL, NULL));
+  CHECK(has);
+  group = index = 99;
+  OK(kvport_hybrid_cache_locate(cache, 4, &has, &group, &index));
+  CHECK(!has && group == 99 && index == 99);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_locate(cache, 5, &has, &group, &index));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_locate(cache, 0, NULL, &group, &index));
+
+  /* Group pools as borrowed kvport_cache handles: the existing accessors. */
+  OK(kvport_hybrid_cache_group_cache(cache, 1, &pool));
+  OK(kvport_hybrid_cache_group_cache(cache, 1, &again));
+  CHECK(pool != NULL && pool == again);
+  OK(kvport_cache_config(pool, &config));
+  CHECK(config.num_layers == 2 && config.block_size == 1 && config.head_dim_v == 0);
+  CHECK(config.head_dim_k == 32 && config.dtype == KVPORT_DTYPE_FP8_E4M3);
+  OK(kvport_cache_num_blocks(pool, &n));
+  CHECK(n == 8);
+  OK(kvport_cache_k_block_bytes(pool, 1, &n));
+  CHECK(n == 32);
+  OK(kvport_cache_v_block_bytes(pool, 1, &n));
+  CHECK(n == 0);
+  OK(kvport_cache_k_pool_ptr(pool, 1, &p));
+  CHECK(p != NULL);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_v_pool_ptr(pool, 1, &p));
+  CHECK(contains(kvport_last_error(), "no V"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_v_ptr(pool, 0, 0, &p));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_cache_k_pool_ptr(pool, 2, &p));
+  OK(kvport_hybrid_cache_group_cache(cache, 2, &mla));
+  OK(kvport_cache_k_block_bytes(mla, 0, &n));
+  CHECK(n == 4 * 12 * 2);
+  OK(kvport_hybrid_cache_group_cache(cache, 0, &full));
+  OK(kvport_cache_v_block_bytes(full, 0, &n));
+  CHECK(n == 4 * 8 * 2);
+  OK(kvport_hybrid_cache_total_bytes(cache, &total));
+  for (i = 0; i < 3; ++i) {
+    kvport_cache* g = NULL;
+    OK(kvport_hybrid_cache_group_cache(cache, i, &g));
+    OK(kvport_cache_total_bytes(g, &n));
+    total -= n;
+  }
+  CHECK(total == 0);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_cache(cache, 3, &pool));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_cache(cache, 0, NULL));
+
+  /* Its blocks belong to the hybrid tables: no allocation, no destroy. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_alloc(pool, &b));
+  CHECK(contains(kvport_last_error(), "borrowed"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_try_alloc(pool, &b, &has));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_inc_ref(pool, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_dec_ref(pool, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_free(pool, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_free_blocks(pool, &b, 1));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_return_evicted_block(pool, 0));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_create(pool, &prefix));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_block_table_create(pool, &plain));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_destroy(pool));
+  CHECK(contains(kvport_last_error(), "borrowed"));
+  OK(kvport_cache_check_invariants(pool, &report, NULL, 0, NULL));
+  CHECK(report.ok && report.free_blocks == 8);
+
+  /* Ownership: the backend outlives the hybrid cache, the cache its tables. */
+  OK(kvport_hybrid_block_table_create(cache, 0, &table));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_create(cache, 0, NULL));
+  EXPECT(KVPORT_ERR_HANDLE_IN_USE, kvport_hybrid_cache_destroy(cache));
+  EXPECT(KVPORT_ERR_HANDLE_IN_USE, kvport_backend_destroy(backend));
+  OK(kvport_hybrid_block_table_destroy(table));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_destroy(table));
+  OK(kvport_hybrid_cache_synchronize(cache));
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_cache_destroy(cache));
+  /* The borrowed handles went with it. */
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_num_blocks(pool, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_destroy(mla));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_destroy(cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_cache_num_groups((kvport_hybrid_cache*)backend, &n));
+  CHECK(contains(kvport_last_error(), "is a kvport_backend"));
+}
+
+static size_t count_null(const uint32_t* ids, size_t n) {
+  size_t i, nulls = 0;
+  for (i = 0; i < n; ++i)
+    if (ids[i] == KVPORT_NULL_BLOCK) ++nulls;
+  return nulls;
+}
+
+/* gpt-oss-like: window 8 and full attention, 4-token blocks. */
+static void test_hybrid_window_tables(kvport_backend* backend) {
+  kvport_layer_spec layers[3];
+  size_t counts[2] = {16, 16};
+  size_t small_counts[2] = {3, 16};
+  kvport_hybrid_cache *cache = NULL, *small = NULL;
+  kvport_hybrid_block_table *a = NULL, *b = NULL, *child = NULL, *t = NULL;
+  kvport_hybrid_hit_counters hits;
+  kvport_group_need need[2];
+  kvport_stream* stream = NULL;
+  kvport_backend* other = NULL;
+  kvport_stream* foreign = NULL;
+  uint32_t tokens[40], ids[16], big[1];
+  size_t n = 0, hit = 0, i;
+  int32_t mode = -1;
+  uint64_t cows = 0;
+  bool ok = false, has = true;
+  uint32_t slot = 12345;
+
+  layers[0] = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 8);
+  layers[1] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  layers[2] = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 8);
+  fill_tokens(tokens, 40, 1);
+  OK(kvport_hybrid_cache_create(backend, layers, 3, 4, 1, counts, 2, &cache));
+  OK(kvport_stream_create(backend, &stream));
+  OK(kvport_hybrid_block_table_create(cache, 0, &a));
+
+  /* Decode 40 tokens one at a time: the window group releases what falls
+   * out of the window (blocks wholly before token 39 - 8 + 1 = 32). */
+  for (i = 0; i < 40; ++i)
+    OK(kvport_hybrid_block_table_append_tokens(a, tokens + i, 1, stream));
+  OK(kvport_hybrid_block_table_num_tokens(a, &n));
+  CHECK(n == 40);
+  OK(kvport_hybrid_block_table_num_blocks(a, 0, &n));
+  CHECK(n == 10);
+  OK(kvport_hybrid_block_table_blocks(a, 0, ids, 16, &n));
+  CHECK(n == 10 && count_null(ids, n) == 8 && ids[7] == KVPORT_NULL_BLOCK);
+  CHECK(ids[8] != KVPORT_NULL_BLOCK && ids[9] != KVPORT_NULL_BLOCK);
+  OK(kvport_hybrid_block_table_num_live_blocks(a, 0, &n));
+  CHECK(n == 2);
+  OK(kvport_hybrid_block_table_blocks(a, 1, ids, 16, &n));
+  CHECK(n == 10 && count_null(ids, n) == 0);
+  OK(kvport_hybrid_block_table_num_live_blocks(a, 1, &n));
+  CHECK(n == 10);
+  /* Buffer too small (nothing written), null buffer, out-of-range group. */
+  big[0] = 7;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_blocks(a, 0, big, 1, &n));
+  CHECK(big[0] == 7 && contains(kvport_last_error(), "capacity 1"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_blocks(a, 0, NULL, 0, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_blocks(a, 0, ids, 16, NULL));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_blocks(a, 2, ids, 16, &n));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_num_blocks(a, 2, &n));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_num_live_blocks(a, 2, &n));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_state_slot(a, 2, &has, &slot));
+  OK(kvport_hybrid_block_table_state_slot(a, 0, &has, &slot));
+  CHECK(!has && slot == 12345); /* not a state group */
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 0, &n));
+  CHECK(n == 2);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_blocks_in_use(cache, 2, &n));
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_block_table_release(a));
+  OK(kvport_hybrid_block_table_num_tokens(a, &n));
+  CHECK(n == 0);
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 1, &n));
+  CHECK(n == 0);
+
+  /* A prefix hit: 33 tokens, then the same prompt again. compute-last-token
+   * hits 32; the window group needs only tokens 25..31 (blocks 6 and 7). */
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens, 33, NULL));
+  OK(kvport_hybrid_block_table_destroy(a));
+  OK(kvport_hybrid_block_table_create(cache, 0, &b));
+  OK(kvport_hybrid_block_table_prefix_hit_mode(b, &mode));
+  CHECK(mode == KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN);
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(b, tokens, 33, stream, &hit));
+  CHECK(hit == 32);
+  OK(kvport_hybrid_block_table_blocks(b, 0, ids, 16, &n));
+  CHECK(n == 8 && count_null(ids, n) == 6);
+  OK(kvport_hybrid_block_table_blocks(b, 1, ids, 16, &n));
+  CHECK(n == 8 && count_null(ids, n) == 0);
+  OK(kvport_hybrid_cache_hit_counters(cache, &hits));
+  CHECK(hits.lookups == 1 && hits.lookup_tokens == 33 && hits.hit_tokens == 32);
+  CHECK(hits.state_checkpoints == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_hit_counters(cache, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_reuse_cached_prefix(b, tokens, 33, NULL, &hit)); /* not empty */
+  OK(kvport_hybrid_block_table_append_tokens(b, tokens + 32, 1, stream));
+
+  /* Full mode on a fresh table hits all 8 cached blocks of the 32-token prefix. */
+  OK(kvport_hybrid_block_table_create(cache, 0, &t));
+  OK(kvport_hybrid_block_table_set_prefix_hit_mode(t, KVPORT_PREFIX_HIT_FULL));
+  OK(kvport_hybrid_block_table_prefix_hit_mode(t, &mode));
+  CHECK(mode == KVPORT_PREFIX_HIT_FULL);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_set_prefix_hit_mode(t, 9));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(t, tokens, 32, NULL, &hit));
+  CHECK(hit == 32);
+  OK(kvport_hybrid_block_table_destroy(t));
+  /* Another extra key: no hit. */
+  OK(kvport_hybrid_block_table_create(cache, 7, &t));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(t, tokens, 33, NULL, &hit));
+  CHECK(hit == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_reuse_cached_prefix(t, NULL, 3, NULL, &hit));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_reuse_cached_prefix(t, tokens, 3, NULL, NULL));
+  OK(kvport_hybrid_block_table_destroy(t));
+
+  /* fork shares the blocks; appending to the child copies the shared, partly
+   * filled last block (copy-on-write). */
+  OK(kvport_hybrid_block_table_fork(b, stream, &child));
+  OK(kvport_hybrid_block_table_append_tokens(child, tokens, 1, stream));
+  OK(kvport_hybrid_block_table_copy_on_writes(child, &cows));
+  CHECK(cows >= 1);
+  OK(kvport_hybrid_block_table_copy_on_writes(b, &cows));
+  CHECK(cows == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_fork(b, stream, NULL));
+  check_hybrid_ok(cache);
+
+  /* Streams of another backend. */
+  OK(kvport_backend_create("host", &other));
+  OK(kvport_stream_create(other, &foreign));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_append_tokens(b, tokens, 1, foreign));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_fork(b, foreign, &t));
+  OK(kvport_stream_destroy(foreign));
+  OK(kvport_backend_destroy(other));
+
+  /* All or nothing: a window group of 3 blocks. After 12 tokens it holds
+   * them all; 9 more need 3 fresh blocks and the freeing rules give 1 back. */
+  OK(kvport_hybrid_cache_create(backend, layers, 3, 4, 1, small_counts, 2, &small));
+  OK(kvport_hybrid_block_table_create(small, 0, &t));
+  OK(kvport_hybrid_block_table_append_tokens(t, tokens, 12, NULL));
+  OK(kvport_hybrid_block_table_can_append(t, 9, &ok));
+  CHECK(!ok);
+  OK(kvport_hybrid_block_table_blocks_needed(t, 9, need, 2, &n));
+  CHECK(n == 2 && need[0].fresh == 3 && need[0].released == 1);
+  CHECK(need[1].fresh == 3 && need[1].released == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_blocks_needed(t, 9, need, 1, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_blocks_needed(t, 9, need, 2, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_can_append(t, 9, NULL));
+  EXPECT(KVPORT_ERR_CACHE_EXHAUSTED, kvport_hybrid_block_table_append_tokens(t, tokens, 9, NULL));
+  CHECK(contains(kvport_last_error(), "group 0"));
+  OK(kvport_hybrid_block_table_num_tokens(t, &n));
+  CHECK(n == 12); /* nothing changed */
+  OK(kvport_hybrid_block_table_can_append(t, 1, &ok));
+  CHECK(ok);
+  OK(kvport_hybrid_block_table_append_tokens(t, tokens, 1, NULL));
+  OK(kvport_hybrid_block_table_blocks(t, 0, ids, 16, &n));
+  CHECK(n == 4 && ids[0] == KVPORT_NULL_BLOCK);
+  check_hybrid_ok(small);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_append_tokens(t, NULL, 1, NULL));
+  OK(kvport_hybrid_block_table_destroy(t));
+  OK(kvport_hybrid_cache_destroy(small));
+
+  OK(kvport_hybrid_block_table_destroy(child));
+  OK(kvport_hybrid_block_table_destroy(b));
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_cache_destroy(cache));
+  OK(kvport_stream_destroy(stream));
+}
+
+/* State checkpoints through the group pool: the engine writes a state, the
+ * next block boundary caches it, a new request with the same prompt hits
+ * and its slot holds the same bytes. */
+static void test_hybrid_state_tables(kvport_backend* backend) {
+  kvport_layer_spec layers[5];
+  size_t counts[3] = {16, 8, 16};
+  size_t one_slot[3] = {16, 1, 16};
+  kvport_hybrid_cache *cache = NULL, *tight = NULL;
+  kvport_hybrid_block_table *a = NULL, *b = NULL, *child = NULL, *t = NULL;
+  kvport_hybrid_hit_counters hits;
+  kvport_cache* pool = NULL;
+  uint32_t tokens[9];
+  unsigned char state[32], back[32];
+  uint32_t slot = 0, child_slot = 0, ids[4];
+  size_t n = 0, hit = 0, layer;
+  bool has = false;
+
+  mamba_layers(layers);
+  fill_tokens(tokens, 9, 1);
+  OK(kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 3, &cache));
+  OK(kvport_hybrid_cache_group_cache(cache, 1, &pool));
+  OK(kvport_hybrid_block_table_create(cache, 0, &a));
+  OK(kvport_hybrid_block_table_state_slot(a, 1, &has, &slot));
+  CHECK(!has); /* before the first append */
+  OK(kvport_hybrid_block_table_num_blocks(a, 1, &n));
+  CHECK(n == 0);
+
+  /* A new sequence's slot is zeroed. */
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens, 4, NULL));
+  OK(kvport_hybrid_block_table_state_slot(a, 1, &has, &slot));
+  CHECK(has);
+  OK(kvport_cache_read_block(pool, 0, slot, back, sizeof back, NULL, 0, NULL));
+  CHECK(all_bytes(back, sizeof back, 0));
+  memset(state, 0x11, sizeof state);
+  for (layer = 0; layer < 2; ++layer)
+    OK(kvport_cache_write_block(pool, layer, slot, state, sizeof state, NULL, 0, NULL));
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens + 4, 4, NULL)); /* checkpoint at 4 */
+  memset(state, 0x22, sizeof state);
+  for (layer = 0; layer < 2; ++layer)
+    OK(kvport_cache_write_block(pool, layer, slot, state, sizeof state, NULL, 0, NULL));
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens + 8, 1, NULL)); /* checkpoint at 8 */
+  OK(kvport_hybrid_block_table_destroy(a));
+  OK(kvport_hybrid_cache_hit_counters(cache, &hits));
+  CHECK(hits.state_checkpoints == 2);
+
+  OK(kvport_hybrid_block_table_create(cache, 0, &b));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(b, tokens, 9, NULL, &hit));
+  CHECK(hit == 8);
+  OK(kvport_hybrid_block_table_state_slot(b, 1, &has, &slot));
+  CHECK(has);
+  OK(kvport_hybrid_cache_synchronize(cache));
+  for (layer = 0; layer < 2; ++layer) {
+    OK(kvport_cache_read_block(pool, layer, slot, back, sizeof back, NULL, 0, NULL));
+    CHECK(memcmp(back, state, sizeof state) == 0);
+  }
+  OK(kvport_hybrid_block_table_blocks(b, 2, ids, 4, &n)); /* MLA: the whole chain */
+  CHECK(n == 2 && count_null(ids, n) == 0);
+
+  /* fork copies the state into a new slot. */
+  OK(kvport_hybrid_block_table_fork(b, NULL, &child));
+  OK(kvport_hybrid_block_table_state_slot(child, 1, &has, &child_slot));
+  CHECK(has && child_slot != slot);
+  OK(kvport_cache_read_block(pool, 1, child_slot, back, sizeof back, NULL, 0, NULL));
+  CHECK(memcmp(back, state, sizeof state) == 0);
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_block_table_destroy(child));
+  OK(kvport_hybrid_block_table_destroy(b));
+  OK(kvport_hybrid_cache_destroy(cache));
+
+  /* One state slot: fork has no slot for the copy (nothing changes), and a
+   * second sequence cannot start. */
+  OK(kvport_hybrid_cache_create(backend, layers, 5, 4, 0, one_slot, 3, &tight));
+  OK(kvport_hybrid_block_table_create(tight, 0, &a));
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens, 6, NULL));
+  EXPECT(KVPORT_ERR_CACHE_EXHAUSTED, kvport_hybrid_block_table_fork(a, NULL, &child));
+  OK(kvport_hybrid_block_table_create(tight, 0, &t));
+  EXPECT(KVPORT_ERR_CACHE_EXHAUSTED, kvport_hybrid_block_table_append_tokens(t, tokens, 1, NULL));
+  check_hybrid_ok(tight);
+  OK(kvport_hybrid_block_table_destroy(t));
+  OK(kvport_hybrid_block_table_destroy(a));
+  OK(kvport_hybrid_cache_destroy(tight));
+}
+
 /* Calls that reject null and destroyed handles, one per remaining function. */
 static void test_invalid_handles(void) {
   size_t n = 0;
@@ -690,6 +1339,11 @@ static void test_invalid_handles(void) {
   kvport_block_copy copy = {0, 1};
   kvport_region_layout region;
   unsigned char buf[4];
+  kvport_layer_spec spec;
+  kvport_cache* cache = NULL;
+  kvport_hybrid_hit_counters hc;
+  kvport_hybrid_block_table* ht = NULL;
+  kvport_group_need need;
 
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_num_blocks(NULL, &n));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_cache_num_blocks_in_use(NULL, &n));
@@ -742,6 +1396,40 @@ static void test_invalid_handles(void) {
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_block_table_copy_on_writes(NULL, &u64));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_block_table_destroy(NULL));
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_stream_destroy(NULL));
+
+  /* Hybrid caches and tables. */
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_destroy(NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_num_layers(NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_num_groups(NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_block_size(NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_total_bytes(NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_kind(NULL, 0, &i32));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_spec(NULL, 0, &spec));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_num_layers(NULL, 0, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_layers(NULL, 0, &n, 1, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_blocks_in_use(NULL, 0, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_group_cache(NULL, 0, &cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_locate(NULL, 0, &flag, &n, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_hit_counters(NULL, &hc));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_check_invariants(NULL, &r, NULL, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_synchronize(NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_create(NULL, 0, &ht));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_destroy(NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_block_table_reuse_cached_prefix(NULL, &b, 1, NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_set_prefix_hit_mode(NULL, 0));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_prefix_hit_mode(NULL, &i32));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_append_tokens(NULL, &b, 1, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_can_append(NULL, 1, &flag));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_blocks_needed(NULL, 1, &need, 1, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_fork(NULL, NULL, &ht));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_release(NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_num_tokens(NULL, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_num_blocks(NULL, 0, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_num_live_blocks(NULL, 0, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_blocks(NULL, 0, &b, 1, &n));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_state_slot(NULL, 0, &flag, &b));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_copy_on_writes(NULL, &u64));
 }
 
 int main(void) {
@@ -751,6 +1439,8 @@ int main(void) {
   test_status_and_version();
   test_backends();
   test_config();
+  test_layer_specs();
+  test_plan();
   if (kvport_backend_create("host", &backend) != KVPORT_OK) {
     fprintf(stderr, "cannot create the host backend: %s\n", kvport_last_error());
     return 1;
@@ -759,6 +1449,9 @@ int main(void) {
   test_cache_device_work(backend, KVPORT_LAYOUT_LAYER_MAJOR);
   test_cache_device_work(backend, KVPORT_LAYOUT_BLOCK_MAJOR);
   test_prefix_and_tables(backend);
+  test_hybrid_cache(backend);
+  test_hybrid_window_tables(backend);
+  test_hybrid_state_tables(backend);
   test_invalid_handles();
   OK(kvport_backend_destroy(backend));
 

@@ -7,51 +7,76 @@
         k = numpy.from_dlpack(cache.k_pool(0))   # [num_blocks, block_size, heads, head_dim]
 
 docs/bindings/python.md is the guide: the API, the tensor views of every
-dtype, NumPy and PyTorch, the errors.
+dtype, NumPy and PyTorch, the errors, hybrid models (LayerSpec, plan_kv_cache,
+HybridKvCache, HybridBlockTable).
 """
 
 from ._kvport import (  # noqa: F401
+    NULL_BLOCK,
     BackendError,
     BlockRegionLayout,
     BlockTable,
     CacheExhausted,
     DeviceLost,
     Error,
+    GroupNeed,
+    GroupPlan,
+    HybridBlockTable,
+    HybridHitCounters,
+    HybridKvCache,
     InvalidArgument,
     InvariantReport,
     KvCacheConfig,
     KvCacheCounters,
+    KvCacheGroup,
+    KvCachePlan,
+    LayerSpec,
     OutOfMemory,
     PagedKvCache,
     PoolView,
     PrefixCache,
     PrefixCacheCounters,
     PrefixMatch,
+    StateTensor,
     block_region_layout,
     compiled_backends,
     dtypes,
+    group_layers,
+    plan_kv_cache,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "NULL_BLOCK",
     "BackendError",
     "BlockRegionLayout",
     "BlockTable",
     "CacheExhausted",
     "DeviceLost",
     "Error",
+    "GroupNeed",
+    "GroupPlan",
+    "HybridBlockTable",
+    "HybridHitCounters",
+    "HybridKvCache",
     "InvalidArgument",
     "InvariantReport",
     "KvCacheConfig",
     "KvCacheCounters",
+    "KvCacheGroup",
+    "KvCachePlan",
+    "LayerSpec",
     "OutOfMemory",
     "PagedKvCache",
     "PoolView",
     "PrefixCache",
     "PrefixCacheCounters",
     "PrefixMatch",
+    "StateTensor",
     "block_region_layout",
     "compiled_backends",
     "dtypes",
+    "group_layers",
+    "plan_kv_cache",
 ]

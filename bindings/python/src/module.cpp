@@ -7,7 +7,12 @@
 // exported from a view hold the same shared_ptr, so the pools stay allocated
 // while anything can still reach them; close() (or leaving a `with` block)
 // only detaches the Python object. The DLPack deleter drops a shared_ptr and
-// needs no GIL, so a consumer may call it from any thread.
+// needs no GIL, so a consumer may call it from any thread. Hybrid caches
+// (hybrid.cpp) follow the same rule with their own state.
+//
+// Parts in sources of their own: convert.cpp (Python values to kvport
+// types), pool_view.cpp (PoolView and DLPack), hybrid.cpp (layer specs, the
+// planner, hybrid caches and tables).
 #include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -23,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "convert.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
@@ -30,6 +36,8 @@
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/registry.hpp"
+#include "parts.hpp"
+#include "pool_view.hpp"
 
 namespace py = pybind11;
 
@@ -39,148 +47,39 @@ using kvport::BlockId;
 using kvport::KvCacheConfig;
 using kvport::KvCacheDtype;
 using kvport::KvCacheLayout;
-
-// ---- conversions ------------------------------------------------------------------
-
-KvCacheDtype dtype_from(const py::handle& obj) {
-  if (!py::isinstance<py::str>(obj)) {
-    throw kvport::InvalidArgument("dtype must be a name (a str, e.g. \"bf16\"), not " +
-                                  std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
-  }
-  const auto name = py::cast<std::string>(obj);
-  const auto dtype = kvport::parse_dtype(name);
-  if (!dtype) {
-    std::string known;
-    for (const KvCacheDtype d : kvport::all_dtypes()) {
-      if (!known.empty()) known += ", ";
-      known += kvport::to_string(d);
-    }
-    throw kvport::InvalidArgument("unknown KV cache dtype '" + name + "' (known: " + known + ")");
-  }
-  return *dtype;
-}
-
-std::string dtype_name(KvCacheDtype dtype) {
-  return std::string(kvport::to_string(dtype));
-}
-
-KvCacheLayout layout_from(const std::string& name) {
-  if (name == "layer_major") return KvCacheLayout::layer_major;
-  if (name == "block_major") return KvCacheLayout::block_major;
-  throw kvport::InvalidArgument("unknown KV cache layout '" + name +
-                                "' (known: layer_major, block_major)");
-}
-
-std::string layout_name(KvCacheLayout layout) {
-  return std::string(kvport::to_string(layout));
-}
-
-std::uint32_t to_u32(long long value, const char* what) {
-  if (value < 0 || value > static_cast<long long>(std::numeric_limits<std::uint32_t>::max()))
-    throw kvport::InvalidArgument(std::string(what) + " " + std::to_string(value) +
-                                  " is outside [0, 2^32 - 1]");
-  return static_cast<std::uint32_t>(value);
-}
-
-long long int_from(const py::handle& obj, const char* what) {
-  if (!PyIndex_Check(obj.ptr()) || PyBool_Check(obj.ptr()))
-    throw kvport::InvalidArgument(std::string(what) + " must be an int, not " +
-                                  std::string(py::str(obj.get_type().attr("__name__"))));
-  int overflow = 0;
-  const py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
-  if (!index) throw py::error_already_set();
-  const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow != 0)
-    throw kvport::InvalidArgument(std::string(what) + " " + std::string(py::str(obj)) +
-                                  " is outside [0, 2^32 - 1]");
-  if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
-  return value;
-}
-
-// A batch of 32-bit ids (blocks or tokens): a C-contiguous uint32 NumPy array
-// is used in place (no copy); any other int array, list, tuple or iterable is
-// range-checked into `storage`.
-struct U32Batch {
-  py::object keep;  // the array viewed in place
-  std::vector<std::uint32_t> storage;
-  std::span<const std::uint32_t> ids;
-};
-
-U32Batch u32_batch(const py::handle& obj, const char* what) {
-  U32Batch batch;
-  if (py::isinstance<py::array>(obj)) {
-    auto arr = py::reinterpret_borrow<py::array>(obj);
-    if (arr.ndim() > 1)
-      throw kvport::InvalidArgument(std::string(what) + " must be 1-dimensional, not " +
-                                    std::to_string(arr.ndim()) + "-dimensional");
-    const char kind = arr.dtype().kind();
-    if (arr.size() != 0 && kind != 'i' && kind != 'u')
-      throw kvport::InvalidArgument(std::string(what) + " must hold integers, not dtype " +
-                                    std::string(py::str(arr.dtype())));
-    if (arr.dtype().is(py::dtype::of<std::uint32_t>()) && (arr.flags() & py::array::c_style) != 0 &&
-        reinterpret_cast<std::uintptr_t>(arr.data()) % alignof(std::uint32_t) == 0) {
-      batch.keep = arr;
-      batch.ids = {static_cast<const std::uint32_t*>(arr.data()),
-                   static_cast<std::size_t>(arr.size())};
-      return batch;
-    }
-    batch.storage.reserve(static_cast<std::size_t>(arr.size()));
-    if (kind == 'u') {
-      const auto wide =
-          py::array_t<unsigned long long, py::array::c_style | py::array::forcecast>::ensure(arr);
-      if (!wide) throw py::error_already_set();
-      const unsigned long long* data = wide.data();
-      for (py::ssize_t i = 0; i < wide.size(); ++i) {
-        if (data[i] > std::numeric_limits<std::uint32_t>::max())
-          throw kvport::InvalidArgument(std::string(what) + " " + std::to_string(data[i]) +
-                                        " is outside [0, 2^32 - 1]");
-        batch.storage.push_back(static_cast<std::uint32_t>(data[i]));
-      }
-    } else {
-      const auto wide =
-          py::array_t<long long, py::array::c_style | py::array::forcecast>::ensure(arr);
-      if (!wide) throw py::error_already_set();
-      const long long* data = wide.data();
-      for (py::ssize_t i = 0; i < wide.size(); ++i)
-        batch.storage.push_back(to_u32(data[i], what));
-    }
-  } else if (PyIndex_Check(obj.ptr())) {
-    batch.storage.push_back(to_u32(int_from(obj, what), what));
-  } else {
-    if (py::isinstance<py::str>(obj) || py::isinstance<py::bytes>(obj) ||
-        py::isinstance<py::bytearray>(obj) || !py::hasattr(obj, "__iter__")) {
-      throw kvport::InvalidArgument(
-          std::string(what) + " must be an int or an iterable of ints, not " +
-          std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
-    }
-    for (const py::handle item : py::iter(obj))
-      batch.storage.push_back(to_u32(int_from(item, what), what));
-  }
-  batch.ids = batch.storage;
-  return batch;
-}
-
-BlockId block_id(long long value) {
-  return to_u32(value, "block id");
-}
-
-py::list id_list(std::span<const std::uint32_t> ids) {
-  py::list out(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i)
-    out[i] = py::int_(ids[i]);
-  return out;
-}
+using kvport::python::block_id;
+using kvport::python::dtype_from;
+using kvport::python::dtype_name;
+using kvport::python::id_list;
+using kvport::python::layer_pool_view;
+using kvport::python::layout_from;
+using kvport::python::layout_name;
+using kvport::python::PoolView;
+using kvport::python::u32_batch;
+using kvport::python::U32Batch;
+using kvport::python::ViewOwner;
 
 // ---- owned state ------------------------------------------------------------------
 
+// A cache's backend and pools: its own, or a hybrid cache's group pool
+// (borrowed: `lender` keeps the hybrid cache alive, whose blocks belong to its
+// hybrid tables, so allocation and prefix caches over it are refused).
 struct CacheState {
-  std::unique_ptr<kvport::Backend> backend;
+  std::shared_ptr<const void> lender;  // declared first: released last
+  std::unique_ptr<kvport::Backend> owned_backend;
+  std::unique_ptr<kvport::PagedKvCache> owned_cache;  // destroyed first (see ~CacheState)
+  kvport::Backend* backend = nullptr;
+  kvport::PagedKvCache* cache = nullptr;
   int device = 0;
-  std::unique_ptr<kvport::PagedKvCache> cache;  // destroyed first (see ~CacheState)
 
-  ~CacheState() { cache.reset(); }
+  ~CacheState() { owned_cache.reset(); }
+  bool borrowed() const noexcept { return lender != nullptr; }
   kvport::StreamView stream() const { return backend->default_stream(); }
 };
+
+ViewOwner view_owner(const std::shared_ptr<CacheState>& state) {
+  return ViewOwner{state, state->backend, state->device};
+}
 
 struct PrefixState {
   std::shared_ptr<CacheState> cache;
@@ -188,126 +87,6 @@ struct PrefixState {
 
   ~PrefixState() { prefix.reset(); }
 };
-
-DLDevice dl_device(const CacheState& state) {
-  const std::string& name = state.backend->name();
-  if (name == "cuda") return {kDLCUDA, state.device};
-  if (name == "hip") return {kDLROCM, state.device};
-  return {kDLCPU, 0};
-}
-
-// ---- pool views and DLPack --------------------------------------------------------
-
-struct PoolView {
-  std::shared_ptr<CacheState> state;
-  std::string what;  // "k_pool(0)"
-  KvCacheDtype kv_dtype{};
-  std::string dtype;  // NumPy-style name of the element type
-  DLDataType dl_dtype{};
-  std::uintptr_t data = 0;
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;  // in elements
-  std::size_t scale_offset = 0;       // packed formats: where the scales start in a block
-  std::size_t scale_bytes = 0;
-};
-
-struct Export {
-  DLManagedTensor managed{};
-  std::shared_ptr<CacheState> state;
-  std::vector<std::int64_t> shape;
-  std::vector<std::int64_t> strides;
-};
-
-void export_deleter(DLManagedTensor* self) {
-  delete static_cast<Export*>(self->manager_ctx);
-}
-
-void capsule_destructor(PyObject* capsule) {
-  // Consumed capsules are renamed "used_dltensor"; only an unconsumed one
-  // still owns its tensor.
-  if (PyCapsule_IsValid(capsule, "dltensor") == 0) return;
-  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
-  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
-}
-
-py::capsule to_dlpack(const PoolView& view) {
-  auto owned = std::make_unique<Export>();
-  Export* e = owned.get();
-  e->state = view.state;
-  e->shape = view.shape;
-  e->strides = view.strides;
-  DLTensor& t = e->managed.dl_tensor;
-  t.data = reinterpret_cast<void*>(view.data);
-  t.device = dl_device(*view.state);
-  t.ndim = static_cast<std::int32_t>(e->shape.size());
-  t.dtype = view.dl_dtype;
-  t.shape = e->shape.data();
-  t.strides = e->strides.data();
-  t.byte_offset = 0;
-  e->managed.manager_ctx = e;
-  e->managed.deleter = export_deleter;
-  PyObject* capsule = PyCapsule_New(&e->managed, "dltensor", capsule_destructor);
-  if (capsule == nullptr) throw py::error_already_set();
-  owned.release();
-  return py::reinterpret_steal<py::capsule>(capsule);
-}
-
-PoolView make_view(const std::shared_ptr<CacheState>& state, kvport::KvPart part, std::size_t layer,
-                   bool raw) {
-  const kvport::PagedKvCache& cache = *state->cache;
-  const KvCacheConfig& config = cache.config();
-  const bool k = part == kvport::KvPart::k;
-  // Validates the layer, and refuses V of K-only layers.
-  const kvport::BlockPool& pool = cache.pool(layer, part);
-  PoolView v;
-  v.state = state;
-  v.what = std::string(k ? "k_pool(" : "v_pool(") + std::to_string(layer) + ")";
-  v.kv_dtype = pool.dtype;
-  v.data = pool.base.address();
-  const std::size_t block_stride = pool.stride;
-  const kvport::BlockRegionLayout region = k ? config.k_layout(layer) : config.v_layout(layer);
-  const std::size_t head_dim = k ? config.head_dim_k : config.head_dim_v;
-  const auto n = static_cast<std::int64_t>(pool.num_blocks);
-
-  std::size_t elem = 0;
-  switch (v.kv_dtype) {
-    case KvCacheDtype::f16:
-      elem = 2;
-      v.dl_dtype = raw ? DLDataType{kDLUInt, 16, 1} : DLDataType{kDLFloat, 16, 1};
-      v.dtype = raw ? "uint16" : "float16";
-      break;
-    case KvCacheDtype::bf16:
-      elem = 2;
-      v.dl_dtype = raw ? DLDataType{kDLUInt, 16, 1} : DLDataType{kDLBfloat, 16, 1};
-      v.dtype = raw ? "uint16" : "bfloat16";
-      break;
-    case KvCacheDtype::fp8_e4m3:
-    case KvCacheDtype::fp8_e5m2:
-      // DLPack 0.6 has no fp8 type code: the bytes, whatever `raw` says.
-      elem = 1;
-      v.dl_dtype = DLDataType{kDLUInt, 8, 1};
-      v.dtype = "uint8";
-      break;
-    default:
-      break;
-  }
-  if (elem != 0) {
-    const auto hd = static_cast<std::int64_t>(head_dim);
-    const auto heads = static_cast<std::int64_t>(config.num_kv_heads);
-    v.shape = {n, static_cast<std::int64_t>(config.block_size), heads, hd};
-    v.strides = {static_cast<std::int64_t>(block_stride / elem), heads * hd, hd, 1};
-  } else {
-    // Packed formats: each block's whole region as bytes (data, padding,
-    // scales at scale_offset, padding).
-    v.dl_dtype = DLDataType{kDLUInt, 8, 1};
-    v.dtype = "uint8";
-    v.shape = {n, static_cast<std::int64_t>(region.total_bytes)};
-    v.strides = {static_cast<std::int64_t>(block_stride), 1};
-    v.scale_offset = region.scale_offset;
-    v.scale_bytes = region.scale_bytes;
-  }
-  return v;
-}
 
 // Block-major layout: the one pool, each block's bytes of every layer (layer 0
 // K, layer 0 V, layer 1 K, ...).
@@ -318,54 +97,21 @@ PoolView make_block_view(const std::shared_ptr<CacheState>& state) {
         "block_pool: the cache's layout is layer_major (one pool per layer's K and V: use "
         "k_pool / v_pool)");
   PoolView v;
-  v.state = state;
+  v.owner = view_owner(state);
   v.what = "block_pool";
-  // The one memory pool: each region a whole block.
-  const kvport::BlockPool& pool = cache.memory_pools().front();
-  v.kv_dtype = pool.dtype;
-  v.data = pool.base.address();
+  v.kv_dtype = dtype_name(cache.config().dtype);
+  v.data = cache.k_pool_ptr(0).address();
   v.dl_dtype = DLDataType{kDLUInt, 8, 1};
   v.dtype = "uint8";
-  const auto stride = static_cast<std::int64_t>(pool.stride);
-  v.shape = {static_cast<std::int64_t>(pool.num_blocks), stride};
+  const auto stride = static_cast<std::int64_t>(cache.k_block_stride(0));
+  v.shape = {static_cast<std::int64_t>(cache.num_blocks()), stride};
   v.strides = {stride, 1};
   return v;
 }
 
-// A writable NumPy array over the view's memory (NumPy 1.x marks arrays from
-// numpy.from_dlpack read-only): bf16 as uint16 words. Its base, a capsule,
-// holds the cache state.
-py::array numpy_view(const PoolView& v) {
-  std::string format;
-  std::size_t itemsize = v.dl_dtype.bits / 8U;
-  if (v.dl_dtype.code == kDLFloat)
-    format = "float16";
-  else
-    format = itemsize == 2 ? "uint16" : "uint8";
-  std::vector<py::ssize_t> shape(v.shape.begin(), v.shape.end());
-  std::vector<py::ssize_t> strides;
-  for (const std::int64_t s : v.strides)
-    strides.push_back(static_cast<py::ssize_t>(s * static_cast<std::int64_t>(itemsize)));
-  auto* keep = new std::shared_ptr<CacheState>(v.state);
-  py::capsule base(keep, [](void* p) { delete static_cast<std::shared_ptr<CacheState>*>(p); });
-  v.state->backend->synchronize(v.state->stream());
-  return py::array(py::dtype(format), shape, strides, reinterpret_cast<void*>(v.data), base);
-}
-
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  std::string s = "(";
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (i != 0) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
-py::tuple to_tuple(const std::vector<std::int64_t>& values) {
-  py::tuple t(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i)
-    t[i] = py::int_(values[i]);
-  return t;
+PoolView make_view(const std::shared_ptr<CacheState>& state, bool k, std::size_t layer, bool raw) {
+  return layer_pool_view(view_owner(state), *state->cache, k, layer, raw,
+                         std::string(k ? "k_pool(" : "v_pool(") + std::to_string(layer) + ")");
 }
 
 // ---- the Python-facing classes ----------------------------------------------------
@@ -375,12 +121,14 @@ class PyCache {
   PyCache(const KvCacheConfig& config, std::size_t num_blocks, const std::string& backend,
           int device, std::optional<bool> trace) {
     auto state = std::make_shared<CacheState>();
-    state->backend = kvport::make_backend(backend, device);
+    state->owned_backend = kvport::make_backend(backend, device);
+    state->backend = state->owned_backend.get();
     state->device = device;
     kvport::PagedKvCacheOptions options;
     options.trace = trace;
-    state->cache =
+    state->owned_cache =
         std::make_unique<kvport::PagedKvCache>(config, num_blocks, *state->backend, options);
+    state->cache = state->owned_cache.get();
     state_ = std::move(state);
   }
   explicit PyCache(std::shared_ptr<CacheState> state) : state_(std::move(state)) {}
@@ -390,6 +138,19 @@ class PyCache {
     return state_;
   }
   kvport::PagedKvCache& cache() const { return *state()->cache; }
+  // The cache for calls that allocate or release blocks: not a hybrid
+  // cache's group pool.
+  kvport::PagedKvCache& owned_cache(const char* op) const {
+    refuse_borrowed(*state(), op);
+    return *state()->cache;
+  }
+  static void refuse_borrowed(const CacheState& state, const char* op) {
+    if (state.borrowed())
+      throw kvport::InvalidArgument(std::string(op) +
+                                    ": this PagedKvCache is a hybrid cache's group pool "
+                                    "(borrowed): its blocks are allocated and released by "
+                                    "HybridBlockTable");
+  }
   kvport::StreamView stream() const { return state()->stream(); }
   void sync() const { state()->backend->synchronize(stream()); }
   bool closed() const noexcept { return !state_; }
@@ -399,7 +160,8 @@ class PyCache {
     if (!state_) return "PagedKvCache(closed)";
     const auto& c = *state_->cache;
     std::ostringstream s;
-    s << "PagedKvCache(backend='" << state_->backend->name() << "', device=" << state_->device
+    s << "PagedKvCache(" << (state_->borrowed() ? "borrowed, " : "") << "backend='"
+      << state_->backend->name() << "', device=" << state_->device
       << ", num_blocks=" << c.num_blocks() << ", free=" << c.num_free_blocks()
       << ", num_layers=" << c.num_layers() << ", dtype='" << dtype_name(c.config().dtype) << "'"
       << (c.config().layer_dtypes.empty() ? "" : " (mixed)") << ", layout='"
@@ -416,6 +178,7 @@ class PyPrefixCache {
   explicit PyPrefixCache(const PyCache& cache) {
     auto state = std::make_shared<PrefixState>();
     state->cache = cache.state();
+    PyCache::refuse_borrowed(*state->cache, "PrefixCache");
     state->prefix = std::make_unique<kvport::PrefixCache>(*state->cache->cache);
     state_ = std::move(state);
   }
@@ -451,6 +214,7 @@ class PyBlockTable {
       if (extra_key != 0)
         throw kvport::InvalidArgument("BlockTable: extra_key needs a PrefixCache");
       cache_ = owner.cast<const PyCache&>().state();
+      PyCache::refuse_borrowed(*cache_, "BlockTable");
       table_ = std::make_unique<kvport::BlockTable>(*cache_->cache);
     } else {
       throw kvport::InvalidArgument("BlockTable: owner must be a PagedKvCache or a PrefixCache");
@@ -583,6 +347,20 @@ void register_exceptions(py::module_& m) {
 }
 
 }  // namespace
+
+namespace kvport::python {
+
+py::object borrowed_cache(std::shared_ptr<const void> lender, Backend& backend, int device,
+                          PagedKvCache& pool) {
+  auto state = std::make_shared<CacheState>();
+  state->lender = std::move(lender);
+  state->backend = &backend;
+  state->cache = &pool;
+  state->device = device;
+  return py::cast(PyCache(std::move(state)));
+}
+
+}  // namespace kvport::python
 
 PYBIND11_MODULE(_kvport, m) {
   m.doc() = "kvport: a paged KV-cache runtime (docs/bindings/python.md)";
@@ -763,83 +541,7 @@ PYBIND11_MODULE(_kvport, m) {
       });
 
   // ---- pool views -----------------------------------------------------------------
-  py::class_<PoolView>(m, "PoolView",
-                       "A zero-copy view of one layer's K or V pool: pass it to "
-                       "torch.from_dlpack or numpy.from_dlpack.")
-      .def_property_readonly("shape", [](const PoolView& v) { return to_tuple(v.shape); })
-      .def_property_readonly(
-          "strides", [](const PoolView& v) { return to_tuple(v.strides); },
-          "In elements, as DLPack gives them.")
-      .def_readonly("dtype", &PoolView::dtype)
-      .def_property_readonly("kv_dtype", [](const PoolView& v) { return dtype_name(v.kv_dtype); })
-      .def_property_readonly("data_ptr", [](const PoolView& v) { return v.data; })
-      .def_readonly("scale_offset", &PoolView::scale_offset)
-      .def_readonly("scale_bytes", &PoolView::scale_bytes)
-      .def_property_readonly("device",
-                             [](const PoolView& v) {
-                               const DLDevice d = dl_device(*v.state);
-                               return py::make_tuple(static_cast<int>(d.device_type), d.device_id);
-                             })
-      .def(
-          "__dlpack__",
-          [](const PoolView& v, const py::object& /*stream*/) {
-            // Everything the cache queued is finished before the consumer
-            // reads (every call of this module already waits; this covers
-            // work queued through the C++ API on the default stream).
-            v.state->backend->synchronize(v.state->stream());
-            return to_dlpack(v);
-          },
-          py::arg("stream") = py::none())
-      .def("__dlpack_device__",
-           [](const PoolView& v) {
-             const DLDevice d = dl_device(*v.state);
-             return py::make_tuple(static_cast<int>(d.device_type), d.device_id);
-           })
-      .def(
-          "as_words",
-          [](const PoolView& v) {
-            PoolView w = v;
-            if (w.dl_dtype.code == kDLFloat || w.dl_dtype.code == kDLBfloat) {
-              w.dl_dtype = DLDataType{kDLUInt, w.dl_dtype.bits, 1};
-              w.dtype = w.dl_dtype.bits == 16 ? "uint16" : "uint8";
-            }
-            return w;
-          },
-          "The same memory as unsigned words of the element size (uint16 for f16/bf16).")
-      .def(
-          "numpy",
-          [](const PoolView& v) {
-            if (dl_device(*v.state).device_type != kDLCPU)
-              throw kvport::InvalidArgument(v.what +
-                                            ": numpy() needs a host pool; use "
-                                            "torch.from_dlpack for device pools");
-            return numpy_view(v);
-          },
-          "A writable, zero-copy NumPy array over the pool (host backend); bf16 pools come "
-          "as uint16 words (NumPy has no bfloat16).")
-      .def(
-          "__array__",
-          [](const py::object& self, const py::object& dtype) {
-            py::object arr = self.attr("numpy")();
-            if (dtype.is_none()) return arr;
-            return arr.attr("astype")(dtype);
-          },
-          py::arg("dtype") = py::none())
-      .def("__repr__", [](const PoolView& v) {
-        std::ostringstream s;
-        s << "PoolView(" << v.what << ", kv_dtype='" << dtype_name(v.kv_dtype) << "', dtype='"
-          << v.dtype << "', shape=" << shape_text(v.shape) << ", strides=" << shape_text(v.strides);
-        if (v.scale_bytes != 0)
-          s << ", scale_offset=" << v.scale_offset << ", scale_bytes=" << v.scale_bytes;
-        const DLDevice d = dl_device(*v.state);
-        s << ", device="
-          << (d.device_type == kDLCPU    ? "'cpu'"
-              : d.device_type == kDLCUDA ? "'cuda:"
-                                         : "'rocm:");
-        if (d.device_type != kDLCPU) s << d.device_id << "'";
-        s << ")";
-        return s.str();
-      });
+  kvport::python::register_pool_view(m);
 
   // ---- PagedKvCache ---------------------------------------------------------------
   py::class_<PyCache>(m, "PagedKvCache",
@@ -859,24 +561,33 @@ PYBIND11_MODULE(_kvport, m) {
       .def_property_readonly("closed", &PyCache::closed)
       .def("__repr__", &PyCache::repr)
       // allocation and refcounts
-      .def("alloc_block", [](const PyCache& c) { return c.cache().alloc_block(); })
+      .def("alloc_block",
+           [](const PyCache& c) { return c.owned_cache("alloc_block").alloc_block(); })
       .def("try_alloc_block",
-           [](const PyCache& c) -> std::optional<BlockId> { return c.cache().try_alloc_block(); })
+           [](const PyCache& c) -> std::optional<BlockId> {
+             return c.owned_cache("try_alloc_block").try_alloc_block();
+           })
       .def(
-          "inc_ref", [](const PyCache& c, long long b) { c.cache().inc_ref(block_id(b)); },
+          "inc_ref",
+          [](const PyCache& c, long long b) { c.owned_cache("inc_ref").inc_ref(block_id(b)); },
           py::arg("block"))
       .def(
-          "dec_ref", [](const PyCache& c, long long b) { return c.cache().dec_ref(block_id(b)); },
+          "dec_ref",
+          [](const PyCache& c, long long b) {
+            return c.owned_cache("dec_ref").dec_ref(block_id(b));
+          },
           py::arg("block"))
       .def(
           "free_block",
-          [](const PyCache& c, long long b) { return c.cache().free_block(block_id(b)); },
+          [](const PyCache& c, long long b) {
+            return c.owned_cache("free_block").free_block(block_id(b));
+          },
           py::arg("block"))
       .def(
           "free_blocks",
           [](const PyCache& c, const py::object& blocks) {
             const U32Batch batch = u32_batch(blocks, "block id");
-            c.cache().free_blocks(batch.ids);
+            c.owned_cache("free_blocks").free_blocks(batch.ids);
           },
           py::arg("blocks"))
       .def(
@@ -923,13 +634,13 @@ PYBIND11_MODULE(_kvport, m) {
       .def(
           "k_pool",
           [](const PyCache& c, std::size_t l, bool raw) {
-            return make_view(c.state(), kvport::KvPart::k, l, raw);
+            return make_view(c.state(), true, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
       .def(
           "v_pool",
           [](const PyCache& c, std::size_t l, bool raw) {
-            return make_view(c.state(), kvport::KvPart::v, l, raw);
+            return make_view(c.state(), false, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
       .def(
@@ -1147,4 +858,7 @@ PYBIND11_MODULE(_kvport, m) {
               throw kvport::InvalidArgument("unknown prefix_hit_mode '" + mode +
                                             "' (known: compute_last_token, full)");
           });
+
+  // ---- hybrid models (hybrid.cpp) -------------------------------------------------
+  kvport::python::register_hybrid(m);
 }

@@ -1,4 +1,4 @@
-"""The complete example of docs/bindings/python.md runs as written."""
+"""The examples of docs/bindings/python.md run as written."""
 
 import pathlib
 import re
@@ -17,3 +17,12 @@ def test_docs_example_runs(capsys):
     exec(compile(code, str(DOC), "exec"), {})
     out = capsys.readouterr().out
     assert "PagedKvCache(backend='host'" in out and "PagedKvCache is closed" in out
+
+
+def test_docs_hybrid_example_runs(capsys):
+    if not DOC.exists():
+        pytest.skip(f"{DOC} not found")
+    section = DOC.read_text().split("## Hybrid models", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, str(DOC), "exec"), {})
+    assert "KvCacheGroup(state(" in capsys.readouterr().out

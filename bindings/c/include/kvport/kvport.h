@@ -6,17 +6,21 @@
  * message of the last failing call of the calling thread.
  *
  * Handles (kvport_backend, kvport_cache, kvport_stream, kvport_prefix_cache,
- * kvport_block_table) are opaque tokens, not addresses: they are never
+ * kvport_block_table, kvport_hybrid_cache, kvport_hybrid_block_table) are
+ * opaque tokens, not addresses: they are never
  * dereferenced, and a token is never reused within a process, so a null,
  * destroyed or forged handle, or one of another kind, is reported as
  * KVPORT_ERR_INVALID_HANDLE instead of crashing. Each call looks its handles
  * up in a process-wide, mutex-protected table (about the cost of one
  * uncontended lock).
  *
- * Ownership: a backend outlives its caches and streams, a cache its prefix
- * cache and block tables, a prefix cache its block tables. Destroying a
- * handle that still has live children fails with KVPORT_ERR_HANDLE_IN_USE and
- * changes nothing.
+ * Ownership: a backend outlives its caches, hybrid caches and streams, a
+ * cache its prefix cache and block tables, a prefix cache its block tables, a
+ * hybrid cache its hybrid block tables. Destroying a handle that still has
+ * live children fails with KVPORT_ERR_HANDLE_IN_USE and changes nothing. A
+ * borrowed handle (a hybrid cache's group pool as a kvport_cache) belongs to
+ * the handle it came from: it is never destroyed by itself and becomes
+ * invalid when its owner is destroyed.
  *
  * Thread safety: the handle table is thread-safe. A cache (with its prefix
  * cache and block tables) is not, as in C++: one thread at a time. A handle
@@ -65,7 +69,8 @@ typedef enum kvport_status {
   KVPORT_ERR_BACKEND = 5,
   /** kvport::DeviceLost: the device context is gone; restart the process. */
   KVPORT_ERR_DEVICE_LOST = 6,
-  /** A block id >= the cache's block count, or a layer >= its layer count. */
+  /** A block id >= the cache's block count, a layer >= its layer count, or a
+   *  group >= a hybrid cache's group count. */
   KVPORT_ERR_OUT_OF_RANGE = 7,
   /** A null, destroyed or foreign handle, or a handle of another kind. */
   KVPORT_ERR_INVALID_HANDLE = 8,
@@ -105,6 +110,8 @@ typedef struct kvport_stream kvport_stream;
 typedef struct kvport_cache kvport_cache;
 typedef struct kvport_prefix_cache kvport_prefix_cache;
 typedef struct kvport_block_table kvport_block_table;
+typedef struct kvport_hybrid_cache kvport_hybrid_cache;
+typedef struct kvport_hybrid_block_table kvport_hybrid_block_table;
 
 /* ---- backends --------------------------------------------------------------- */
 
@@ -300,7 +307,10 @@ KVPORT_API kvport_status kvport_cache_ref_count(const kvport_cache* cache, uint3
  * backend (host memory on the host backend). Block b of a layer's K lives at
  * k_pool_ptr(layer) + b * k_block_stride(layer), k_block_bytes(layer) long;
  * the stride is the region size in layer-major layout and the whole block
- * (all layers, K and V) in block-major. */
+ * (all layers, K and V) in block-major. A cache of K-only layers (head_dim_v
+ * 0: a hybrid cache's MLA and state groups) has no V: the v_ptr, v_pool_ptr
+ * and v_block_stride calls fail with KVPORT_ERR_INVALID_ARGUMENT and
+ * v_block_bytes is 0. */
 
 KVPORT_API kvport_status kvport_cache_k_ptr(const kvport_cache* cache, size_t layer, uint32_t block,
                                             void** out);
@@ -358,14 +368,17 @@ KVPORT_API kvport_status kvport_cache_copy_blocks(kvport_cache* cache,
 
 /** Copies `layer`'s K and V bytes of `block` into host buffers of exactly
  *  k_block_bytes(layer) / v_block_bytes(layer) bytes (else
- *  KVPORT_ERR_INVALID_ARGUMENT), synchronizing `stream` first. */
+ *  KVPORT_ERR_INVALID_ARGUMENT), synchronizing `stream` first. `v_out` may
+ *  be null when v_block_bytes is 0 (K-only layers: a hybrid cache's MLA and
+ *  state groups). */
 KVPORT_API kvport_status kvport_cache_read_block(const kvport_cache* cache, size_t layer,
                                                  uint32_t block, void* k_out, size_t k_bytes,
                                                  void* v_out, size_t v_bytes,
                                                  kvport_stream* stream);
 
 /** Copies host bytes (exactly k_block_bytes / v_block_bytes long) into
- *  `layer`'s K and V of `block` and synchronizes `stream`. */
+ *  `layer`'s K and V of `block` and synchronizes `stream`. `v` may be null
+ *  when v_bytes is 0 (K-only layers). */
 KVPORT_API kvport_status kvport_cache_write_block(kvport_cache* cache, size_t layer, uint32_t block,
                                                   const void* k, size_t k_bytes, const void* v,
                                                   size_t v_bytes, kvport_stream* stream);
@@ -540,6 +553,406 @@ KVPORT_API kvport_status kvport_block_table_num_tokens(const kvport_block_table*
 /** Copy-on-write copies this table made. */
 KVPORT_API kvport_status kvport_block_table_copy_on_writes(const kvport_block_table* table,
                                                            uint64_t* out);
+
+/* ---- layer specs ------------------------------------------------------------------------- */
+
+/* Hybrid models keep different KV in different layers (docs/hybrid-models.md):
+ * each layer is described by a kvport_layer_spec, and the layers of one spec
+ * form a KV cache group with its own block pool. */
+
+/** What a layer keeps (mirror kvport::LayerKind, same values). */
+typedef enum kvport_layer_kind {
+  /** K and V of every token. */
+  KVPORT_LAYER_FULL_ATTENTION = 0,
+  /** One latent vector per token, no V (DeepSeek's multi-head latent attention). */
+  KVPORT_LAYER_MLA = 1,
+  /** K and V of the last `window` tokens. */
+  KVPORT_LAYER_SLIDING_WINDOW = 2,
+  /** K and V of the current chunk of `chunk` tokens. */
+  KVPORT_LAYER_CHUNKED_LOCAL = 3,
+  /** A fixed per-request state (linear attention, Mamba). */
+  KVPORT_LAYER_STATE = 4,
+  /** No KV (an MLP-only layer). */
+  KVPORT_LAYER_NONE = 5
+} kvport_layer_kind;
+
+/** The in-cache format of an MLA latent (mirror kvport::MlaFormat). */
+typedef enum kvport_mla_format {
+  /** kv_lora_rank + rope_dim values of the spec's dtype per token. */
+  KVPORT_MLA_PLAIN = 0,
+  /** vLLM's fp8_ds_mla: kv_lora_rank fp8 e4m3 values, one fp32 scale per 128
+   *  of them, rope_dim bf16 values (656 bytes a token for 512 + 64). */
+  KVPORT_MLA_FP8_DS_MLA = 1
+} kvport_mla_format;
+
+/** Element types of recurrent state (mirror kvport::StateDtype). */
+typedef enum kvport_state_dtype {
+  KVPORT_STATE_F32 = 0,
+  KVPORT_STATE_F16 = 1,
+  KVPORT_STATE_BF16 = 2
+} kvport_state_dtype;
+
+/** The most dimensions a state tensor has. */
+#define KVPORT_STATE_MAX_DIMS 8
+
+/** One tensor of a layer's per-request state, e.g. Mamba2's SSM state
+ *  {"ssm", 3, {heads, head_dim, state_size}, KVPORT_STATE_F32}. */
+typedef struct kvport_state_tensor {
+  const char* name;                    /**< NUL-terminated, not null */
+  size_t ndim;                         /**< 1 .. KVPORT_STATE_MAX_DIMS */
+  size_t shape[KVPORT_STATE_MAX_DIMS]; /**< the first ndim entries are read */
+  int32_t dtype;                       /**< a kvport_state_dtype */
+} kvport_state_tensor;
+
+/** The KV geometry of one layer (kvport::LayerSpec). Only the fields of
+ *  `kind` are read:
+ *    full_attention    num_kv_heads, head_dim_k, head_dim_v, dtype
+ *    sliding_window    the same + window (tokens attended, the token itself included)
+ *    chunked_local     the same + chunk (a multiple of the block size)
+ *    mla               kv_lora_rank, rope_dim, mla_format, dtype (plain only)
+ *    state             state, num_state
+ *    none              nothing
+ *  The enum fields are int32_t, as in kvport_config. */
+typedef struct kvport_layer_spec {
+  int32_t kind; /**< a kvport_layer_kind */
+  size_t num_kv_heads;
+  size_t head_dim_k;
+  size_t head_dim_v;
+  int32_t dtype; /**< a kvport_dtype: attention K/V and a plain MLA latent */
+  size_t window;
+  size_t chunk;
+  size_t kv_lora_rank;
+  size_t rope_dim;
+  int32_t mla_format; /**< a kvport_mla_format */
+  /** The state tensors: `num_state` entries (null and 0 for other kinds). Read
+   *  during the call only, names included. */
+  const kvport_state_tensor* state;
+  size_t num_state;
+} kvport_layer_spec;
+
+/** Fills `spec` with the defaults: full_attention, every size 0, dtype bf16,
+ *  plain MLA format, no state tensors. */
+KVPORT_API kvport_status kvport_layer_spec_init(kvport_layer_spec* spec);
+
+/** KVPORT_OK for a spec valid with `block_size`; else
+ *  KVPORT_ERR_INVALID_ARGUMENT naming the field (a zero size the kind needs,
+ *  a packed dtype whose group does not divide a head dim, a chunk that is not
+ *  a multiple of block_size, an fp8_ds_mla rank that is not a multiple of 128,
+ *  a state without tensors, a null name, ndim 0 or > KVPORT_STATE_MAX_DIMS, an
+ *  enum value outside its enum, an overflow). */
+KVPORT_API kvport_status kvport_layer_spec_validate(const kvport_layer_spec* spec,
+                                                    size_t block_size);
+
+/** One line, as kvport::LayerSpec::describe: "sliding_window(128) 8x64 bf16",
+ *  "mla(512+64) bf16", "state(ssm 128x64x128 f32, conv 9216x3 f32)", "none".
+ *  `text` (may be null with text_size 0) receives it truncated to
+ *  text_size - 1 bytes and NUL-terminated; *text_needed (may be null) is its
+ *  full length + 1. The spec is not validated. */
+KVPORT_API kvport_status kvport_layer_spec_describe(const kvport_layer_spec* spec, char* text,
+                                                    size_t text_size, size_t* text_needed);
+
+/** Bytes of one block of one layer of `spec` (K + V regions, scales and
+ *  padding included; 0 for state and none). Validates the spec. */
+KVPORT_API kvport_status kvport_layer_spec_block_bytes(const kvport_layer_spec* spec,
+                                                       size_t block_size, size_t* out);
+
+/** Bytes of one request's state in one layer: every tensor padded to 16
+ *  bytes, one after the other (0 for the other kinds). Validates the spec
+ *  (with a block size of 1). */
+KVPORT_API kvport_status kvport_layer_spec_state_bytes(const kvport_layer_spec* spec, size_t* out);
+
+/** Offset of state tensor `index` inside a state slot (the padded sizes of
+ *  the tensors before it). KVPORT_ERR_OUT_OF_RANGE for index >= num_state. */
+KVPORT_API kvport_status kvport_layer_spec_state_offset(const kvport_layer_spec* spec, size_t index,
+                                                        size_t* out);
+
+/* ---- the hybrid planner ------------------------------------------------------------------ */
+
+/** What kvport_plan_kv_cache is asked to fit (kvport::KvCachePlanRequest). */
+typedef struct kvport_plan_request {
+  size_t budget_bytes;       /**< memory for every group's pools together */
+  size_t max_context_tokens; /**< the longest sequence (prompt + output) */
+  /** Requests of max_context_tokens that must fit at once; 0: no minimum. */
+  size_t max_requests;
+  /** Tokens a running request appends per step (1 for decode). */
+  size_t step_tokens;
+  /** Cached state checkpoints kept per request beside its working state. */
+  size_t state_checkpoints;
+} kvport_plan_request;
+
+/** Fills `request` with the defaults: budget, context and requests 0,
+ *  step_tokens 1, state_checkpoints 1. */
+KVPORT_API kvport_status kvport_plan_request_init(kvport_plan_request* request);
+
+/** One group's share (kvport::GroupPlan). */
+typedef struct kvport_group_plan {
+  int32_t kind;                   /**< the group's kvport_layer_kind */
+  size_t num_layers;              /**< layers in the group */
+  size_t bytes_per_block;         /**< one block id (one state slot), all layers */
+  size_t bytes_per_token;         /**< per-token kinds, all layers; 0 for state */
+  size_t bytes_per_request;       /**< state: one state, all layers; else 0 */
+  size_t peak_blocks_per_request; /**< blocks (slots) a request holds at its peak */
+  size_t num_blocks;              /**< blocks (slots) of the group's pool */
+  size_t bytes;                   /**< the pool's bytes, allocation rounding included */
+} kvport_group_plan;
+
+/** The planner's totals (kvport::KvCachePlan). */
+typedef struct kvport_plan {
+  size_t block_size;
+  size_t num_groups;
+  size_t total_bytes; /**< every pool */
+  /** Requests of max_context_tokens that fit at once (the smallest over groups). */
+  size_t max_concurrent_requests;
+  /** Bytes one request of max_context_tokens holds at its peak, over groups. */
+  size_t peak_bytes_per_request;
+  /** The same with every window and chunked layer treated as full attention. */
+  size_t all_full_peak_bytes_per_request;
+  /** The same in one shared pool of pages padded to the largest group's page. */
+  size_t shared_pool_peak_bytes_per_request;
+  /** peak_bytes_per_request / all_full_peak_bytes_per_request. */
+  double ratio_to_all_full;
+} kvport_plan;
+
+/** Groups the `num_layers` specs (in order of each group's first layer;
+ *  `none` layers belong to no group) and splits request->budget_bytes between
+ *  the groups in the ratio of their peak need per request
+ *  (kvport::plan_kv_cache, layer-major pools). *out_plan gets the totals;
+ *  `out_groups` (may be null with groups_capacity 0: totals only) gets one
+ *  entry per group and must have room for out_plan->num_groups of them
+ *  (num_layers entries always suffice; KVPORT_ERR_INVALID_ARGUMENT otherwise,
+ *  checked before anything is written). group_plan.num_blocks is what
+ *  kvport_hybrid_cache_create takes as blocks_per_group.
+ *  KVPORT_ERR_INVALID_ARGUMENT for a bad spec, no layer or only `none`
+ *  layers, a zero block size, budget, context or step, a budget too small for
+ *  one block of some group, or one that holds fewer than
+ *  request->max_requests requests (the message says how many fit). */
+KVPORT_API kvport_status kvport_plan_kv_cache(const kvport_layer_spec* specs, size_t num_layers,
+                                              size_t block_size, const kvport_plan_request* request,
+                                              kvport_plan* out_plan, kvport_group_plan* out_groups,
+                                              size_t groups_capacity);
+
+/* ---- hybrid caches ------------------------------------------------------------------------ */
+
+/** A model's KV cache as KV cache groups (kvport::HybridKvCache): one block
+ *  pool and one prefix cache per group. Groups the `num_layers` specs (in
+ *  order of each group's first layer) and allocates group g's pool with
+ *  blocks_per_group[g] blocks (state groups: state slots); `num_groups` must
+ *  be the number of groups (kvport_plan_kv_cache says it, and its
+ *  group_plan.num_blocks are counts that fit a budget). Pools are layer-major.
+ *  State groups cache a copy of a sequence's state every
+ *  state_checkpoint_interval full blocks (0: never, so no prefix hit in a
+ *  model with state). KVPORT_ERR_INVALID_ARGUMENT for a bad spec, a
+ *  num_groups other than the group count, a zero block count,
+ *  KVPORT_ERR_OUT_OF_MEMORY when the pools do not fit (everything allocated
+ *  is freed). */
+KVPORT_API kvport_status kvport_hybrid_cache_create(kvport_backend* backend,
+                                                    const kvport_layer_spec* specs,
+                                                    size_t num_layers, size_t block_size,
+                                                    size_t state_checkpoint_interval,
+                                                    const size_t* blocks_per_group,
+                                                    size_t num_groups, kvport_hybrid_cache** out);
+
+/** Waits for device work the pools queued, then frees them; the group pool
+ *  handles of kvport_hybrid_cache_group_cache become invalid.
+ *  KVPORT_ERR_HANDLE_IN_USE while a hybrid block table over it lives. */
+KVPORT_API kvport_status kvport_hybrid_cache_destroy(kvport_hybrid_cache* cache);
+
+/** Model layers (the num_layers it was created with). */
+KVPORT_API kvport_status kvport_hybrid_cache_num_layers(const kvport_hybrid_cache* cache,
+                                                        size_t* out);
+KVPORT_API kvport_status kvport_hybrid_cache_num_groups(const kvport_hybrid_cache* cache,
+                                                        size_t* out);
+/** Tokens per block, every group. */
+KVPORT_API kvport_status kvport_hybrid_cache_block_size(const kvport_hybrid_cache* cache,
+                                                        size_t* out);
+/** Bytes of every pool. */
+KVPORT_API kvport_status kvport_hybrid_cache_total_bytes(const kvport_hybrid_cache* cache,
+                                                         size_t* out);
+
+/* Group queries: KVPORT_ERR_OUT_OF_RANGE for group >= num_groups. */
+
+/** The group's kvport_layer_kind. */
+KVPORT_API kvport_status kvport_hybrid_cache_group_kind(const kvport_hybrid_cache* cache,
+                                                        size_t group, int32_t* out);
+
+/** The spec of the group's first layer; out->state points into the cache
+ *  (valid as long as the cache; null for kinds without state). */
+KVPORT_API kvport_status kvport_hybrid_cache_group_spec(const kvport_hybrid_cache* cache,
+                                                        size_t group, kvport_layer_spec* out);
+
+/** Layers in the group. */
+KVPORT_API kvport_status kvport_hybrid_cache_group_num_layers(const kvport_hybrid_cache* cache,
+                                                              size_t group, size_t* out);
+
+/** The group's model layer indices, ascending (group layer i is model layer
+ *  out[i]): copied into `out`, which must have room for group_num_layers
+ *  entries (KVPORT_ERR_INVALID_ARGUMENT otherwise, nothing written);
+ *  *out_count gets the count. */
+KVPORT_API kvport_status kvport_hybrid_cache_group_layers(const kvport_hybrid_cache* cache,
+                                                          size_t group, size_t* out,
+                                                          size_t capacity, size_t* out_count);
+
+/** Blocks (slots) the group holds for sequences: in use and not evictable. */
+KVPORT_API kvport_status kvport_hybrid_cache_group_blocks_in_use(const kvport_hybrid_cache* cache,
+                                                                 size_t group, size_t* out);
+
+/** The group's pool as a borrowed kvport_cache (the same handle on every
+ *  call): its config (K-only for MLA and state groups: head_dim_v 0; a state
+ *  group's block is one state slot: block_size 1, dtype fp8_e4m3 as opaque
+ *  bytes, head_dim_k the slot's bytes), counts, pointers, strides, region
+ *  layouts, read/write/zero/copy, synchronize and check_invariants work on
+ *  it. Blocks belong to the hybrid block tables, so kvport_cache_alloc,
+ *  try_alloc, inc_ref, dec_ref, free, free_blocks, return_evicted_block,
+ *  kvport_prefix_cache_create, kvport_block_table_create and
+ *  kvport_cache_destroy fail on it with KVPORT_ERR_INVALID_ARGUMENT. It
+ *  becomes invalid when the hybrid cache is destroyed. Pointers of model layer
+ *  L: locate(L) gives (group, index); then kvport_cache_k_pool_ptr(pool,
+ *  index). */
+KVPORT_API kvport_status kvport_hybrid_cache_group_cache(kvport_hybrid_cache* cache, size_t group,
+                                                         kvport_cache** out);
+
+/** Where model layer `layer` is: *out_has_kv false for a `none` layer (then
+ *  *out_group and *out_index are unchanged), else its group and its layer
+ *  index inside the group's pool. KVPORT_ERR_OUT_OF_RANGE for layer >=
+ *  num_layers. `out_group` and `out_index` may be null. */
+KVPORT_API kvport_status kvport_hybrid_cache_locate(const kvport_hybrid_cache* cache, size_t layer,
+                                                    bool* out_has_kv, size_t* out_group,
+                                                    size_t* out_index);
+
+/** Counters of kvport_hybrid_block_table_reuse_cached_prefix over the cache
+ *  (kvport::HybridHitCounters). */
+typedef struct kvport_hybrid_hit_counters {
+  uint64_t lookups;
+  uint64_t lookup_tokens;     /**< prompt tokens looked up */
+  uint64_t hit_tokens;        /**< tokens the hits covered (valid for every group) */
+  uint64_t state_checkpoints; /**< state copies cached (every state group) */
+} kvport_hybrid_hit_counters;
+
+KVPORT_API kvport_status kvport_hybrid_cache_hit_counters(const kvport_hybrid_cache* cache,
+                                                          kvport_hybrid_hit_counters* out);
+
+/** Every group's prefix-cache and pool checks (as
+ *  kvport_cache_check_invariants; violations prefixed "group g: ", counts
+ *  summed). O(total blocks). */
+KVPORT_API kvport_status kvport_hybrid_cache_check_invariants(const kvport_hybrid_cache* cache,
+                                                              kvport_invariant_report* report,
+                                                              char* text, size_t text_size,
+                                                              size_t* text_needed);
+
+/** kvport_cache_synchronize of every group (all are waited for; the first
+ *  error is returned). */
+KVPORT_API kvport_status kvport_hybrid_cache_synchronize(kvport_hybrid_cache* cache);
+
+/* ---- hybrid block tables ------------------------------------------------------------------ */
+
+/** The entry of a released block in a hybrid block list (never a valid id). */
+#define KVPORT_NULL_BLOCK 0xFFFFFFFFu
+
+/** An empty table (one sequence over every group, kvport::HybridBlockTable);
+ *  `extra_key` (e.g. a LoRA id) goes into every block hash. Freeing rules:
+ *  at each append, a window group releases the blocks wholly before its
+ *  window and a chunked group those before the current chunk; their entries
+ *  become KVPORT_NULL_BLOCK (full ones stay cached, evictable). A state group
+ *  holds one working slot (zeroed when first allocated; the engine updates it
+ *  in place) and caches a checkpoint copy at the blocks the cache's interval
+ *  says. */
+KVPORT_API kvport_status kvport_hybrid_block_table_create(kvport_hybrid_cache* cache,
+                                                          uint64_t extra_key,
+                                                          kvport_hybrid_block_table** out);
+
+/** Releases every block and slot of the table and destroys it. */
+KVPORT_API kvport_status kvport_hybrid_block_table_destroy(kvport_hybrid_block_table* table);
+
+/** Starts an empty table from the longest cached prefix of `prompt` valid for
+ *  every group (full attention and MLA: the chain from block 0; a window
+ *  group: the blocks of the W - 1 tokens before the hit point; a chunked
+ *  group: the hit point's chunk; a state group: a checkpoint at exactly the
+ *  hit point, copied into a new working slot on `stream`). Entries before what
+ *  a group needs are KVPORT_NULL_BLOCK. *out_hit_tokens gets the tokens it
+ *  covers, a multiple of the block size (compute-last-token mode: at most
+ *  num_tokens - 1). KVPORT_ERR_INVALID_ARGUMENT when the table is not
+ *  empty. */
+KVPORT_API kvport_status kvport_hybrid_block_table_reuse_cached_prefix(
+    kvport_hybrid_block_table* table, const uint32_t* prompt, size_t num_tokens,
+    kvport_stream* stream, size_t* out_hit_tokens);
+
+/** A kvport_prefix_hit_mode (KVPORT_ERR_INVALID_ARGUMENT for another value). */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_set_prefix_hit_mode(kvport_hybrid_block_table* table, int32_t mode);
+KVPORT_API kvport_status
+kvport_hybrid_block_table_prefix_hit_mode(const kvport_hybrid_block_table* table, int32_t* out);
+
+/** Appends tokens in every group: applies the freeing rules, takes a state
+ *  checkpoint when due, copies a shared last block first (copy-on-write),
+ *  allocates what is needed, all on `stream`. All or nothing across groups:
+ *  KVPORT_ERR_CACHE_EXHAUSTED (the message names the group) before any
+ *  change when some group lacks blocks. */
+KVPORT_API kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_block_table* table,
+                                                                 const uint32_t* tokens,
+                                                                 size_t num_tokens,
+                                                                 kvport_stream* stream);
+
+/** Whether appending `num_tokens` would find every block it needs in every
+ *  group (free or evictable, counting what the freeing rules release). */
+KVPORT_API kvport_status kvport_hybrid_block_table_can_append(
+    const kvport_hybrid_block_table* table, size_t num_tokens, bool* out);
+
+/** One group's need for an append (kvport::HybridBlockTable::GroupNeed). */
+typedef struct kvport_group_need {
+  size_t fresh;    /**< blocks (slots) to allocate */
+  size_t released; /**< blocks the freeing rules give back to the group first */
+} kvport_group_need;
+
+/** Each group's need for appending `num_tokens`, into `out`, which must have
+ *  room for num_groups entries (KVPORT_ERR_INVALID_ARGUMENT otherwise);
+ *  *out_count gets num_groups. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_blocks_needed(const kvport_hybrid_block_table* table, size_t num_tokens,
+                                        kvport_group_need* out, size_t capacity, size_t* out_count);
+
+/** A new table sharing every live block of `table` (one reference each);
+ *  each state group's working state is copied into a new slot on `stream`.
+ *  KVPORT_ERR_CACHE_EXHAUSTED (nothing changed) when a state group has no
+ *  slot for the copy. */
+KVPORT_API kvport_status kvport_hybrid_block_table_fork(const kvport_hybrid_block_table* table,
+                                                        kvport_stream* stream,
+                                                        kvport_hybrid_block_table** out);
+
+/** Releases every block and slot and empties the table (it stays usable). */
+KVPORT_API kvport_status kvport_hybrid_block_table_release(kvport_hybrid_block_table* table);
+
+KVPORT_API kvport_status
+kvport_hybrid_block_table_num_tokens(const kvport_hybrid_block_table* table, size_t* out);
+
+/* Per group: KVPORT_ERR_OUT_OF_RANGE for group >= the cache's num_groups. */
+
+/** Entries of group g's block list, KVPORT_NULL_BLOCK entries included (0
+ *  for a state group). */
+KVPORT_API kvport_status kvport_hybrid_block_table_num_blocks(
+    const kvport_hybrid_block_table* table, size_t group, size_t* out);
+
+/** Entries of group g's block list that are not KVPORT_NULL_BLOCK. */
+KVPORT_API kvport_status kvport_hybrid_block_table_num_live_blocks(
+    const kvport_hybrid_block_table* table, size_t group, size_t* out);
+
+/** Group g's block list in sequence order, KVPORT_NULL_BLOCK where a block
+ *  was released, copied into `out`, which must have room for num_blocks
+ *  entries (KVPORT_ERR_INVALID_ARGUMENT otherwise, nothing written; `out`
+ *  may be null when there are none); *out_count gets the count. */
+KVPORT_API kvport_status kvport_hybrid_block_table_blocks(const kvport_hybrid_block_table* table,
+                                                          size_t group, uint32_t* out,
+                                                          size_t capacity, size_t* out_count);
+
+/** Group g's working state slot: *out_has_slot false (and *out_slot
+ *  unchanged) before the first append or for a group that is not a state
+ *  group. The slot is a block of the group's pool
+ *  (kvport_hybrid_cache_group_cache). */
+KVPORT_API kvport_status kvport_hybrid_block_table_state_slot(
+    const kvport_hybrid_block_table* table, size_t group, bool* out_has_slot, uint32_t* out_slot);
+
+/** Copy-on-write copies (every group) this table made. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_copy_on_writes(const kvport_hybrid_block_table* table, uint64_t* out);
 
 /* ---- testing ------------------------------------------------------------------------------ */
 

@@ -75,6 +75,8 @@ pub struct PagedKvCache {
     backend: Backend,
     config: KvCacheConfig,
     num_blocks: usize,
+    /// A hybrid cache's group pool: the hybrid cache destroys the handle.
+    lent: bool,
 }
 
 // SAFETY: see the type's documentation. The raw pointer keeps it !Sync.
@@ -84,7 +86,9 @@ impl Drop for PagedKvCache {
     fn drop(&mut self) {
         // Prefix caches and block tables borrow the cache, so none is alive
         // here and destroy cannot report HANDLE_IN_USE.
-        unsafe { ffi::kvport_cache_destroy(self.raw) };
+        if !self.lent {
+            unsafe { ffi::kvport_cache_destroy(self.raw) };
+        }
     }
 }
 
@@ -114,7 +118,29 @@ impl PagedKvCache {
         config.with_c(|c| {
             check(unsafe { ffi::kvport_cache_create(c, num_blocks, backend.raw(), &mut raw) })
         })?;
-        Ok(PagedKvCache { raw, backend, config, num_blocks })
+        Ok(PagedKvCache { raw, backend, config, num_blocks, lent: false })
+    }
+
+    /// A cache over a handle lent by a hybrid cache (its group pool): the
+    /// config and block count read back; dropping it leaves the handle to the
+    /// hybrid cache. The caller keeps it from outliving the hybrid cache.
+    pub(crate) fn from_lent(raw: *mut ffi::kvport_cache, backend: Backend) -> Result<Self, KvError> {
+        let mut c = ffi::kvport_config {
+            num_layers: 0,
+            block_size: 0,
+            num_kv_heads: 0,
+            head_dim_k: 0,
+            head_dim_v: 0,
+            dtype: 0,
+            layout: 0,
+            layer_dtypes: ptr::null(),
+            num_layer_dtypes: 0,
+        };
+        check(unsafe { ffi::kvport_cache_config(raw, &mut c) })?;
+        let config = KvCacheConfig::from_c(&c)?;
+        let mut num_blocks = 0usize;
+        check(unsafe { ffi::kvport_cache_num_blocks(raw, &mut num_blocks) })?;
+        Ok(PagedKvCache { raw, backend, config, num_blocks, lent: true })
     }
 
     /// How many blocks of `config` fit in `available_bytes` (kvport includes

@@ -185,6 +185,31 @@ impl KvCacheConfig {
     /// `Err(InvalidArgument)` naming the field for a zero size, a
     /// layer_dtypes of the wrong length, a head_dim that is not a multiple of
     /// a packed dtype's group, or an overflow.
+    /// The config a C struct describes (per-layer dtypes copied).
+    pub(crate) fn from_c(c: &ffi::kvport_config) -> Result<KvCacheConfig, KvError> {
+        let dtype = |raw: i32| {
+            KvCacheDtype::from_raw(raw).ok_or_else(|| KvError::Unknown(format!("kvport returned dtype {}", raw)))
+        };
+        let mut layer_dtypes = Vec::new();
+        if c.num_layer_dtypes > 0 && !c.layer_dtypes.is_null() {
+            // SAFETY: num_layer_dtypes values that live as long as the cache.
+            for &d in unsafe { std::slice::from_raw_parts(c.layer_dtypes, c.num_layer_dtypes) } {
+                layer_dtypes.push(dtype(d)?);
+            }
+        }
+        Ok(KvCacheConfig {
+            num_layers: c.num_layers,
+            block_size: c.block_size,
+            num_kv_heads: c.num_kv_heads,
+            head_dim_k: c.head_dim_k,
+            head_dim_v: c.head_dim_v,
+            dtype: dtype(c.dtype)?,
+            layer_dtypes,
+            layout: KvCacheLayout::from_raw(c.layout)
+                .ok_or_else(|| KvError::Unknown(format!("kvport returned layout {}", c.layout)))?,
+        })
+    }
+
     pub fn validate(&self) -> Result<(), KvError> {
         self.with_c(|c| check(unsafe { ffi::kvport_config_validate(c) }))
     }

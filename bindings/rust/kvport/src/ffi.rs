@@ -3,7 +3,8 @@
 //!
 //! `tests/header_check.rs` parses the header and this file and fails when a
 //! function, a parameter type, a struct field or an enum constant differs.
-//! C enums are `c_int` here (the header's structs store them as `int32_t`).
+//! C enums are `c_int` here (the header's structs store them as `int32_t`);
+//! the header's integer `#define`s are `pub const`s of the same value.
 #![allow(non_camel_case_types)]
 
 use std::os::raw::{c_char, c_int, c_void};
@@ -43,6 +44,14 @@ pub struct kvport_prefix_cache {
 }
 #[repr(C)]
 pub struct kvport_block_table {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_hybrid_cache {
+    _opaque: [u8; 0],
+}
+#[repr(C)]
+pub struct kvport_hybrid_block_table {
     _opaque: [u8; 0],
 }
 
@@ -131,6 +140,107 @@ pub struct kvport_prefix_cache_counters {
 pub type kvport_prefix_hit_mode = c_int;
 pub const KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN: kvport_prefix_hit_mode = 0;
 pub const KVPORT_PREFIX_HIT_FULL: kvport_prefix_hit_mode = 1;
+
+// ---- layer specs, the planner, hybrid caches ---------------------------------
+
+pub type kvport_layer_kind = c_int;
+pub const KVPORT_LAYER_FULL_ATTENTION: kvport_layer_kind = 0;
+pub const KVPORT_LAYER_MLA: kvport_layer_kind = 1;
+pub const KVPORT_LAYER_SLIDING_WINDOW: kvport_layer_kind = 2;
+pub const KVPORT_LAYER_CHUNKED_LOCAL: kvport_layer_kind = 3;
+pub const KVPORT_LAYER_STATE: kvport_layer_kind = 4;
+pub const KVPORT_LAYER_NONE: kvport_layer_kind = 5;
+
+pub type kvport_mla_format = c_int;
+pub const KVPORT_MLA_PLAIN: kvport_mla_format = 0;
+pub const KVPORT_MLA_FP8_DS_MLA: kvport_mla_format = 1;
+
+pub type kvport_state_dtype = c_int;
+pub const KVPORT_STATE_F32: kvport_state_dtype = 0;
+pub const KVPORT_STATE_F16: kvport_state_dtype = 1;
+pub const KVPORT_STATE_BF16: kvport_state_dtype = 2;
+
+// #define constants of the header.
+pub const KVPORT_STATE_MAX_DIMS: usize = 8;
+pub const KVPORT_NULL_BLOCK: u32 = 0xFFFFFFFF;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_state_tensor {
+    pub name: *const c_char,
+    pub ndim: usize,
+    pub shape: [usize; KVPORT_STATE_MAX_DIMS],
+    pub dtype: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_layer_spec {
+    pub kind: i32,
+    pub num_kv_heads: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    pub dtype: i32,
+    pub window: usize,
+    pub chunk: usize,
+    pub kv_lora_rank: usize,
+    pub rope_dim: usize,
+    pub mla_format: i32,
+    pub state: *const kvport_state_tensor,
+    pub num_state: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvport_plan_request {
+    pub budget_bytes: usize,
+    pub max_context_tokens: usize,
+    pub max_requests: usize,
+    pub step_tokens: usize,
+    pub state_checkpoints: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvport_group_plan {
+    pub kind: i32,
+    pub num_layers: usize,
+    pub bytes_per_block: usize,
+    pub bytes_per_token: usize,
+    pub bytes_per_request: usize,
+    pub peak_blocks_per_request: usize,
+    pub num_blocks: usize,
+    pub bytes: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvport_plan {
+    pub block_size: usize,
+    pub num_groups: usize,
+    pub total_bytes: usize,
+    pub max_concurrent_requests: usize,
+    pub peak_bytes_per_request: usize,
+    pub all_full_peak_bytes_per_request: usize,
+    pub shared_pool_peak_bytes_per_request: usize,
+    pub ratio_to_all_full: f64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvport_hybrid_hit_counters {
+    pub lookups: u64,
+    pub lookup_tokens: u64,
+    pub hit_tokens: u64,
+    pub state_checkpoints: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvport_group_need {
+    pub fresh: usize,
+    pub released: usize,
+}
 
 extern "C" {
     // errors and version
@@ -431,6 +541,193 @@ extern "C" {
         -> kvport_status;
     pub fn kvport_block_table_copy_on_writes(table: *const kvport_block_table, out: *mut u64)
         -> kvport_status;
+
+    // layer specs
+    pub fn kvport_layer_spec_init(spec: *mut kvport_layer_spec) -> kvport_status;
+    pub fn kvport_layer_spec_validate(spec: *const kvport_layer_spec, block_size: usize)
+        -> kvport_status;
+    pub fn kvport_layer_spec_describe(
+        spec: *const kvport_layer_spec,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_layer_spec_block_bytes(
+        spec: *const kvport_layer_spec,
+        block_size: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_layer_spec_state_bytes(spec: *const kvport_layer_spec, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_layer_spec_state_offset(
+        spec: *const kvport_layer_spec,
+        index: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+
+    // the hybrid planner
+    pub fn kvport_plan_request_init(request: *mut kvport_plan_request) -> kvport_status;
+    pub fn kvport_plan_kv_cache(
+        specs: *const kvport_layer_spec,
+        num_layers: usize,
+        block_size: usize,
+        request: *const kvport_plan_request,
+        out_plan: *mut kvport_plan,
+        out_groups: *mut kvport_group_plan,
+        groups_capacity: usize,
+    ) -> kvport_status;
+
+    // hybrid caches
+    pub fn kvport_hybrid_cache_create(
+        backend: *mut kvport_backend,
+        specs: *const kvport_layer_spec,
+        num_layers: usize,
+        block_size: usize,
+        state_checkpoint_interval: usize,
+        blocks_per_group: *const usize,
+        num_groups: usize,
+        out: *mut *mut kvport_hybrid_cache,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_destroy(cache: *mut kvport_hybrid_cache) -> kvport_status;
+    pub fn kvport_hybrid_cache_num_layers(cache: *const kvport_hybrid_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_hybrid_cache_num_groups(cache: *const kvport_hybrid_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_hybrid_cache_block_size(cache: *const kvport_hybrid_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_hybrid_cache_total_bytes(cache: *const kvport_hybrid_cache, out: *mut usize)
+        -> kvport_status;
+    pub fn kvport_hybrid_cache_group_kind(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_spec(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut kvport_layer_spec,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_num_layers(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_layers(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut usize,
+        capacity: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_blocks_in_use(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_cache(
+        cache: *mut kvport_hybrid_cache,
+        group: usize,
+        out: *mut *mut kvport_cache,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_locate(
+        cache: *const kvport_hybrid_cache,
+        layer: usize,
+        out_has_kv: *mut bool,
+        out_group: *mut usize,
+        out_index: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_hit_counters(
+        cache: *const kvport_hybrid_cache,
+        out: *mut kvport_hybrid_hit_counters,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_check_invariants(
+        cache: *const kvport_hybrid_cache,
+        report: *mut kvport_invariant_report,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_synchronize(cache: *mut kvport_hybrid_cache) -> kvport_status;
+
+    // hybrid block tables
+    pub fn kvport_hybrid_block_table_create(
+        cache: *mut kvport_hybrid_cache,
+        extra_key: u64,
+        out: *mut *mut kvport_hybrid_block_table,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_destroy(table: *mut kvport_hybrid_block_table)
+        -> kvport_status;
+    pub fn kvport_hybrid_block_table_reuse_cached_prefix(
+        table: *mut kvport_hybrid_block_table,
+        prompt: *const u32,
+        num_tokens: usize,
+        stream: *mut kvport_stream,
+        out_hit_tokens: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_set_prefix_hit_mode(
+        table: *mut kvport_hybrid_block_table,
+        mode: i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_prefix_hit_mode(
+        table: *const kvport_hybrid_block_table,
+        out: *mut i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_append_tokens(
+        table: *mut kvport_hybrid_block_table,
+        tokens: *const u32,
+        num_tokens: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_can_append(
+        table: *const kvport_hybrid_block_table,
+        num_tokens: usize,
+        out: *mut bool,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_blocks_needed(
+        table: *const kvport_hybrid_block_table,
+        num_tokens: usize,
+        out: *mut kvport_group_need,
+        capacity: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_fork(
+        table: *const kvport_hybrid_block_table,
+        stream: *mut kvport_stream,
+        out: *mut *mut kvport_hybrid_block_table,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_release(table: *mut kvport_hybrid_block_table)
+        -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_tokens(
+        table: *const kvport_hybrid_block_table,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_blocks(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_live_blocks(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_blocks(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out: *mut u32,
+        capacity: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_state_slot(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out_has_slot: *mut bool,
+        out_slot: *mut u32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_copy_on_writes(
+        table: *const kvport_hybrid_block_table,
+        out: *mut u64,
+    ) -> kvport_status;
 
     // testing
     pub fn kvport_testing_inject_async_fault(

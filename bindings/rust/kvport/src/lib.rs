@@ -26,7 +26,10 @@
 //! Thread safety: [`Backend`] is `Send + Sync`; [`PagedKvCache`] and
 //! [`Stream`] are `Send` but not `Sync` (one thread at a time, as the C++
 //! cache); [`PrefixCache`] and [`BlockTable`] borrow their parent and are
-//! neither. docs/bindings/rust.md has the details. These do not compile:
+//! neither. Hybrid models ([`LayerSpec`] per layer, [`plan_kv_cache`],
+//! [`HybridKvCache`]: one pool per KV cache group) follow the same rules: the
+//! cache is `Send`, not `Sync`; [`HybridBlockTable`] and [`GroupPool`] borrow
+//! it. docs/bindings/rust.md has the details. These do not compile:
 //!
 //! ```compile_fail
 //! fn assert_sync<T: Sync>() {}
@@ -44,12 +47,19 @@ mod backend;
 mod cache;
 mod config;
 mod error;
+mod hybrid;
+mod layer_spec;
 mod prefix;
 
 pub use backend::{Backend, DevicePtr, GpuBackend, Stream, DEFAULT_STREAM};
 pub use cache::{CacheCounters, InvariantReport, PagedKvCache};
 pub use config::{KvCacheConfig, KvCacheDtype, KvCacheLayout, RegionLayout};
 pub use error::KvError;
+pub use hybrid::{
+    plan_kv_cache, GroupNeed, GroupPlan, GroupPool, HybridBlockTable, HybridHitCounters, HybridKvCache, KvCachePlan,
+    LayerLocation, PlanRequest, NULL_BLOCK,
+};
+pub use layer_spec::{LayerKind, LayerSpec, MlaFormat, StateDtype, StateTensor};
 pub use prefix::{BlockTable, PrefixCache, PrefixCacheCounters, PrefixHitMode};
 
 /// The version of the libkvport_c this process loaded ("0.1.0").

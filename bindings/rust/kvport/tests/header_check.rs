@@ -8,9 +8,12 @@
 //!   `c_void`, C enums -> their `c_int` alias of the same name, handles and
 //!   structs by name, `const T*` -> `*const T`, `T*` -> `*mut T`, nested);
 //! - structs: field names, order and types (`typedef struct x { ... } x;`
-//!   with fields, not the opaque handles);
+//!   with fields, not the opaque handles); an array field `T name[N]` is
+//!   `[T; N]`, N a number or a `#define`d constant, compared by value;
 //! - enum constants: every `KVPORT_*` enumerator's value is a `pub const` of
-//!   the same value and the enum's alias type.
+//!   the same value and the enum's alias type;
+//! - integer constants: every `#define KVPORT_* <integer>` is a `pub const`
+//!   of the same value (any integer type).
 //!
 //! The header is `$KVPORT_C_INCLUDE_DIR/kvport/kvport.h` when that is set,
 //! else the source tree's bindings/c/include/kvport/kvport.h.
@@ -87,6 +90,7 @@ fn c_base_to_rust(base: &str) -> String {
         "bool" => "bool",
         "char" => "c_char",
         "void" => "c_void",
+        "double" => "f64",
         other => other, // kvport_* typedefs keep their names
     }
     .to_string()
@@ -162,8 +166,47 @@ fn header_functions(header: &str) -> BTreeMap<String, Func> {
     out
 }
 
+/// A C or Rust integer literal: decimal or 0x hex, with an optional `u`
+/// suffix (C) and `_` separators (Rust).
+fn parse_int(text: &str) -> Option<i64> {
+    let t = text.trim().trim_end_matches(|c| c == 'u' || c == 'U').replace('_', "");
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) => i64::from_str_radix(hex, 16).ok(),
+        None => t.parse().ok(),
+    }
+}
+
+/// `#define KVPORT_NAME <integer>` lines of the raw header (comments out).
+fn header_defines(header_src: &str) -> BTreeMap<String, i64> {
+    let mut out = BTreeMap::new();
+    for line in strip_comments(header_src).lines() {
+        let rest = match line.trim().strip_prefix("#define ") {
+            Some(r) => r.trim(),
+            None => continue,
+        };
+        let (name, value) = match rest.split_once(char::is_whitespace) {
+            Some(nv) => nv,
+            None => continue, // an include guard
+        };
+        if let (true, Some(v)) = (name.starts_with("KVPORT_"), parse_int(value)) {
+            out.insert(name.to_string(), v);
+        }
+    }
+    out
+}
+
+/// `[T; N]` with N resolved through `consts` when it is a name (left as
+/// written when it is no known constant: the field then differs).
+fn array_type(elem: &str, dim: &str, consts: &BTreeMap<String, i64>) -> String {
+    let dim = dim.trim();
+    match parse_int(dim).or_else(|| consts.get(dim).copied()) {
+        Some(n) => format!("[{}; {}]", elem, n),
+        None => format!("[{}; {}]", elem, dim),
+    }
+}
+
 /// `typedef struct name { fields } name;` (not the opaque handles).
-fn header_structs(header: &str) -> BTreeMap<String, Vec<(String, String)>> {
+fn header_structs(header: &str, defines: &BTreeMap<String, i64>) -> BTreeMap<String, Vec<(String, String)>> {
     let mut out = BTreeMap::new();
     let mut rest = header;
     while let Some(pos) = rest.find("typedef struct ") {
@@ -178,12 +221,22 @@ fn header_structs(header: &str) -> BTreeMap<String, Vec<(String, String)>> {
         let end = rest.find('}').unwrap();
         let mut fields = Vec::new();
         for f in rest[brace + 1..end].split(';') {
-            let toks = c_tokens(f);
+            // `T name[N]`: the declarator before '[', the length inside.
+            let (decl, dim) = match f.split_once('[') {
+                Some((d, n)) => (d, Some(n.trim_end().trim_end_matches(']'))),
+                None => (f, None),
+            };
+            let toks = c_tokens(decl);
             if toks.is_empty() {
                 continue;
             }
             let fname = toks.last().unwrap().clone();
-            fields.push((fname, c_type_to_rust(&toks[..toks.len() - 1])));
+            let ty = c_type_to_rust(&toks[..toks.len() - 1]);
+            let ty = match dim {
+                Some(n) => array_type(&ty, n, defines),
+                None => ty,
+            };
+            fields.push((fname, ty));
         }
         out.insert(name, fields);
         rest = &rest[end..];
@@ -254,7 +307,7 @@ fn ffi_functions(src: &str) -> BTreeMap<String, Func> {
     out
 }
 
-fn ffi_structs(src: &str) -> BTreeMap<String, Vec<(String, String)>> {
+fn ffi_structs(src: &str, consts: &BTreeMap<String, i64>) -> BTreeMap<String, Vec<(String, String)>> {
     let mut out = BTreeMap::new();
     let mut rest = src;
     while let Some(pos) = rest.find("pub struct ") {
@@ -270,7 +323,16 @@ fn ffi_structs(src: &str) -> BTreeMap<String, Vec<(String, String)>> {
             }
             let f = f.strip_prefix("pub ").unwrap_or(f);
             let (n, ty) = f.split_once(':').unwrap();
-            fields.push((n.trim().to_string(), rust_type(ty)));
+            let ty = rust_type(ty);
+            // `[T; N]`: N resolved, as on the header's side.
+            let ty = match ty.strip_prefix('[').and_then(|t| t.strip_suffix(']')) {
+                Some(inner) => {
+                    let (elem, dim) = inner.split_once(';').expect("[T; N]");
+                    array_type(elem.trim(), dim, consts)
+                }
+                None => ty,
+            };
+            fields.push((n.trim().to_string(), ty));
         }
         // Opaque handles (`_opaque: [u8; 0]`) are not compared.
         if !(fields.len() == 1 && fields[0].0 == "_opaque") {
@@ -290,7 +352,8 @@ fn ffi_consts(src: &str) -> BTreeMap<String, (String, i64)> {
             let (name, rest) = rest.split_once(':').unwrap();
             let (ty, value) = rest.split_once('=').unwrap();
             let value = value.trim().trim_end_matches(';').trim();
-            out.insert(name.trim().to_string(), (ty.trim().to_string(), value.parse().unwrap()));
+            let value = parse_int(value).unwrap_or_else(|| panic!("{}: value {:?}", name, value));
+            out.insert(name.trim().to_string(), (ty.trim().to_string(), value));
         }
     }
     out
@@ -317,6 +380,9 @@ fn compare(header_src: &str, ffi_src: &str) -> Vec<String> {
         .collect::<Vec<_>>()
         .join("\n");
     let ffi = strip_comments(ffi_src);
+    let defines = header_defines(header_src);
+    let rc = ffi_consts(&ffi);
+    let rust_values: BTreeMap<String, i64> = rc.iter().map(|(k, (_, v))| (k.clone(), *v)).collect();
     let mut problems = Vec::new();
 
     let hf = header_functions(&header);
@@ -352,8 +418,8 @@ fn compare(header_src: &str, ffi_src: &str) -> Vec<String> {
         }
     }
 
-    let hs = header_structs(&header);
-    let rs = ffi_structs(&ffi);
+    let hs = header_structs(&header, &defines);
+    let rs = ffi_structs(&ffi, &rust_values);
     assert!(hs.len() >= 6, "parsed only {} structs from the header", hs.len());
     for (name, fields) in &hs {
         match rs.get(name) {
@@ -371,7 +437,6 @@ fn compare(header_src: &str, ffi_src: &str) -> Vec<String> {
     }
 
     let he = header_enums(&header);
-    let rc = ffi_consts(&ffi);
     let aliases = ffi_aliases(&ffi);
     assert!(he.len() >= 20, "parsed only {} enumerators from the header", he.len());
     for (name, (enum_name, value)) in &he {
@@ -390,8 +455,15 @@ fn compare(header_src: &str, ffi_src: &str) -> Vec<String> {
             problems.push(format!("enum {}: ffi.rs needs `pub type {} = c_int;`", enum_name, enum_name));
         }
     }
+    for (name, value) in &defines {
+        match rc.get(name) {
+            None => problems.push(format!("{}: #define of the header not in ffi.rs", name)),
+            Some((_, v)) if v != value => problems.push(format!("{}: header {}, ffi.rs {}", name, value, v)),
+            Some(_) => {}
+        }
+    }
     for name in rc.keys() {
-        if !he.contains_key(name) {
+        if !he.contains_key(name) && !defines.contains_key(name) {
             problems.push(format!("{}: constant in ffi.rs, not in the header", name));
         }
     }
@@ -452,6 +524,14 @@ fn the_check_sees_a_mismatch() {
             "pub const KVPORT_ERR_UNKNOWN: kvport_status = 11;",
             "KVPORT_ERR_UNKNOWN: header 10, ffi.rs 11",
         ),
+        (
+            "pub const KVPORT_NULL_BLOCK: u32 = 0xFFFFFFFF;",
+            "pub const KVPORT_NULL_BLOCK: u32 = 0xFFFFFFFE;",
+            "KVPORT_NULL_BLOCK: header 4294967295, ffi.rs 4294967294",
+        ),
+        ("pub const KVPORT_STATE_MAX_DIMS: usize = 8;", "", "KVPORT_STATE_MAX_DIMS: #define of the header not in ffi.rs"),
+        ("pub shape: [usize; KVPORT_STATE_MAX_DIMS],", "pub shape: [usize; 4],", "struct kvport_state_tensor"),
+        ("pub ratio_to_all_full: f64,", "pub ratio_to_all_full: f32,", "struct kvport_plan"),
     ];
     for (from, to, expected) in cases.iter() {
         assert!(ffi.contains(from), "test case out of date: {:?}", from);

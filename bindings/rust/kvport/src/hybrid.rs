@@ -1,0 +1,569 @@
+//! Hybrid models: the planner (`plan_kv_cache`), `HybridKvCache` (one block
+//! pool and prefix cache per KV cache group) and `HybridBlockTable` (one
+//! sequence over every group), over `kvport_plan_kv_cache`,
+//! `kvport_hybrid_cache` and `kvport_hybrid_block_table`.
+//! docs/hybrid-models.md has the design, docs/bindings/rust.md an example.
+
+use std::marker::PhantomData;
+use std::ops::Deref;
+use std::ptr;
+
+use crate::backend::{stream_ptr, Backend, GpuBackend};
+use crate::cache::{invariant_report, InvariantReport, PagedKvCache};
+use crate::error::{check, expect_ok, KvError};
+use crate::ffi;
+use crate::layer_spec::{with_c_specs, LayerKind, LayerSpec};
+use crate::prefix::PrefixHitMode;
+
+/// The entry of a released block in a hybrid block list (never a valid id).
+pub const NULL_BLOCK: u32 = ffi::KVPORT_NULL_BLOCK;
+
+// ---- the planner ---------------------------------------------------------------
+
+/// What [`plan_kv_cache`] is asked to fit (kvport::KvCachePlanRequest).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanRequest {
+    /// Memory for every group's pools together.
+    pub budget_bytes: usize,
+    /// The longest sequence (prompt + output).
+    pub max_context_tokens: usize,
+    /// Requests of `max_context_tokens` that must fit at once; 0: no minimum.
+    pub max_requests: usize,
+    /// Tokens a running request appends per step (1 for decode).
+    pub step_tokens: usize,
+    /// Cached state checkpoints kept per request beside its working state.
+    pub state_checkpoints: usize,
+}
+
+impl Default for PlanRequest {
+    /// kvport's defaults: everything 0 but `step_tokens` and
+    /// `state_checkpoints`, 1.
+    fn default() -> Self {
+        let mut r = ffi::kvport_plan_request::default();
+        expect_ok(unsafe { ffi::kvport_plan_request_init(&mut r) }, "kvport_plan_request_init");
+        PlanRequest {
+            budget_bytes: r.budget_bytes,
+            max_context_tokens: r.max_context_tokens,
+            max_requests: r.max_requests,
+            step_tokens: r.step_tokens,
+            state_checkpoints: r.state_checkpoints,
+        }
+    }
+}
+
+impl PlanRequest {
+    pub fn new(budget_bytes: usize, max_context_tokens: usize) -> PlanRequest {
+        PlanRequest { budget_bytes, max_context_tokens, ..PlanRequest::default() }
+    }
+}
+
+/// One group's share (kvport::GroupPlan).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupPlan {
+    pub kind: LayerKind,
+    pub num_layers: usize,
+    /// One block id (one state slot), all layers.
+    pub bytes_per_block: usize,
+    /// Per-token kinds, all layers; 0 for state.
+    pub bytes_per_token: usize,
+    /// State: one state, all layers; else 0.
+    pub bytes_per_request: usize,
+    /// Blocks (slots) one request of the maximum context holds at its peak.
+    pub peak_blocks_per_request: usize,
+    /// Blocks (slots) of the group's pool.
+    pub num_blocks: usize,
+    /// The pool's bytes, allocation rounding included.
+    pub bytes: usize,
+}
+
+/// The planner's answer (kvport::KvCachePlan).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvCachePlan {
+    pub block_size: usize,
+    /// In group order (the order of each group's first layer).
+    pub groups: Vec<GroupPlan>,
+    pub total_bytes: usize,
+    /// Requests of the maximum context that fit at once.
+    pub max_concurrent_requests: usize,
+    pub peak_bytes_per_request: usize,
+    /// The same with window and chunked layers treated as full attention.
+    pub all_full_peak_bytes_per_request: usize,
+    /// The same in one shared pool of pages padded to the largest page.
+    pub shared_pool_peak_bytes_per_request: usize,
+    /// `peak_bytes_per_request / all_full_peak_bytes_per_request`.
+    pub ratio_to_all_full: f64,
+}
+
+impl KvCachePlan {
+    /// Each group's block count: what [`HybridKvCache::new`] takes.
+    pub fn blocks_per_group(&self) -> Vec<usize> {
+        self.groups.iter().map(|g| g.num_blocks).collect()
+    }
+}
+
+/// Groups `layers` and splits `request.budget_bytes` between the groups in
+/// the ratio of their peak need per request (kvport::plan_kv_cache).
+/// `InvalidArgument` for a bad spec, only `none` layers, a zero block size,
+/// budget, context or step, a budget too small for one block of a group, or
+/// one that holds fewer than `request.max_requests` requests.
+pub fn plan_kv_cache(layers: &[LayerSpec], block_size: usize, request: &PlanRequest) -> Result<KvCachePlan, KvError> {
+    let r = ffi::kvport_plan_request {
+        budget_bytes: request.budget_bytes,
+        max_context_tokens: request.max_context_tokens,
+        max_requests: request.max_requests,
+        step_tokens: request.step_tokens,
+        state_checkpoints: request.state_checkpoints,
+    };
+    let mut plan = ffi::kvport_plan::default();
+    // There are never more groups than layers.
+    let mut groups = vec![ffi::kvport_group_plan::default(); layers.len()];
+    with_c_specs(layers, |specs, n| {
+        check(unsafe { ffi::kvport_plan_kv_cache(specs, n, block_size, &r, &mut plan, groups.as_mut_ptr(), groups.len()) })
+    })?;
+    groups.truncate(plan.num_groups);
+    let groups = groups
+        .iter()
+        .map(|g| {
+            Ok(GroupPlan {
+                kind: LayerKind::from_raw(g.kind).ok_or_else(|| KvError::Unknown(format!("kvport returned kind {}", g.kind)))?,
+                num_layers: g.num_layers,
+                bytes_per_block: g.bytes_per_block,
+                bytes_per_token: g.bytes_per_token,
+                bytes_per_request: g.bytes_per_request,
+                peak_blocks_per_request: g.peak_blocks_per_request,
+                num_blocks: g.num_blocks,
+                bytes: g.bytes,
+            })
+        })
+        .collect::<Result<Vec<_>, KvError>>()?;
+    Ok(KvCachePlan {
+        block_size: plan.block_size,
+        groups,
+        total_bytes: plan.total_bytes,
+        max_concurrent_requests: plan.max_concurrent_requests,
+        peak_bytes_per_request: plan.peak_bytes_per_request,
+        all_full_peak_bytes_per_request: plan.all_full_peak_bytes_per_request,
+        shared_pool_peak_bytes_per_request: plan.shared_pool_peak_bytes_per_request,
+        ratio_to_all_full: plan.ratio_to_all_full,
+    })
+}
+
+// ---- hybrid caches -----------------------------------------------------------------
+
+/// Where a model layer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerLocation {
+    pub group: usize,
+    /// The layer's index inside the group's pool.
+    pub index: usize,
+}
+
+/// Counters of `reuse_cached_prefix` over a hybrid cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HybridHitCounters {
+    pub lookups: u64,
+    pub lookup_tokens: u64,
+    /// Tokens the hits covered (valid for every group).
+    pub hit_tokens: u64,
+    /// State copies cached (every state group).
+    pub state_checkpoints: u64,
+}
+
+/// A model's KV cache as KV cache groups (kvport::HybridKvCache): one block
+/// pool and one prefix cache per group. Sequences use it through
+/// [`HybridBlockTable`]s, which borrow it; a group's pool (pointers, strides,
+/// read/write) is [`group_pool`](Self::group_pool).
+///
+/// Dropping it waits for the device work its pools queued and frees them.
+/// `Send`, not `Sync` (one thread at a time, as the C++ cache).
+pub struct HybridKvCache {
+    raw: *mut ffi::kvport_hybrid_cache,
+    backend: Backend,
+    num_groups: usize,
+}
+
+// SAFETY: as PagedKvCache: no thread-affine state; the raw pointer keeps it !Sync.
+unsafe impl Send for HybridKvCache {}
+
+impl Drop for HybridKvCache {
+    fn drop(&mut self) {
+        // Tables and group pools borrow the cache: none is alive here.
+        unsafe { ffi::kvport_hybrid_cache_destroy(self.raw) };
+    }
+}
+
+impl std::fmt::Debug for HybridKvCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridKvCache")
+            .field("backend", &self.backend)
+            .field("num_layers", &self.num_layers())
+            .field("num_groups", &self.num_groups)
+            .field("total_bytes", &self.total_bytes())
+            .finish()
+    }
+}
+
+impl HybridKvCache {
+    /// Groups `layers` and allocates group g's pool with
+    /// `blocks_per_group[g]` blocks (state groups: slots) on `gpu`, layer-major.
+    /// State groups cache a copy of a sequence's state every
+    /// `state_checkpoint_interval` full blocks (0: never). `InvalidArgument`
+    /// for a bad spec, a count per group other than one, a zero count;
+    /// `OutOfMemory` when the pools do not fit.
+    pub fn new(
+        layers: &[LayerSpec],
+        block_size: usize,
+        state_checkpoint_interval: usize,
+        blocks_per_group: &[usize],
+        gpu: &dyn GpuBackend,
+    ) -> Result<HybridKvCache, KvError> {
+        let backend = gpu.kvport_backend().clone();
+        let mut raw = ptr::null_mut();
+        with_c_specs(layers, |specs, n| {
+            check(unsafe {
+                ffi::kvport_hybrid_cache_create(
+                    backend.raw(),
+                    specs,
+                    n,
+                    block_size,
+                    state_checkpoint_interval,
+                    blocks_per_group.as_ptr(),
+                    blocks_per_group.len(),
+                    &mut raw,
+                )
+            })
+        })?;
+        let mut num_groups = 0usize;
+        expect_ok(unsafe { ffi::kvport_hybrid_cache_num_groups(raw, &mut num_groups) }, "kvport_hybrid_cache_num_groups");
+        Ok(HybridKvCache { raw, backend, num_groups })
+    }
+
+    /// Sized by a plan of the same layers and block size.
+    pub fn from_plan(
+        layers: &[LayerSpec],
+        plan: &KvCachePlan,
+        state_checkpoint_interval: usize,
+        gpu: &dyn GpuBackend,
+    ) -> Result<HybridKvCache, KvError> {
+        HybridKvCache::new(layers, plan.block_size, state_checkpoint_interval, &plan.blocks_per_group(), gpu)
+    }
+
+    /// The C handle (valid while the cache lives).
+    pub fn raw(&self) -> *mut ffi::kvport_hybrid_cache {
+        self.raw
+    }
+
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    fn size(&self, f: unsafe extern "C" fn(*const ffi::kvport_hybrid_cache, *mut usize) -> ffi::kvport_status) -> usize {
+        let mut n = 0usize;
+        expect_ok(unsafe { f(self.raw, &mut n) }, "kvport_hybrid_cache_*");
+        n
+    }
+
+    /// Model layers.
+    pub fn num_layers(&self) -> usize {
+        self.size(ffi::kvport_hybrid_cache_num_layers)
+    }
+    pub fn num_groups(&self) -> usize {
+        self.num_groups
+    }
+    pub fn block_size(&self) -> usize {
+        self.size(ffi::kvport_hybrid_cache_block_size)
+    }
+    /// Bytes of every pool.
+    pub fn total_bytes(&self) -> usize {
+        self.size(ffi::kvport_hybrid_cache_total_bytes)
+    }
+
+    fn group_size(
+        &self,
+        f: unsafe extern "C" fn(*const ffi::kvport_hybrid_cache, usize, *mut usize) -> ffi::kvport_status,
+        group: usize,
+    ) -> Result<usize, KvError> {
+        let mut n = 0usize;
+        check(unsafe { f(self.raw, group, &mut n) })?;
+        Ok(n)
+    }
+
+    /// The group's kind. `OutOfRange` for group >= num_groups (every group
+    /// query).
+    pub fn group_kind(&self, group: usize) -> Result<LayerKind, KvError> {
+        let mut raw = 0i32;
+        check(unsafe { ffi::kvport_hybrid_cache_group_kind(self.raw, group, &mut raw) })?;
+        LayerKind::from_raw(raw).ok_or_else(|| KvError::Unknown(format!("kvport returned kind {}", raw)))
+    }
+
+    /// The spec of the group's first layer.
+    pub fn group_spec(&self, group: usize) -> Result<LayerSpec, KvError> {
+        let mut c = ffi::kvport_layer_spec {
+            kind: 0,
+            num_kv_heads: 0,
+            head_dim_k: 0,
+            head_dim_v: 0,
+            dtype: 0,
+            window: 0,
+            chunk: 0,
+            kv_lora_rank: 0,
+            rope_dim: 0,
+            mla_format: 0,
+            state: ptr::null(),
+            num_state: 0,
+        };
+        check(unsafe { ffi::kvport_hybrid_cache_group_spec(self.raw, group, &mut c) })?;
+        LayerSpec::from_c(&c)
+    }
+
+    /// The group's model layers, ascending (group layer i is model layer
+    /// `layers[i]`).
+    pub fn group_layers(&self, group: usize) -> Result<Vec<usize>, KvError> {
+        let n = self.group_size(ffi::kvport_hybrid_cache_group_num_layers, group)?;
+        let mut out = vec![0usize; n];
+        let mut count = 0usize;
+        check(unsafe { ffi::kvport_hybrid_cache_group_layers(self.raw, group, out.as_mut_ptr(), out.len(), &mut count) })?;
+        out.truncate(count);
+        Ok(out)
+    }
+
+    /// Blocks (slots) the group holds for sequences (in use, not evictable).
+    pub fn group_blocks_in_use(&self, group: usize) -> Result<usize, KvError> {
+        self.group_size(ffi::kvport_hybrid_cache_group_blocks_in_use, group)
+    }
+
+    /// Where model layer `layer` is; `None` for a layer without KV.
+    /// `OutOfRange` for layer >= num_layers.
+    pub fn locate(&self, layer: usize) -> Result<Option<LayerLocation>, KvError> {
+        let (mut has, mut group, mut index) = (false, 0usize, 0usize);
+        check(unsafe { ffi::kvport_hybrid_cache_locate(self.raw, layer, &mut has, &mut group, &mut index) })?;
+        Ok(if has { Some(LayerLocation { group, index }) } else { None })
+    }
+
+    /// The group's pool as a [`PagedKvCache`] (read-only: `&PagedKvCache`):
+    /// config, pointers, strides, region layouts, `read_block` /
+    /// `write_block`, `zero_blocks`, `check_invariants`. K-only for MLA and
+    /// state groups (no V: the V pointer calls are `InvalidArgument`); a state
+    /// group's block is one slot of `config().head_dim_k` bytes. Its blocks
+    /// belong to the hybrid tables, so the allocation calls (which need
+    /// `&mut`) are not reachable.
+    pub fn group_pool(&self, group: usize) -> Result<GroupPool<'_>, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_hybrid_cache_group_cache(self.raw, group, &mut raw) })?;
+        let cache = PagedKvCache::from_lent(raw, self.backend.clone())?;
+        Ok(GroupPool { cache, _hybrid: PhantomData })
+    }
+
+    pub fn hit_counters(&self) -> HybridHitCounters {
+        let mut c = ffi::kvport_hybrid_hit_counters::default();
+        expect_ok(unsafe { ffi::kvport_hybrid_cache_hit_counters(self.raw, &mut c) }, "kvport_hybrid_cache_hit_counters");
+        HybridHitCounters {
+            lookups: c.lookups,
+            lookup_tokens: c.lookup_tokens,
+            hit_tokens: c.hit_tokens,
+            state_checkpoints: c.state_checkpoints,
+        }
+    }
+
+    /// Every group's checks (violations prefixed "group g: ").
+    pub fn check_invariants(&self) -> Result<InvariantReport, KvError> {
+        let raw = self.raw;
+        invariant_report(|r, t, n, needed| unsafe { ffi::kvport_hybrid_cache_check_invariants(raw, r, t, n, needed) })
+    }
+
+    /// Waits for the device work of every pool.
+    pub fn synchronize(&self) -> Result<(), KvError> {
+        check(unsafe { ffi::kvport_hybrid_cache_synchronize(self.raw) })
+    }
+}
+
+/// A hybrid cache's group pool, borrowed from it: derefs to a
+/// `&PagedKvCache`. It is never destroyed on its own (the hybrid cache frees
+/// its pools).
+pub struct GroupPool<'c> {
+    cache: PagedKvCache, // lent: its Drop leaves the handle alone
+    _hybrid: PhantomData<&'c HybridKvCache>,
+}
+
+impl<'c> std::fmt::Debug for GroupPool<'c> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("GroupPool").field(&self.cache).finish()
+    }
+}
+
+impl<'c> Deref for GroupPool<'c> {
+    type Target = PagedKvCache;
+    fn deref(&self) -> &PagedKvCache {
+        &self.cache
+    }
+}
+
+
+// ---- hybrid block tables ---------------------------------------------------------------
+
+/// One group's need for an append.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupNeed {
+    /// Blocks (slots) to allocate.
+    pub fresh: usize,
+    /// Blocks the freeing rules give back to the group first.
+    pub released: usize,
+}
+
+/// One sequence over every group of a [`HybridKvCache`]
+/// (kvport::HybridBlockTable): one block list per block group, with
+/// [`NULL_BLOCK`] where a window or chunked group released a block, and a
+/// working state slot per state group. Dropping it releases everything.
+pub struct HybridBlockTable<'c> {
+    raw: *mut ffi::kvport_hybrid_block_table,
+    cache: &'c HybridKvCache,
+}
+
+impl<'c> Drop for HybridBlockTable<'c> {
+    fn drop(&mut self) {
+        unsafe { ffi::kvport_hybrid_block_table_destroy(self.raw) };
+    }
+}
+
+impl<'c> std::fmt::Debug for HybridBlockTable<'c> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HybridBlockTable").field("num_tokens", &self.num_tokens()).finish()
+    }
+}
+
+impl<'c> HybridBlockTable<'c> {
+    /// An empty table; `extra_key` (e.g. a LoRA id) goes into every hash.
+    pub fn new(cache: &'c HybridKvCache, extra_key: u64) -> Result<HybridBlockTable<'c>, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_hybrid_block_table_create(cache.raw, extra_key, &mut raw) })?;
+        Ok(HybridBlockTable { raw, cache })
+    }
+
+    pub fn raw(&self) -> *mut ffi::kvport_hybrid_block_table {
+        self.raw
+    }
+
+    pub fn cache(&self) -> &'c HybridKvCache {
+        self.cache
+    }
+
+    /// Starts the (empty) table from the longest cached prefix of `prompt`
+    /// valid for every group; returns the tokens it covers (a multiple of the
+    /// block size). A state hit copies the checkpoint on `stream`.
+    /// `InvalidArgument` when the table is not empty.
+    pub fn reuse_cached_prefix(&mut self, prompt: &[u32], stream: u64) -> Result<usize, KvError> {
+        let mut hit = 0usize;
+        check(unsafe {
+            ffi::kvport_hybrid_block_table_reuse_cached_prefix(self.raw, prompt.as_ptr(), prompt.len(), stream_ptr(stream), &mut hit)
+        })?;
+        Ok(hit)
+    }
+
+    pub fn set_prefix_hit_mode(&mut self, mode: PrefixHitMode) -> Result<(), KvError> {
+        let raw = match mode {
+            PrefixHitMode::ComputeLastToken => ffi::KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN,
+            PrefixHitMode::Full => ffi::KVPORT_PREFIX_HIT_FULL,
+        };
+        check(unsafe { ffi::kvport_hybrid_block_table_set_prefix_hit_mode(self.raw, raw) })
+    }
+
+    pub fn prefix_hit_mode(&self) -> PrefixHitMode {
+        let mut raw = 0i32;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_prefix_hit_mode(self.raw, &mut raw) },
+            "kvport_hybrid_block_table_prefix_hit_mode",
+        );
+        if raw == ffi::KVPORT_PREFIX_HIT_FULL {
+            PrefixHitMode::Full
+        } else {
+            PrefixHitMode::ComputeLastToken
+        }
+    }
+
+    /// Appends tokens in every group (freeing rules, state checkpoints,
+    /// copy-on-write, allocation). All or nothing: `CacheExhausted` naming
+    /// the group before any change.
+    pub fn append_tokens(&mut self, tokens: &[u32], stream: u64) -> Result<(), KvError> {
+        check(unsafe {
+            ffi::kvport_hybrid_block_table_append_tokens(self.raw, tokens.as_ptr(), tokens.len(), stream_ptr(stream))
+        })
+    }
+
+    /// Whether appending `num_tokens` would find every block it needs.
+    pub fn can_append(&self, num_tokens: usize) -> bool {
+        let mut ok = false;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_can_append(self.raw, num_tokens, &mut ok) },
+            "kvport_hybrid_block_table_can_append",
+        );
+        ok
+    }
+
+    /// Each group's need for appending `num_tokens`.
+    pub fn blocks_needed(&self, num_tokens: usize) -> Vec<GroupNeed> {
+        let mut out = vec![ffi::kvport_group_need::default(); self.cache.num_groups()];
+        let mut n = 0usize;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_blocks_needed(self.raw, num_tokens, out.as_mut_ptr(), out.len(), &mut n) },
+            "kvport_hybrid_block_table_blocks_needed",
+        );
+        out.truncate(n);
+        out.iter().map(|g| GroupNeed { fresh: g.fresh, released: g.released }).collect()
+    }
+
+    /// A table sharing every live block; each working state is copied into
+    /// a new slot on `stream`. `CacheExhausted` (nothing changed) when a
+    /// state group has no slot.
+    pub fn fork(&self, stream: u64) -> Result<HybridBlockTable<'c>, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_hybrid_block_table_fork(self.raw, stream_ptr(stream), &mut raw) })?;
+        Ok(HybridBlockTable { raw, cache: self.cache })
+    }
+
+    /// Releases every block and slot; the table stays usable.
+    pub fn release(&mut self) -> Result<(), KvError> {
+        check(unsafe { ffi::kvport_hybrid_block_table_release(self.raw) })
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        let mut n = 0usize;
+        expect_ok(unsafe { ffi::kvport_hybrid_block_table_num_tokens(self.raw, &mut n) }, "kvport_hybrid_block_table_num_tokens");
+        n
+    }
+
+    /// Group g's block list, [`NULL_BLOCK`] where released (empty for a
+    /// state group). `OutOfRange` for group >= num_groups.
+    pub fn blocks(&self, group: usize) -> Result<Vec<u32>, KvError> {
+        let mut n = 0usize;
+        check(unsafe { ffi::kvport_hybrid_block_table_num_blocks(self.raw, group, &mut n) })?;
+        let mut out = vec![0u32; n];
+        check(unsafe { ffi::kvport_hybrid_block_table_blocks(self.raw, group, out.as_mut_ptr(), out.len(), &mut n) })?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// Entries of group g's list that are not [`NULL_BLOCK`].
+    pub fn num_live_blocks(&self, group: usize) -> Result<usize, KvError> {
+        let mut n = 0usize;
+        check(unsafe { ffi::kvport_hybrid_block_table_num_live_blocks(self.raw, group, &mut n) })?;
+        Ok(n)
+    }
+
+    /// Group g's working state slot (a block of `group_pool(g)`), or `None`
+    /// (no state yet, or not a state group).
+    pub fn state_slot(&self, group: usize) -> Result<Option<u32>, KvError> {
+        let (mut has, mut slot) = (false, 0u32);
+        check(unsafe { ffi::kvport_hybrid_block_table_state_slot(self.raw, group, &mut has, &mut slot) })?;
+        Ok(if has { Some(slot) } else { None })
+    }
+
+    /// Copy-on-write copies (every group) this table made.
+    pub fn copy_on_writes(&self) -> u64 {
+        let mut n = 0u64;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_copy_on_writes(self.raw, &mut n) },
+            "kvport_hybrid_block_table_copy_on_writes",
+        );
+        n
+    }
+}
