@@ -194,9 +194,9 @@ class PyHybridCache {
                               std::to_string(spec.state.size()) + " tensors)");
     }
     const StateTensor& t = spec.state[i];
-    const PagedKvCache& pool = cache().group_cache(at.group);
+    const kvport::BlockPool& pool = cache().group_cache(at.group).pool(at.index, kvport::KvPart::k);
     const std::size_t elem = state_dtype_bytes(t.dtype);
-    const std::size_t stride = pool.k_block_stride(at.index);
+    const std::size_t stride = pool.stride;
     const std::size_t offset = spec.state_offset(i);
     // Offsets are multiples of 16 bytes and the slot stride is too: a slot's
     // tensors start at element boundaries.
@@ -207,7 +207,7 @@ class PyHybridCache {
     v.owner = view_owner(state());
     v.what = "state_pool(" + std::to_string(layer) + ", '" + t.name + "')";
     v.kv_dtype = state_dtype_name(t.dtype);
-    v.data = pool.k_pool_ptr(at.index).address() + offset;
+    v.data = pool.base.address() + offset;
     switch (t.dtype) {
       case StateDtype::f32:
         v.dl_dtype = raw ? DLDataType{kDLUInt, 32, 1} : DLDataType{kDLFloat, 32, 1};
@@ -222,7 +222,7 @@ class PyHybridCache {
     v.dtype = v.dl_dtype.code == kDLBfloat  ? "bfloat16"
               : v.dl_dtype.code == kDLFloat ? "float" + std::to_string(v.dl_dtype.bits)
                                             : "uint" + std::to_string(v.dl_dtype.bits);
-    v.shape = {static_cast<std::int64_t>(pool.num_blocks())};
+    v.shape = {static_cast<std::int64_t>(pool.num_blocks)};
     for (const std::size_t d : t.shape)
       v.shape.push_back(static_cast<std::int64_t>(d));
     v.strides.assign(v.shape.size(), 1);

@@ -99,12 +99,14 @@ PoolView make_block_view(const std::shared_ptr<CacheState>& state) {
   PoolView v;
   v.owner = view_owner(state);
   v.what = "block_pool";
-  v.kv_dtype = dtype_name(cache.config().dtype);
-  v.data = cache.k_pool_ptr(0).address();
+  // The one memory pool: each region a whole block.
+  const kvport::BlockPool& pool = cache.memory_pools().front();
+  v.kv_dtype = dtype_name(pool.dtype);
+  v.data = pool.base.address();
   v.dl_dtype = DLDataType{kDLUInt, 8, 1};
   v.dtype = "uint8";
-  const auto stride = static_cast<std::int64_t>(cache.k_block_stride(0));
-  v.shape = {static_cast<std::int64_t>(cache.num_blocks()), stride};
+  const auto stride = static_cast<std::int64_t>(pool.stride);
+  v.shape = {static_cast<std::int64_t>(pool.num_blocks), stride};
   v.strides = {stride, 1};
   return v;
 }

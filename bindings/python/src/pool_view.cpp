@@ -83,13 +83,15 @@ PoolView layer_pool_view(const ViewOwner& owner, const PagedKvCache& cache, bool
   PoolView v;
   v.owner = owner;
   v.what = std::move(what);
-  const KvCacheDtype kv_dtype = cache.dtype_for_layer(layer);  // validates the layer
+  // Validates the layer, and refuses V of K-only layers.
+  const kvport::BlockPool& pool = cache.pool(layer, k ? kvport::KvPart::k : kvport::KvPart::v);
+  const KvCacheDtype kv_dtype = pool.dtype;
   v.kv_dtype = dtype_name(kv_dtype);
-  v.data = (k ? cache.k_pool_ptr(layer) : cache.v_pool_ptr(layer)).address();
-  const std::size_t block_stride = k ? cache.k_block_stride(layer) : cache.v_block_stride(layer);
+  v.data = pool.base.address();
+  const std::size_t block_stride = pool.stride;
   const BlockRegionLayout region = k ? config.k_layout(layer) : config.v_layout(layer);
   const std::size_t head_dim = k ? config.head_dim_k : config.head_dim_v;
-  const auto n = static_cast<std::int64_t>(cache.num_blocks());
+  const auto n = static_cast<std::int64_t>(pool.num_blocks);
 
   std::size_t elem = 0;
   switch (kv_dtype) {
