@@ -152,7 +152,8 @@ struct LayerSpec {
   /// Offset of state tensor `i` inside the state region (padded sums).
   std::size_t state_offset(std::size_t i) const;
 
-  /// One line: "sliding_window(128) 8x64/64 bf16", "mla(512+64) bf16",
+  /// One line: "sliding_window(128) 8x64 bf16" (K/V head dims written
+  /// "8x192/128" when they differ), "mla(512+64) bf16",
   /// "state(ssm 128x64x128 f32, conv 9216x3 f32)", "none".
   std::string describe() const;
 
