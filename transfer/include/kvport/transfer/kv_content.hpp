@@ -17,7 +17,8 @@ namespace kvport::transfer {
 
 /// Writes the content of `tokens` into `blocks` of `cache` (block i holds
 /// positions [i * block_size, (i + 1) * block_size); positions past the last
-/// token are written as if token id 0): every layer, K and V, the heads this
+/// token are written as if token id 0): every layer, K and V (K alone for
+/// K-only layers), the heads this
 /// rank holds as `layout` says (global head = tp_rank * num_kv_heads + local
 /// head), data and scale bytes as PoolLayout's head-major order; padding bytes
 /// are zero. Byte j of the (layer, kv, global head, position) vector is a fixed
