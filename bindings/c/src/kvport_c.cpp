@@ -583,11 +583,11 @@ kvport_status kvport_cache_read_block(const kvport_cache* cache, size_t layer, u
                             std::to_string(c.k_block_bytes(layer)) + " / " +
                             std::to_string(c.v_block_bytes(layer)));
     require(k_out, "k_out");
-    require(v_out, "v_out");
+    if (v_bytes != 0) require(v_out, "v_out");  // K-only layers: no V bytes
     const PagedKvCache::HostBlock host =
         c.read_block(layer, block, stream_for(c.backend(), stream));
     std::memcpy(k_out, host.k.data(), host.k.size());
-    std::memcpy(v_out, host.v.data(), host.v.size());
+    if (!host.v.empty()) std::memcpy(v_out, host.v.data(), host.v.size());
   });
 }
 
@@ -599,7 +599,7 @@ kvport_status kvport_cache_write_block(kvport_cache* cache, size_t layer, uint32
     check_layer(c, layer, "kvport_cache_write_block");
     check_block(c, block, "kvport_cache_write_block");
     require(k, "k");
-    require(v, "v");
+    if (v_bytes != 0) require(v, "v");  // K-only layers: no V bytes
     c.write_block(layer, block, {static_cast<const std::uint8_t*>(k), k_bytes},
                   {static_cast<const std::uint8_t*>(v), v_bytes}, stream_for(c.backend(), stream));
   });

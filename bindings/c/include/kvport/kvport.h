@@ -184,6 +184,9 @@ typedef struct kvport_config {
   size_t block_size; /**< tokens per block */
   size_t num_kv_heads;
   size_t head_dim_k;
+  /** 0: K-only layers (MLA's latent, state slots): no V pools; the V
+   *  pointer and stride calls then fail with KVPORT_ERR_INVALID_ARGUMENT,
+   *  v_block_bytes is 0 and read/write_block take a null v of 0 bytes. */
   size_t head_dim_v;
   int32_t dtype;  /**< a kvport_dtype */
   int32_t layout; /**< a kvport_layout */
@@ -358,14 +361,16 @@ KVPORT_API kvport_status kvport_cache_copy_blocks(kvport_cache* cache,
 
 /** Copies `layer`'s K and V bytes of `block` into host buffers of exactly
  *  k_block_bytes(layer) / v_block_bytes(layer) bytes (else
- *  KVPORT_ERR_INVALID_ARGUMENT), synchronizing `stream` first. */
+ *  KVPORT_ERR_INVALID_ARGUMENT), synchronizing `stream` first. v_out may be
+ *  null when v_bytes is 0 (K-only layers). */
 KVPORT_API kvport_status kvport_cache_read_block(const kvport_cache* cache, size_t layer,
                                                  uint32_t block, void* k_out, size_t k_bytes,
                                                  void* v_out, size_t v_bytes,
                                                  kvport_stream* stream);
 
 /** Copies host bytes (exactly k_block_bytes / v_block_bytes long) into
- *  `layer`'s K and V of `block` and synchronizes `stream`. */
+ *  `layer`'s K and V of `block` and synchronizes `stream`. v may be null
+ *  when v_bytes is 0 (K-only layers). */
 KVPORT_API kvport_status kvport_cache_write_block(kvport_cache* cache, size_t layer, uint32_t block,
                                                   const void* k, size_t k_bytes, const void* v,
                                                   size_t v_bytes, kvport_stream* stream);
