@@ -133,17 +133,18 @@ std::optional<HeadRange> head_overlap(const PoolLayout& local, const PoolLayout&
 
 /// The byte ranges that move the heads both sides hold of local_blocks[i] <->
 /// remote_blocks[i], every layer, K and V (data and scales; K alone for K-only
-/// layers, whose V addresses are not read). With equal TP
-/// sizes whole regions move (padding included); with head slicing only the
-/// overlapping heads' data and scale ranges. Regions adjacent on both sides
-/// are merged (consecutive ids in layer-major pools, whole blocks in
-/// block-major), so a run of consecutive ids costs 2 x layers regions
-/// (layers for K-only layers; 1 in block-major on both sides). Order: (block, layer, K, V) when
-/// `local` is block-major, (layer, K/V, block) otherwise; within a head-sliced region the data
-/// range comes before the scale range. Cost: O(layers x blocks), no sorting. Throws
-/// InvalidArgument, before returning anything, when the layouts are incompatible, the lists differ
-/// in length, an id is out of range for its side, an address list does not have num_layers entries,
-/// the heads do not overlap, or an address computation wraps 64 bits.
+/// layers, whose V addresses are not read). With equal TP sizes whole regions
+/// move (padding included); with head slicing only the overlapping heads' data
+/// and scale ranges. Regions adjacent on both sides are merged (consecutive ids
+/// in layer-major pools, whole blocks in block-major), so a run of consecutive
+/// ids costs 2 x layers regions (layers for K-only layers; 1 in block-major on
+/// both sides). Order: (block, layer, K, V) when `local` is block-major,
+/// (layer, K/V, block) otherwise; within a head-sliced region the data range
+/// comes before the scale range. Cost: O(layers x blocks), no sorting. Throws
+/// InvalidArgument, before returning anything, when the layouts are
+/// incompatible, the lists differ in length, an id is out of range for its
+/// side, an address list does not have num_layers entries, the heads do not
+/// overlap, or an address computation wraps 64 bits.
 std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
                                            const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
