@@ -310,8 +310,10 @@ struct Agent::State {
       };
       for (auto& a : wire_pools.k_base)
         a = to_mirror(a);
-      for (auto& a : wire_pools.v_base)
-        a = to_mirror(a);
+      if (cache.config().has_v()) {  // K-only layers: the V entries stay 0
+        for (auto& a : wire_pools.v_base)
+          a = to_mirror(a);
+      }
       stage_stream.emplace(cache.backend().create_stream());
     }
     if (options.scratch_bytes > 0) {

@@ -137,11 +137,6 @@ PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank, std::ui
         fmt::format("pool_layout: tp_rank {} must be below tp_size {}", tp_rank, tp_size));
   }
   const KvCacheConfig& c = cache.config();
-  if (!c.has_v()) {
-    throw InvalidArgument(
-        "pool_layout: the cache's layers have no V (K-only: MLA or state slots); the transfer "
-        "layout describes K and V pools only");
-  }
   PoolLayout l;
   l.num_layers = to_u32(c.num_layers, "num_layers");
   l.block_size = to_u32(c.block_size, "block_size");
@@ -215,8 +210,7 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
   }
   if (l.block_size == 0) zero("block_size");
   if (l.num_kv_heads == 0) zero("num_kv_heads");
-  if (l.head_dim_k == 0) zero("head_dim_k");
-  if (l.head_dim_v == 0) zero("head_dim_v");
+  if (l.head_dim_k == 0) zero("head_dim_k");  // head_dim_v 0: K-only layers
   if (l.tp_size == 0) zero("tp_size");
   if (l.num_blocks == 0) zero("num_blocks");
   if (layout > static_cast<std::uint8_t>(KvCacheLayout::block_major))
@@ -320,18 +314,14 @@ PoolAddresses pool_addresses(const PagedKvCache& cache) {
   a.v_base.reserve(n);
   a.k_stride.reserve(n);
   a.v_stride.reserve(n);
-  if (!cache.config().has_v()) {
-    throw InvalidArgument(
-        "pool_addresses: the cache's layers have no V (K-only: MLA or state slots); the transfer "
-        "layout describes K and V pools only");
-  }
+  const bool has_v = cache.config().has_v();
   for (std::size_t layer = 0; layer < n; ++layer) {
     const BlockPool& k = cache.pool(layer, KvPart::k);
-    const BlockPool& v = cache.pool(layer, KvPart::v);
     a.k_base.push_back(k.base.address());
-    a.v_base.push_back(v.base.address());
     a.k_stride.push_back(k.stride);
-    a.v_stride.push_back(v.stride);
+    // K-only layers: no V pool, 0 in the vectors (the planner never reads them).
+    a.v_base.push_back(has_v ? cache.pool(layer, KvPart::v).base.address() : 0);
+    a.v_stride.push_back(has_v ? cache.pool(layer, KvPart::v).stride : 0);
   }
   return a;
 }
@@ -435,7 +425,8 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
   const bool sliced = local.tp_size != remote.tp_size;
 
   // ---- per layer, K and V: the slices of one block's region ----------------------------
-  // slices[2 * layer + kv] (at most two each: data, scales).
+  // One plan per layer and part (K alone for K-only layers), in that order;
+  // at most two slices each: data, scales.
   struct LayerPlan {
     PoolSide local, remote;
     std::array<Slice, 2> slices;
@@ -445,6 +436,7 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
   plans.reserve(2 * std::size_t{local.num_layers});
   for (std::uint32_t layer = 0; layer < local.num_layers; ++layer) {
     for (KvPart part : kKvParts) {
+      if (part == KvPart::v && !local.has_v()) continue;  // K-only (the peer too: compatible)
       const bool k = part == KvPart::k;
       const std::uint32_t head_dim = k ? local.head_dim_k : local.head_dim_v;
       const char* what = k ? "head_dim_k" : "head_dim_v";

@@ -533,6 +533,53 @@ static void test_cache_device_work(kvport_backend* backend, int32_t layout) {
   OK(kvport_cache_destroy(cache));
 }
 
+/* K-only layers (head_dim_v 0, as MLA): no V pools; the V pointer calls fail,
+ * V sizes are 0, and blocks move with a null v. */
+static void test_k_only_cache(kvport_backend* backend, int32_t layout) {
+  kvport_config c = small_config();
+  kvport_cache* cache = NULL;
+  unsigned char k[256], k2[256], junk = 7;
+  size_t kb = 0, vb = 1, stride = 0, bytes = 0, i;
+  void* p = NULL;
+  kvport_region_layout region;
+  kvport_block_copy copy;
+
+  c.layout = layout;
+  c.head_dim_v = 0;
+  OK(kvport_config_validate(&c));
+  OK(kvport_config_bytes_per_block(&c, &bytes));
+  CHECK(bytes == 2 * 4 * 2 * 16 * 2); /* two layers of K */
+  OK(kvport_cache_create(&c, 4, backend, &cache));
+  OK(kvport_cache_k_block_bytes(cache, 1, &kb));
+  OK(kvport_cache_v_block_bytes(cache, 1, &vb));
+  CHECK(kb == 4 * 2 * 16 * 2 && vb == 0);
+  OK(kvport_cache_k_block_stride(cache, 1, &stride));
+  CHECK(stride == (layout == KVPORT_LAYOUT_BLOCK_MAJOR ? 2 * kb : kb));
+  OK(kvport_cache_v_region_layout(cache, 1, &region));
+  CHECK(region.total_bytes == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_v_ptr(cache, 0, 0, &p));
+  CHECK(contains(kvport_last_error(), "no V"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_v_pool_ptr(cache, 0, &p));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_v_block_stride(cache, 0, &stride));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_cache_v_pool_ptr(cache, 2, &p));
+
+  for (i = 0; i < kb; ++i)
+    k[i] = (unsigned char)(i * 5 + 3);
+  OK(kvport_cache_write_block(cache, 1, 2, k, kb, NULL, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_write_block(cache, 1, 2, k, kb, &junk, 1, NULL));
+  CHECK(contains(kvport_last_error(), "no V"));
+  copy.src = 2;
+  copy.dst = 3;
+  OK(kvport_cache_copy_blocks(cache, &copy, 1, NULL));
+  OK(kvport_cache_read_block(cache, 1, 3, k2, kb, NULL, 0, NULL));
+  CHECK(memcmp(k, k2, kb) == 0);
+  OK(kvport_cache_zero_block(cache, 3, NULL));
+  OK(kvport_cache_read_block(cache, 1, 3, k2, kb, NULL, 0, NULL));
+  CHECK(k2[0] == 0 && k2[kb - 1] == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_read_block(cache, 1, 3, k2, kb, k, 1, NULL));
+  OK(kvport_cache_destroy(cache));
+}
+
 /* ---- prefix caches and block tables ------------------------------------------- */
 
 static void test_prefix_and_tables(kvport_backend* backend) {
@@ -1448,6 +1495,8 @@ int main(void) {
   test_cache_refcounts(backend);
   test_cache_device_work(backend, KVPORT_LAYOUT_LAYER_MAJOR);
   test_cache_device_work(backend, KVPORT_LAYOUT_BLOCK_MAJOR);
+  test_k_only_cache(backend, KVPORT_LAYOUT_LAYER_MAJOR);
+  test_k_only_cache(backend, KVPORT_LAYOUT_BLOCK_MAJOR);
   test_prefix_and_tables(backend);
   test_hybrid_cache(backend);
   test_hybrid_window_tables(backend);

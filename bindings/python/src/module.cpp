@@ -296,7 +296,10 @@ py::array_t<std::uint8_t> bytes_array(std::vector<std::uint8_t>&& bytes) {
 
 // Host bytes of a buffer (bytes, bytearray, any C-contiguous NumPy array).
 py::array contiguous_bytes(const py::object& obj) {
-  auto arr = py::array::ensure(obj, py::array::c_style);
+  // Through a memoryview for bytes and bytearray: NumPy takes a bytes object
+  // for a 0-d string scalar, and b"" for one of 1 byte.
+  const bool raw = py::isinstance<py::bytes>(obj) || py::isinstance<py::bytearray>(obj);
+  auto arr = py::array::ensure(raw ? py::object(py::memoryview(obj)) : obj, py::array::c_style);
   if (!arr) throw kvport::InvalidArgument("write_block: k and v must be buffers (bytes, arrays)");
   return arr;
 }
@@ -449,7 +452,8 @@ PYBIND11_MODULE(_kvport, m) {
            py::kw_only(), py::arg("block_size") = 16, py::arg("dtype") = "bf16",
            py::arg("head_dim_k") = py::none(), py::arg("head_dim_v") = py::none(),
            py::arg("layer_dtypes") = py::none(), py::arg("layout") = "layer_major",
-           "head_dim sets head_dim_k and head_dim_v; either may be given instead. Validated "
+           "head_dim sets head_dim_k and head_dim_v; either may be given instead. "
+           "head_dim_v=0: K-only layers (MLA's latent), no V pools. Validated "
            "(kvport.InvalidArgument names the field).")
       .def_readwrite("num_layers", &KvCacheConfig::num_layers)
       .def_readwrite("block_size", &KvCacheConfig::block_size)
@@ -476,6 +480,8 @@ PYBIND11_MODULE(_kvport, m) {
       .def_property(
           "layout", [](const KvCacheConfig& c) { return layout_name(c.layout); },
           [](KvCacheConfig& c, const std::string& l) { c.layout = layout_from(l); })
+      .def_property_readonly("has_v", &KvCacheConfig::has_v,
+                             "False for K-only layers (head_dim_v == 0: no V pools).")
       .def("validate", &KvCacheConfig::validate)
       .def("dtype_for_layer",
            [](const KvCacheConfig& c, std::size_t layer) {
@@ -696,17 +702,20 @@ PYBIND11_MODULE(_kvport, m) {
             return py::make_tuple(bytes_array(std::move(host.k)), bytes_array(std::move(host.v)));
           },
           py::arg("layer"), py::arg("block"),
-          "(k, v): copies of the block's K and V bytes of `layer`, as uint8 arrays.")
+          "(k, v): copies of the block's K and V bytes of `layer`, as uint8 arrays (v empty "
+          "for K-only layers).")
       .def(
           "write_block",
           [](const PyCache& c, std::size_t layer, long long block, const py::object& k,
              const py::object& v) {
             const py::array kb = contiguous_bytes(k);
-            const py::array vb = contiguous_bytes(v);
+            // None: no V bytes (K-only layers).
+            const py::array vb = v.is_none() ? py::array_t<std::uint8_t>(0) : contiguous_bytes(v);
             c.cache().write_block(layer, block_id(block), byte_span(kb), byte_span(vb), c.stream());
           },
-          py::arg("layer"), py::arg("block"), py::arg("k"), py::arg("v"),
-          "k, v: exactly k_block_bytes(layer) / v_block_bytes(layer) bytes (any buffer).")
+          py::arg("layer"), py::arg("block"), py::arg("k"), py::arg("v") = py::none(),
+          "k, v: exactly k_block_bytes(layer) / v_block_bytes(layer) bytes (any buffer); v "
+          "None (or empty) for K-only layers, whose v_block_bytes is 0.")
       .def("synchronize", [](const PyCache& c) { c.cache().synchronize(); })
       .def("check_invariants", [](const PyCache& c) { return c.cache().check_invariants(); });
 

@@ -158,6 +158,36 @@ def test_read_write_copy_blocks(cache, rng):
         cache.copy_blocks([(a, a)])
 
 
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+def test_k_only_layers(layout, rng):
+    """head_dim_v=0 (MLA's latent): K pools only; V views and pointers refuse."""
+    config = make_config(layout=layout, head_dim_v=0)
+    assert not config.has_v and make_config().has_v
+    assert config.v_block_bytes(0) == 0
+    assert config.bytes_per_block() == config.k_block_bytes(0) * 2
+    with kvport.PagedKvCache(config, num_blocks=4) as c:
+        kb = c.k_block_bytes(1)
+        assert c.v_block_bytes(1) == 0
+        for call in (lambda: c.v_pool(0), lambda: c.v_pool_ptr(0), lambda: c.v_cache_ptr(0, 1),
+                     lambda: c.v_block_stride(1)):
+            with pytest.raises(kvport.InvalidArgument, match="no V"):
+                call()
+        k = rng.integers(0, 256, kb, dtype=np.uint8)
+        c.write_block(1, 2, k)  # v defaults to None: no V bytes
+        c.write_block(0, 2, k, b"")
+        with pytest.raises(kvport.InvalidArgument, match="no V: K-only, so v must be empty"):
+            c.write_block(1, 2, k, b"\x01")
+        rk, rv = c.read_block(1, 2)
+        assert np.array_equal(rk, k) and rv.size == 0
+        c.copy_blocks([(2, 3)])
+        assert np.array_equal(c.read_block(1, 3)[0], k)
+        view = c.k_pool(1).numpy()
+        assert view.shape == (4, 4, 2, 8)
+        c.zero_blocks([3])
+        assert (c.read_block(1, 3)[0] == 0).all()
+        assert c.check_invariants().ok
+
+
 def test_pointers_strides_and_repr(cache):
     assert cache.k_cache_ptr(0, 3) == cache.k_pool_ptr(0) + 3 * cache.k_block_stride(0)
     assert cache.backend == "host" and cache.device == 0

@@ -193,6 +193,36 @@ TEST_P(BlockRegionsTest, BadIdsThrowBeforeAppending) {
 INSTANTIATE_TEST_SUITE_P(Layouts, BlockRegionsTest,
                          ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major));
 
+// K-only layers (head_dim_v 0): a block's image is each layer's K region.
+TEST(BlockRegions, KOnlyBlocksAreTheirKRegions) {
+  auto backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
+    SCOPED_TRACE(to_string(layout));
+    KvCacheConfig config = test::small_config(layout);  // 3 layers, 128-byte K regions
+    config.head_dim_v = 0;
+    PagedKvCache cache(config, 6, *backend, PagedKvCacheOptions{false});
+    for (BlockId b = 0; b < 6; ++b)
+      test::write_pattern_block(cache, b, b, stream);
+    const BlockId ids[] = {1, 2, 4};
+    const std::vector<DeviceRegion> regions = block_regions(cache, ids);
+    EXPECT_EQ(regions.size(), layout == KvCacheLayout::block_major ? 2u : 2u * 3);
+    EXPECT_EQ(block_image_bytes(cache.memory_pools()), 3u * 128);
+    std::vector<std::byte> host(3 * 3 * 128);
+    std::vector<HostCopyRegion> copies;
+    append_host_copy_regions(cache.memory_pools(), ids, host.data(), 3 * 128, copies);
+    backend->copy_batch_d2h_async(copies, stream);
+    stream.synchronize();
+    for (std::size_t i = 0; i < 3; ++i) {
+      for (std::size_t l = 0; l < 3; ++l) {
+        const std::vector<std::uint8_t> k = test::pattern(128, ids[i], l, false);
+        EXPECT_EQ(std::memcmp(host.data() + (3 * i + l) * 128, k.data(), 128), 0)
+            << "block " << ids[i] << " layer " << l;
+      }
+    }
+  }
+}
+
 // A pool whose blocks do not touch (stride > region): one region per id.
 TEST(BlockRegions, SparsePoolsDoNotCoalesce) {
   const BlockPool sparse{DevicePtr(0x100000), 48, 64, 8, KvCacheDtype::bf16};

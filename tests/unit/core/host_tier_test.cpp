@@ -1,7 +1,8 @@
 // HostTier: write-back on eviction, write-through, onload on a lookup that
 // runs past the device's prefix (data round trip in both layouts), the host
 // LRU, exclusive vs inclusive tiers, the invariants of both tiers, and bad
-// options.
+// options. Every case also runs over K-only layers (head_dim_v 0), whose
+// slots hold K alone.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -29,13 +30,20 @@ using test::tokens;
 struct Param {
   KvCacheLayout layout;
   TierPolicy policy;
+  bool k_only = false;  // head_dim_v 0: no V pools
 };
+
+KvCacheConfig config_of(const Param& p) {
+  KvCacheConfig c = small_config(p.layout);
+  if (p.k_only) c.head_dim_v = 0;
+  return c;
+}
 
 class HostTierTest : public ::testing::TestWithParam<Param> {
  protected:
   std::unique_ptr<Backend> backend = host_backend();
   Stream stream = backend->create_stream();
-  PagedKvCache cache{small_config(GetParam().layout), 4, *backend};
+  PagedKvCache cache{config_of(GetParam()), 4, *backend};
   PrefixCache pc{cache};
 
   HostTierOptions options(std::size_t host_blocks,
@@ -71,7 +79,7 @@ class HostTierTest : public ::testing::TestWithParam<Param> {
 
 TEST_P(HostTierTest, EvictedBlocksComeBackFromTheHostWithTheirContents) {
   HostTier tier(pc, options(8));
-  EXPECT_EQ(tier.slot_bytes(), 3u * 2 * 128);
+  EXPECT_EQ(tier.slot_bytes(), 3u * (GetParam().k_only ? 1 : 2) * 128);
   cache_sequence(100, tier);  // blocks A0 A1
   cache_sequence(200, tier);  // blocks B0 B1: the device (4 blocks) is full of cached blocks
   EXPECT_TIER_INVARIANTS(tier);
@@ -207,11 +215,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Param{KvCacheLayout::layer_major, TierPolicy::write_back},
                       Param{KvCacheLayout::block_major, TierPolicy::write_back},
                       Param{KvCacheLayout::layer_major, TierPolicy::write_through},
-                      Param{KvCacheLayout::block_major, TierPolicy::write_through}),
+                      Param{KvCacheLayout::block_major, TierPolicy::write_through},
+                      Param{KvCacheLayout::layer_major, TierPolicy::write_back, true},
+                      Param{KvCacheLayout::block_major, TierPolicy::write_back, true},
+                      Param{KvCacheLayout::layer_major, TierPolicy::write_through, true},
+                      Param{KvCacheLayout::block_major, TierPolicy::write_through, true}),
     [](const ::testing::TestParamInfo<Param>& p) {
       return std::string(p.param.layout == KvCacheLayout::layer_major ? "layer_major"
                                                                       : "block_major") +
-             "_" + (p.param.policy == TierPolicy::write_back ? "write_back" : "write_through");
+             "_" + (p.param.policy == TierPolicy::write_back ? "write_back" : "write_through") +
+             (p.param.k_only ? "_k_only" : "");
     });
 
 // An engine registers a block when its tokens are appended, before the
@@ -275,6 +288,17 @@ TEST(HostTier, RegionsAreOnePerBlockInTheBlockMajorLayout) {
     EXPECT_EQ(bytes, slot.size());
     EXPECT_EQ(regions.front().host, slot.data());
     EXPECT_EQ(regions.size(), layout == KvCacheLayout::block_major ? 1u : 6u);
+    // K-only layers: one K region per layer (or the whole block), no V.
+    KvCacheConfig k_only = small_config(layout);
+    k_only.head_dim_v = 0;
+    PagedKvCache kc(k_only, 4, *backend);
+    std::vector<std::byte> kslot(HostTier::slot_bytes_for(kc));
+    EXPECT_EQ(kslot.size(), 3u * 128);
+    regions.clear();
+    HostTier::append_block_regions(kc, 2, kslot.data(), regions);
+    ASSERT_EQ(regions.size(), layout == KvCacheLayout::block_major ? 1u : 3u);
+    EXPECT_EQ(regions.back().device.address() + regions.back().bytes,
+              kc.k_cache_ptr(2, 2).address() + 128);
   }
 }
 

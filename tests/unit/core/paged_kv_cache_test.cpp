@@ -1158,6 +1158,66 @@ TEST_P(KOnlyCacheTest, KPoolsOnlyAndVCallsThrow) {
   expect_invalid_argument([&] { (void)cache.v_pool_ptr(3); }, "out of range");
   EXPECT_EQ(cache.k_block_stride(0), layer_major ? 128u : 3u * 128);
   EXPECT_EQ(PagedKvCache::compute_num_blocks(config(GetParam()), 8 * 3 * 128), 8u);
+  EXPECT_LT(PagedKvCache::compute_num_blocks(config(GetParam()), 8 * 3 * 128 - 1), 8u);
+}
+
+TEST_P(KOnlyCacheTest, PoolsAreKOnly) {
+  PagedKvCache cache(config(GetParam()), 8, *backend, PagedKvCacheOptions{false});
+  const bool layer_major = GetParam() == KvCacheLayout::layer_major;
+  EXPECT_EQ(cache.config().bytes_per_block(), 3u * 128);
+  for (std::size_t l = 0; l < 3; ++l) {
+    const BlockPool& k = cache.pool(l, KvPart::k);
+    EXPECT_EQ(k.region_bytes, 128u);
+    EXPECT_EQ(k.stride, layer_major ? 128u : 3u * 128);
+    EXPECT_EQ(k.region(5).ptr, cache.k_cache_ptr(l, 5));
+    expect_invalid_argument([&] { (void)cache.pool(l, KvPart::v); },
+                            "PagedKvCache::pool: the layers have no V (head_dim_v is 0");
+  }
+  expect_invalid_argument([&] { (void)cache.pool(3, KvPart::v); }, "out of range");
+  // The block's image is its K regions: one pool per layer, or the whole block.
+  const std::span<const BlockPool> memory = cache.memory_pools();
+  ASSERT_EQ(memory.size(), layer_major ? 3u : 1u);
+  std::size_t image = 0;
+  for (const BlockPool& p : memory)
+    image += p.region_bytes;
+  EXPECT_EQ(image, 3u * 128);
+  if (layer_major) {
+    for (std::size_t l = 0; l < 3; ++l)
+      EXPECT_EQ(memory[l], cache.pool(l, KvPart::k));
+  }
+}
+
+TEST_P(KOnlyCacheTest, PoisonAndInvariantsCoverK) {
+  PagedKvCache cache(config(GetParam()), 8, *backend, PagedKvCacheOptions{false});
+  std::vector<BlockId> held;
+  for (int i = 0; i < 5; ++i)
+    held.push_back(cache.alloc_block());
+  cache.free_block(held[1]);
+  const InvariantReport r = cache.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+  EXPECT_EQ(r.blocks_in_use, 4u);
+  EXPECT_EQ(r.free_blocks, 4u);
+  const std::vector<std::uint8_t> k(128, 7);
+  cache.write_block(0, 3, k, {}, stream);
+  cache.write_block(0, 4, k, {}, stream);
+  const BlockId ids[] = {3, 2};
+  cache.poison_blocks(ids, stream);
+  cache.synchronize();
+  for (std::size_t l = 0; l < 3; ++l) {
+    EXPECT_EQ(cache.read_block(l, 3, stream).k, std::vector<std::uint8_t>(128, 0xFF));
+    EXPECT_EQ(cache.read_block(l, 2, stream).k, std::vector<std::uint8_t>(128, 0xFF));
+  }
+  EXPECT_EQ(cache.read_block(0, 4, stream).k, k);
+}
+
+TEST_P(KOnlyCacheTest, WriteBlockWithVBytesNamesTheMissingV) {
+  PagedKvCache cache(config(GetParam()), 4, *backend, PagedKvCacheOptions{false});
+  const std::vector<std::uint8_t> k(128, 1), v(1, 2);
+  expect_invalid_argument([&] { cache.write_block(1, 0, k, v, stream); },
+                          "the layers have no V: K-only, so v must be empty");
+  expect_invalid_argument([&] { cache.write_block(1, 0, v, {}, stream); },
+                          "expects 128 K bytes and 0 V bytes");
+  EXPECT_EQ(backend->call_counts().device_ops(), 0u);  // nothing was copied
 }
 
 TEST_P(KOnlyCacheTest, ZeroCopyReadWriteCoverK) {

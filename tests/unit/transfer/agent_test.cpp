@@ -319,6 +319,47 @@ TEST(Agent, StagedPathIsByteExact) {
   EXPECT_TRUE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
 }
 
+// K-only layers (head_dim_v 0, as MLA): the handshake carries them, reads and
+// writes move K alone, direct and staged; a peer with V is refused.
+TEST(Agent, KOnlyLayersMoveByteExact) {
+  auto k_only = [](KvCacheLayout layout) {
+    KvCacheConfig c = config(layout);
+    c.head_dim_v = 0;
+    return c;
+  };
+  for (MemoryPath path : {MemoryPath::direct, MemoryPath::staged}) {
+    SCOPED_TRACE(path == MemoryPath::direct ? "direct" : "staged");
+    AgentOptions o = named("decode");
+    o.memory_path = path;
+    Side dst(k_only(KvCacheLayout::layer_major), 8, o);
+    o.name = "prefill";
+    Side src(k_only(KvCacheLayout::block_major), 8, o);
+    auto [to_src, to_dst] = link(dst, src);
+    (void)to_dst;
+    EXPECT_FALSE(dst.agent->peer(to_src)->layout.has_v());
+    auto src_blocks = src.alloc(4);
+    src_blocks = {src_blocks[3], src_blocks[1], src_blocks[2]};
+    auto t = tokens(3 * 16 - 2, 5);
+    write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
+    src.agent->publish(src_blocks);
+    auto dst_blocks = dst.alloc(3);
+    const TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+    ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done) << dst.agent->why(id);
+    EXPECT_EQ(dst.agent->bytes(id), 3 * dst.cache.config().bytes_per_block());
+    auto check = verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream);
+    EXPECT_TRUE(check.ok()) << check.bytes_wrong << " of " << check.bytes_checked;
+  }
+  Side mla(k_only(KvCacheLayout::layer_major), 4, named("mla"));
+  Side gqa(config(KvCacheLayout::layer_major), 4, named("gqa"));
+  const std::string address = gqa.agent->listen("127.0.0.1:0");
+  try {
+    mla.agent->connect(address, 5s);
+    ADD_FAILURE() << "a K-only agent connected to one with V";
+  } catch (const TransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("head_dim_v differs"));
+  }
+}
+
 TEST(Agent, ScratchReadMeasuresOneContiguousTransfer) {
   AgentOptions o;
   o.scratch_bytes = 4u << 20;

@@ -152,8 +152,11 @@ void put_u32(std::vector<std::uint8_t>& b, std::size_t offset, std::uint32_t v) 
 
 TEST(PoolLayoutCodecTest, ZeroSizesAreNamed) {
   const std::vector<std::pair<std::size_t, const char*>> fields = {
-      {6, "num_layers is 0"},  {10, "block_size is 0"}, {14, "num_kv_heads is 0"},
-      {18, "head_dim_k is 0"}, {22, "head_dim_v is 0"}, {31, "tp_size is 0"}};
+      {6, "num_layers is 0"},
+      {10, "block_size is 0"},
+      {14, "num_kv_heads is 0"},
+      {18, "head_dim_k is 0"},
+      {31, "tp_size is 0"}};  // head_dim_v 0: K-only
   for (const auto& [offset, text] : fields) {
     std::vector<std::uint8_t> b = encode(odd_layout());
     put_u32(b, offset, 0);
@@ -467,6 +470,83 @@ TEST(PlanBlockRegionsTest, RejectsBadInputBeforePlanning) {
   huge = ra;
   huge.k_stride[0] = std::numeric_limits<std::uint64_t>::max();  // block 1 wraps
   EXPECT_THAT(plan(l, la, two, l, huge, two), HasSubstr("overflows"));
+}
+
+// ---- K-only layers ------------------------------------------------------------------
+
+KvCacheConfig k_only_shape(KvCacheLayout layout, KvCacheDtype dtype = KvCacheDtype::bf16) {
+  KvCacheConfig c = test::shape(2, dtype, layout);
+  c.head_dim_v = 0;
+  return c;
+}
+
+TEST(KOnlyLayoutTest, DescribesEncodesAndRefusesAPeerWithV) {
+  auto backend = host_backend();
+  PagedKvCache cache(k_only_shape(KvCacheLayout::block_major), 6, *backend);
+  const PoolLayout l = pool_layout(cache);
+  EXPECT_FALSE(l.has_v());
+  EXPECT_EQ(l.head_dim_v, 0u);
+  EXPECT_EQ(decode_pool_layout(encode(l)), l);
+  EXPECT_EQ(l.to_config().bytes_per_block(), cache.config().bytes_per_block());
+  PoolLayout with_v = l;
+  with_v.head_dim_v = 16;
+  EXPECT_NE(compatibility_hash(l), compatibility_hash(with_v));
+  EXPECT_EQ(incompatibility(l, with_v), "head_dim_v differs: 0 here, 16 on the peer");
+  const PoolAddresses a = pool_addresses(cache);
+  ASSERT_EQ(a.v_base.size(), 3u);
+  EXPECT_EQ(a.v_base, std::vector<std::uint64_t>(3, 0));  // no V pools
+  EXPECT_EQ(a.v_stride, std::vector<std::uint64_t>(3, 0));
+  EXPECT_EQ(a.at(2, KvPart::k).base, cache.k_pool_ptr(2).address());
+}
+
+TEST(KOnlyLayoutTest, PlansKRegionsOnly) {
+  auto backend = host_backend();
+  const std::vector<BlockId> ids = {1, 2, 3};
+  for (KvCacheLayout layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
+    SCOPED_TRACE(to_string(layout));
+    PagedKvCache a(k_only_shape(layout), 6, *backend), b(k_only_shape(layout), 6, *backend);
+    const auto regions = plan_block_regions(pool_layout(a), pool_addresses(a), ids, pool_layout(b),
+                                            pool_addresses(b), ids);
+    // One run: a region per layer's K pool, or one for the whole run.
+    EXPECT_EQ(regions.size(), layout == KvCacheLayout::layer_major ? 3u : 1u);
+    EXPECT_EQ(total_bytes(regions), 3 * a.config().bytes_per_block());
+  }
+}
+
+// K-only caches of every layout pair and of two TP sizes move every K byte
+// through the planner (write_kv_content / verify_kv_content: K alone).
+TEST(KOnlyLayoutTest, MovesEveryKByteExact) {
+  auto backend = host_backend();
+  StreamView stream = backend->default_stream();
+  const std::vector<TokenId> tokens = test::tokens_of(10);
+  const std::vector<BlockId> src_ids = {0, 1, 2}, dst_ids = {5, 1, 2};
+  for (const auto& [src_layout, dst_layout] :
+       {std::pair{KvCacheLayout::layer_major, KvCacheLayout::block_major},
+        std::pair{KvCacheLayout::block_major, KvCacheLayout::layer_major},
+        std::pair{KvCacheLayout::block_major, KvCacheLayout::block_major}}) {
+    PagedKvCache src(k_only_shape(src_layout, KvCacheDtype::turbo4), 4, *backend);
+    PagedKvCache dst(k_only_shape(dst_layout, KvCacheDtype::turbo4), 8, *backend);
+    dst.poison_blocks(dst_ids, stream);
+    write_kv_content(src, pool_layout(src), src_ids, tokens, stream);
+    EXPECT_FALSE(verify_kv_content(dst, pool_layout(dst), dst_ids, tokens, stream).ok());
+    const auto regions = plan_block_regions(pool_layout(dst), pool_addresses(dst), dst_ids,
+                                            pool_layout(src), pool_addresses(src), src_ids);
+    test::copy_to_local(regions);
+    const ContentCheck check = verify_kv_content(dst, pool_layout(dst), dst_ids, tokens, stream);
+    EXPECT_TRUE(check.ok()) << check.bytes_wrong << " wrong of " << check.bytes_checked;
+    EXPECT_EQ(total_bytes(regions), 3 * src.config().bytes_per_block());
+  }
+  // Head slicing: a TP-1 K-only cache to rank 1 of 2.
+  KvCacheConfig whole = k_only_shape(KvCacheLayout::layer_major, KvCacheDtype::nvfp4);
+  KvCacheConfig half = whole;
+  half.num_kv_heads = 1;
+  PagedKvCache tp1(whole, 4, *backend), rank1(half, 4, *backend);
+  write_kv_content(tp1, pool_layout(tp1), src_ids, tokens, stream);
+  const PoolLayout rl = pool_layout(rank1, 1, 2);
+  const auto regions = plan_block_regions(rl, pool_addresses(rank1), src_ids, pool_layout(tp1),
+                                          pool_addresses(tp1), src_ids);
+  test::copy_to_local(regions);
+  EXPECT_TRUE(verify_kv_content(rank1, rl, src_ids, tokens, stream).ok());
 }
 
 // ---- the planner, byte-exact between real caches ----------------------------------------

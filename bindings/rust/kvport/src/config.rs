@@ -116,6 +116,10 @@ pub struct KvCacheConfig {
     pub block_size: usize,
     pub num_kv_heads: usize,
     pub head_dim_k: usize,
+    /// 0: K-only layers (MLA's latent, state slots): no V pools. The V
+    /// pointer and stride calls then return `KvError::InvalidArgument`,
+    /// `v_block_bytes_for_layer` is 0, `read_block` returns an empty V and
+    /// `write_block` takes `&[]` for it.
     pub head_dim_v: usize,
     pub dtype: KvCacheDtype,
     /// Per-layer dtype override (mixed precision): empty, or exactly
@@ -159,6 +163,11 @@ impl KvCacheConfig {
             dtype,
             ..KvCacheConfig::default()
         }
+    }
+
+    /// Whether the layers have a V part (`head_dim_v > 0`).
+    pub fn has_v(&self) -> bool {
+        self.head_dim_v != 0
     }
 
     /// Calls `f` with the C view of this config (valid during the call).

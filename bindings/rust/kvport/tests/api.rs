@@ -126,3 +126,34 @@ fn prefix_cache_and_block_tables() {
     assert!(err.is_cache_exhausted(), "{:?}", err);
     assert_eq!(t.num_tokens(), 10, "all or nothing");
 }
+
+#[test]
+fn k_only_layers() {
+    // head_dim_v 0 (MLA's latent): K pools only.
+    let gpu = Backend::host().unwrap();
+    let mut config = KvCacheConfig::new(2, 2, 16, 4, KvCacheDtype::F16);
+    config.head_dim_v = 0;
+    assert!(!config.has_v());
+    assert_eq!(config.bytes_per_block().unwrap(), 2 * 4 * 2 * 16 * 2);
+    let mut cache = PagedKvCache::new(config, 4, &gpu).unwrap();
+    let kb = cache.k_block_bytes_for_layer(1).unwrap();
+    assert_eq!(cache.v_block_bytes_for_layer(1).unwrap(), 0);
+    for e in [
+        cache.v_cache_ptr(0, 0).unwrap_err(),
+        cache.v_pool_ptr(1).unwrap_err(),
+        cache.v_block_stride_bytes_for_layer(0).unwrap_err(),
+    ] {
+        assert!(matches!(e, KvError::InvalidArgument(ref m) if m.contains("no V")), "{:?}", e);
+    }
+    let b = cache.alloc_block().unwrap();
+    let k: Vec<u8> = (0..kb).map(|i| (i * 3 + 1) as u8).collect();
+    cache.write_block(1, b, &k, &[], &gpu).unwrap();
+    assert!(matches!(cache.write_block(1, b, &k, &[1], &gpu), Err(KvError::InvalidArgument(_))));
+    let (rk, rv) = cache.read_block(1, b, &gpu).unwrap();
+    assert_eq!(rk, k);
+    assert!(rv.is_empty());
+    cache.zero_blocks(&[b], DEFAULT_STREAM).unwrap();
+    cache.synchronize().unwrap();
+    assert!(cache.read_block(1, b, &gpu).unwrap().0.iter().all(|&x| x == 0));
+    assert!(cache.check_invariants().unwrap().ok);
+}

@@ -60,8 +60,9 @@ struct KvCacheConfig {
   std::size_t k_block_bytes(std::size_t layer) const { return k_layout(layer).total_bytes; }
   std::size_t v_block_bytes(std::size_t layer) const { return v_layout(layer).total_bytes; }
 
-  /// Bytes of one block across all layers, K + V. This is what one block id
-  /// costs; `compute_num_blocks` divides a budget by it. Checked for overflow.
+  /// Bytes of one block across all layers, K + V (K alone for K-only
+  /// layers). This is what one block id costs; `compute_num_blocks` divides
+  /// a budget by it. Checked for overflow.
   std::size_t bytes_per_block() const;
 };
 

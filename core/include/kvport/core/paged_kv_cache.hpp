@@ -71,7 +71,8 @@ struct PagedKvCacheOptions {
 };
 
 /// A paged KV cache: `num_blocks` blocks, each holding block_size tokens of K
-/// and V for every layer.
+/// and V for every layer (K alone for K-only layers: config().has_v() false,
+/// docs/formats.md "K-only layers").
 ///
 /// Not thread-safe: one scheduler thread owns it (as in vLLM and the
 /// reference). Device work goes to the stream passed in; host-side state
@@ -212,12 +213,12 @@ class PagedKvCache {
 
   // ---- device work -------------------------------------------------------------
 
-  /// Sets every layer's K and V bytes of the given blocks to 0 (0xFF for
-  /// poison), queued on `stream`. ONE backend call (fill_blocks_async over the
-  /// cache's registered pools) per batch, whatever the batch size: ids are
-  /// sorted and deduplicated, and contiguous runs coalesce into one region
-  /// per pool (one region in block-major layout). On GPUs only the ids are
-  /// uploaded.
+  /// Sets every layer's K and V bytes (K alone for K-only layers) of the
+  /// given blocks to 0 (0xFF for poison), queued on `stream`. ONE backend
+  /// call (fill_blocks_async over the cache's registered pools) per batch,
+  /// whatever the batch size: ids are sorted and deduplicated, and contiguous
+  /// runs coalesce into one region per pool (one region in block-major
+  /// layout). On GPUs only the ids are uploaded.
   /// Throws InvalidArgument (before any device work) for an out-of-range id.
   /// An empty batch queues nothing.
   void zero_blocks(std::span<const BlockId> blocks, StreamView stream);
@@ -226,18 +227,20 @@ class PagedKvCache {
   void poison_block(BlockId block, StreamView stream) { poison_blocks({&block, 1}, stream); }
 
   /// Number of contiguous regions the last zero/poison batch covered: runs of
-  /// consecutive ids x pools (2 x num_layers, or 1 in block-major layout).
+  /// consecutive ids x memory_pools() (2 x num_layers, num_layers for K-only
+  /// layers, or 1 in block-major layout).
   /// For tests and benchmarks that check coalescing.
   std::size_t last_fill_regions() const noexcept { return last_fill_regions_; }
 
   /// Copies every layer's K and V bytes of each `src` block to its `dst`
-  /// block on `stream`, in ONE batched backend call (copy_batch_async): 2 x
-  /// num_layers regions per copy in layer-major layout, one per copy in
-  /// block-major. Copy-on-write uses it; engines use it as vLLM's
-  /// copy_blocks. Throws InvalidArgument (before any device work) for an
-  /// out-of-range id, a copy with src == dst, or a block that is the
-  /// destination of one copy and the source or destination of another (the
-  /// order between them would be undefined). An empty batch queues nothing.
+  /// block on `stream`, in ONE batched backend call (copy_batch_async): one
+  /// region per copy and memory pool (2 x num_layers in layer-major layout,
+  /// num_layers for K-only layers; one in block-major). Copy-on-write uses
+  /// it; engines use it as vLLM's copy_blocks. Throws InvalidArgument (before
+  /// any device work) for an out-of-range id, a copy with src == dst, or a
+  /// block that is the destination of one copy and the source or destination
+  /// of another (the order between them would be undefined). An empty batch
+  /// queues nothing.
   void copy_blocks(std::span<const BlockCopy> copies, StreamView stream);
 
   /// Copies `layer`'s K and V bytes of `block` to the host (v empty for

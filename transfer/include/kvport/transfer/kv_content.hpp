@@ -17,18 +17,19 @@ namespace kvport::transfer {
 
 /// Writes the content of `tokens` into `blocks` of `cache` (block i holds
 /// positions [i * block_size, (i + 1) * block_size); positions past the last
-/// token are written as if token id 0): every layer, K and V, the heads this
-/// rank holds as `layout` says (global head = tp_rank * num_kv_heads + local
-/// head), data and scale bytes as PoolLayout's head-major order; padding bytes
-/// are zero. Byte j of the (layer, kv, global head, position) vector is a fixed
-/// function of (token id, layer, kv, global head, position, j): the same on
-/// every rank and every TP size, so a TP-2 rank's half of a block equals the
-/// matching half of the TP-1 block. Copies through host staging on `stream`
-/// and waits for them: one pinned buffer and one batched host-to-device copy
-/// per chunk of up to 64 MiB of whole blocks (one chunk for short lists). Throws InvalidArgument
-/// (before any copy) when blocks.size() * block_size < tokens.size(), an id is out of range or
-/// listed twice, or `layout` does not describe `cache` (pool_layout(cache, layout.tp_rank,
-/// layout.tp_size) != layout). An empty `blocks` does nothing.
+/// token are written as if token id 0): every layer, K and V (K alone for
+/// K-only layers), the heads this rank holds as `layout` says (global head =
+/// tp_rank * num_kv_heads + local head), data and scale bytes as PoolLayout's
+/// head-major order; padding bytes are zero. Byte j of the (layer, kv, global
+/// head, position) vector is a fixed function of (token id, layer, kv, global
+/// head, position, j): the same on every rank and every TP size, so a TP-2
+/// rank's half of a block equals the matching half of the TP-1 block. Copies
+/// through host staging on `stream` and waits for them: one pinned buffer and
+/// one batched host-to-device copy per chunk of up to 64 MiB of whole blocks
+/// (one chunk for short lists). Throws InvalidArgument (before any copy) when
+/// blocks.size() * block_size < tokens.size(), an id is out of range or listed
+/// twice, or `layout` does not describe `cache` (pool_layout(cache,
+/// layout.tp_rank, layout.tp_size) != layout). An empty `blocks` does nothing.
 ///
 /// `first_block` > 0 writes the tail of a sequence whose first blocks exist
 /// already (a cached prefix): blocks[i] then holds positions

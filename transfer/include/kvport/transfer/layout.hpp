@@ -31,6 +31,8 @@ struct PoolLayout {
   std::uint32_t block_size = 0;    ///< tokens per block
   std::uint32_t num_kv_heads = 0;  ///< heads this rank holds
   std::uint32_t head_dim_k = 0;
+  /// 0: K-only layers (MLA's latent, state slots): no V pools, and nothing
+  /// of V moves. Only a K-only peer is compatible with a K-only side.
   std::uint32_t head_dim_v = 0;
   std::vector<KvCacheDtype> layer_dtypes;  ///< always num_layers entries
   KvCacheLayout layout = KvCacheLayout::layer_major;
@@ -38,6 +40,8 @@ struct PoolLayout {
   std::uint32_t tp_size = 1;
   std::uint64_t num_blocks = 0;
 
+  /// Whether the layers have a V part (head_dim_v > 0).
+  bool has_v() const noexcept { return head_dim_v != 0; }
   /// num_kv_heads * tp_size: the model's KV heads.
   std::uint64_t total_kv_heads() const noexcept { return std::uint64_t{num_kv_heads} * tp_size; }
   /// The KvCacheConfig this layout describes (layer_dtypes filled in).
@@ -58,7 +62,8 @@ PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank = 0,
 std::vector<std::uint8_t> encode(const PoolLayout& layout);
 /// Decodes `encode`'s bytes. Throws InvalidArgument naming what is wrong for a
 /// short, long, wrong-magic, wrong-version or out-of-range (unknown
-/// dtype/layout, zero sizes or num_blocks, tp_rank >= tp_size, more than 4096
+/// dtype/layout, zero sizes other than head_dim_v (0: K-only layers) or
+/// num_blocks, tp_rank >= tp_size, more than 4096
 /// layers, a head_dim that is not a multiple of a layer dtype's group) input;
 /// never reads past `bytes`. A decoded layout passes KvCacheConfig::validate.
 PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes);
@@ -85,7 +90,8 @@ std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLa
 /// Where one side's pools are: per layer, the address of block 0's K (V)
 /// bytes and the distance between consecutive blocks (the base and stride of
 /// PagedKvCache::pool(layer, part)). Addresses are integers: they may be the
-/// peer's. Four vectors, as the handshake message carries them.
+/// peer's. Four vectors, as the handshake message carries them; for K-only
+/// layers the V entries are 0 (there is no V pool).
 struct PoolAddresses {
   std::vector<std::uint64_t> k_base, v_base;
   std::vector<std::uint64_t> k_stride, v_stride;
@@ -105,7 +111,7 @@ struct PoolAddresses {
 };
 
 /// The addresses of `cache`'s pools (PagedKvCache::pool of every layer and
-/// part).
+/// part; V entries 0 for K-only layers).
 PoolAddresses pool_addresses(const PagedKvCache& cache);
 
 /// One contiguous copy between the two sides.
@@ -126,18 +132,19 @@ struct HeadRange {
 std::optional<HeadRange> head_overlap(const PoolLayout& local, const PoolLayout& remote);
 
 /// The byte ranges that move the heads both sides hold of local_blocks[i] <->
-/// remote_blocks[i], every layer, K and V (data and scales). With equal TP
-/// sizes whole regions move (padding included); with head slicing only the
-/// overlapping heads' data and scale ranges. Regions adjacent on both sides
-/// are merged (consecutive ids in layer-major pools, whole blocks in
-/// block-major), so a run of consecutive ids costs 2 x layers regions (1 in
-/// block-major on both sides). Order: (block, layer, K, V) when `local` is
-/// block-major, (layer, K/V, block) otherwise; within a head-sliced region the
-/// data range comes before the scale range. Cost: O(layers x blocks), no
-/// sorting. Throws InvalidArgument, before returning anything, when the
-/// layouts are incompatible, the lists differ in length, an id is out of range
-/// for its side, an address list does not have num_layers entries, the heads
-/// do not overlap, or an address computation wraps 64 bits.
+/// remote_blocks[i], every layer, K and V (data and scales; K alone for K-only
+/// layers, whose V addresses are not read). With equal TP sizes whole regions
+/// move (padding included); with head slicing only the overlapping heads' data
+/// and scale ranges. Regions adjacent on both sides are merged (consecutive ids
+/// in layer-major pools, whole blocks in block-major), so a run of consecutive
+/// ids costs 2 x layers regions (layers for K-only layers; 1 in block-major on
+/// both sides). Order: (block, layer, K, V) when `local` is block-major,
+/// (layer, K/V, block) otherwise; within a head-sliced region the data range
+/// comes before the scale range. Cost: O(layers x blocks), no sorting. Throws
+/// InvalidArgument, before returning anything, when the layouts are
+/// incompatible, the lists differ in length, an id is out of range for its
+/// side, an address list does not have num_layers entries, the heads do not
+/// overlap, or an address computation wraps 64 bits.
 std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
                                            const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
