@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/size_math.hpp"
 
 namespace kvport {
 namespace {
@@ -18,7 +19,7 @@ constexpr std::array kAllDtypes{
 
 // a * b, throwing InvalidArgument naming `what` on overflow.
 std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
-  if (a != 0 && b > std::numeric_limits<std::size_t>::max() / a) {
+  if (mul_overflows(a, b)) {
     throw InvalidArgument(
         fmt::format("KvCacheConfig: {}: byte size overflows ({} * {})", what, a, b));
   }
@@ -26,7 +27,7 @@ std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
 }
 
 std::size_t checked_add(std::size_t a, std::size_t b, std::string_view what) {
-  if (b > std::numeric_limits<std::size_t>::max() - a) {
+  if (add_overflows(a, b)) {
     throw InvalidArgument(
         fmt::format("KvCacheConfig: {}: byte size overflows ({} + {})", what, a, b));
   }

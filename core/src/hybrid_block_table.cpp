@@ -121,15 +121,13 @@ HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) con
   Plan plan;
   plan.groups.resize(groups_.size());
   const std::size_t n = tokens_.size();
-  const std::size_t interval = cache_->config().state_checkpoint_interval;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const LayerSpec& spec = cache_->group(g).spec;
     const Group& grp = groups_[g];
     Plan::PerGroup& p = plan.groups[g];
     if (spec.has_state()) {
       p.fresh = (!grp.state && num_tokens > 0) ? 1 : 0;
-      p.checkpoint = num_tokens > 0 && grp.state && interval > 0 && n > 0 &&
-                     n % (interval * block_size_) == 0 && checkpointed_at_ != n;
+      p.checkpoint = num_tokens > 0 && grp.state && checkpoint_due();
       continue;
     }
     const PagedKvCache& pool = cache_->group_cache(g);
@@ -167,16 +165,20 @@ bool HybridBlockTable::can_append(std::size_t num_tokens) const {
   return true;
 }
 
-bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
+bool HybridBlockTable::checkpoint_due() const noexcept {
   const std::size_t n = tokens_.size();
   const std::size_t interval = cache_->config().state_checkpoint_interval;
+  return interval > 0 && n > 0 && n % (interval * block_size_) == 0 && checkpointed_at_ != n;
+}
+
+bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
+  const std::size_t n = tokens_.size();
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& grp = groups_[g];
     const LayerSpec& spec = cache_->group(g).spec;
     if (spec.has_state()) {
       if (!grp.state) return false;
-      if (interval > 0 && n > 0 && n % (interval * block_size_) == 0 && checkpointed_at_ != n)
-        return false;
+      if (checkpoint_due()) return false;
       continue;
     }
     if (grp.blocks.empty()) return false;

@@ -8,43 +8,9 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/size_math.hpp"
 
 namespace kvport {
-namespace {
-
-constexpr std::size_t kMaxSize = std::numeric_limits<std::size_t>::max();
-
-std::size_t sat_mul(std::size_t a, std::size_t b) {
-  return (a != 0 && b > kMaxSize / a) ? kMaxSize : a * b;
-}
-
-std::size_t sat_add(std::size_t a, std::size_t b) {
-  return b > kMaxSize - a ? kMaxSize : a + b;
-}
-
-// The bytes of the pools of `config` with `n` blocks, each allocation
-// rounded to kAllocAlignment as PagedKvCache allocates them.
-std::size_t pools_bytes(const KvCacheConfig& config, std::size_t n) {
-  auto round = [](std::size_t b) { return sat_mul(div_ceil(b, kAllocAlignment), kAllocAlignment); };
-  if (config.layout == KvCacheLayout::block_major)
-    return round(sat_mul(n, config.bytes_per_block()));
-  std::size_t total = 0;
-  for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
-    total = sat_add(total, round(sat_mul(n, config.k_block_bytes(layer))));
-    if (config.head_dim_v != 0)
-      total = sat_add(total, round(sat_mul(n, config.v_block_bytes(layer))));
-  }
-  return total;
-}
-
-// A full-attention spec of the same heads and dtype: what a runtime without
-// groups would keep for a window or chunked layer.
-LayerSpec as_full(const LayerSpec& spec) {
-  if (spec.kind != LayerKind::sliding_window && spec.kind != LayerKind::chunked_local) return spec;
-  return LayerSpec::full_attention(spec.num_kv_heads, spec.head_dim_k, spec.head_dim_v, spec.dtype);
-}
-
-}  // namespace
 
 double KvCachePlan::ratio_to_all_full() const noexcept {
   if (all_full_peak_bytes_per_request == 0) return 0.0;
@@ -68,12 +34,12 @@ std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_siz
       // Held: the blocks covering [n - W + 1, n + step) for some n; a span of
       // W - 1 + step tokens starting anywhere in a block covers at most
       // ceil((W - 2 + step) / bs) + 1 blocks.
-      return std::min(full, div_ceil(sat_add(spec.window, step_tokens) - 2, block_size) + 1);
+      return std::min(full, div_ceil(saturating_add(spec.window, step_tokens) - 2, block_size) + 1);
     case LayerKind::chunked_local:
       // Held: from the chunk start of token n (block-aligned) to n + step.
-      return std::min(full, div_ceil(sat_add(spec.chunk - 1, step_tokens), block_size));
+      return std::min(full, div_ceil(saturating_add(spec.chunk - 1, step_tokens), block_size));
     case LayerKind::state:
-      return sat_add(1, state_checkpoints);
+      return saturating_add(1, state_checkpoints);
     case LayerKind::none:
       return 0;
   }
@@ -104,7 +70,7 @@ KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t bloc
       for (std::size_t i = 0; i < group.layers.size(); ++i) {
         LayerSpec layer = group.spec;
         if (group.spec.mla_format != MlaFormat::fp8_ds_mla) layer.dtype = group.layer_dtypes[i];
-        g.bytes_per_token = sat_add(g.bytes_per_token, layer.token_bytes(block_size));
+        g.bytes_per_token = saturating_add(g.bytes_per_token, layer.token_bytes(block_size));
       }
     } else {
       g.bytes_per_request = g.bytes_per_block;
@@ -112,33 +78,34 @@ KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t bloc
     g.peak_blocks_per_request =
         peak_blocks_per_request(group.spec, block_size, request.max_context_tokens,
                                 request.step_tokens, request.state_checkpoints);
-    plan.peak_bytes_per_request =
-        sat_add(plan.peak_bytes_per_request, sat_mul(g.peak_blocks_per_request, g.bytes_per_block));
-    const LayerSpec full = as_full(group.spec);
+    plan.peak_bytes_per_request = saturating_add(
+        plan.peak_bytes_per_request, saturating_mul(g.peak_blocks_per_request, g.bytes_per_block));
+    const LayerSpec full = group.spec.as_full_attention();
     const std::size_t full_peak =
         peak_blocks_per_request(full, block_size, request.max_context_tokens, request.step_tokens,
                                 request.state_checkpoints);
-    plan.all_full_peak_bytes_per_request =
-        sat_add(plan.all_full_peak_bytes_per_request, sat_mul(full_peak, g.bytes_per_block));
+    plan.all_full_peak_bytes_per_request = saturating_add(
+        plan.all_full_peak_bytes_per_request, saturating_mul(full_peak, g.bytes_per_block));
     largest_page = std::max(largest_page, g.bytes_per_block);
     plan.groups.push_back(std::move(g));
     configs.push_back(std::move(config));
   }
   for (const GroupPlan& g : plan.groups) {
-    plan.shared_pool_peak_bytes_per_request = sat_add(
-        plan.shared_pool_peak_bytes_per_request, sat_mul(g.peak_blocks_per_request, largest_page));
+    plan.shared_pool_peak_bytes_per_request =
+        saturating_add(plan.shared_pool_peak_bytes_per_request,
+                       saturating_mul(g.peak_blocks_per_request, largest_page));
   }
 
   // Shares in the ratio of the peak bytes per request.
   const long double total_peak = static_cast<long double>(plan.peak_bytes_per_request);
-  std::size_t concurrent = kMaxSize;
+  std::size_t concurrent = std::numeric_limits<std::size_t>::max();
   for (std::size_t i = 0; i < plan.groups.size(); ++i) {
     GroupPlan& g = plan.groups[i];
-    const long double share =
-        plan.groups.size() == 1
-            ? 1.0L
-            : static_cast<long double>(sat_mul(g.peak_blocks_per_request, g.bytes_per_block)) /
-                  total_peak;
+    const long double share = plan.groups.size() == 1
+                                  ? 1.0L
+                                  : static_cast<long double>(saturating_mul(
+                                        g.peak_blocks_per_request, g.bytes_per_block)) /
+                                        total_peak;
     const auto budget =
         static_cast<std::size_t>(static_cast<long double>(request.budget_bytes) * share);
     g.num_blocks = PagedKvCache::compute_num_blocks(configs[i], budget);
@@ -148,19 +115,20 @@ KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t bloc
           "than one block of {} bytes",
           request.budget_bytes, i, g.spec.describe(), g.num_layers, budget, g.bytes_per_block));
     }
-    g.bytes = pools_bytes(configs[i], g.num_blocks);
-    plan.total_bytes = sat_add(plan.total_bytes, g.bytes);
+    g.bytes = PagedKvCache::pool_allocation_bytes(configs[i], g.num_blocks);
+    plan.total_bytes = saturating_add(plan.total_bytes, g.bytes);
     if (g.peak_blocks_per_request > 0)
       concurrent = std::min(concurrent, g.num_blocks / g.peak_blocks_per_request);
   }
-  plan.max_concurrent_requests = concurrent == kMaxSize ? 0 : concurrent;
+  plan.max_concurrent_requests =
+      concurrent == std::numeric_limits<std::size_t>::max() ? 0 : concurrent;
   if (request.max_requests > plan.max_concurrent_requests) {
     throw InvalidArgument(fmt::format(
         "plan_kv_cache: {} requests of {} tokens need {} bytes at their peak ({} per request); "
         "the budget of {} bytes holds {}",
         request.max_requests, request.max_context_tokens,
-        sat_mul(request.max_requests, plan.peak_bytes_per_request), plan.peak_bytes_per_request,
-        request.budget_bytes, plan.max_concurrent_requests));
+        saturating_mul(request.max_requests, plan.peak_bytes_per_request),
+        plan.peak_bytes_per_request, request.budget_bytes, plan.max_concurrent_requests));
   }
   return plan;
 }

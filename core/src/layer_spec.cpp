@@ -7,23 +7,23 @@
 
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/size_math.hpp"
 
 namespace kvport {
 namespace {
 
-constexpr std::size_t kMaxSize = std::numeric_limits<std::size_t>::max();
 // fp8_ds_mla keeps one fp32 scale per this many latent values.
 constexpr std::size_t kDsMlaScaleGroup = 128;
 
 std::size_t checked_mul(std::size_t a, std::size_t b, std::string_view what) {
-  if (a != 0 && b > kMaxSize / a) {
+  if (mul_overflows(a, b)) {
     throw InvalidArgument(fmt::format("LayerSpec: {} overflows size_t ({} x {})", what, a, b));
   }
   return a * b;
 }
 
 std::size_t checked_add(std::size_t a, std::size_t b, std::string_view what) {
-  if (b > kMaxSize - a) {
+  if (add_overflows(a, b)) {
     throw InvalidArgument(fmt::format("LayerSpec: {} overflows size_t ({} + {})", what, a, b));
   }
   return a + b;
@@ -369,6 +369,11 @@ std::string LayerSpec::describe() const {
       return "none";
   }
   return "unknown";
+}
+
+LayerSpec LayerSpec::as_full_attention() const {
+  if (kind != LayerKind::sliding_window && kind != LayerKind::chunked_local) return *this;
+  return full_attention(num_kv_heads, head_dim_k, head_dim_v, dtype);
 }
 
 bool LayerSpec::same_group_as(const LayerSpec& o) const noexcept {

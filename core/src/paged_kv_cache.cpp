@@ -11,6 +11,7 @@
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/platform/size_math.hpp"
 
 namespace kvport {
 namespace {
@@ -18,12 +19,42 @@ namespace {
 constexpr std::uint8_t kPoisonByte = 0xFF;
 
 std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, const char* what) {
-  if (block_bytes != 0 && num_blocks > std::numeric_limits<std::size_t>::max() / block_bytes) {
+  if (mul_overflows(num_blocks, block_bytes)) {
     throw InvalidArgument(
         fmt::format("PagedKvCache: {} pool of {} blocks x {} bytes overflows size_t", what,
                     num_blocks, block_bytes));
   }
   return num_blocks * block_bytes;
+}
+
+// The pools' bytes of `num_blocks` blocks of a validated `config`, each
+// allocation rounded to kAllocAlignment (pool_allocation_bytes).
+std::size_t allocation_bytes(const KvCacheConfig& config, std::size_t num_blocks) {
+  auto pool = [&](std::size_t block_bytes, const char* what) {
+    const std::size_t bytes = checked_pool_bytes(num_blocks, block_bytes, what);
+    if (add_overflows(bytes, kAllocAlignment - 1)) {
+      throw InvalidArgument(
+          fmt::format("PagedKvCache: {} pool of {} bytes overflows size_t when "
+                      "rounded to the allocation alignment",
+                      what, bytes));
+    }
+    return round_up(bytes, kAllocAlignment);
+  };
+  if (config.layout == KvCacheLayout::block_major) return pool(config.bytes_per_block(), "total");
+  std::size_t total = 0;
+  for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+    std::size_t layer_bytes = pool(config.k_block_bytes(layer), "K");
+    if (config.has_v()) {
+      const std::size_t v = pool(config.v_block_bytes(layer), "V");
+      if (add_overflows(layer_bytes, v))
+        throw InvalidArgument("PagedKvCache: pool bytes overflow size_t");
+      layer_bytes += v;
+    }
+    if (add_overflows(total, layer_bytes))
+      throw InvalidArgument("PagedKvCache: pool bytes overflow size_t");
+    total += layer_bytes;
+  }
+  return total;
 }
 
 // Waits for the work queued on `stream` while an exception propagates: its
@@ -260,6 +291,12 @@ void PagedKvCache::release_pools() noexcept {
   allocations_.clear();
 }
 
+std::size_t PagedKvCache::pool_allocation_bytes(const KvCacheConfig& config,
+                                                std::size_t num_blocks) {
+  config.validate();
+  return allocation_bytes(config, num_blocks);
+}
+
 std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
                                              std::size_t available_bytes) {
   config.validate();
@@ -268,23 +305,13 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
   // Each pool allocation is rounded up to kAllocAlignment: count that too, so
   // that the result always fits. At most 2 * num_layers * 255 bytes of
   // rounding, so the loop runs a few times at most for realistic blocks.
-  auto pools_bytes = [&](std::size_t n) {
-    auto round = [](std::size_t b) { return round_up(b, kAllocAlignment); };
-    if (config.layout == KvCacheLayout::block_major) return round(n * per_block);
-    std::size_t total = 0;
-    for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
-      total += round(n * config.k_block_bytes(layer));
-      if (config.has_v()) total += round(n * config.v_block_bytes(layer));
-    }
-    return total;
-  };
   // No device has 8 EiB; clamping keeps the rounding below from overflowing.
   available_bytes = std::min(available_bytes, std::numeric_limits<std::size_t>::max() / 2);
   std::size_t n = std::min<std::size_t>(available_bytes / per_block, kMaxCacheBlocks);
   // n * per_block <= available_bytes, so the products below cannot overflow
   // until rounding, which adds less than kAllocAlignment per pool.
   while (n > 0 && (available_bytes - n * per_block < 2 * config.num_layers * kAllocAlignment) &&
-         pools_bytes(n) > available_bytes) {
+         allocation_bytes(config, n) > available_bytes) {
     --n;
   }
   return n;

@@ -211,13 +211,8 @@ std::size_t HybridReplayResult::peak_bytes_in_use() const noexcept {
 std::vector<LayerSpec> as_all_full_attention(std::span<const LayerSpec> layers) {
   std::vector<LayerSpec> out;
   out.reserve(layers.size());
-  for (const LayerSpec& s : layers) {
-    if (s.kind == LayerKind::sliding_window || s.kind == LayerKind::chunked_local) {
-      out.push_back(LayerSpec::full_attention(s.num_kv_heads, s.head_dim_k, s.head_dim_v, s.dtype));
-    } else {
-      out.push_back(s);
-    }
-  }
+  for (const LayerSpec& s : layers)
+    out.push_back(s.as_full_attention());
   return out;
 }
 

@@ -8,11 +8,10 @@
 #include <vector>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/size_math.hpp"
 
 namespace kvport::sim {
 namespace {
-
-constexpr std::size_t kMaxSize = std::numeric_limits<std::size_t>::max();
 
 std::size_t positive(std::size_t value, std::string_view kind, std::string_view field) {
   if (value == 0) throw InvalidArgument(fmt::format("{} state: {} must be > 0", kind, field));
@@ -20,14 +19,14 @@ std::size_t positive(std::size_t value, std::string_view kind, std::string_view 
 }
 
 std::size_t mul(std::size_t a, std::size_t b, std::string_view kind) {
-  if (a != 0 && b > kMaxSize / a) {
+  if (mul_overflows(a, b)) {
     throw InvalidArgument(fmt::format("{} state: a dimension overflows ({} x {})", kind, a, b));
   }
   return a * b;
 }
 
 std::size_t add(std::size_t a, std::size_t b, std::string_view kind) {
-  if (b > kMaxSize - a) {
+  if (add_overflows(a, b)) {
     throw InvalidArgument(fmt::format("{} state: a dimension overflows ({} + {})", kind, a, b));
   }
   return a + b;

@@ -1249,3 +1249,37 @@ INSTANTIATE_TEST_SUITE_P(Layouts, KOnlyCacheTest,
 
 }  // namespace
 }  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// pool_allocation_bytes is what the constructor takes from the backend, in
+// both layouts and for K-only layers, and what compute_num_blocks fits.
+TEST(PagedKvCachePoolBytes, MatchesWhatTheConstructorAllocates) {
+  KvCacheConfig k_only = test::small_config();
+  k_only.head_dim_v = 0;
+  for (const KvCacheConfig& config :
+       {test::small_config(), test::mixed_config(KvCacheLayout::block_major), k_only}) {
+    for (std::size_t blocks : {1u, 7u, 16u}) {
+      auto backend = test::host_backend();
+      const std::size_t bytes = PagedKvCache::pool_allocation_bytes(config, blocks);
+      PagedKvCache cache(config, blocks, *backend, PagedKvCacheOptions{false});
+      EXPECT_EQ(backend->mem_info().total_bytes - backend->mem_info().free_bytes, bytes)
+          << blocks << " blocks";
+      // The budget holds at least these blocks (rounding may leave room for
+      // more), and what compute_num_blocks answers fits it.
+      const std::size_t fit = PagedKvCache::compute_num_blocks(config, bytes);
+      EXPECT_GE(fit, blocks);
+      EXPECT_LE(PagedKvCache::pool_allocation_bytes(config, fit), bytes);
+      EXPECT_GT(PagedKvCache::pool_allocation_bytes(config, fit + 1), bytes);
+    }
+  }
+  expect_invalid_argument(
+      [] { (void)PagedKvCache::pool_allocation_bytes(test::small_config(), SIZE_MAX / 2); },
+      "overflows");
+  expect_invalid_argument([] { (void)PagedKvCache::pool_allocation_bytes(KvCacheConfig{}, 1); },
+                          "num_layers");
+}
+
+}  // namespace
+}  // namespace kvport

@@ -7,6 +7,7 @@
 #include <ostream>
 
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/size_math.hpp"
 #include "text_table.hpp"
 
 namespace kvport::cli {
@@ -14,14 +15,8 @@ namespace {
 
 using nlohmann::ordered_json;
 
-constexpr std::size_t kMaxSize = std::numeric_limits<std::size_t>::max();
-
-std::size_t sat_mul(std::size_t a, std::size_t b) {
-  return (a != 0 && b > kMaxSize / a) ? kMaxSize : a * b;
-}
-
 std::size_t peak_bytes(const GroupPlan& g) {
-  return sat_mul(g.peak_blocks_per_request, g.bytes_per_block);
+  return saturating_mul(g.peak_blocks_per_request, g.bytes_per_block);
 }
 
 // A state group's pool keeps one request's state per block.

@@ -135,6 +135,9 @@ class HybridBlockTable {
 
   Plan plan_append(std::size_t num_tokens) const;
   bool fits_in_place(std::size_t num_tokens) const;
+  // A state checkpoint is due at the current token count (a multiple of the
+  // interval in blocks, not taken yet).
+  bool checkpoint_due() const noexcept;
   void register_full_blocks() noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
   void release_block(std::size_t g, BlockId block) noexcept;

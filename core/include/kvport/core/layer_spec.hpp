@@ -157,6 +157,11 @@ struct LayerSpec {
   /// "state(ssm 128x64x128 f32, conv 9216x3 f32)", "none".
   std::string describe() const;
 
+  /// This layer as a runtime without groups holds it: a sliding-window or
+  /// chunked layer as full attention of the same heads and dtype; the other
+  /// kinds unchanged.
+  LayerSpec as_full_attention() const;
+
   /// Whether two layers can share one pool: same kind and shape; the dtype of
   /// attention layers may differ (a group's pool keeps per-layer dtypes, as
   /// KvCacheConfig::layer_dtypes does).

@@ -118,6 +118,12 @@ class PagedKvCache {
   /// is invalid (including a zero block size).
   static std::size_t compute_num_blocks(const KvCacheConfig& config, std::size_t available_bytes);
 
+  /// Bytes the pools of a cache of `config` with `num_blocks` blocks take on a
+  /// backend: each pool allocation rounded up to kAllocAlignment, as the
+  /// constructor allocates them (what compute_num_blocks fits into a budget).
+  /// Throws InvalidArgument for an invalid config or a size that overflows.
+  static std::size_t pool_allocation_bytes(const KvCacheConfig& config, std::size_t num_blocks);
+
   // ---- allocation and refcounts (O(1), no device work) ----------------------
 
   /// Pops the free list (LIFO: a fresh cache yields 0, 1, 2, ...; a freed block
