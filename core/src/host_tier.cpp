@@ -610,6 +610,14 @@ bool HostTier::is_on_host(const BlockHash& hash) const {
   return it != s.index.end() && s.slots[it->second].state == SlotState::ready;
 }
 
+bool HostTier::holds(const BlockHash& hash) const noexcept {
+  // What extend_match would onload: ready and no onload reading it.
+  const State& s = *state_;
+  auto it = s.index.find(hash);
+  return it != s.index.end() && s.slots[it->second].state == SlotState::ready &&
+         s.slots[it->second].pins == 0;
+}
+
 std::size_t HostTier::num_host_blocks() const noexcept {
   return state_->slots.size();
 }

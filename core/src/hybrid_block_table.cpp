@@ -351,77 +351,141 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   const std::size_t ng = groups_.size();
   absl::InlinedVector<GroupHitRule, 4> rules(ng);
   std::size_t anchor = ng;  // the first full-attention (or MLA) group
+  bool tiered = false;      // some group has a lower tier
   for (std::size_t g = 0; g < ng; ++g) {
     rules[g] = hit_rule_of(cache_->group(g).spec);
     if (anchor == ng && is_full_kind(rules[g].kind)) anchor = g;
+    if (cache_->prefix_cache(g).tier() != nullptr) tiered = true;
   }
-  // The anchor's lookup takes the chain (one probe a block, as BlockTable's);
-  // the other groups are probed only where the rule needs them.
-  PrefixMatch anchor_match;
-  if (anchor < ng) anchor_match = cache_->prefix_cache(anchor).lookup_hashes(hashes);
-  const std::size_t anchor_chain = anchor_match.blocks.size();
-  auto cached = [&](std::size_t g, std::size_t i) {
-    if (g == anchor) return i < anchor_chain;
-    return cache_->prefix_cache(g).find(hashes[i]).has_value();
-  };
-  std::size_t hit = find_hybrid_hit(rules, block_size_, max_blocks, cached);
 
   absl::InlinedVector<std::vector<BlockId>, 4> taken(ng);
   absl::InlinedVector<std::optional<BlockId>, 4> slots(ng);
   absl::InlinedVector<std::size_t, 4> first(ng, 0);
+  absl::InlinedVector<std::size_t, 4> onloaded(ng, 0);
   auto give_back = [&]() noexcept {
     for (std::size_t g = 0; g < ng; ++g) {
       for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
         release_block(g, *it);
       taken[g].clear();
+      onloaded[g] = 0;
       if (slots[g]) release_block(g, *slots[g]);
       slots[g].reset();
     }
   };
-  if (anchor < ng) {
-    taken[anchor] = std::move(anchor_match.blocks);
-    while (taken[anchor].size() > hit) {
-      release_block(anchor, taken[anchor].back());
-      taken[anchor].pop_back();
+
+  // Decides the hit. Without a lower tier, the anchor's lookup takes its
+  // chain (one probe a block, as BlockTable's) and the other groups are
+  // probed only where the rule needs them. With one, a block counts when the
+  // device or the group's tier holds it, and nothing is taken or copied
+  // until the hit is known (the anchor's chain on the host may run past it).
+  auto decide = [&]() -> std::size_t {
+    if (!tiered) {
+      PrefixMatch anchor_match;
+      if (anchor < ng) anchor_match = cache_->prefix_cache(anchor).lookup_hashes(hashes);
+      const std::size_t anchor_chain = anchor_match.blocks.size();
+      if (anchor < ng) taken[anchor] = std::move(anchor_match.blocks);
+      auto cached = [&](std::size_t g, std::size_t i) {
+        if (g == anchor) return i < anchor_chain;
+        return cache_->prefix_cache(g).find(hashes[i]).has_value();
+      };
+      const std::size_t hit = find_hybrid_hit(rules, block_size_, max_blocks, cached);
+      if (anchor < ng) {
+        while (taken[anchor].size() > hit) {
+          release_block(anchor, taken[anchor].back());
+          taken[anchor].pop_back();
+        }
+      }
+      return hit;
     }
-  }
-  if (hit == 0) {
-    give_back();
-    return 0;
-  }
-  try {
+    auto cached = [&](std::size_t g, std::size_t i) {
+      const PrefixCache& prefix = cache_->prefix_cache(g);
+      if (prefix.find(hashes[i])) return true;
+      const PrefixCacheTier* tier = prefix.tier();
+      return tier != nullptr && tier->holds(hashes[i]);
+    };
+    return find_hybrid_hit(rules, block_size_, max_blocks, cached);
+  };
+
+  // Takes every group's blocks of a hit of `hit` blocks (a lower tier copies
+  // its blocks in as each lookup reaches them). False when some block the
+  // decision counted could not be brought in; what was taken stays in
+  // `taken` for give_back.
+  auto take = [&](std::size_t hit) -> bool {
     for (std::size_t g = 0; g < ng; ++g) {
-      if (g == anchor) continue;
-      PrefixCache& prefix = cache_->prefix_cache(g);
       // A state group needs the checkpoint cached under the hash of block
       // hit - 1; a block group the blocks [first, hit).
-      const bool state = rules[g].kind == LayerKind::state;
-      first[g] = state
+      first[g] = rules[g].kind == LayerKind::state
                      ? hit - 1
                      : std::min(hit, first_needed_block(rules[g], block_size_, hit * block_size_));
+      if (g == anchor && !tiered) continue;  // taken by decide()
+      PrefixCache& prefix = cache_->prefix_cache(g);
       const auto span = std::span<const BlockHash>(hashes).subspan(first[g], hit - first[g]);
-      PrefixMatch m = prefix.lookup_hashes(span);
-      taken[g] = std::move(m.blocks);
+      // Device runs and lower-tier runs alternate: one lookup per run.
+      while (taken[g].size() < span.size()) {
+        PrefixMatch m = prefix.lookup_hashes(span.subspan(taken[g].size()));
+        if (m.blocks.empty()) break;
+        onloaded[g] += m.lower_tier_blocks;
+        taken[g].insert(taken[g].end(), m.blocks.begin(), m.blocks.end());
+      }
       if (taken[g].size() != span.size()) {
-        throw std::logic_error(
-            "HybridBlockTable::reuse_cached_prefix: a block the hit rule found is gone");
+        if (!tiered) {  // nothing can go between the probe and the lookup
+          throw std::logic_error(
+              "HybridBlockTable::reuse_cached_prefix: a block the hit rule found is gone");
+        }
+        return false;
       }
     }
-    // State: the checkpoint's reference is held (taken[g]) while a slot is
-    // found, so allocating cannot evict it.
-    for (std::size_t g = 0; g < ng; ++g) {
-      if (rules[g].kind != LayerKind::state) continue;
-      slots[g] = cache_->prefix_cache(g).try_alloc_block();
-      if (!slots[g]) {  // no slot to copy the state into: no hit
+    return true;
+  };
+
+  // With a lower tier, a block found by the probe may fail to come in (a
+  // copy failed; an onload's allocations evicted a block not taken yet):
+  // everything is given back and the hit decided again on what is there now
+  // (fail closed: never a hit with a block missing). Each round changes what
+  // is cached (blocks copied in stay on the device), so a few rounds settle;
+  // after the last the hit is 0.
+  constexpr int kMaxRounds = 3;
+  std::size_t hit = 0;
+  std::size_t first_hit = 0;
+  bool complete = false;
+  bool redone = false;
+  try {
+    for (int round = 0; round < kMaxRounds && !complete; ++round) {
+      hit = decide();
+      if (round == 0) first_hit = hit;
+      if (hit == 0) break;
+      complete = take(hit);
+      if (!complete) {
         give_back();
-        return 0;
+        redone = true;
       }
-      const BlockCopy c{taken[g].front(), *slots[g]};
-      cache_->group_cache(g).copy_blocks({&c, 1}, stream);
+    }
+    if (!complete) hit = 0;
+    if (hit != 0) {
+      // State: the checkpoint's reference is held (taken[g]) while a slot is
+      // found, so allocating cannot evict it.
+      for (std::size_t g = 0; g < ng; ++g) {
+        if (rules[g].kind != LayerKind::state) continue;
+        slots[g] = cache_->prefix_cache(g).try_alloc_block();
+        if (!slots[g]) {  // no slot to copy the state into: no hit
+          hit = 0;
+          break;
+        }
+        const BlockCopy c{taken[g].front(), *slots[g]};
+        cache_->group_cache(g).copy_blocks({&c, 1}, stream);
+      }
     }
   } catch (...) {
     give_back();
     throw;
+  }
+  if (redone) {
+    ++counters.short_hits;
+    if (first_hit > hit) counters.short_hit_tokens += (first_hit - hit) * block_size_;
+  }
+  if (hit == 0) {
+    give_back();
+    return 0;
   }
 
   // Commit: nothing below throws (the vectors' memory is reserved first).
@@ -438,6 +502,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   }
   for (std::size_t g = 0; g < ng; ++g) {
     Group& grp = groups_[g];
+    counters.lower_tier_blocks += onloaded[g];
     if (rules[g].kind == LayerKind::state) {
       for (BlockId b : taken[g])
         release_block(g, b);  // the checkpoint stays cached, evictable again

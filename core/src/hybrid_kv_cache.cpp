@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "group_reports.hpp"
 #include "kvport/platform/error.hpp"
 
 namespace kvport {
@@ -109,9 +110,8 @@ std::vector<InvariantReport> HybridKvCache::check_group_invariants() const {
   return out;
 }
 
-InvariantReport HybridKvCache::check_invariants() const {
+InvariantReport detail::merge_group_reports(std::span<const InvariantReport> reports) {
   InvariantReport total;
-  const std::vector<InvariantReport> reports = check_group_invariants();
   for (std::size_t g = 0; g < reports.size(); ++g) {
     const InvariantReport& r = reports[g];
     total.blocks_checked += r.blocks_checked;
@@ -124,6 +124,10 @@ InvariantReport HybridKvCache::check_invariants() const {
     if (!r.ok && r.violations.empty()) total.add_violation(fmt::format("group {}: not ok", g));
   }
   return total;
+}
+
+InvariantReport HybridKvCache::check_invariants() const {
+  return detail::merge_group_reports(check_group_invariants());
 }
 
 void HybridKvCache::synchronize() {

@@ -4,16 +4,20 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <utility>
 
 #include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/size_math.hpp"
 #include "kvport/sim/scheduler.hpp"
 #include "kvport/sim/trace_arrivals.hpp"
 #include "kvport/sim/trace_tokens.hpp"
@@ -46,11 +50,12 @@ LayerSpec tiny(const LayerSpec& spec, std::size_t g) {
 class HybridReplayWorkload final : public Workload {
  public:
   HybridReplayWorkload(std::span<const TraceRequest> requests, const HybridReplayOptions& options,
-                       HybridKvCache& cache, std::vector<HybridGroupUsage>& usage,
-                       StreamView stream)
+                       HybridKvCache& cache, HybridHostTier* tier,
+                       std::vector<HybridGroupUsage>& usage, StreamView stream)
       : requests_(requests),
         options_(options),
         cache_(cache),
+        tier_(tier),
         usage_(usage),
         stream_(stream),
         bs_(options.block_size),
@@ -74,9 +79,13 @@ class HybridReplayWorkload final : public Workload {
       result_.mean_running = static_cast<double>(running_steps_) / static_cast<double>(stats.steps);
     for (RequestState& s : state_)
       s.table.reset();
+    if (tier_ != nullptr) tier_->synchronize();
     cache_.synchronize();
-    result_.state_checkpoints = cache_.hit_counters().state_checkpoints;
-    result_.invariants = cache_.check_invariants();
+    const HybridHitCounters& hits = cache_.hit_counters();
+    result_.state_checkpoints = hits.state_checkpoints;
+    result_.short_hits = hits.short_hits;
+    result_.short_hit_tokens = hits.short_hit_tokens;
+    result_.invariants = tier_ != nullptr ? tier_->check_invariants() : cache_.check_invariants();
     if (result_.invariants.blocks_in_use != 0) {
       result_.invariants.add_violation(
           fmt::format("{} blocks are still in use after the last request finished",
@@ -118,7 +127,20 @@ class HybridReplayWorkload final : public Workload {
     sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
     HybridBlockTable table(cache_);
     table.set_prefix_hit_mode(options_.prefix_hit_mode);
+    const std::uint64_t lower_before = cache_.hit_counters().lower_tier_blocks;
+    onloads_before_.clear();
+    for (std::size_t g = 0; g < usage_.size(); ++g)
+      onloads_before_.push_back(tier_ != nullptr ? tier_->counters(g).onloads : 0);
     const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
+    const bool from_host = cache_.hit_counters().lower_tier_blocks != lower_before;
+    hit_blocks_.clear();
+    host_blocks_.clear();
+    for (std::size_t g = 0; g < usage_.size(); ++g) {
+      const bool state_group = cache_.group(g).spec.kind == LayerKind::state;
+      hit_blocks_.push_back(state_group ? (hit != 0 ? 1 : 0) : table.num_live_blocks(g));
+      host_blocks_.push_back(tier_ != nullptr ? tier_->counters(g).onloads - onloads_before_[g]
+                                              : 0);
+    }
     // Chunked prefill: each chunk is computed before the next is appended.
     for (std::size_t at = hit; at < scratch_.size();) {
       const std::size_t n = std::min(options_.prefill_chunk_tokens, scratch_.size() - at);
@@ -130,6 +152,11 @@ class HybridReplayWorkload final : public Workload {
       state.admitted = true;
       result_.prompt_tokens += request.input_length;
       result_.hit_tokens += hit;
+      if (from_host) result_.host_hit_tokens += hit;
+      for (std::size_t g = 0; g < usage_.size(); ++g) {
+        usage_[g].hit_blocks += hit_blocks_[g];
+        usage_[g].host_hit_blocks += host_blocks_[g];
+      }
     } else {
       result_.recomputed_tokens += scratch_.size() - hit;
     }
@@ -144,6 +171,7 @@ class HybridReplayWorkload final : public Workload {
     const std::size_t running = scheduler.running().size();
     result_.peak_running = std::max(result_.peak_running, running);
     running_steps_ += running;
+    if (tier_ != nullptr) tier_->poll();
     for (std::size_t g = 0; g < usage_.size(); ++g) {
       const std::size_t in_use = cache_.blocks_in_use(g);
       usage_[g].peak_blocks_in_use = std::max(usage_[g].peak_blocks_in_use, in_use);
@@ -179,7 +207,11 @@ class HybridReplayWorkload final : public Workload {
   std::span<const TraceRequest> requests_;
   const HybridReplayOptions& options_;
   HybridKvCache& cache_;
+  HybridHostTier* tier_;
   std::vector<HybridGroupUsage>& usage_;
+  std::vector<std::uint64_t> onloads_before_;  // scratch of try_admit
+  std::vector<std::uint64_t> hit_blocks_;
+  std::vector<std::uint64_t> host_blocks_;
   StreamView stream_;
   std::size_t bs_;
   std::vector<RequestState> state_;
@@ -206,6 +238,15 @@ std::size_t HybridReplayResult::peak_bytes_in_use() const noexcept {
   for (const HybridGroupUsage& g : groups)
     total += g.peak_bytes_in_use();
   return total;
+}
+
+std::size_t model_block_bytes(const KvCachePlan& plan) noexcept {
+  std::size_t bytes = 0;
+  for (const GroupPlan& g : plan.groups) {
+    if (g.spec.kind != LayerKind::state && g.spec.kind != LayerKind::none)
+      bytes = saturating_add(bytes, g.bytes_per_block);
+  }
+  return bytes;
 }
 
 std::vector<LayerSpec> as_all_full_attention(std::span<const LayerSpec> layers) {
@@ -251,8 +292,38 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
     throw std::logic_error("kvport replay: the simulated groups differ from the plan's (a bug)");
   }
   Stream stream = backend.create_stream();
-  HybridReplayWorkload workload(requests, options, cache, usage, stream);
+  std::unique_ptr<HybridHostTier> tier;
+  std::size_t host_bytes = 0;
+  if (options.host_tier_blocks != 0) {
+    const std::size_t unit = model_block_bytes(plan);
+    if (mul_overflows(options.host_tier_blocks, unit)) {
+      throw InvalidArgument(fmt::format("--host-tier-blocks: {} blocks of {} overflow size_t",
+                                        options.host_tier_blocks, format_bytes(unit)));
+    }
+    HybridHostTierOptions t;
+    t.slots_per_group = split_host_slots(plan, options.host_tier_blocks * unit,
+                                         options.state_checkpoint_interval);
+    t.policy = options.tier_policy;
+    t.inclusion = options.tier_inclusion;
+    for (std::size_t g = 0; g < plan.groups.size(); ++g) {
+      usage[g].host_slots = t.slots_per_group[g];
+      host_bytes += t.slots_per_group[g] * plan.groups[g].bytes_per_block;
+    }
+    try {
+      tier = std::make_unique<HybridHostTier>(cache, t, stream);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("--host-tier-blocks: {}", e.what()));
+    }
+  }
+  HybridReplayWorkload workload(requests, options, cache, tier.get(), usage, stream);
   HybridReplayResult result = workload.run();
+  if (tier) {
+    for (std::size_t g = 0; g < usage.size(); ++g)
+      usage[g].tier_counters = tier->counters(g);
+  }
+  tier.reset();
+  result.host_tier_blocks = options.host_tier_blocks;
+  result.host_bytes = host_bytes;
   result.groups = std::move(usage);
   result.budget_bytes = options.budget_bytes;
   result.pool_bytes = plan.total_bytes;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/hybrid_replay.hpp"
 
@@ -75,6 +76,88 @@ TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   // The window group holds a few blocks per running request, never more
   // than its peak (41 blocks with 512-token prefill chunks).
   EXPECT_LE(hybrid.groups[0].peak_blocks_in_use, 41 * hybrid.peak_running);
+}
+
+// Request A, then enough unrelated requests to push A out of the device in
+// every group, then A's next turn: one at a time (arrivals far apart).
+std::vector<TraceRequest> return_after_churn_trace() {
+  std::vector<TraceRequest> out;
+  auto add = [&](std::vector<std::uint64_t> ids, std::size_t input) {
+    TraceRequest r;
+    r.timestamp_ms = 100000.0 * static_cast<double>(out.size());
+    r.input_length = input;
+    r.output_length = 16;
+    r.line = out.size() + 1;
+    r.hash_ids = std::move(ids);
+    out.push_back(r);
+  };
+  std::vector<std::uint64_t> a;
+  for (std::uint64_t b = 0; b < 16; ++b)
+    a.push_back(b);
+  add(a, 16 * 512);
+  for (std::uint64_t k = 1; k <= 12; ++k) {
+    std::vector<std::uint64_t> other;
+    for (std::uint64_t b = 0; b < 16; ++b)
+      other.push_back(1000 * k + b);
+    add(other, 16 * 512);
+  }
+  a.push_back(99);
+  add(a, 17 * 512);
+  return out;
+}
+
+std::vector<LayerSpec> mamba_hybrid() {
+  std::vector<LayerSpec> layers;
+  for (std::size_t i = 0; i < 8; ++i) {
+    layers.push_back(i % 4 == 3 ? LayerSpec::full_attention(8, 128, 128)
+                                : LayerSpec::recurrent_state(
+                                      {StateTensor{"conv", {4096, 3}, StateDtype::bf16},
+                                       StateTensor{"ssm", {64, 64, 128}, StateDtype::f32}}));
+  }
+  return layers;
+}
+
+TEST(HybridReplay, AHostTierBringsEveryGroupBack) {
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
+  const std::vector<TraceRequest> trace = return_after_churn_trace();
+  for (const bool mamba : {false, true}) {
+    SCOPED_TRACE(mamba ? "mamba hybrid" : "gpt-oss");
+    HybridReplayOptions o;
+    o.layers = mamba ? mamba_hybrid() : gpt_oss_120b();
+    o.max_context_tokens = 17 * 512 + 16;
+    o.state_checkpoint_interval = 32;  // every 512 tokens
+    // Room for about two requests on the device.
+    const KvCachePlan plan = plan_kv_cache(group_layers(o.layers, 16), 16, [&] {
+      KvCachePlanRequest want;
+      want.budget_bytes = std::size_t{1} << 40;
+      want.max_context_tokens = o.max_context_tokens;
+      want.step_tokens = 512;
+      return want;
+    }());
+    o.budget_bytes = 2 * plan.peak_bytes_per_request + plan.peak_bytes_per_request / 2;
+    const HybridReplayResult bare = replay_hybrid(trace, o, *backend);
+    EXPECT_EQ(bare.hit_tokens, 0u);  // A was evicted from every group
+    // Room for A and the churn in every group (the Mamba model's unit is its
+    // attention block: its checkpoints take most of the host memory).
+    o.host_tier_blocks = (mamba ? 5 : 1) * 16 * 17 * 512 / 16;
+    const HybridReplayResult tiered = replay_hybrid(trace, o, *backend);
+    EXPECT_TRUE(tiered.invariants.ok) << tiered.invariants.to_string();
+    EXPECT_EQ(tiered.completed, trace.size());
+    // A's next turn hits its whole first turn (its last 512-token block is
+    // the first one that differs... minus the compute-last-token block).
+    EXPECT_GE(tiered.hit_tokens, 15u * 512);
+    EXPECT_EQ(tiered.host_hit_tokens, tiered.hit_tokens);
+    EXPECT_EQ(tiered.host_tier_blocks, o.host_tier_blocks);
+    EXPECT_GT(tiered.host_bytes, 0u);
+    for (const HybridGroupUsage& g : tiered.groups) {
+      SCOPED_TRACE(g.spec.describe());
+      EXPECT_GT(g.host_slots, 0u);
+      EXPECT_GT(g.host_hit_blocks, 0u);
+      EXPECT_LE(g.host_hit_blocks, g.hit_blocks);
+      EXPECT_GT(g.tier_counters.offloads, 0u);
+      EXPECT_EQ(g.tier_counters.aborted_transfers, 0u);
+    }
+  }
 }
 
 TEST(HybridReplay, OptionsAreValidated) {

@@ -18,6 +18,20 @@ std::string percent(double ratio) {
   return fmt::format("{:.1f}%", 100.0 * ratio);
 }
 
+nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
+  nlohmann::ordered_json j;
+  j["offloads"] = c.offloads;
+  j["onloads"] = c.onloads;
+  j["host_evictions"] = c.host_evictions;
+  j["already_on_host"] = c.already_on_host;
+  j["dropped_offloads"] = c.dropped_offloads;
+  j["offload_waits"] = c.offload_waits;
+  j["onload_shortfalls"] = c.onload_shortfalls;
+  j["aborted_transfers"] = c.aborted_transfers;
+  j["aborted_blocks"] = c.aborted_blocks;
+  return j;
+}
+
 nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   nlohmann::ordered_json j;
   j["requests"] = r.requests;
@@ -34,6 +48,12 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   j["recomputed_tokens"] = r.recomputed_tokens;
   j["generated_tokens"] = r.generated_tokens;
   j["state_checkpoints"] = r.state_checkpoints;
+  if (r.host_tier_blocks != 0) {
+    j["host_bytes"] = r.host_bytes;
+    j["host_hit_tokens"] = r.host_hit_tokens;
+    j["short_hits"] = r.short_hits;
+    j["short_hit_tokens"] = r.short_hit_tokens;
+  }
   j["budget_bytes"] = r.budget_bytes;
   j["pool_bytes"] = r.pool_bytes;
   j["peak_bytes_in_use"] = r.peak_bytes_in_use();
@@ -49,6 +69,12 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
     u["peak_bytes_in_use"] = g.peak_bytes_in_use();
     u["mean_blocks_in_use"] =
         r.steps == 0 ? 0.0 : static_cast<double>(g.block_steps) / static_cast<double>(r.steps);
+    u["hit_blocks"] = g.hit_blocks;
+    if (r.host_tier_blocks != 0) {
+      u["host_slots"] = g.host_slots;
+      u["host_hit_blocks"] = g.host_hit_blocks;
+      u["tier_counters"] = tier_counters_json(g.tier_counters);
+    }
     groups.push_back(std::move(u));
   }
   j["group_usage"] = std::move(groups);
@@ -59,13 +85,31 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
 }
 
 void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
-  TextTable table({"group", "kind", "layers", "blocks", "bytes/block", "peak blocks", "peak bytes"},
-                  {TextTable::Align::left, TextTable::Align::left});
+  const bool tier = r.host_tier_blocks != 0;
+  std::vector<std::string> header = {"group",       "kind",       "layers",    "blocks",
+                                     "bytes/block", "peak blocks", "peak bytes", "hit blocks"};
+  if (tier) {
+    for (const char* h : {"host slots", "from host", "written back", "host evictions"})
+      header.emplace_back(h);
+  }
+  TextTable table(header, {TextTable::Align::left, TextTable::Align::left});
   for (std::size_t g = 0; g < r.groups.size(); ++g) {
     const sim::HybridGroupUsage& u = r.groups[g];
-    table.add_row({std::to_string(g), u.spec.describe(), std::to_string(u.num_layers),
-                   std::to_string(u.num_blocks), std::to_string(u.bytes_per_block),
-                   std::to_string(u.peak_blocks_in_use), format_bytes(u.peak_bytes_in_use())});
+    std::vector<std::string> row = {std::to_string(g),
+                                    u.spec.describe(),
+                                    std::to_string(u.num_layers),
+                                    std::to_string(u.num_blocks),
+                                    std::to_string(u.bytes_per_block),
+                                    std::to_string(u.peak_blocks_in_use),
+                                    format_bytes(u.peak_bytes_in_use()),
+                                    std::to_string(u.hit_blocks)};
+    if (tier) {
+      row.push_back(std::to_string(u.host_slots));
+      row.push_back(std::to_string(u.host_hit_blocks));
+      row.push_back(std::to_string(u.tier_counters.offloads));
+      row.push_back(std::to_string(u.tier_counters.host_evictions));
+    }
+    table.add_row(row);
   }
   table.print(out, "  ");
 }
@@ -91,6 +135,13 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
       "up to {} running, {} ms per step\n\n",
       g.requests, run.trace, run.model, run.model_source, o.layers.size(),
       format_bytes(o.budget_bytes), o.block_size, o.prefill_chunk_tokens, o.concurrency, o.step_ms);
+  if (o.host_tier_blocks != 0) {
+    out << fmt::format(
+        "host tier: {} blocks of the model ({} of host memory), split so that every group holds "
+        "the same tokens; {}, {}\n\n",
+        o.host_tier_blocks, format_bytes(g.host_bytes), to_string(o.tier_policy),
+        to_string(o.tier_inclusion));
+  }
   out << "KV cache groups:\n";
   group_table(out, g);
   out << "Same model, every layer full attention:\n";
@@ -106,6 +157,15 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
   row("peak running", std::to_string(g.peak_running), std::to_string(f.peak_running));
   row("mean running", fmt::format("{:.1f}", g.mean_running), fmt::format("{:.1f}", f.mean_running));
   row("token hit rate", percent(g.hit_rate()), percent(f.hit_rate()));
+  if (o.host_tier_blocks != 0) {
+    auto of_prompts = [](const sim::HybridReplayResult& r) {
+      return percent(r.prompt_tokens == 0 ? 0.0
+                                          : static_cast<double>(r.host_hit_tokens) /
+                                                static_cast<double>(r.prompt_tokens));
+    };
+    row("hits using the host", of_prompts(g), of_prompts(f));
+    row("hits decided again", std::to_string(g.short_hits), std::to_string(f.short_hits));
+  }
   row("preemptions", std::to_string(g.preemptions), std::to_string(f.preemptions));
   row("recomputed tokens", std::to_string(g.recomputed_tokens),
       std::to_string(f.recomputed_tokens));
@@ -141,6 +201,11 @@ void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
   j["step_ms"] = o.step_ms;
   j["state_checkpoint_interval"] = o.state_checkpoint_interval;
   j["prefix_hit_mode"] = to_string(o.prefix_hit_mode);
+  if (o.host_tier_blocks != 0) {
+    j["host_tier_blocks"] = o.host_tier_blocks;
+    j["tier_policy"] = to_string(o.tier_policy);
+    j["tier_inclusion"] = to_string(o.tier_inclusion);
+  }
   j["groups"] = result_json(run.groups);
   j["all_full"] = result_json(run.all_full);
   j["concurrency_ratio"] = run.all_full.peak_running == 0

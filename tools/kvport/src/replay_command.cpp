@@ -183,35 +183,9 @@ class ReplayCommand final : public Command {
       options.host_tier_blocks =
           parse_positive_count(host_tier_blocks_.value, "--host-tier-blocks");
     } else {
-      for (const auto& [flag, name] :
-           {std::pair{&tier_policy_, "--tier-policy"},
-            std::pair{&tier_inclusion_, "--tier-inclusion"},
-            std::pair{&host_link_gbps_, "--host-link-gbps"}, std::pair{&model_, "--model"}}) {
-        if (flag->given()) {
-          throw InvalidArgument(fmt::format("{}: needs --host-tier-blocks (a host tier)", name));
-        }
-      }
+      refuse_tier_flags_without_tier(/*with_model=*/true);
     }
-    if (tier_policy_.given()) {
-      const std::optional<TierPolicy> policy = parse_tier_policy(tier_policy_.value);
-      if (!policy) {
-        throw InvalidArgument(
-            fmt::format("--tier-policy: unknown policy '{}' (expected write-back or write-through)",
-                        tier_policy_.value));
-      }
-      options.tier_policy = *policy;
-    }
-    if (tier_inclusion_.given()) {
-      if (tier_inclusion_.value == "exclusive") {
-        options.tier_inclusion = TierInclusion::exclusive;
-      } else if (tier_inclusion_.value == "inclusive") {
-        options.tier_inclusion = TierInclusion::inclusive;
-      } else {
-        throw InvalidArgument(
-            fmt::format("--tier-inclusion: unknown mode '{}' (expected exclusive or inclusive)",
-                        tier_inclusion_.value));
-      }
-    }
+    parse_tier_modes(options.tier_policy, options.tier_inclusion);
     if (host_link_gbps_.given()) {
       options.host_link_gbps = parse_positive_number(host_link_gbps_.value, "--host-link-gbps");
     }
@@ -254,9 +228,6 @@ class ReplayCommand final : public Command {
   // --memory: the replay over the model's KV cache groups (group_replay.hpp).
   int execute_groups(std::ostream& out) const {
     for (const auto& [flag, name] : {std::pair{&capacity_, "--capacity-blocks"},
-                                     std::pair{&host_tier_blocks_, "--host-tier-blocks"},
-                                     std::pair{&tier_policy_, "--tier-policy"},
-                                     std::pair{&tier_inclusion_, "--tier-inclusion"},
                                      std::pair{&host_link_gbps_, "--host-link-gbps"},
                                      std::pair{&check_every_, "--check-every"}}) {
       if (flag->given()) {
@@ -283,6 +254,12 @@ class ReplayCommand final : public Command {
     o.state_checkpoint_interval = parse_count(checkpoint_interval_.value, "--checkpoint-interval");
     if (context_.given()) o.max_context_tokens = parse_positive_count(context_.value, "--context");
     if (full_prefix_hits_) o.prefix_hit_mode = PrefixHitMode::full;
+    if (host_tier_blocks_.given()) {
+      o.host_tier_blocks = parse_positive_count(host_tier_blocks_.value, "--host-tier-blocks");
+    } else {
+      refuse_tier_flags_without_tier(/*with_model=*/false);
+    }
+    parse_tier_modes(o.tier_policy, o.tier_inclusion);
     ModelOverrides model;
     if (model_.given()) model.preset = model_.value;
     if (hf_config_.given()) model.hf_config = hf_config_.value;
@@ -302,6 +279,43 @@ class ReplayCommand final : public Command {
       print_group_replay_text(out, run);
     }
     return run.groups.invariants.ok && run.all_full.invariants.ok ? kExitOk : kExitCheckFailed;
+  }
+
+  // The tier's flags without --host-tier-blocks are errors (--model names
+  // the modeled block's size only for the replay without groups).
+  void refuse_tier_flags_without_tier(bool with_model) const {
+    for (const auto& [flag, name] :
+         {std::pair{&tier_policy_, "--tier-policy"}, std::pair{&tier_inclusion_, "--tier-inclusion"},
+          std::pair{&host_link_gbps_, "--host-link-gbps"}, std::pair{&model_, "--model"}}) {
+      if (flag == &model_ && !with_model) continue;
+      if (flag->given()) {
+        throw InvalidArgument(fmt::format("{}: needs --host-tier-blocks (a host tier)", name));
+      }
+    }
+  }
+
+  // --tier-policy and --tier-inclusion, when given.
+  void parse_tier_modes(TierPolicy& policy, TierInclusion& inclusion) const {
+    if (tier_policy_.given()) {
+      const std::optional<TierPolicy> parsed = parse_tier_policy(tier_policy_.value);
+      if (!parsed) {
+        throw InvalidArgument(
+            fmt::format("--tier-policy: unknown policy '{}' (expected write-back or write-through)",
+                        tier_policy_.value));
+      }
+      policy = *parsed;
+    }
+    if (tier_inclusion_.given()) {
+      if (tier_inclusion_.value == "exclusive") {
+        inclusion = TierInclusion::exclusive;
+      } else if (tier_inclusion_.value == "inclusive") {
+        inclusion = TierInclusion::inclusive;
+      } else {
+        throw InvalidArgument(
+            fmt::format("--tier-inclusion: unknown mode '{}' (expected exclusive or inclusive)",
+                        tier_inclusion_.value));
+      }
+    }
   }
 
   static void add(CLI::App& app, const char* name, TextFlag& flag, const char* type,

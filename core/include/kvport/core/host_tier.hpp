@@ -220,6 +220,7 @@ class HostTier final : public PrefixCacheTier {
   std::size_t reclaimable_blocks() const noexcept override;
   void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes, PrefixMatch& match,
                     const std::source_location& where) noexcept override;
+  bool holds(const BlockHash& hash) const noexcept override;
 
   struct State;
   std::unique_ptr<State> state_;

@@ -41,6 +41,16 @@ struct HybridHitCounters {
   std::uint64_t lookup_tokens = 0;      ///< prompt tokens looked up
   std::uint64_t hit_tokens = 0;         ///< tokens the hits covered (valid for every group)
   std::uint64_t state_checkpoints = 0;  ///< state copies cached (every state group)
+  /// Blocks (state checkpoints included) of the hits that a lower tier
+  /// (HostTier) copied in, every group.
+  std::uint64_t lower_tier_blocks = 0;
+  /// Lookups whose hit had to be decided again because a block the probe
+  /// found could not be brought in (a lower tier's copy failed, or the
+  /// allocations of an onload evicted a block not yet taken): the request got
+  /// the hit that was valid afterwards (fail closed), shorter or none.
+  std::uint64_t short_hits = 0;
+  /// Tokens those lookups lost: the first probe's hit minus the hit taken.
+  std::uint64_t short_hit_tokens = 0;
   double hit_rate() const noexcept {
     return lookup_tokens == 0
                ? 0.0

@@ -85,6 +85,11 @@ class PrefixCacheTier {
   /// throw: on failure the match stays as it was.
   virtual void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes,
                             PrefixMatch& match, const std::source_location& where) noexcept = 0;
+  /// Whether a lookup reaching `hash` would find it in the tier now (its
+  /// copy complete, visible): a probe that takes nothing and copies nothing,
+  /// for lookups that decide a hit before bringing its blocks in (the hybrid
+  /// hit rule, HybridBlockTable::reuse_cached_prefix).
+  virtual bool holds(const BlockHash& hash) const noexcept = 0;
 };
 
 /// Automatic prefix caching, as in vLLM: full blocks are registered under the

@@ -24,6 +24,8 @@
 #include <vector>
 
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/host_tier.hpp"
+#include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/core/layer_spec.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
@@ -43,6 +45,12 @@ struct HybridReplayOptions {
   std::uint64_t step_ms = 10;              ///< > 0
   std::size_t state_checkpoint_interval = 1;
   PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
+  /// A host tier under every group (HybridHostTier) of host_tier_blocks x
+  /// model_block_bytes() of the real model's memory, split between the
+  /// groups by split_host_slots (the same tokens in every group); 0: none.
+  std::size_t host_tier_blocks = 0;
+  TierPolicy tier_policy = TierPolicy::write_back;
+  TierInclusion tier_inclusion = TierInclusion::exclusive;
   /// Throws InvalidArgument naming the option for a zero size or no layers.
   void validate() const;
 };
@@ -56,6 +64,12 @@ struct HybridGroupUsage {
   std::size_t peak_blocks_in_use = 0;
   std::size_t peak_bytes_in_use() const noexcept { return peak_blocks_in_use * bytes_per_block; }
   std::uint64_t block_steps = 0;  ///< blocks in use summed over steps (mean = / steps)
+  /// Blocks (state: checkpoints) the hits of admitted requests took in this
+  /// group, at first admission; of those, the ones the host tier copied in.
+  std::uint64_t hit_blocks = 0;
+  std::uint64_t host_hit_blocks = 0;
+  std::size_t host_slots = 0;     ///< the group's host slots (0: no tier)
+  HostTierCounters tier_counters;  ///< the group's HostTier at the end
 };
 
 struct HybridReplayResult {
@@ -72,6 +86,14 @@ struct HybridReplayResult {
   std::uint64_t recomputed_tokens = 0;
   std::uint64_t generated_tokens = 0;
   std::uint64_t state_checkpoints = 0;
+  /// Tokens of the hits whose blocks came partly from the host tier, and the
+  /// lookups whose hit was decided again because a host block failed to come
+  /// in (HybridHitCounters::short_hits), with the tokens they lost.
+  std::uint64_t host_hit_tokens = 0;
+  std::uint64_t short_hits = 0;
+  std::uint64_t short_hit_tokens = 0;
+  std::size_t host_tier_blocks = 0;  ///< the option
+  std::size_t host_bytes = 0;        ///< the real model's bytes of every host slot
   std::size_t budget_bytes = 0;
   std::size_t pool_bytes = 0;  ///< the real model's bytes of every pool (<= budget)
   std::vector<HybridGroupUsage> groups;
@@ -84,6 +106,12 @@ struct HybridReplayResult {
   }
   std::size_t peak_bytes_in_use() const noexcept;
 };
+
+/// The unit of HybridReplayOptions::host_tier_blocks: the real model's bytes
+/// of one block of every attention layer (the bytes_per_block of the plan's
+/// full, MLA, window and chunked groups; state groups hold no blocks), what
+/// --host-tier-blocks counts for a model without groups.
+std::size_t model_block_bytes(const KvCachePlan& plan) noexcept;
 
 /// Runs the replay. Throws InvalidArgument for bad options or a budget the
 /// planner cannot split, and what the scheduler throws.
