@@ -59,6 +59,46 @@ TEST(cli_group_replay, TextReportAndAMambaHybridFromItsConfig) {
   EXPECT_THAT(r.out, HasSubstr("Result        OK"));
 }
 
+TEST(cli_group_replay, HostTierPerGroupAndPerTier) {
+  // gpt-oss with 2 GiB: every group's evicted blocks go to the host.
+  const CliResult r = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b",
+                                    "--host-tier-blocks", "20000", "--json"});
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  const nlohmann::json j = r.json();
+  EXPECT_EQ(j.at("host_tier_blocks"), 20000);
+  EXPECT_EQ(j.at("tier_policy"), "write-back");
+  EXPECT_EQ(j.at("tier_inclusion"), "exclusive");
+  for (const char* run : {"groups", "all_full"}) {
+    SCOPED_TRACE(run);
+    const nlohmann::json& g = j.at(run);
+    EXPECT_TRUE(g.at("invariants_ok").get<bool>());
+    // 20,000 blocks of the model: 20,000 x 1,179,648 bytes in either run.
+    EXPECT_LE(g.at("host_bytes").get<std::size_t>(), std::size_t{20000} * 1179648);
+    EXPECT_GT(g.at("host_bytes").get<std::size_t>(), std::size_t{19990} * 1179648);
+    EXPECT_GT(g.at("host_hit_tokens").get<std::size_t>(), 0u);
+    EXPECT_LE(g.at("host_hit_tokens").get<std::size_t>(), g.at("hit_tokens").get<std::size_t>());
+    for (const nlohmann::json& u : g.at("group_usage")) {
+      EXPECT_EQ(u.at("host_slots").get<std::size_t>(), 20000u);  // the same tokens in each
+      EXPECT_GT(u.at("tier_counters").at("offloads").get<std::size_t>(), 0u);
+      EXPECT_LE(u.at("host_hit_blocks").get<std::size_t>(), u.at("hit_blocks").get<std::size_t>());
+    }
+  }
+  // With the host tier the groups hit more than without it.
+  const CliResult bare = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--json"});
+  ASSERT_EQ(bare.code, 0) << bare.err;
+  EXPECT_GT(j.at("groups").at("hit_tokens").get<std::size_t>(),
+            bare.json().at("groups").at("hit_tokens").get<std::size_t>());
+  EXPECT_FALSE(bare.json().at("groups").contains("host_bytes"));
+
+  // The text report names the host columns and rows.
+  const CliResult text = group_replay(
+      {"--memory", "2GiB", "--model", "gpt-oss-120b", "--host-tier-blocks", "20000"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("host tier: 20000 blocks of the model"));
+  EXPECT_THAT(text.out, HasSubstr("from host"));
+  EXPECT_THAT(text.out, HasSubstr("hits using the host"));
+}
+
 TEST(cli_group_replay, PlainModelIsOneGroup) {
   const CliResult r = group_replay({"--memory", "4GiB", "--model", "llama-3-8b", "--json"});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -72,8 +112,18 @@ TEST(cli_group_replay, PlainModelIsOneGroup) {
 TEST(cli_group_replay, BadInputIsOneLine) {
   expect_bad_input(group_replay({"--memory", "4GiB", "--capacity-blocks", "10"}),
                    "--capacity-blocks: not with --memory");
-  expect_bad_input(group_replay({"--memory", "4GiB", "--host-tier-blocks", "10"}),
-                   "--host-tier-blocks: not with --memory");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--host-link-gbps", "10"}),
+                   "--host-link-gbps: not with --memory");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--host-tier-blocks", "0"}),
+                   "--host-tier-blocks");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--tier-policy", "write-back"}),
+                   "--tier-policy: needs --host-tier-blocks");
+  expect_bad_input(
+      group_replay({"--memory", "4GiB", "--host-tier-blocks", "10", "--tier-inclusion", "some"}),
+      "--tier-inclusion: unknown mode 'some'");
+  expect_bad_input(group_replay({"--memory", "4GiB", "--model", "gpt-oss-120b",
+                                 "--host-tier-blocks", "99999999999999"}),
+                   "--host-tier-blocks: ");
   expect_bad_input(group_replay({"--capacity-blocks", "10", "--context", "100"}),
                    "--context: needs --memory");
   expect_bad_input(group_replay({"--memory", "lots"}), "--memory:");
