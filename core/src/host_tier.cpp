@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <exception>
+#include <chrono>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "kvport/core/block_regions.hpp"
@@ -47,13 +49,17 @@ namespace {
 using SlotId = std::uint32_t;
 constexpr SlotId kNoSlot = std::numeric_limits<SlotId>::max();
 
-enum class SlotState : std::uint8_t { free, filling, ready };
+// quarantined: the destination of a write-back abandoned at its deadline,
+// out of the index, reused only once the copy can no longer write into it.
+enum class SlotState : std::uint8_t { free, filling, ready, quarantined };
 
 struct Slot {
   BlockHash hash;
   SlotId prev = kNoSlot;  // LRU neighbours, while ready
   SlotId next = kNoSlot;
-  std::uint32_t pins = 0;  // onloads reading it right now (only inside a lookup)
+  // Onloads reading it: inside a lookup, or abandoned at their deadline
+  // (quarantined reads) until their copy can no longer run.
+  std::uint32_t pins = 0;
   SlotState state = SlotState::free;
 };
 
@@ -62,6 +68,18 @@ struct Transfer {
   BlockId block;
   SlotId slot;
 };
+
+// Copies abandoned at their deadline, with the stream they were queued on and
+// the event recorded after them: their device blocks stay held and their host
+// slots out of use until the event completes (poll) or the tier is destroyed.
+struct Quarantine {
+  Stream stream;
+  Event done;
+  std::vector<Transfer> writes;  // device -> host: slot quarantined, block held
+  std::vector<Transfer> reads;   // host -> device (onloads): slot pinned, block held
+};
+
+enum class WaitResult : std::uint8_t { done, failed, stalled };
 
 // Logs an error; a failure to format or log it is dropped (rollback and
 // noexcept paths must go on).
@@ -144,6 +162,12 @@ struct HostTier::State {
       --ready;
     } else if (slot.state == SlotState::filling) {
       --filling;
+    } else if (slot.state == SlotState::quarantined) {
+      --quarantined_slots;
+      slot.state = SlotState::free;
+      slot.pins = 0;
+      free_slots.push_back(s);
+      return;  // out of the index since its quarantine
     }
     index.erase(slot.hash);
     slot.state = SlotState::free;
@@ -260,24 +284,144 @@ struct HostTier::State {
     }
   }
 
-  // Synchronizes the tier's stream and completes everything in flight.
-  // Returns false when the stream reported an error (everything in flight is
-  // then rolled back).
-  bool wait_all() {
+  // Waits for the copies queued on the tier's stream, until the deadline:
+  // true when they completed (or failed: synchronize reports it), false when
+  // the deadline passed first. Without a deadline, the stream's synchronize.
+  bool wait_until_done() {
+    if (options.copy_timeout.count() == 0) return true;
+    const auto deadline = std::chrono::steady_clock::now() + options.copy_timeout;
+    // Spin briefly (a batch of blocks takes microseconds to milliseconds),
+    // then sleep in growing steps up to 200 us.
+    auto pause = std::chrono::microseconds(0);
+    for (;;) {
+      try {
+        if (backend->query_event(copies_done)) return true;
+      } catch (const Error& e) {
+        log_error_nothrow("HostTier: query_event failed: {}", e.what());
+        return true;  // let synchronize report (and roll back)
+      }
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      if (pause.count() == 0) {
+        std::this_thread::yield();
+        pause = std::chrono::microseconds(1);
+      } else {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::microseconds(200));
+      }
+    }
+  }
+
+  // Synchronizes the tier's stream and completes everything in flight:
+  // failed (everything in flight rolled back) when the stream reported an
+  // error; stalled when the copies did not complete by the deadline (they
+  // and `reads`, an onload's copies, are abandoned into quarantine).
+  WaitResult wait_all(std::span<const Transfer> reads = {}) {
+    if (in_flight.empty() && reads.empty()) return WaitResult::done;
+    if (!wait_until_done()) {
+      abandon(reads);
+      return WaitResult::stalled;
+    }
     bool ok = true;
     try {
       backend->synchronize(stream);
     } catch (const Error& e) {
       ok = false;
       log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
-                        in_flight.size(), e.what());
+                        in_flight.size() + reads.size(), e.what());
     }
     finish_in_flight(ok);
-    return ok;
+    return ok ? WaitResult::done : WaitResult::failed;
+  }
+
+  // The copies in flight (and `reads`) missed their deadline: they move into
+  // quarantine with the stream and event they were queued with, and the tier
+  // goes on with a new stream. When no new stream can be made, it waits for
+  // the old one instead (nothing is abandoned).
+  void abandon(std::span<const Transfer> reads) {
+    std::optional<Stream> new_stream;
+    std::optional<Event> new_event;
+    std::vector<Transfer> writes;
+    std::vector<Transfer> onloads;
+    try {
+      new_stream.emplace(backend->create_stream());
+      new_event.emplace(backend->create_event());
+      writes.assign(in_flight.begin(), in_flight.end());
+      onloads.assign(reads.begin(), reads.end());
+      quarantine.reserve(quarantine.size() + 1);
+    } catch (const std::exception& e) {
+      log_error_nothrow(
+          "HostTier: copies missed their deadline and no new stream could be made ({}); waiting",
+          e.what());
+      bool ok = true;
+      try {
+        backend->synchronize(stream);
+      } catch (const Error&) {
+        ok = false;
+      }
+      finish_in_flight(ok);
+      return;
+    }
+    const std::size_t blocks = writes.size() + onloads.size();
+    quarantine.push_back(Quarantine{std::move(stream), std::move(copies_done), std::move(writes),
+                                    std::move(onloads)});  // reserved: no throw
+    stream = std::move(*new_stream);
+    copies_done = std::move(*new_event);
+    ++counters.stalled_transfers;
+    counters.stalled_blocks += blocks;
+    log_error_nothrow(
+        "HostTier: {} block copies missed the {} ms deadline; quarantined until they end", blocks,
+        options.copy_timeout.count());
+    for (const Transfer& t : in_flight) {
+      Slot& slot = slots[t.slot];
+      index.erase(slot.hash);
+      slot.state = SlotState::quarantined;
+      --filling;
+      ++quarantined_slots;
+    }
+    quarantined_blocks += blocks;
+    in_flight.clear();
+  }
+
+  // Gives back what quarantined copies held once their event completed (or
+  // every quarantine, waiting, when `wait`).
+  void release_quarantine(bool wait) noexcept {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < quarantine.size(); ++i) {
+      Quarantine& q = quarantine[i];
+      bool done = wait;
+      if (!done) {
+        try {
+          done = backend->query_event(q.done);
+        } catch (const Error&) {
+          done = true;  // the synchronize below reports it
+        }
+      }
+      if (!done) {
+        if (kept != i) quarantine[kept] = std::move(q);
+        ++kept;
+        continue;
+      }
+      try {
+        backend->synchronize(q.stream);
+      } catch (const Error& e) {
+        log_error_nothrow("HostTier: a quarantined copy failed: {}", e.what());
+      }
+      for (const Transfer& t : q.writes) {  // the contents are not trusted
+        free_slot(t.slot);
+        release_block(t.block);
+      }
+      for (const Transfer& t : q.reads) {
+        if (slots[t.slot].pins > 0) --slots[t.slot].pins;
+        release_block(t.block);  // uncached: freed
+      }
+      quarantined_blocks -= q.writes.size() + q.reads.size();
+    }
+    quarantine.erase(quarantine.begin() + static_cast<std::ptrdiff_t>(kept), quarantine.end());
   }
 
   // Completes what finished, without waiting.
   void reap() {
+    if (!quarantine.empty()) release_quarantine(false);
     if (in_flight.empty()) return;
     bool done = false;
     try {
@@ -376,6 +520,9 @@ struct HostTier::State {
   SlotId lru_tail = kNoSlot;
   std::size_t filling = 0;
   std::size_t ready = 0;
+  std::size_t quarantined_slots = 0;   // slots in SlotState::quarantined
+  std::size_t quarantined_blocks = 0;  // device blocks quarantined copies hold
+  std::vector<Quarantine> quarantine;
   std::byte* memory = nullptr;
   Stream stream;
   Event compute_done;               // the compute stream's work before a copy
@@ -398,6 +545,11 @@ void validate(const PrefixCache& prefix, const HostTierOptions& o) {
   if (o.num_host_blocks == 0 || o.num_host_blocks > HostTierOptions::kMaxHostBlocks) {
     throw InvalidArgument(fmt::format("HostTier: num_host_blocks must be in [1, {}], got {}",
                                       HostTierOptions::kMaxHostBlocks, o.num_host_blocks));
+  }
+  if (o.copy_timeout.count() < 0 || o.copy_timeout > HostTierOptions::kMaxCopyTimeout) {
+    throw InvalidArgument(fmt::format("HostTier: copy_timeout must be in [0, {}] ms, got {} ms",
+                                      HostTierOptions::kMaxCopyTimeout.count(),
+                                      o.copy_timeout.count()));
   }
   if (o.offload_batch == 0 || o.offload_batch > HostTierOptions::kMaxOffloadBatch) {
     throw InvalidArgument(fmt::format("HostTier: offload_batch must be in [1, {}], got {}",
@@ -434,7 +586,10 @@ HostTier::HostTier(PrefixCache& prefix_cache, const HostTierOptions& options)
 HostTier::~HostTier() {
   State& s = *state_;
   s.prefix->set_tier(nullptr);
+  // No deadline here: the memory cannot be freed while a copy may write it.
+  s.options.copy_timeout = std::chrono::milliseconds(0);
   s.wait_all();
+  s.release_quarantine(true);
   for (const auto& [block, hash] : s.write_queue)
     s.release_block(block);
   s.write_queue.clear();
@@ -548,8 +703,16 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     return;
   }
   // The caller computes on these blocks next: wait for the copy. A failure
-  // rolls back this onload and everything else in flight.
-  if (!s.wait_all()) {
+  // rolls back this onload and everything else in flight; a copy that misses
+  // its deadline leaves its blocks and slots in quarantine (the device may
+  // still write them), and the lookup keeps its device hit.
+  const WaitResult waited = s.wait_all(onload);
+  if (waited == WaitResult::stalled) {
+    for (std::size_t i = onload.size(); i < hits.size(); ++i)
+      --s.slots[hits[i]].pins;  // not read: the quarantined reads keep theirs
+    return;
+  }
+  if (waited == WaitResult::failed) {
     roll_back();
     return;
   }
@@ -598,6 +761,7 @@ void HostTier::poll() {
 
 void HostTier::synchronize() {
   state_->wait_all();
+  state_->release_quarantine(false);
 }
 
 std::size_t HostTier::offload(std::size_t max_blocks) {
@@ -631,7 +795,13 @@ std::size_t HostTier::num_free_host_blocks() const noexcept {
   return state_->free_slots.size();
 }
 std::size_t HostTier::num_held_device_blocks() const noexcept {
-  return state_->in_flight.size() + state_->write_queue.size();
+  return state_->in_flight.size() + state_->write_queue.size() + state_->quarantined_blocks;
+}
+std::size_t HostTier::num_quarantined_blocks() const noexcept {
+  return state_->quarantined_blocks;
+}
+std::size_t HostTier::num_quarantined_slots() const noexcept {
+  return state_->quarantined_slots;
 }
 std::size_t HostTier::slot_bytes() const noexcept {
   return state_->slot_bytes;
@@ -672,16 +842,44 @@ void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, st
 
 // ---- diagnostics ----------------------------------------------------------------------------
 
+namespace {
+
+template <class State>
+std::size_t slots_in_quarantine(const State& s) {
+  std::size_t n = 0;
+  for (const auto& q : s.quarantine)
+    n += q.writes.size();
+  return n;
+}
+
+}  // namespace
+
 InvariantReport HostTier::check_invariants() const {
   const State& s = *state_;
   InvariantReport report = s.prefix->check_invariants();
   std::size_t free = 0;
   std::size_t filling = 0;
   std::size_t ready = 0;
+  std::size_t quarantined = 0;
+  // Between calls only quarantined onloads pin slots (one pin each).
+  std::vector<std::uint32_t> read_pins(s.slots.size(), 0);
+  std::size_t quarantined_blocks = 0;
+  for (const Quarantine& q : s.quarantine) {
+    quarantined_blocks += q.writes.size() + q.reads.size();
+    for (const Transfer& t : q.reads)
+      if (t.slot < read_pins.size()) ++read_pins[t.slot];
+  }
+  if (quarantined_blocks != s.quarantined_blocks) {
+    report.add_violation(fmt::format("{} quarantined blocks counted, {} in the quarantine",
+                                     s.quarantined_blocks, quarantined_blocks));
+  }
   for (SlotId i = 0; i < s.slots.size(); ++i) {
     const Slot& slot = s.slots[i];
-    if (slot.pins != 0)
-      report.add_violation(fmt::format("host slot {} is pinned between calls", i));
+    if (slot.pins != read_pins[i]) {
+      report.add_violation(fmt::format(
+          "host slot {} has {} pins between calls, {} from quarantined onloads", i, slot.pins,
+          read_pins[i]));
+    }
     switch (slot.state) {
       case SlotState::free:
         ++free;
@@ -692,8 +890,11 @@ InvariantReport HostTier::check_invariants() const {
       case SlotState::ready:
         ++ready;
         break;
+      case SlotState::quarantined:
+        ++quarantined;
+        break;
     }
-    if (slot.state != SlotState::free) {
+    if (slot.state == SlotState::filling || slot.state == SlotState::ready) {
       auto it = s.index.find(slot.hash);
       if (it == s.index.end() || it->second != i) {
         report.add_violation(
@@ -702,11 +903,13 @@ InvariantReport HostTier::check_invariants() const {
       }
     }
   }
-  if (free + filling + ready != s.slots.size() || free != s.free_slots.size() ||
-      filling != s.filling || ready != s.ready) {
+  if (free + filling + ready + quarantined != s.slots.size() || free != s.free_slots.size() ||
+      filling != s.filling || ready != s.ready || quarantined != s.quarantined_slots) {
     report.add_violation(fmt::format(
-        "host slots: {} free ({} listed) + {} filling ({} counted) + {} ready ({} counted) != {}",
-        free, s.free_slots.size(), filling, s.filling, ready, s.ready, s.slots.size()));
+        "host slots: {} free ({} listed) + {} filling ({} counted) + {} ready ({} counted) + {} "
+        "quarantined ({} counted) != {}",
+        free, s.free_slots.size(), filling, s.filling, ready, s.ready, quarantined,
+        s.quarantined_slots, s.slots.size()));
   }
   std::vector<bool> listed(s.slots.size(), false);
   for (SlotId f : s.free_slots) {
@@ -781,6 +984,34 @@ InvariantReport HostTier::check_invariants() const {
       report.add_violation(fmt::format(
           "block {} waits for its write-through but is not cached under its hash and held", block));
     }
+  }
+  // Quarantine: every write's slot quarantined (once), every block held once
+  // (a write-back's and an onload's uncached with the tier's reference only).
+  for (const Quarantine& q : s.quarantine) {
+    for (const Transfer& t : q.writes) {
+      if (t.slot >= s.slots.size() || s.slots[t.slot].state != SlotState::quarantined ||
+          slot_seen[t.slot]) {
+        report.add_violation(
+            fmt::format("host slot {} is a quarantined write's but not quarantined, or twice",
+                        t.slot));
+      } else {
+        slot_seen[t.slot] = true;
+      }
+    }
+    for (const auto* list : {&q.writes, &q.reads}) {
+      for (const Transfer& t : *list) {
+        if (!hold_once(t.block)) continue;
+        const std::uint32_t rc = s.kv->ref_count(t.block);
+        if (s.prefix->is_cached(t.block) ? rc < 2 : rc != 1) {
+          report.add_violation(fmt::format(
+              "quarantined block {} has refcount {} ({})", t.block, rc,
+              s.prefix->is_cached(t.block) ? "cached" : "uncached"));
+        }
+      }
+    }
+  }
+  if (quarantined != slots_in_quarantine(s)) {
+    report.add_violation("a quarantined host slot is no quarantined write's destination");
   }
   return report;
 }

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -31,6 +32,7 @@ namespace kvport {
 namespace {
 
 using kvport::testing::GatedBackend;
+using kvport::testing::GateHolds;
 
 #define ASSERT_TIER_OK(tier)                              \
   do {                                                    \
@@ -55,6 +57,15 @@ class HostTierSlowStream : public ::testing::TestWithParam<KvCacheLayout> {
     o.num_host_blocks = host_blocks;
     o.policy = policy;
     o.offload_batch = 2;
+    // The gate opens at a blocked synchronize: these tests watch the tier
+    // wait without a deadline (the deadline tests below set one).
+    o.copy_timeout = std::chrono::milliseconds(0);
+    return o;
+  }
+  // A deadline short enough that a held copy misses it.
+  static HostTierOptions with_deadline() {
+    HostTierOptions o = options();
+    o.copy_timeout = std::chrono::milliseconds(20);
     return o;
   }
 
@@ -302,6 +313,134 @@ INSTANTIATE_TEST_SUITE_P(Layouts, HostTierSlowStream,
 // (PagedKvCache and PrefixCache are not thread-safe; the backend is, one
 // thread per stream). Under TSan: no race; everywhere: every onload and every
 // read-back is byte-exact.
+// Deadlines: a held onload misses its deadline. The lookup keeps its device
+// hit (none here), the onload's device blocks stay held and its host slots
+// pinned (the device may still write them) until the copy ends; then poll()
+// gives them back, and the host blocks, never consumed, hit with their bytes.
+TEST_P(HostTierSlowStream, AnOnloadThatMissesItsDeadlineIsQuarantinedAndTheHitIsShorter) {
+  test::QuietLog quiet;
+  HostTier tier(pc, with_deadline(), stream);
+  const std::vector<BlockId> blocks = cache_sequence(1);
+  const std::vector<BlockHash> h = seq_hashes(1);
+  ASSERT_EQ(tier.offload(2), 2u);
+  tier.synchronize();  // the gate is open: the write-back completes
+  ASSERT_TRUE(tier.is_on_host(h[0]) && tier.is_on_host(h[1]));
+  ASSERT_EQ(cache.num_free_blocks(), 4u);
+
+  gb.close_gate(GateHolds{.d2h = false, .h2d = true});
+  {
+    const PrefixMatch m = pc.lookup_hashes(h);
+    EXPECT_TRUE(m.blocks.empty()) << "no block whose copy did not complete";
+    EXPECT_EQ(m.lower_tier_blocks, 0u);
+  }
+  EXPECT_EQ(gb.blocked_synchronizes(), 0u) << "the deadline, not a blocking wait";
+  EXPECT_EQ(tier.counters().stalled_transfers, 1u);
+  EXPECT_EQ(tier.counters().stalled_blocks, 2u);
+  EXPECT_EQ(tier.counters().onloads, 0u);
+  EXPECT_EQ(tier.num_quarantined_blocks(), 2u);
+  EXPECT_EQ(cache.num_free_blocks(), 2u) << "the onload's blocks are held";
+  ASSERT_TIER_OK(tier);
+  // The slots are still on the host but read by the held copy: not offered.
+  EXPECT_TRUE(tier.is_on_host(h[0]));
+  {
+    const PrefixMatch m = pc.lookup_hashes(h);
+    EXPECT_TRUE(m.blocks.empty());
+  }
+  tier.poll();  // still held: nothing changes
+  EXPECT_EQ(tier.num_quarantined_blocks(), 2u);
+
+  gb.open_gate();
+  stream.synchronize();
+  for (int i = 0; i < 100 && tier.num_quarantined_blocks() != 0; ++i) {
+    tier.poll();
+    if (tier.num_quarantined_blocks() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(tier.num_quarantined_blocks(), 0u);
+  EXPECT_EQ(cache.num_free_blocks(), 4u);
+  ASSERT_TIER_OK(tier);
+  // The host blocks were never consumed: the next lookup gets them, right.
+  const PrefixMatch m = pc.lookup_hashes(h);
+  ASSERT_EQ(m.blocks.size(), 2u);
+  EXPECT_EQ(m.lower_tier_blocks, 2u);
+  EXPECT_TRUE(holds(m.blocks[0], tag_of(1, 0)));
+  EXPECT_TRUE(holds(m.blocks[1], tag_of(1, 1)));
+  pc.release_blocks(m.blocks);
+  (void)blocks;
+}
+
+// A held write-back misses its deadline at synchronize(): its slots are
+// quarantined (invisible, never published: their bytes are not trusted), its
+// blocks held, and an allocation cannot take them; when the copy ends poll()
+// frees both, and the block is not on the host.
+TEST_P(HostTierSlowStream, AWriteBackThatMissesItsDeadlineIsQuarantinedAndNeverPublished) {
+  test::QuietLog quiet;
+  HostTier tier(pc, with_deadline(), stream);
+  cache_sequence(1);
+  const std::vector<BlockHash> h = seq_hashes(1);
+  gb.close_gate(GateHolds{.d2h = true, .h2d = false});
+  ASSERT_EQ(tier.offload(2), 2u);
+  tier.synchronize();
+  EXPECT_EQ(gb.blocked_synchronizes(), 0u);
+  EXPECT_EQ(tier.counters().stalled_transfers, 1u);
+  EXPECT_EQ(tier.counters().offloads, 0u);
+  EXPECT_EQ(tier.num_quarantined_slots(), 2u);
+  EXPECT_EQ(tier.num_quarantined_blocks(), 2u);
+  EXPECT_EQ(tier.num_filling_blocks(), 0u);
+  EXPECT_FALSE(tier.is_on_host(h[0]));
+  EXPECT_EQ(cache.num_free_blocks(), 2u);
+  ASSERT_TIER_OK(tier);
+  // Two free blocks, nothing evictable, two quarantined: a third allocation fails.
+  std::vector<BlockId> taken;
+  for (int i = 0; i < 2; ++i)
+    taken.push_back(pc.alloc_block());
+  EXPECT_FALSE(pc.try_alloc_block().has_value());
+  pc.release_blocks(taken);
+
+  gb.open_gate();
+  for (int i = 0; i < 100 && tier.num_quarantined_blocks() != 0; ++i) {
+    tier.poll();
+    if (tier.num_quarantined_blocks() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(tier.num_quarantined_slots(), 0u);
+  EXPECT_EQ(tier.num_free_host_blocks(), 4u);
+  EXPECT_EQ(cache.num_free_blocks(), 4u);
+  EXPECT_FALSE(tier.is_on_host(h[0]));
+  EXPECT_FALSE(pc.lookup_hashes(h).blocks.size() > 0);
+  ASSERT_TIER_OK(tier);
+}
+
+// Destroying the tier with copies in quarantine waits for them (the memory
+// is freed only when no copy can write it) and gives every block back.
+TEST_P(HostTierSlowStream, TheDestructorWaitsForQuarantinedCopies) {
+  test::QuietLog quiet;
+  {
+    HostTier tier(pc, with_deadline(), stream);
+    cache_sequence(1);
+    gb.close_gate(GateHolds{.d2h = true, .h2d = false});
+    ASSERT_EQ(tier.offload(2), 2u);
+    tier.synchronize();
+    ASSERT_EQ(tier.num_quarantined_blocks(), 2u);
+  }
+  EXPECT_GE(gb.blocked_synchronizes(), 1u) << "the destructor waited";
+  EXPECT_EQ(cache.num_free_blocks(), 4u);
+  const InvariantReport r = pc.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+}
+
+TEST(HostTierOptionsCheck, CopyTimeoutRange) {
+  auto backend = test::host_backend();
+  PagedKvCache cache(test::small_config(), 4, *backend);
+  PrefixCache pc(cache);
+  HostTierOptions o;
+  o.num_host_blocks = 4;
+  o.copy_timeout = std::chrono::milliseconds(-1);
+  EXPECT_THROW(HostTier(pc, o), InvalidArgument);
+  o.copy_timeout = HostTierOptions::kMaxCopyTimeout + std::chrono::milliseconds(1);
+  EXPECT_THROW(HostTier(pc, o), InvalidArgument);
+  o.copy_timeout = std::chrono::milliseconds(0);
+  EXPECT_NO_THROW(HostTier(pc, o));
+}
+
 class HostTierConcurrency : public ::testing::TestWithParam<TierPolicy> {};
 
 TEST_P(HostTierConcurrency, TheTierWorksWhileAnotherStreamCopiesOtherBlocks) {

@@ -29,6 +29,8 @@ nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
   j["onload_shortfalls"] = c.onload_shortfalls;
   j["aborted_transfers"] = c.aborted_transfers;
   j["aborted_blocks"] = c.aborted_blocks;
+  j["stalled_transfers"] = c.stalled_transfers;
+  j["stalled_blocks"] = c.stalled_blocks;
   return j;
 }
 

@@ -383,9 +383,11 @@ class ReplayCommand final : public Command {
       const HostTierCounters& c = r.tier;
       table.add_row({"host tier", fmt::format("{} blocks", r.host_blocks_at_end),
                      fmt::format("on the host at the end; {} host evictions, {} already on host, "
-                                 "{} dropped, {} waits, {} onload shortfalls, {} aborted",
+                                 "{} dropped, {} waits, {} onload shortfalls, {} aborted, {} "
+                                 "past the copy deadline",
                                  c.host_evictions, c.already_on_host, c.dropped_offloads,
-                                 c.offload_waits, c.onload_shortfalls, c.aborted_transfers)});
+                                 c.offload_waits, c.onload_shortfalls, c.aborted_transfers,
+                                 c.stalled_transfers)});
     }
     table.add_row({"evictions", std::to_string(r.evictions),
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
@@ -476,6 +478,8 @@ class ReplayCommand final : public Command {
                             {"host_evictions", c.host_evictions},
                             {"aborted_transfers", c.aborted_transfers},
                             {"aborted_blocks", c.aborted_blocks},
+                            {"stalled_transfers", c.stalled_transfers},
+                            {"stalled_blocks", c.stalled_blocks},
                             {"already_on_host", c.already_on_host},
                             {"dropped_offloads", c.dropped_offloads},
                             {"offload_waits", c.offload_waits},

@@ -4,6 +4,7 @@
 // blocks back in (onload).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -73,7 +74,18 @@ struct HostTierOptions {
   /// (without waiting) while fewer than this many device blocks are free or
   /// being written back, so allocations rarely wait. 0: only on demand.
   std::size_t free_watermark = 0;
+  /// How long the tier waits for its copies (an onload in a lookup, a
+  /// write-back an allocation needs, synchronize()). A batch that has not
+  /// completed by then is abandoned: its device blocks and host slots are
+  /// quarantined (held, invisible, not reused) until the copy can no longer
+  /// write into them (its event completes: poll() checks, and the destructor
+  /// waits without a deadline), the tier goes on with a new stream, and a
+  /// lookup keeps the hit it had without those blocks. Counted in
+  /// HostTierCounters::stalled_transfers. 0: wait without a deadline. In
+  /// [0, 1 hour].
+  std::chrono::milliseconds copy_timeout{10000};
 
+  static constexpr std::chrono::milliseconds kMaxCopyTimeout{3600 * 1000};
   static constexpr std::size_t kMaxHostBlocks = (std::size_t{1} << 32) - 2;
   static constexpr std::size_t kMaxOffloadBatch = 65536;
 };
@@ -99,6 +111,10 @@ struct HostTierCounters {
   std::uint64_t offload_waits = 0;
   /// Host hits cut short because no device block was free for the copy.
   std::uint64_t onload_shortfalls = 0;
+  /// Copy batches abandoned at HostTierOptions::copy_timeout, and the block
+  /// copies they carried (their memory quarantined until they end).
+  std::uint64_t stalled_transfers = 0;
+  std::uint64_t stalled_blocks = 0;
 };
 
 /// A host-memory tier under a PrefixCache, keyed by the same chained block
@@ -175,8 +191,12 @@ class HostTier final : public PrefixCacheTier {
   std::size_t num_filling_blocks() const noexcept;
   std::size_t num_free_host_blocks() const noexcept;
   /// Device blocks the tier holds while their copies are in flight or queued
-  /// (write-backs and write-throughs).
+  /// (write-backs and write-throughs), or quarantined.
   std::size_t num_held_device_blocks() const noexcept;
+  /// Device blocks and host slots held by copies abandoned at their deadline
+  /// (HostTierOptions::copy_timeout) that have not ended yet.
+  std::size_t num_quarantined_blocks() const noexcept;
+  std::size_t num_quarantined_slots() const noexcept;
   /// Bytes of one host block: every layer's K and V block (K only for K-only
   /// layers).
   std::size_t slot_bytes() const noexcept;
