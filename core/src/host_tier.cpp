@@ -44,6 +44,24 @@ const char* to_string(TierInclusion inclusion) noexcept {
   return "unknown";
 }
 
+HostTierCounters& HostTierCounters::operator+=(const HostTierCounters& o) noexcept {
+  offloads += o.offloads;
+  offload_bytes += o.offload_bytes;
+  onloads += o.onloads;
+  onload_bytes += o.onload_bytes;
+  host_hits += o.host_hits;
+  host_evictions += o.host_evictions;
+  aborted_transfers += o.aborted_transfers;
+  aborted_blocks += o.aborted_blocks;
+  already_on_host += o.already_on_host;
+  dropped_offloads += o.dropped_offloads;
+  offload_waits += o.offload_waits;
+  onload_shortfalls += o.onload_shortfalls;
+  stalled_transfers += o.stalled_transfers;
+  stalled_blocks += o.stalled_blocks;
+  return *this;
+}
+
 namespace {
 
 using SlotId = std::uint32_t;

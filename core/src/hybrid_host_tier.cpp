@@ -139,19 +139,7 @@ HostTierCounters HybridHostTier::total_counters() const {
   HostTierCounters sum;
   for (const auto& t : tiers_) {
     if (!t) continue;
-    const HostTierCounters& c = t->counters();
-    sum.offloads += c.offloads;
-    sum.offload_bytes += c.offload_bytes;
-    sum.onloads += c.onloads;
-    sum.onload_bytes += c.onload_bytes;
-    sum.host_hits += c.host_hits;
-    sum.host_evictions += c.host_evictions;
-    sum.aborted_transfers += c.aborted_transfers;
-    sum.aborted_blocks += c.aborted_blocks;
-    sum.already_on_host += c.already_on_host;
-    sum.dropped_offloads += c.dropped_offloads;
-    sum.offload_waits += c.offload_waits;
-    sum.onload_shortfalls += c.onload_shortfalls;
+    sum += t->counters();
   }
   return sum;
 }

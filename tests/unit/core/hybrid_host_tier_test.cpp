@@ -160,6 +160,13 @@ TEST(hybrid_host_tier, EveryGroupComesBackFromTheHostWithItsBytes) {
     EXPECT_GT(w.tier->counters(g).offloads, 0u) << g;
     EXPECT_GT(w.tier->counters(g).onloads, 0u) << g;
   }
+  HostTierCounters sum;
+  for (std::size_t g = 0; g < 3; ++g)
+    sum += w.tier->counters(g);
+  EXPECT_EQ(w.tier->total_counters().onloads, sum.onloads);
+  EXPECT_EQ(w.tier->total_counters().offload_bytes, sum.offload_bytes);
+  EXPECT_EQ(sum.onloads, w.tier->counters(0).onloads + w.tier->counters(1).onloads +
+                             w.tier->counters(2).onloads);
   // Window: only the blocks the window needs at the hit point are held.
   EXPECT_EQ(t.num_live_blocks(1), 2u);
   EXPECT_EQ(t.num_live_blocks(0), 8u);

@@ -18,22 +18,6 @@ std::string percent(double ratio) {
   return fmt::format("{:.1f}%", 100.0 * ratio);
 }
 
-nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
-  nlohmann::ordered_json j;
-  j["offloads"] = c.offloads;
-  j["onloads"] = c.onloads;
-  j["host_evictions"] = c.host_evictions;
-  j["already_on_host"] = c.already_on_host;
-  j["dropped_offloads"] = c.dropped_offloads;
-  j["offload_waits"] = c.offload_waits;
-  j["onload_shortfalls"] = c.onload_shortfalls;
-  j["aborted_transfers"] = c.aborted_transfers;
-  j["aborted_blocks"] = c.aborted_blocks;
-  j["stalled_transfers"] = c.stalled_transfers;
-  j["stalled_blocks"] = c.stalled_blocks;
-  return j;
-}
-
 nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   nlohmann::ordered_json j;
   j["requests"] = r.requests;
@@ -117,6 +101,23 @@ void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
 }
 
 }  // namespace
+
+nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
+  return {{"offloads", c.offloads},
+          {"offload_bytes", c.offload_bytes},
+          {"onloads", c.onloads},
+          {"onload_bytes", c.onload_bytes},
+          {"host_hits", c.host_hits},
+          {"host_evictions", c.host_evictions},
+          {"aborted_transfers", c.aborted_transfers},
+          {"aborted_blocks", c.aborted_blocks},
+          {"stalled_transfers", c.stalled_transfers},
+          {"stalled_blocks", c.stalled_blocks},
+          {"already_on_host", c.already_on_host},
+          {"dropped_offloads", c.dropped_offloads},
+          {"offload_waits", c.offload_waits},
+          {"onload_shortfalls", c.onload_shortfalls}};
+}
 
 void run_group_replay(GroupReplayRun& run) {
   const std::vector<sim::TraceRequest> requests = sim::read_mooncake_trace(run.trace);

@@ -6,6 +6,9 @@
 #include <ostream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "kvport/core/host_tier.hpp"
 #include "kvport/sim/hybrid_replay.hpp"
 
 namespace kvport::cli {
@@ -19,6 +22,9 @@ struct GroupReplayRun {
   sim::HybridReplayResult groups;    ///< over the model's groups
   sim::HybridReplayResult all_full;  ///< every window/chunked layer as full attention
 };
+
+/// A host tier's counters as the replay reports them ("tier_counters").
+nlohmann::ordered_json tier_counters_json(const HostTierCounters& counters);
 
 /// Runs both replays of `run.options` over the trace at `run.trace` (the
 /// options' layers are the model's) on a host backend and fills the results.

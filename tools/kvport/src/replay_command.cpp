@@ -470,20 +470,7 @@ class ReplayCommand final : public Command {
       j["modeled_host_bytes"] = r.modeled_host_bytes();
       j["host_blocks_at_end"] = r.host_blocks_at_end;
       const HostTierCounters& c = r.tier;
-      j["tier_counters"] = {{"offloads", c.offloads},
-                            {"offload_bytes", c.offload_bytes},
-                            {"onloads", c.onloads},
-                            {"onload_bytes", c.onload_bytes},
-                            {"host_hits", c.host_hits},
-                            {"host_evictions", c.host_evictions},
-                            {"aborted_transfers", c.aborted_transfers},
-                            {"aborted_blocks", c.aborted_blocks},
-                            {"stalled_transfers", c.stalled_transfers},
-                            {"stalled_blocks", c.stalled_blocks},
-                            {"already_on_host", c.already_on_host},
-                            {"dropped_offloads", c.dropped_offloads},
-                            {"offload_waits", c.offload_waits},
-                            {"onload_shortfalls", c.onload_shortfalls}};
+      j["tier_counters"] = tier_counters_json(c);
     }
     j["invariants_ok"] = r.invariants.ok;
     j["invariants"] = r.invariants.to_string();

@@ -115,6 +115,9 @@ struct HostTierCounters {
   /// copies they carried (their memory quarantined until they end).
   std::uint64_t stalled_transfers = 0;
   std::uint64_t stalled_blocks = 0;
+
+  /// Adds every counter of `other` (HybridHostTier's totals over groups).
+  HostTierCounters& operator+=(const HostTierCounters& other) noexcept;
 };
 
 /// A host-memory tier under a PrefixCache, keyed by the same chained block
