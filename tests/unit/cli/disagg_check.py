@@ -25,7 +25,12 @@ DEFAULT_CHECKS = [
     "r['requests_completed'] == r['requests']",
     "r['leaked_blocks'] == 0",
     "r['verification_failures'] == 0",
-    "all(w['killed'] or w['leaked_blocks'] == 0 for w in r['workers'])",
+    "all(w['killed'] or w['end'] == 'lost' or w['leaked_blocks'] == 0 for w in r['workers'])",
+    # No worker died by a signal the run did not send: SIGKILL only for the
+    # --kill victim, a worker reported lost, or one still running after the
+    # shutdown's grace period.
+    "all(w['exit']['signal'] == 0 or (w['exit']['signal'] == 9 and (w['end'] in ('killed', 'lost')"
+    " or w['exit']['force_killed_at_shutdown'])) for w in r['workers'])",
 ]
 
 
