@@ -72,10 +72,12 @@ def main():
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                 start_new_session=True)
         problems = []
+        signalled = False
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGINT)
+            signalled = True
         try:
             out, err = proc.communicate(timeout=opts.timeout)
         except subprocess.TimeoutExpired:
@@ -114,7 +116,8 @@ def main():
             # No report: only a SIGINT before the handler (nothing started yet).
             problems.append(f"exit {code} without a report")
         state = report.get("failure", "completed") if report else "no report"
-        print(f"[{i}] SIGINT after {delay:.2f} s: exit {code}, {state}"
+        when = f"SIGINT after {delay:.2f} s" if signalled else f"done before {delay:.2f} s"
+        print(f"[{i}] {when}: exit {code}, {state}"
               + (f"; PROBLEMS: {problems}" if problems else ""))
         if problems:
             sys.stdout.write(text[-3000:])

@@ -182,10 +182,13 @@ Outcome Coordinator::run(ProcessGroup& group, const TerminationSignals& signals,
     send(group, w, op_message(op::finish));
   const auto finish_deadline =
       Clock::now() + options_.lease_ttl + 4 * options_.peer_timeout + std::chrono::seconds(10);
-  wait_for(group, signals, std::min(deadline, finish_deadline) + std::chrono::seconds(5), [&] {
-    return std::all_of(stats_.workers.begin(), stats_.workers.end(),
-                       [](const WorkerRecord& w) { return !w.alive || w.stats; });
-  });
+  const bool finished =
+      wait_for(group, signals, std::min(deadline, finish_deadline) + std::chrono::seconds(5), [&] {
+        return std::all_of(stats_.workers.begin(), stats_.workers.end(),
+                           [](const WorkerRecord& w) { return !w.alive || w.stats; });
+      });
+  if (!finished && signals.requested()) return phase_failed("the workers were finishing");
+  // A survivor without its stats fails the checks: the report says which.
   stats_.wall_seconds = std::chrono::duration<double>(Clock::now() - started_).count();
   return Outcome::done;
 }
