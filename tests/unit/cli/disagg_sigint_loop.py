@@ -110,6 +110,11 @@ def main():
                 problems.append("stdout is not one JSON report")
         if report is not None:
             problems.extend(check_report(report))
+            failure = report.get("failure", "")
+            if failure and signalled and not failure.startswith("interrupted by signal 2 while"):
+                problems.append(f"the report's failure does not name the interrupt: {failure}")
+            if failure.startswith("interrupted") and not signalled:
+                problems.append(f"interrupted without a SIGINT: {failure}")
             if code not in (0, 1):
                 problems.append(f"exit {code} with a report")
         elif code not in (-signal.SIGINT, 0, 1):
