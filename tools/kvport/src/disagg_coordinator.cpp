@@ -420,6 +420,8 @@ void Coordinator::mark_lost(ProcessGroup& group, WorkerRecord& w, const std::str
   if (!stats_.kill || stats_.kill->victim != w.name()) {
     ++stats_.workers_lost;
     stats_.notes.push_back(fmt::format("{} lost (reported by {}): killed", w.name(), by));
+    // Before the replay a missing worker ends the run at once, as an exit does.
+    if (!dispatching_ && stats_.failure.empty()) stats_.failure = stats_.notes.back();
   }
   group.kill(w.child, SIGKILL);
   lose(group, w);
