@@ -4,7 +4,9 @@
 // spelled once (disagg.hpp).
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli_test_util.hpp"
@@ -163,6 +165,35 @@ TEST(DisaggReport, AWorkerLostByAPeerFailsTheRunUnlessItWasTheVictim) {
   // Detected later than the bound (+500 ms): failed.
   s.kill->loss_detected_ms_max = static_cast<double>(o.peer_timeout.count()) + 501;
   EXPECT_FALSE(disagg::checks_pass(o, s));
+}
+
+}  // namespace
+}  // namespace kvport::cli
+
+namespace kvport::cli {
+namespace {
+
+// The message table in disagg.hpp's comment lists every op and event the
+// constants define (and the constants are the only spelling the code uses),
+// so the description cannot drift from the protocol unnoticed.
+TEST(DisaggProtocol, TheMessageTableListsEveryOpAndEvent) {
+  const std::string path = std::string(KVPORT_TEST_DATA_DIR) + "/../../tools/kvport/src/disagg.hpp";
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << path;
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(in, line);) {
+    if (line.starts_with("//   ") && line.size() > 5 && line[5] != ' ') {
+      rows.push_back(line.substr(5, line.find(' ', 5) - 5));
+    }
+  }
+  namespace op = disagg::op;
+  namespace ev = disagg::event;
+  const std::vector<std::string_view> names{
+      op::connect, op::baseline,  op::prefill,  op::recompute, op::finish,
+      ev::ready,   ev::connected, ev::baseline, ev::lease_end, ev::prefill_failed,
+      ev::done,    ev::peer_lost, ev::stats,    ev::fatal};
+  std::vector<std::string> expected(names.begin(), names.end());
+  EXPECT_EQ(rows, expected);
 }
 
 }  // namespace
