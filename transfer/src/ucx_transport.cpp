@@ -184,9 +184,17 @@ class UcxTransport final : public Transport {
     for (ucp_conn_request_h req : conn_requests_)
       ucp_listener_reject(listener_, req);
     if (listener_ != nullptr) ucp_listener_destroy(listener_);
+    // The worker first, the registrations after it: destroying the worker
+    // tears down the endpoints that did not close above, and with them the
+    // transports' operations that still refer to the registered memory
+    // (a registration unmapped first made ucp_worker_destroy fault, about
+    // one teardown in 36 after a SIGINT). A memory handle belongs to the
+    // context, so it is unmapped once no worker uses it, before cleanup.
+    ucp_worker_destroy(worker_);
+    worker_ = nullptr;
     for (ucp_mem_h memh : memhs_)
       ucp_mem_unmap(context_, memh);
-    ucp_worker_destroy(worker_);
+    memhs_.clear();
     ucp_cleanup(context_);
     for (Pending* r : left)
       delete r;  // no callback can run any more

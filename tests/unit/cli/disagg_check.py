@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Runs `kvport disagg ... --json` once and checks its report.
 
-Usage: disagg_check.py --kvport BIN [--timeout S] [--check EXPR]... -- ARGS...
+Usage: disagg_check.py --kvport BIN [--timeout S] [--check EXPR]... [--expect-failure]
+                       [--exit CODE] -- ARGS...
 
 Every run is bounded (--timeout, default 120 s) and must leave no process
 behind: the run gets a unique KVPORT_DISAGG_TEST_TAG in its environment, and
@@ -9,7 +10,10 @@ afterwards every process that still carries it (a worker the command failed
 to stop) is killed and the check fails. Each --check is a Python expression
 over the report `r` (a dict), e.g. "r['leaked_blocks'] == 0". The default
 checks: the run says ok, every request completed, nothing leaked, no
-verification failure.
+verification failure, no worker dead of a signal the run did not send;
+with --expect-failure only the last of them (the run is meant to fail: the
+--check expressions say how). --exit: the expected exit code (default 0,
+1 with --expect-failure).
 """
 import argparse
 import json
@@ -25,7 +29,12 @@ DEFAULT_CHECKS = [
     "r['requests_completed'] == r['requests']",
     "r['leaked_blocks'] == 0",
     "r['verification_failures'] == 0",
-    "all(w['killed'] or w['leaked_blocks'] == 0 for w in r['workers'])",
+    "all(w['killed'] or w['end'] == 'lost' or w['leaked_blocks'] == 0 for w in r['workers'])",
+    # No worker died by a signal the run did not send: SIGKILL only for the
+    # --kill victim, a worker reported lost, or one still running after the
+    # shutdown's grace period.
+    "all(w['exit']['signal'] == 0 or (w['exit']['signal'] == 9 and (w['end'] in ('killed', 'lost')"
+    " or w['exit']['force_killed_at_shutdown'])) for w in r['workers'])",
 ]
 
 
@@ -50,6 +59,8 @@ def main():
     parser.add_argument("--kvport", required=True)
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--check", action="append", default=[])
+    parser.add_argument("--expect-failure", action="store_true")
+    parser.add_argument("--exit", type=int, default=None)
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
     args = [a for a in opts.args if a != "--"]
@@ -68,6 +79,9 @@ def main():
         out, err = proc.communicate()
         failures.append(f"not done within {opts.timeout} s")
     elapsed = time.monotonic() - start
+    expected_exit = opts.exit if opts.exit is not None else (1 if opts.expect_failure else 0)
+    if proc.returncode != expected_exit:
+        failures.append(f"exit {proc.returncode}, expected {expected_exit}")
 
     # The workers die with the coordinator (PDEATHSIG); give the kernel a moment.
     leftovers = []
@@ -90,7 +104,8 @@ def main():
     except ValueError:
         failures.append("stdout is not one JSON report")
     if report is not None:
-        for expr in DEFAULT_CHECKS + opts.check:
+        defaults = DEFAULT_CHECKS[-1:] if opts.expect_failure else DEFAULT_CHECKS
+        for expr in defaults + opts.check:
             try:
                 if not eval(expr, {}, {"r": report}):  # noqa: S307 - test-only expressions
                     failures.append(f"check failed: {expr}")

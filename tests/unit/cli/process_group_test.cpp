@@ -431,3 +431,67 @@ TEST(TerminationSignals, TurnSignalsIntoAFlagAndRestoreTheHandlers) {
 
 }  // namespace
 }  // namespace kvport::cli
+
+namespace kvport::cli {
+namespace {
+
+TEST(ProcessGroup, ShutdownReturnsEachExitAndMarksTheOnesItKilled) {
+  ProcessGroup group;
+  const int cat = group.spawn("cat", {"/bin/cat"});
+  const int sleeper = group.spawn("sleep", {"/bin/sleep", "30"});
+  const std::vector<ProcessEvent> exits = group.shutdown(300ms);
+  ASSERT_EQ(exits.size(), 2u);
+  std::map<int, ProcessEvent> by_child;
+  for (const ProcessEvent& e : exits) {
+    EXPECT_EQ(e.kind, Kind::exited);
+    by_child[e.child] = e;
+  }
+  EXPECT_EQ(by_child.at(cat).exit_code, 0);
+  EXPECT_EQ(by_child.at(cat).signal, 0);
+  EXPECT_FALSE(by_child.at(cat).force_killed) << "cat exits at EOF by itself";
+  EXPECT_EQ(by_child.at(sleeper).signal, SIGKILL);
+  EXPECT_TRUE(by_child.at(sleeper).force_killed);
+  EXPECT_TRUE(group.shutdown(0ms).empty()) << "an exit is reported once";
+}
+
+TEST(ProcessGroup, ShutdownReportsAChildThatExitedBeforeItUnpolled) {
+  ProcessGroup group;
+  const int quick = group.spawn("exit7", sh("exit 7"));
+  group.spawn("cat", {"/bin/cat"});
+  for (int i = 0; i < 400 && group.alive(quick); ++i)
+    std::this_thread::sleep_for(10ms);
+  ASSERT_FALSE(group.alive(quick));
+  const std::vector<ProcessEvent> exits = group.shutdown(3000ms);
+  bool seen = false;
+  for (const ProcessEvent& e : exits) {
+    if (e.child == quick) {
+      seen = true;
+      EXPECT_EQ(e.exit_code, 7);
+    }
+  }
+  EXPECT_TRUE(seen);
+}
+
+// A stopped child (SIGSTOP: the "hung worker") never reads its stdin: a write
+// with a timeout gives up, closes the child's stdin and says so, instead of
+// blocking the parent for as long as the child stays stopped.
+TEST(ProcessGroup, SendLineWithATimeoutGivesUpOnAStoppedChild) {
+  ProcessGroup group;
+  const int cat = group.spawn("cat", {"/bin/cat"});
+  group.kill(cat, SIGSTOP);
+  const std::string line(64 * 1024, 'x');
+  bool refused = false;
+  // The socket buffer holds a few hundred KiB: bounded well below 4096 lines.
+  for (int i = 0; i < 4096 && !refused; ++i)
+    refused = !group.send_line(cat, line, 100ms);
+  EXPECT_TRUE(refused);
+  EXPECT_FALSE(group.writable(cat));
+  EXPECT_TRUE(group.alive(cat)) << "stopped, not dead";
+  EXPECT_FALSE(group.send_line(cat, "more", 100ms));
+  group.kill(cat, SIGKILL);
+  const Outcome o = until_exit(group, cat);
+  EXPECT_EQ(o.signal, SIGKILL);
+}
+
+}  // namespace
+}  // namespace kvport::cli

@@ -15,14 +15,6 @@
 namespace kvport::cli {
 namespace {
 
-CLI::Option* add_text(CLI::App& app, const char* name, TextFlag& flag, const char* type,
-                      const std::string& help) {
-  flag.option = app.add_option(name, flag.value, help);
-  // Repeating a flag overrides it, so that scripts can append to a command line.
-  flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  return flag.option;
-}
-
 std::optional<std::size_t> count_flag(const TextFlag& flag, std::string_view name) {
   if (!flag.given()) return std::nullopt;
   return parse_positive_count(flag.value, name);
@@ -44,6 +36,14 @@ std::optional<StateDtype> state_dtype_flag(const TextFlag& flag, std::string_vie
 
 }  // namespace
 
+CLI::Option* add_text_flag(CLI::App& app, const char* name, TextFlag& flag, const char* type,
+                           const std::string& help) {
+  flag.option = app.add_option(name, flag.value, help);
+  // Repeating a flag overrides it, so that scripts can append to a command line.
+  flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  return flag.option;
+}
+
 bool TextFlag::given() const {
   return option != nullptr && option->count() > 0;
 }
@@ -59,38 +59,44 @@ void CacheShapeOptions::add_to(CLI::App& app, std::string_view default_model) {
                 "Built-in model preset (llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, ...; "
                 "default {})",
                 default_model);
-  add_text(app, "--model", model_, "NAME", model_help)->group("Model");
-  add_text(app, "--hf-config", hf_config_, "PATH",
-           "Hugging Face config.json: num_hidden_layers, num_key_value_heads, head_dim")
+  add_text_flag(app, "--model", model_, "NAME", model_help)->group("Model");
+  add_text_flag(app, "--hf-config", hf_config_, "PATH",
+                "Hugging Face config.json: num_hidden_layers, num_key_value_heads, head_dim")
       ->group("Model");
-  add_text(app, "--layers", layers_, "N", "Number of layers (overrides the preset/config)")
+  add_text_flag(app, "--layers", layers_, "N", "Number of layers (overrides the preset/config)")
       ->group("Model");
-  add_text(app, "--kv-heads", kv_heads_, "N", "KV heads per layer (overrides)")->group("Model");
-  add_text(app, "--head-dim", head_dim_, "N", "Head dim of K and V (overrides)")->group("Model");
-  add_text(app, "--head-dim-k", head_dim_k_, "N", "Head dim of K only (overrides)")->group("Model");
-  add_text(app, "--head-dim-v", head_dim_v_, "N", "Head dim of V only (overrides)")->group("Model");
+  add_text_flag(app, "--kv-heads", kv_heads_, "N", "KV heads per layer (overrides)")
+      ->group("Model");
+  add_text_flag(app, "--head-dim", head_dim_, "N", "Head dim of K and V (overrides)")
+      ->group("Model");
+  add_text_flag(app, "--head-dim-k", head_dim_k_, "N", "Head dim of K only (overrides)")
+      ->group("Model");
+  add_text_flag(app, "--head-dim-v", head_dim_v_, "N", "Head dim of V only (overrides)")
+      ->group("Model");
 
   dtype_.value = "bf16";
-  add_text(app, "--dtype", dtype_, "DTYPE",
-           "Element format: f16, bf16, fp8_e4m3, fp8_e5m2, nvfp4, turbo2/3/4/8 (default bf16); "
-           "MLA models also fp8_ds_mla (vLLM's 656-byte DeepSeek latent)")
+  add_text_flag(
+      app, "--dtype", dtype_, "DTYPE",
+      "Element format: f16, bf16, fp8_e4m3, fp8_e5m2, nvfp4, turbo2/3/4/8 (default bf16); "
+      "MLA models also fp8_ds_mla (vLLM's 656-byte DeepSeek latent)")
       ->group("Cache");
-  add_text(app, "--layer-dtypes", layer_dtypes_, "SPEC",
-           "Per-layer dtypes: overrides like 'first:bf16,last:bf16' or '0-3:bf16,31:f16', or one "
-           "dtype per layer 'bf16,fp8,...'")
+  add_text_flag(
+      app, "--layer-dtypes", layer_dtypes_, "SPEC",
+      "Per-layer dtypes: overrides like 'first:bf16,last:bf16' or '0-3:bf16,31:f16', or one "
+      "dtype per layer 'bf16,fp8,...'")
       ->group("Cache");
   block_size_.value = "16";
-  add_text(app, "--block-size", block_size_, "TOKENS", "Tokens per block (default 16)")
+  add_text_flag(app, "--block-size", block_size_, "TOKENS", "Tokens per block (default 16)")
       ->group("Cache");
   layout_.value = "layer_major";
-  add_text(app, "--layout", layout_, "LAYOUT", "layer_major (default) or block_major")
+  add_text_flag(app, "--layout", layout_, "LAYOUT", "layer_major (default) or block_major")
       ->group("Cache");
-  add_text(app, "--state-dtype", state_dtype_, "DTYPE",
-           "State layers (Mamba, linear attention): f32, f16 or bf16 for every state tensor "
-           "(default: the model dtype, the SSM state as the config's mamba_ssm_cache_dtype)")
+  add_text_flag(app, "--state-dtype", state_dtype_, "DTYPE",
+                "State layers (Mamba, linear attention): f32, f16 or bf16 for every state tensor "
+                "(default: the model dtype, the SSM state as the config's mamba_ssm_cache_dtype)")
       ->group("Cache");
-  add_text(app, "--ssm-state-dtype", ssm_state_dtype_, "DTYPE",
-           "State layers: f32, f16 or bf16 for the SSM (recurrent) state only")
+  add_text_flag(app, "--ssm-state-dtype", ssm_state_dtype_, "DTYPE",
+                "State layers: f32, f16 or bf16 for the SSM (recurrent) state only")
       ->group("Cache");
 }
 
@@ -234,18 +240,20 @@ CacheShapeOptions::Layered CacheShapeOptions::resolve_layers() const {
 
 void BudgetOptions::add_to(CLI::App& app, std::string_view default_memory) {
   memory_.value = std::string(default_memory);
-  add_text(app, "--memory", memory_, "SIZE|device",
-           fmt::format("KV-cache memory budget: a size (80GiB, 512MiB, 1.5GB, bytes) or 'device' "
-                       "= free device memory x --utilization (default {})",
-                       default_memory))
+  add_text_flag(
+      app, "--memory", memory_, "SIZE|device",
+      fmt::format("KV-cache memory budget: a size (80GiB, 512MiB, 1.5GB, bytes) or 'device' "
+                  "= free device memory x --utilization (default {})",
+                  default_memory))
       ->group("Memory");
   utilization_.value = "0.9";
-  add_text(app, "--utilization", utilization_, "FRACTION",
-           "Share of free device memory for --memory device, in (0, 1] (default 0.9)")
+  add_text_flag(app, "--utilization", utilization_, "FRACTION",
+                "Share of free device memory for --memory device, in (0, 1] (default 0.9)")
       ->group("Memory");
-  add_text(app, "--backend", backend_, "NAME",
-           "Backend (host, cuda, hip; default $KVPORT_BACKEND, else the first GPU with a device, "
-           "else host)")
+  add_text_flag(
+      app, "--backend", backend_, "NAME",
+      "Backend (host, cuda, hip; default $KVPORT_BACKEND, else the first GPU with a device, "
+      "else host)")
       ->group("Memory");
 }
 

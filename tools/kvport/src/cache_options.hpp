@@ -30,6 +30,13 @@ struct TextFlag {
   bool given() const;
 };
 
+/// Declares `name` on `app` bound to `flag`, shown as `type` in --help. Every
+/// command declares its valued flags through this, so that they all behave
+/// alike: a repeated flag takes its last value (scripts append overrides),
+/// and the value is parsed by kvport (flag_values.hpp), not by CLI11.
+CLI::Option* add_text_flag(CLI::App& app, const char* name, TextFlag& flag, const char* type,
+                           const std::string& help);
+
 /// --model, --hf-config, --layers, --kv-heads, --head-dim[-k|-v], --dtype,
 /// --layer-dtypes, --block-size, --layout, --state-dtype, --ssm-state-dtype.
 class CacheShapeOptions {

@@ -116,9 +116,7 @@ class DemoCommand final : public Command {
  private:
   static void add(CLI::App& app, const char* name, TextFlag& flag, const char* type,
                   const char* help) {
-    flag.option = app.add_option(name, flag.value, help);
-    flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-    flag.option->group("Workload");
+    add_text_flag(app, name, flag, type, help)->group("Workload");
   }
 
   static void print_text(std::ostream& out, const DemoReport& r) {

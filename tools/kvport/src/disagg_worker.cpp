@@ -32,66 +32,6 @@ namespace kvport::cli::disagg {
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-json WorkerSpec::to_json() const {
-  json dtypes = json::array();
-  for (KvCacheDtype d : config.layer_dtypes)
-    dtypes.push_back(std::string(kvport::to_string(d)));
-  return json{{"role", role},
-              {"instance", instance},
-              {"rank", rank},
-              {"tp", tp},
-              {"layers", config.num_layers},
-              {"block_size", config.block_size},
-              {"kv_heads", config.num_kv_heads},
-              {"head_dim_k", config.head_dim_k},
-              {"head_dim_v", config.head_dim_v},
-              {"dtype", std::string(kvport::to_string(config.dtype))},
-              {"layer_dtypes", dtypes},
-              {"layout", std::string(kvport::to_string(config.layout))},
-              {"capacity_blocks", capacity_blocks},
-              {"peer_timeout_ms", peer_timeout.count()},
-              {"lease_ttl_ms", lease_ttl.count()},
-              {"scratch_bytes", scratch_bytes},
-              {"bind", bind}};
-}
-
-WorkerSpec WorkerSpec::from_json(const json& j) {
-  try {
-    WorkerSpec s;
-    s.role = j.at("role").get<std::string>();
-    if (s.role != "prefill" && s.role != "decode")
-      throw InvalidArgument("worker spec: bad role " + s.role);
-    s.instance = j.at("instance").get<std::uint32_t>();
-    s.rank = j.at("rank").get<std::uint32_t>();
-    s.tp = j.at("tp").get<std::uint32_t>();
-    s.config.num_layers = j.at("layers").get<std::size_t>();
-    s.config.block_size = j.at("block_size").get<std::size_t>();
-    s.config.num_kv_heads = j.at("kv_heads").get<std::size_t>();
-    s.config.head_dim_k = j.at("head_dim_k").get<std::size_t>();
-    s.config.head_dim_v = j.at("head_dim_v").get<std::size_t>();
-    auto dtype = [](const std::string& name) {
-      auto d = parse_dtype(name);
-      if (!d) throw InvalidArgument("worker spec: unknown dtype " + name);
-      return *d;
-    };
-    s.config.dtype = dtype(j.at("dtype").get<std::string>());
-    for (const auto& d : j.at("layer_dtypes"))
-      s.config.layer_dtypes.push_back(dtype(d.get<std::string>()));
-    const std::string layout = j.at("layout").get<std::string>();
-    s.config.layout = layout == kvport::to_string(KvCacheLayout::block_major)
-                          ? KvCacheLayout::block_major
-                          : KvCacheLayout::layer_major;
-    s.capacity_blocks = j.at("capacity_blocks").get<std::size_t>();
-    s.peer_timeout = std::chrono::milliseconds(j.at("peer_timeout_ms").get<std::int64_t>());
-    s.lease_ttl = std::chrono::milliseconds(j.at("lease_ttl_ms").get<std::int64_t>());
-    s.scratch_bytes = j.at("scratch_bytes").get<std::size_t>();
-    s.bind = j.at("bind").get<std::string>();
-    return s;
-  } catch (const json::exception& e) {
-    throw InvalidArgument(std::string("worker spec: ") + e.what());
-  }
-}
-
 namespace {
 
 // Lines from a file descriptor, without blocking longer than asked.
@@ -138,13 +78,13 @@ class Worker {
         prefix_(cache_),
         stream_(backend_->create_stream()) {
     transfer::AgentOptions o;
-    o.name = fmt::format("{}{}.{}", spec.role, spec.instance, spec.rank);
+    o.name = worker_name(spec.role, spec.instance, spec.rank);
     o.tp_rank = spec.rank;
     o.tp_size = spec.tp;
     o.peer_timeout = spec.peer_timeout;
     o.scratch_bytes = spec.scratch_bytes;
     agent_.emplace(cache_, o);
-    if (spec.role == "prefill") {
+    if (spec.role == Role::prefill) {
       transfer::PrefillOptions po;
       po.lease_ttl = spec.lease_ttl;
       prefill_.emplace(*agent_, prefix_, po);
@@ -170,13 +110,12 @@ class Worker {
       address = agent_->listen(spec_.bind.find(':') != std::string::npos ? "[" + spec_.bind + "]:0"
                                                                          : spec_.bind + ":0");
     } catch (const Error& e) {
-      emit({{"event", "fatal"}, {"why", e.what()}, {"listen", true}});
+      emit(event::fatal, {{"why", e.what()}, {"listen", true}});
       return 2;
     }
-    emit({{"event", "ready"},
-          {"address", address},
-          {"transport", agent_->transport_description()},
-          {"memory_path", std::string(transfer::to_string(agent_->memory_path()))}});
+    emit(event::ready, {{"address", address},
+                        {"transport", agent_->transport_description()},
+                        {"memory_path", std::string(transfer::to_string(agent_->memory_path()))}});
     LineInput input(STDIN_FILENO);
     while (true) {
       const bool busy = !waiting_.empty() || !recomputes_.empty() ||
@@ -211,6 +150,10 @@ class Worker {
   }
 
   void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
+  void emit(std::string_view name, json fields) {
+    fields[field::event] = name;
+    emit(fields);
+  }
 
   static std::vector<TokenId> tokens_of(const json& j) {
     return j.at("tokens").get<std::vector<TokenId>>();
@@ -224,24 +167,24 @@ class Worker {
     json j;
     try {
       j = json::parse(line);
-      const std::string op = j.at("op").get<std::string>();
-      if (op == "connect") {
+      const std::string op = j.at(field::op).get<std::string>();
+      if (op == op::connect) {
         connect(j);
-      } else if (op == "baseline") {
+      } else if (op == op::baseline) {
         baseline(j);
-      } else if (op == "prefill") {
+      } else if (op == op::prefill) {
         waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(),
                             tokens_of(j), Clock::now()});
-      } else if (op == "recompute") {
+      } else if (op == op::recompute) {
         recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
-      } else if (op == "finish") {
+      } else if (op == op::finish) {
         finishing_ = true;
         finish_deadline_ = Clock::now() + spec_.lease_ttl + spec_.peer_timeout * 2;
       } else {
         throw InvalidArgument("unknown op " + op);
       }
     } catch (const std::exception& e) {
-      emit({{"event", "fatal"}, {"why", std::string("bad command: ") + e.what()}});
+      emit(event::fatal, {{"why", std::string("bad command: ") + e.what()}});
     }
   }
 
@@ -258,7 +201,7 @@ class Worker {
     if (!decode_peers_.empty() && !decode_peers_.begin()->second.empty()) {
       lanes = agent_->peer_transport(decode_peers_.begin()->second.front());
     }
-    emit({{"event", "connected"}, {"lanes", lanes}});
+    emit(event::connected, {{"lanes", lanes}});
   }
 
   void baseline(const json& j) {
@@ -276,7 +219,7 @@ class Worker {
         seconds.clear();
       }
     }
-    emit({{"event", "baseline"}, {"bytes", bytes}, {"seconds", seconds}, {"why", why}});
+    emit(event::baseline, {{"bytes", bytes}, {"seconds", seconds}, {"why", why}});
   }
 
   // Computes a request here ("recompute"): fills its blocks, caches the full
@@ -308,15 +251,14 @@ class Worker {
     cache_full_blocks(blocks, tokens);
     prefix_.release_blocks(blocks);
     done_.insert(req);
-    emit({{"event", "done"},
-          {"req", req},
-          {"ok", false},
-          {"recomputed", true},
-          {"blocks", n},
-          {"bytes", 0},
-          {"transfer_s", 0},
-          {"latency_s", 0},
-          {"wrong_bytes", 0}});
+    emit(event::done, {{"req", req},
+                       {"ok", false},
+                       {"recomputed", true},
+                       {"blocks", n},
+                       {"bytes", 0},
+                       {"transfer_s", 0},
+                       {"latency_s", 0},
+                       {"wrong_bytes", 0}});
     return true;
   }
 
@@ -331,11 +273,10 @@ class Worker {
         const bool pulls_hold_blocks = decode_ && decode_->held_blocks() > 0;
         if (pulls_hold_blocks || Clock::now() - w.since <= spec_.lease_ttl * 2) return;
         done_.insert(w.req);
-        emit({{"event", "done"},
-              {"req", w.req},
-              {"ok", false},
-              {"recomputed", false},
-              {"why", "no room to recompute"}});
+        emit(event::done, {{"req", w.req},
+                           {"ok", false},
+                           {"recomputed", false},
+                           {"why", "no room to recompute"}});
       }
       recomputes_.pop_front();
     }
@@ -386,7 +327,7 @@ class Worker {
       prefill_->offer(w.req, spec_.instance, blocks, w.tokens, live);
     } catch (const InvalidArgument& e) {
       prefix_.release_blocks(blocks);
-      emit({{"event", "prefill_failed"}, {"req", w.req}, {"why", e.what()}});
+      emit(event::prefill_failed, {{"req", w.req}, {"why", e.what()}});
     }
     return true;
   }
@@ -398,7 +339,7 @@ class Worker {
         const Waiting& w = waiting_.front();
         if (!try_prefill(w)) {
           if (Clock::now() - w.since > spec_.lease_ttl * 2) {
-            emit({{"event", "prefill_failed"}, {"req", w.req}, {"why", "no room"}});
+            emit(event::prefill_failed, {{"req", w.req}, {"why", "no room"}});
             waiting_.pop_front();
             continue;
           }
@@ -407,9 +348,8 @@ class Worker {
         waiting_.pop_front();
       }
       for (const auto& l : prefill_->poll()) {
-        emit({{"event", "lease_end"},
-              {"req", l.request_id},
-              {"end", std::string(transfer::to_string(l.end))}});
+        emit(event::lease_end,
+             {{"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
       }
       report_losses(prefill_->lost_peers());
     }
@@ -449,24 +389,23 @@ class Worker {
         }
       }
     }
-    emit({{"event", "done"},
-          {"raw_bytes", raw_bytes},
-          {"raw_s", raw_seconds},
-          {"req", r.request_id},
-          {"ok", true},
-          {"recomputed", false},
-          {"blocks", r.blocks.size()},
-          {"bytes", r.bytes},
-          {"transfer_s", r.transfer_seconds},
-          {"latency_s", r.latency_seconds},
-          {"wrong_bytes", check.bytes_wrong}});
+    emit(event::done, {{"raw_bytes", raw_bytes},
+                       {"raw_s", raw_seconds},
+                       {"req", r.request_id},
+                       {"ok", true},
+                       {"recomputed", false},
+                       {"blocks", r.blocks.size()},
+                       {"bytes", r.bytes},
+                       {"transfer_s", r.transfer_seconds},
+                       {"latency_s", r.latency_seconds},
+                       {"wrong_bytes", check.bytes_wrong}});
   }
 
   // One event per peer lost since the last call, naming it.
   void report_losses(const std::vector<transfer::PeerId>& lost) {
     for (; reported_losses_ < lost.size(); ++reported_losses_) {
       auto info = agent_->peer(lost[reported_losses_]);
-      emit({{"event", "peer_lost"}, {"peer", info ? info->name : std::string("?")}});
+      emit(event::peer_lost, {{"peer", info ? info->name : std::string("?")}});
     }
   }
 
@@ -474,7 +413,7 @@ class Worker {
   std::optional<transfer::PeerId> scratch_peer() const {
     for (transfer::PeerId p : agent_->peers()) {
       auto info = agent_->peer(p);
-      if (info && info->connected && info->name == "prefill0.0") return p;
+      if (info && info->connected && info->name == worker_name(Role::prefill, 0, 0)) return p;
     }
     return std::nullopt;
   }
@@ -492,18 +431,18 @@ class Worker {
     prefix_.evict(cache_.num_blocks());
     const auto invariants = prefix_.check_invariants();
     const auto a = agent_->counters();
-    json j{{"event", "stats"},
-           {"role", spec_.role},
-           {"in_use", in_use_before},
-           {"cached", cached},
-           {"leaked_blocks", cache_.num_blocks_in_use()},
-           {"invariants_ok", invariants.ok},
-           {"transfers_posted", a.transfers_posted},
-           {"transfers_done", a.transfers_done},
-           {"transfers_cancelled", a.transfers_cancelled},
-           {"transfers_failed", a.transfers_failed},
-           {"malformed_messages", a.malformed_messages},
-           {"peers_lost", a.peers_lost}};
+    json j = event_message(event::stats);
+    j.update({{"role", std::string(to_string(spec_.role))},
+              {"in_use", in_use_before},
+              {"cached", cached},
+              {"leaked_blocks", cache_.num_blocks_in_use()},
+              {"invariants_ok", invariants.ok},
+              {"transfers_posted", a.transfers_posted},
+              {"transfers_done", a.transfers_done},
+              {"transfers_cancelled", a.transfers_cancelled},
+              {"transfers_failed", a.transfers_failed},
+              {"malformed_messages", a.malformed_messages},
+              {"peers_lost", a.peers_lost}});
     if (prefill_) {
       const auto& c = prefill_->counters();
       j["leases"] = {{"active", prefill_->active_leases()},
@@ -555,7 +494,9 @@ int run_worker(const WorkerSpec& spec, std::ostream& out) {
     Worker worker(spec, out);
     return worker.run();
   } catch (const std::exception& e) {
-    out << json{{"event", "fatal"}, {"why", e.what()}}.dump() << '\n' << std::flush;
+    json j = event_message(event::fatal);
+    j[field::why] = e.what();
+    out << j.dump() << '\n' << std::flush;
     return 1;
   }
 }

@@ -52,6 +52,22 @@ std::size_t parse_count(std::string_view text, std::string_view flag) {
   return parse_integer(text, flag, true);
 }
 
+std::uint64_t parse_count_in(std::string_view text, std::string_view flag, std::uint64_t min,
+                             std::uint64_t max) {
+  const auto out_of_range = [&] {
+    return InvalidArgument(
+        fmt::format("{}: expected an integer in [{}, {}], got '{}'", flag, min, max, text));
+  };
+  std::size_t value = 0;
+  try {
+    value = parse_integer(text, flag, true);
+  } catch (const InvalidArgument&) {
+    throw out_of_range();
+  }
+  if (value < min || value > max) throw out_of_range();
+  return value;
+}
+
 double parse_fraction(std::string_view text, std::string_view flag) {
   const std::string value(trim(text));
   double result = 0.0;

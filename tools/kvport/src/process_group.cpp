@@ -192,7 +192,20 @@ int ProcessGroup::spawn(std::string name, std::vector<std::string> argv) {
 }
 
 bool ProcessGroup::send_line(int child, std::string_view line) {
-  Child& c = at(child);
+  return send(at(child), line, std::nullopt);
+}
+
+bool ProcessGroup::send_line(int child, std::string_view line, std::chrono::milliseconds timeout) {
+  return send(at(child), line, clamp_wait(timeout));
+}
+
+bool ProcessGroup::writable(int child) const {
+  return at(child).stdin_fd >= 0;
+}
+
+bool ProcessGroup::send(Child& c, std::string_view line,
+                        std::optional<std::chrono::milliseconds> timeout) {
+  const auto deadline = Clock::now() + timeout.value_or(std::chrono::milliseconds(0));
   std::string data;
   data.reserve(line.size() + 1);
   data.append(line);
@@ -217,11 +230,22 @@ bool ProcessGroup::send_line(int child, std::string_view line) {
     // meanwhile (into pending_) so that a child blocked writing can go on,
     // and give up when the child exits (something it started may hold its
     // stdin without reading; poll() reaps and reports the exit).
+    int wait_ms = c.pid_fd >= 0 ? -1 : 20;
+    if (timeout) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) {
+        close_fd(c.stdin_fd);  // part of the line may be in; nothing more may follow it
+        return false;
+      }
+      wait_ms = static_cast<int>(std::min<std::chrono::milliseconds::rep>(
+          left.count(), wait_ms < 0 ? left.count() : wait_ms));
+    }
     std::vector<pollfd> fds{{c.stdin_fd, POLLOUT, 0}};
     if (c.pid_fd >= 0) fds.push_back({c.pid_fd, POLLIN, 0});
     for (const Child& other : children_)
       if (other.stdout_fd >= 0) fds.push_back({other.stdout_fd, POLLIN, 0});
-    if (::poll(fds.data(), fds.size(), c.pid_fd >= 0 ? -1 : 20) < 0 && errno != EINTR)
+    if (::poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR)
       throw Error("ProcessGroup::send_line(" + c.name + "): " + errno_text("poll", errno));
     for (std::size_t i = 0; i < children_.size(); ++i)
       if (children_[i].stdout_fd >= 0) drain(static_cast<int>(i), pending_);
@@ -360,11 +384,16 @@ void ProcessGroup::kill(int child, int signal) {
   if (!c.reaped) signal_group(c.pid, signal);
 }
 
-void ProcessGroup::shutdown(std::chrono::milliseconds grace) {
+std::vector<ProcessEvent> ProcessGroup::shutdown(std::chrono::milliseconds grace) {
   for (Child& c : children_)
     close_fd(c.stdin_fd);
   const auto deadline = Clock::now() + clamp_wait(grace);
-  std::vector<ProcessEvent> discarded;
+  std::vector<ProcessEvent> exits;
+  std::vector<ProcessEvent> events;
+  // The exits poll() has not returned yet are reported here.
+  for (ProcessEvent& e : pending_)
+    if (e.kind == ProcessEvent::Kind::exited) exits.push_back(std::move(e));
+  pending_.clear();
   for (;;) {
     bool waiting = false;
     for (const Child& c : children_)
@@ -372,24 +401,37 @@ void ProcessGroup::shutdown(std::chrono::milliseconds grace) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (!waiting || left.count() <= 0) break;
-    collect(left, discarded);
-    discarded.clear();
+    collect(left, events);
+    for (ProcessEvent& e : events)
+      if (e.kind == ProcessEvent::Kind::exited) exits.push_back(std::move(e));
+    events.clear();
   }
-  for (Child& c : children_)
-    force_reap(c);
-  pending_.clear();
+  for (std::size_t i = 0; i < children_.size(); ++i) {
+    Child& c = children_[i];
+    const bool running = !c.reaped && c.pid > 0;
+    const int status = force_reap(c);
+    if (!running) continue;
+    ProcessEvent e{static_cast<int>(i), ProcessEvent::Kind::exited, {}};
+    if (status >= 0 && WIFEXITED(status)) e.exit_code = WEXITSTATUS(status);
+    if (status >= 0 && WIFSIGNALED(status)) e.signal = WTERMSIG(status);
+    e.force_killed = true;
+    exits.push_back(std::move(e));
+  }
+  return exits;
 }
 
-void ProcessGroup::force_reap(Child& c) noexcept {
+int ProcessGroup::force_reap(Child& c) noexcept {
+  int status = -1;
   if (!c.reaped && c.pid > 0) {
     signal_group(c.pid, SIGKILL);
     ::kill(c.pid, SIGKILL);  // in case it left its group
-    reap(c.pid);
+    status = reap(c.pid);
     c.reaped = true;
   }
   close_fd(c.stdin_fd);
   close_fd(c.stdout_fd);
   close_fd(c.pid_fd);
+  return status;
 }
 
 TerminationSignals::TerminationSignals() : previous_{} {

@@ -25,6 +25,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,9 @@ struct ProcessEvent {
   /// ignored, a waitpid(-1) elsewhere).
   int exit_code = -1;
   int signal = 0;  ///< Kind::exited: the terminating signal, or 0 on a normal exit
+  /// Kind::exited from shutdown(): it was still running after the grace
+  /// period and shutdown() SIGKILLed it (then signal is SIGKILL).
+  bool force_killed = false;
 };
 
 class ProcessGroup {
@@ -85,6 +89,17 @@ class ProcessGroup {
   /// write error.
   bool send_line(int child, std::string_view line);
 
+  /// As send_line(child, line), but gives up when the child has not made
+  /// room for the whole line within `timeout` (it is alive but not reading:
+  /// hung or stopped). Then the child's stdin is closed, since part of the
+  /// line may have been written, writable() is false from then on, and
+  /// false is returned.
+  bool send_line(int child, std::string_view line, std::chrono::milliseconds timeout);
+
+  /// False once a send_line to the child timed out, failed, or its stdin was
+  /// closed; true before.
+  bool writable(int child) const;
+
   /// Waits up to `timeout` (poll(2); at most a day, negative is 0) for output
   /// or exits and returns what came, in order per child: lines, then at most
   /// one Kind::exited, which is reported once, after the lines the child
@@ -118,9 +133,11 @@ class ProcessGroup {
 
   /// Closes every child's stdin (the protocol's "quit"), waits up to `grace`
   /// for the children to exit on their own, then SIGKILLs the rest and reaps
-  /// everything. Output and exits are discarded, not reported. Afterwards
-  /// alive() is false for every child; spawn() may be called again.
-  void shutdown(std::chrono::milliseconds grace);
+  /// everything. Output is discarded; returns one Kind::exited event for
+  /// each child reaped now (not those poll() already reported), the ones it
+  /// had to SIGKILL marked force_killed. Afterwards alive() is false for
+  /// every child; spawn() may be called again.
+  std::vector<ProcessEvent> shutdown(std::chrono::milliseconds grace);
 
  private:
   struct Child {
@@ -143,8 +160,10 @@ class ProcessGroup {
   // One round: waits up to `wait` for anything, then reads and reaps.
   // Returns false when the wait was interrupted by a signal.
   bool collect(std::chrono::milliseconds wait, std::vector<ProcessEvent>& out);
-  // SIGKILLs the group of an unreaped child and reaps it (blocking); noexcept.
-  void force_reap(Child& c) noexcept;
+  // SIGKILLs the group of an unreaped child and reaps it (blocking); returns
+  // the wait status, -1 when it was reaped already or elsewhere; noexcept.
+  int force_reap(Child& c) noexcept;
+  bool send(Child& c, std::string_view line, std::optional<std::chrono::milliseconds> timeout);
 
   std::vector<Child> children_;
   std::vector<ProcessEvent> pending_;  // read by send_line, returned by poll()

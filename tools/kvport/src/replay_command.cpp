@@ -320,8 +320,7 @@ class ReplayCommand final : public Command {
 
   static void add(CLI::App& app, const char* name, TextFlag& flag, const char* type,
                   const char* help) {
-    flag.option = app.add_option(name, flag.value, help);
-    flag.option->type_name(type)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    add_text_flag(app, name, flag, type, help);
   }
 
   static std::string hit_mode_text(PrefixHitMode mode) {

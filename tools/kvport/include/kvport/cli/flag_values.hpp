@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string_view>
 
 #include "kvport/core/dtype.hpp"
@@ -22,6 +23,13 @@ std::size_t parse_positive_count(std::string_view text, std::string_view flag);
 
 /// Parses a decimal integer >= 0 (as parse_positive_count, 0 allowed).
 std::size_t parse_count(std::string_view text, std::string_view flag);
+
+/// Parses a decimal integer in [min, max] (digits only, as parse_count).
+/// Throws InvalidArgument "<flag>: expected an integer in [<min>, <max>],
+/// got '<text>'" for anything else, a negative or too large value included,
+/// so that no flag wraps around or overflows a later time or size sum.
+std::uint64_t parse_count_in(std::string_view text, std::string_view flag, std::uint64_t min,
+                             std::uint64_t max);
 
 /// Parses a fraction in (0, 1], e.g. "0.9". Throws InvalidArgument naming the
 /// flag otherwise.
