@@ -35,6 +35,18 @@ std::vector<LayerSpec> hybrid_specs() {
   return {full, window, full, window, full};
 }
 
+TEST(Agent, DirectionAndMemoryKindNames) {
+  EXPECT_EQ(to_string(Direction::read), "read");
+  EXPECT_EQ(to_string(Direction::write), "write");
+  EXPECT_EQ(to_string(MemoryKind::host), "host");
+  EXPECT_EQ(to_string(MemoryKind::cuda), "cuda");
+  EXPECT_EQ(to_string(MemoryKind::rocm), "rocm");
+  // The host backend's pools are host memory: registered directly.
+  Side a(config(KvCacheLayout::layer_major), 2);
+  EXPECT_EQ(a.backend->memory_kind(), MemoryKind::host);
+  EXPECT_EQ(a.agent->memory_path(), MemoryPath::direct);
+}
+
 TEST(Agent, HandshakeExchangesLayouts) {
   Side a(config(KvCacheLayout::layer_major), 8, named("decode"));
   Side b(config(KvCacheLayout::block_major), 16, named("prefill"));

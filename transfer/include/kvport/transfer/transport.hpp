@@ -92,7 +92,8 @@ class Transport {
   /// connection).
   virtual void send(ConnId conn, std::span<const std::uint8_t> message) = 0;
 
-  /// Posts reads (remote -> local) or writes (local -> remote); `remote_key`
+  /// Posts reads (Direction::read: remote -> local) or writes (local ->
+  /// remote), as the agent was asked, never inverted at this seam; `remote_key`
   /// of each op from import_remote_key. `done(ok, why)` runs exactly once,
   /// when every op is final (for writes: remotely complete); ops already
   /// posted are never abandoned, so memory stays in use until `done`.
