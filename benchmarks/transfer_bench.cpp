@@ -88,7 +88,7 @@ void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scatter
   auto ours = [&] {
     const auto before = dst.agent->counters().regions_posted;
     const auto t = Clock::now();
-    const TransferId id = dst.agent->post(peer, true, local, remote);
+    const TransferId id = dst.agent->post(peer, Direction::read, local, remote);
     regions += dst.agent->counters().regions_posted - before;
     if (dst.agent->wait(id, std::chrono::seconds(60)) != TransferState::done) {
       throw std::runtime_error("transfer failed: " + dst.agent->why(id));

@@ -370,6 +370,7 @@ class GpuBackend final : public Backend {
   }
 
   bool do_device_lost() const noexcept override { return lost_.load(std::memory_order_acquire); }
+  MemoryKind do_memory_kind() const noexcept override { return Api::memory_kind; }
 
   MemInfo do_mem_info() const override {
     const DeviceScope scope = enter();

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "gpu_kernels.hpp"
+#include "kvport/platform/memory_kind.hpp"
 
 namespace kvport::gpu {
 
@@ -33,6 +34,8 @@ concept VendorApi = requires(typename A::Status status, typename A::Stream strea
   /// What event_query returns for an event whose work is still running.
   { A::not_ready } -> std::convertible_to<typename A::Status>;
   { A::name } -> std::convertible_to<const char*>;
+  /// Where the runtime's allocations live (Backend::memory_kind).
+  { A::memory_kind } -> std::convertible_to<MemoryKind>;
   { A::error_string(status) } -> std::convertible_to<const char*>;
   /// Drops the thread's last (non-sticky) error so it cannot resurface.
   { A::clear_error() }

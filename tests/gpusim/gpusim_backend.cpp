@@ -110,6 +110,8 @@ struct ApiSim {
   static constexpr Status success = ok;
   static constexpr Status not_ready = testing::not_ready;
   static constexpr const char* name = "gpusim";
+  // The simulated device's memory is host memory.
+  static constexpr MemoryKind memory_kind = MemoryKind::host;
   static constexpr unsigned stream_non_blocking = 1;
   static constexpr unsigned event_disable_timing = 2;
   static constexpr unsigned event_default = 0;

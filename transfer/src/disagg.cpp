@@ -11,6 +11,7 @@
 
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "wire_codec.hpp"
 
 namespace kvport::transfer {
 
@@ -34,39 +35,60 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void put32(std::vector<std::uint8_t>& out, std::uint32_t v) {
-  for (int i = 0; i < 4; ++i)
-    out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-}
-void put64(std::vector<std::uint8_t>& out, std::uint64_t v) {
-  for (int i = 0; i < 8; ++i)
-    out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+// The protocol's payloads (docs/transfer.md), through the one wire codec.
+// Decoding throws InvalidArgument naming the field; poll() turns that into a
+// dropped, counted notification at its boundary.
+constexpr std::string_view kLeaseContext = "lease notification";
+constexpr std::string_view kAnswerContext = "lease answer";
+constexpr std::uint32_t kMaxTokens = kMaxNotificationBytes / sizeof(TokenId);
+
+// lease: the lease id, the prefill group, the lease's ttl (ms), the tokens.
+struct LeaseOffer {
+  std::uint64_t lease = 0;
+  std::uint32_t group = 0;
+  std::uint32_t ttl_ms = 0;
+  std::vector<TokenId> tokens;
+};
+
+std::vector<std::uint8_t> encode_offer(std::uint64_t lease, std::uint32_t group,
+                                       std::uint32_t ttl_ms, std::span<const TokenId> tokens) {
+  wire::Writer w(kLeaseContext);
+  w.u64(lease);
+  w.u32(group);
+  w.u32(ttl_ms);
+  w.count(tokens.size(), kMaxTokens, "token count");
+  for (TokenId t : tokens)
+    w.u32(t);
+  return w.take();
 }
 
-// Bounds-checked little-endian reads; nullopt past the end.
-struct Cursor {
-  std::span<const std::uint8_t> b;
-  std::size_t pos = 0;
-  std::optional<std::uint64_t> get(std::size_t n) {
-    if (b.size() - pos < n) return std::nullopt;
-    std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      v |= std::uint64_t{b[pos + i]} << (8 * i);
-    pos += n;
-    return v;
-  }
-};
+LeaseOffer decode_offer(std::span<const std::uint8_t> payload) {
+  wire::Reader r(payload, kLeaseContext);
+  LeaseOffer o;
+  o.lease = r.u64("lease id");
+  o.group = r.u32("group");
+  o.ttl_ms = r.u32("ttl");
+  const std::uint32_t count = r.count("token count", kMaxTokens, sizeof(TokenId));
+  if (count == 0) r.fail("no tokens");
+  o.tokens.reserve(count);
+  for (std::uint32_t i = 0; i < count; ++i)
+    o.tokens.push_back(static_cast<TokenId>(r.u32("token")));
+  r.expect_end("the tokens");
+  return o;
+}
 
 // The lease id a pulled/confirm/revoked/refused message carries.
 std::vector<std::uint8_t> lease_id_payload(std::uint64_t lease) {
-  std::vector<std::uint8_t> out;
-  put64(out, lease);
-  return out;
+  wire::Writer w(kAnswerContext);
+  w.u64(lease);
+  return w.take();
 }
 
-std::optional<std::uint64_t> lease_id_of(const Notification& n) {
-  Cursor c{n.payload};
-  return c.get(8);
+// Later bytes are ignored (as every build has done), so that an answer may
+// grow fields.
+std::uint64_t lease_id_of(const Notification& n) {
+  wire::Reader r(n.payload, kAnswerContext);
+  return r.u64("lease id");
 }
 
 }  // namespace
@@ -179,13 +201,8 @@ void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group,
   lease.blocks.assign(blocks.begin(), blocks.end());
   lease.waiting.insert(decode_peers.begin(), decode_peers.end());
   lease.deadline = Clock::now() + s.options.lease_ttl;
-  std::vector<std::uint8_t> payload;
-  put64(payload, lease.id);
-  put32(payload, group);
-  put32(payload, static_cast<std::uint32_t>(s.options.lease_ttl.count()));
-  put32(payload, static_cast<std::uint32_t>(tokens.size()));
-  for (TokenId t : tokens)
-    put32(payload, t);
+  const std::vector<std::uint8_t> payload = encode_offer(
+      lease.id, group, static_cast<std::uint32_t>(s.options.lease_ttl.count()), tokens);
   // Record first: a peer lost between two notifies still ends the lease.
   const std::uint64_t id = lease.id;
   s.held += lease.blocks.size();
@@ -205,7 +222,12 @@ std::vector<LeaseResult> PrefillNode::poll() {
   State& s = *state_;
   for (const Notification& n : s.agent.take_notifications()) {
     const auto kind = static_cast<DisaggKind>(n.kind);
-    const auto lease_id = lease_id_of(n);
+    std::optional<std::uint64_t> lease_id;
+    try {
+      lease_id = lease_id_of(n);
+    } catch (const InvalidArgument&) {
+      // malformed: counted below, like any notification not ours to answer
+    }
     if (!lease_id || (kind != DisaggKind::pulled && kind != DisaggKind::refused)) {
       ++s.counters.late_notifications;  // not ours to answer
       continue;
@@ -344,45 +366,43 @@ struct DecodeNode::State {
   }
 
   void on_lease(const Notification& n) {
-    Cursor c{n.payload};
-    const auto lease = c.get(8);
-    const auto group = c.get(4);
-    const auto ttl = c.get(4);
-    const auto count = c.get(4);
-    auto info = agent.peer(n.peer);
-    if (!lease || !group || !ttl || !count || !info || *count == 0 ||
-        c.b.size() - c.pos != *count * 4) {
+    LeaseOffer offer;
+    try {
+      offer = decode_offer(n.payload);
+    } catch (const InvalidArgument& e) {
       ++counters.late_notifications;  // malformed: ignore
+      log::warn(fmt::format("DecodeNode: dropped a lease from peer {}: {}", n.peer, e.what()));
       return;
     }
-    std::vector<TokenId> tokens;
-    tokens.reserve(*count);
-    for (std::uint64_t i = 0; i < *count; ++i)
-      tokens.push_back(static_cast<TokenId>(*c.get(4)));
+    auto info = agent.peer(n.peer);
+    if (!info) {
+      ++counters.late_notifications;
+      return;
+    }
     auto [it, fresh] = requests.try_emplace(n.request_id);
     Request& r = it->second;
     if (fresh) {
       r.request_id = n.request_id;
-      r.group = static_cast<std::uint32_t>(*group);
-      r.tokens = std::move(tokens);
+      r.group = offer.group;
+      r.tokens = std::move(offer.tokens);
       r.num_blocks = n.blocks.size();
       r.expected_ranks = ranks_for(info->layout);
       r.first_seen = Clock::now();
-    } else if (r.phase != Phase::assembling || r.group != *group || r.tokens != tokens ||
+    } else if (r.phase != Phase::assembling || r.group != offer.group || r.tokens != offer.tokens ||
                r.num_blocks != n.blocks.size() || r.parts.contains(info->layout.tp_rank)) {
       // A second offer of a request we already handle, or parts that
       // disagree: refuse this part.
-      tell(n.peer, n.request_id, DisaggKind::refused, *lease);
+      tell(n.peer, n.request_id, DisaggKind::refused, offer.lease);
       return;
     }
     ++counters.lease_parts;
     if (!r.expected_ranks.contains(info->layout.tp_rank)) {
-      tell(n.peer, n.request_id, DisaggKind::refused, *lease);  // holds none of our heads
+      tell(n.peer, n.request_id, DisaggKind::refused, offer.lease);  // holds none of our heads
       return;
     }
     Part part;
     part.peer = n.peer;
-    part.lease = *lease;
+    part.lease = offer.lease;
     part.remote_blocks = n.blocks;
     r.parts.emplace(info->layout.tp_rank, std::move(part));
   }
@@ -405,7 +425,7 @@ struct DecodeNode::State {
     r.last_final = Clock::time_point::min();
     for (auto& [rank, part] : r.parts) {
       try {
-        part.transfer = agent.post(part.peer, true, r.blocks, part.remote_blocks);
+        part.transfer = agent.post(part.peer, Direction::read, r.blocks, part.remote_blocks);
         ++counters.transfers;
       } catch (const InvalidArgument& e) {
         part.final = true;
@@ -535,7 +555,12 @@ struct DecodeNode::State {
   }
 
   void on_answer(const Notification& n) {
-    const auto lease = lease_id_of(n);
+    std::optional<std::uint64_t> lease;
+    try {
+      lease = lease_id_of(n);
+    } catch (const InvalidArgument&) {
+      // malformed: counted as a notification not ours
+    }
     auto it = requests.find(n.request_id);
     if (!lease || it == requests.end()) {
       ++counters.late_notifications;

@@ -1,25 +1,28 @@
 #include "kvport/transfer/layout.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <array>
+#include <bitset>
 #include <limits>
 #include <string_view>
 
 #include "kvport/core/dtype.hpp"
 #include "kvport/platform/error.hpp"
+#include "wire_codec.hpp"
 
 namespace kvport::transfer {
 
 namespace {
 
-// ---- wire format -----------------------------------------------------------------------
+// ---- wire format (docs/transfer.md) ----------------------------------------------------
 //
 //   offset size  field
 //        0    4  magic "KVPL"
-//        4    2  version (1)
+//        4    2  version (1: no group list; 2: a group list follows)
 //        6    4  num_layers
 //       10    4  block_size
 //       14    4  num_kv_heads
@@ -30,58 +33,23 @@ namespace {
 //       31    4  tp_size
 //       35    8  num_blocks
 //       43    L  layer dtypes, one byte each (KvCacheDtype)
+//   version 2 only, then:
+//            4  group count, then per group (write_group): kind, block_size,
+//               heads, head dims, dtype, window, chunk, MLA rank/rope/format,
+//               the state tensors (name, shape, dtype), the layers with their
+//               dtypes.
 //
-// Every integer is little-endian. The message is exactly 43 + num_layers bytes.
+// Every integer is little-endian (wire_codec.hpp). Version 1 is exactly
+// 43 + num_layers bytes.
 constexpr std::array<std::uint8_t, 4> kMagic = {'K', 'V', 'P', 'L'};
-constexpr std::uint16_t kVersion = 1;
+constexpr std::uint16_t kVersionPool = 1;
+constexpr std::uint16_t kVersionGroups = 2;
 constexpr std::size_t kHeaderBytes = 43;
 constexpr std::uint32_t kMaxLayers = 4096;
+constexpr std::string_view kDecode = "PoolLayout decode";
+constexpr std::string_view kEncode = "PoolLayout encode";
 
-class Writer {
- public:
-  explicit Writer(std::vector<std::uint8_t>& out) : out_(&out) {}
-  void u8(std::uint8_t v) { out_->push_back(v); }
-  void u16(std::uint16_t v) { put(v, 2); }
-  void u32(std::uint32_t v) { put(v, 4); }
-  void u64(std::uint64_t v) { put(v, 8); }
-
- private:
-  void put(std::uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i)
-      out_->push_back(static_cast<std::uint8_t>(v >> (8 * i)));
-  }
-  std::vector<std::uint8_t>* out_;
-};
-
-// Reads little-endian integers from a span; every read is bounds-checked and
-// a short read throws naming the field.
-class Reader {
- public:
-  explicit Reader(std::span<const std::uint8_t> bytes) : bytes_(bytes) {}
-  std::uint8_t u8(const char* field) { return static_cast<std::uint8_t>(get(1, field)); }
-  std::uint16_t u16(const char* field) { return static_cast<std::uint16_t>(get(2, field)); }
-  std::uint32_t u32(const char* field) { return static_cast<std::uint32_t>(get(4, field)); }
-  std::uint64_t u64(const char* field) { return get(8, field); }
-  std::size_t position() const noexcept { return pos_; }
-
- private:
-  std::uint64_t get(std::size_t n, const char* field) {
-    if (bytes_.size() - pos_ < n) {
-      throw InvalidArgument(fmt::format(
-          "PoolLayout decode: truncated message ({} bytes) while reading {} at offset {}",
-          bytes_.size(), field, pos_));
-    }
-    std::uint64_t v = 0;
-    for (std::size_t i = 0; i < n; ++i)
-      v |= std::uint64_t{bytes_[pos_ + i]} << (8 * i);
-    pos_ += n;
-    return v;
-  }
-  std::span<const std::uint8_t> bytes_;
-  std::size_t pos_ = 0;
-};
-
-std::uint32_t to_u32(std::size_t v, const char* field) {
+std::uint32_t to_u32(std::size_t v, std::string_view field) {
   if (v > std::numeric_limits<std::uint32_t>::max())
     throw InvalidArgument(fmt::format("pool_layout: {} = {} does not fit 32 bits", field, v));
   return static_cast<std::uint32_t>(v);
@@ -112,6 +80,179 @@ std::optional<std::string> self_problem(const PoolLayout& l, std::string_view wh
     return fmt::format("layer_dtypes has {} entries for {} layers {}", l.layer_dtypes.size(),
                        l.num_layers, where);
   }
+  for (std::size_t g = 0; g < l.groups.size(); ++g) {
+    if (l.groups[g].layer_dtypes.size() != l.groups[g].layers.size()) {
+      return fmt::format("group {} has {} layer dtypes for {} layers {}", g,
+                         l.groups[g].layer_dtypes.size(), l.groups[g].layers.size(), where);
+    }
+  }
+  return std::nullopt;
+}
+
+// ---- groups on the wire ----------------------------------------------------------------
+
+// A group's context in messages: "group 1 (sliding_window)".
+std::string group_name(std::size_t g, LayerKind kind) {
+  return fmt::format("group {} ({})", g, to_string(kind));
+}
+
+void write_group(wire::Writer& w, const LayoutGroup& group, std::size_t g) {
+  const LayerSpec& s = group.spec;
+  const std::string where = group_name(g, s.kind);
+  auto u32 = [&](std::size_t v, std::string_view field) {
+    w.u32(to_u32(v, fmt::format("{} {}", where, field)));
+  };
+  if (group.layer_dtypes.size() != group.layers.size()) {
+    throw InvalidArgument(fmt::format("{}: {}: {} layer dtypes for {} layers", kEncode, where,
+                                      group.layer_dtypes.size(), group.layers.size()));
+  }
+  w.u8(static_cast<std::uint8_t>(s.kind));
+  w.u32(group.block_size);
+  u32(s.num_kv_heads, "num_kv_heads");
+  u32(s.head_dim_k, "head_dim_k");
+  u32(s.head_dim_v, "head_dim_v");
+  w.u8(static_cast<std::uint8_t>(s.dtype));
+  u32(s.window, "window");
+  u32(s.chunk, "chunk");
+  u32(s.kv_lora_rank, "kv_lora_rank");
+  u32(s.rope_dim, "rope_dim");
+  w.u8(static_cast<std::uint8_t>(s.mla_format));
+  w.count(s.state.size(), kMaxStateTensors, "state tensor count");
+  for (const StateTensor& t : s.state) {
+    w.str(t.name, kMaxStateTensorName, "state tensor name");
+    w.count(t.shape.size(), kMaxStateRank, "state tensor rank");
+    for (std::size_t d : t.shape)
+      w.u64(d);
+    w.u8(static_cast<std::uint8_t>(t.dtype));
+  }
+  w.count(group.layers.size(), kMaxLayers, "group layer count");
+  for (std::size_t i = 0; i < group.layers.size(); ++i) {
+    w.u32(group.layers[i]);
+    w.u8(static_cast<std::uint8_t>(group.layer_dtypes[i]));
+  }
+}
+
+// An enum byte, refused past `last`.
+template <typename E>
+E enum_of(wire::Reader& r, std::string_view field, E last) {
+  const std::uint8_t v = r.u8(field);
+  if (v > static_cast<std::uint8_t>(last)) r.fail(fmt::format("unknown {} {}", field, v));
+  return static_cast<E>(v);
+}
+
+KvCacheDtype dtype_of(wire::Reader& r, std::string_view field) {
+  const std::uint8_t d = r.u8(field);
+  if (d >= all_dtypes().size()) r.fail(fmt::format("unknown {} {}", field, d));
+  return static_cast<KvCacheDtype>(d);
+}
+
+// Reads group `g`; `seen` marks the model layers earlier groups hold.
+LayoutGroup read_group(wire::Reader& r, std::size_t g, std::bitset<kMaxLayers>& seen) {
+  LayoutGroup group;
+  LayerSpec& s = group.spec;
+  s.kind = enum_of(r, "group kind", LayerKind::none);
+  const std::string where = group_name(g, s.kind);
+  if (s.kind == LayerKind::none) r.fail(fmt::format("{}: a group of layers without KV", where));
+  group.block_size = r.u32("group block_size");
+  s.num_kv_heads = r.u32("group num_kv_heads");
+  s.head_dim_k = r.u32("group head_dim_k");
+  s.head_dim_v = r.u32("group head_dim_v");
+  s.dtype = dtype_of(r, "group dtype");
+  s.window = r.u32("group window");
+  s.chunk = r.u32("group chunk");
+  s.kv_lora_rank = r.u32("group kv_lora_rank");
+  s.rope_dim = r.u32("group rope_dim");
+  s.mla_format = enum_of(r, "group mla_format", MlaFormat::fp8_ds_mla);
+  // Smallest tensor: an empty name, rank 0, a dtype byte.
+  const std::uint32_t tensors = r.count("state tensor count", kMaxStateTensors, 4 + 4 + 1);
+  s.state.reserve(tensors);
+  for (std::uint32_t t = 0; t < tensors; ++t) {
+    StateTensor tensor;
+    tensor.name = r.str("state tensor name", kMaxStateTensorName);
+    const std::uint32_t rank = r.count("state tensor rank", kMaxStateRank, 8);
+    for (std::uint32_t d = 0; d < rank; ++d) {
+      const std::uint64_t dim = r.u64("state tensor dim");
+      if (dim > std::numeric_limits<std::size_t>::max())
+        r.fail(fmt::format("{}: state tensor dim {} does not fit", where, dim));
+      tensor.shape.push_back(static_cast<std::size_t>(dim));
+    }
+    tensor.dtype = enum_of(r, "state tensor dtype", StateDtype::bf16);
+    s.state.push_back(std::move(tensor));
+  }
+  const std::uint32_t layers = r.count("group layer count", kMaxLayers, 4 + 1);
+  if (layers == 0) r.fail(fmt::format("{}: no layers", where));
+  group.layers.reserve(layers);
+  group.layer_dtypes.reserve(layers);
+  for (std::uint32_t i = 0; i < layers; ++i) {
+    const std::uint32_t layer = r.u32("group layer");
+    if (layer >= kMaxLayers) {
+      r.fail(fmt::format("{}: layer {} exceeds the limit of {} layers", where, layer, kMaxLayers));
+    }
+    if (!group.layers.empty() && layer <= group.layers.back())
+      r.fail(
+          fmt::format("{}: layers out of order ({} after {})", where, layer, group.layers.back()));
+    if (seen.test(layer)) r.fail(fmt::format("{}: layer {} is in an earlier group", where, layer));
+    seen.set(layer);
+    group.layers.push_back(layer);
+    group.layer_dtypes.push_back(dtype_of(r, "group layer dtype"));
+  }
+  if (group.block_size == 0) r.fail(fmt::format("{}: block_size is 0", where));
+  try {
+    s.validate(group.block_size);
+  } catch (const InvalidArgument& e) {
+    r.fail(fmt::format("{}: {}", where, e.what()));
+  }
+  return group;
+}
+
+// The first field in which two groups differ, or nullopt.
+std::optional<std::string> group_difference(const LayoutGroup& a, const LayoutGroup& b,
+                                            std::size_t g) {
+  const LayerSpec& x = a.spec;
+  const LayerSpec& y = b.spec;
+  const std::string where = group_name(g, x.kind);
+  auto differs = [&](std::string_view field, const auto& here, const auto& peer) {
+    return fmt::format("{}: {} differs: {} here, {} on the peer", where, field, here, peer);
+  };
+  if (x.kind != y.kind) return differs("kind", to_string(x.kind), to_string(y.kind));
+  if (a.block_size != b.block_size) return differs("block_size", a.block_size, b.block_size);
+  if (x.num_kv_heads != y.num_kv_heads)
+    return differs("num_kv_heads", x.num_kv_heads, y.num_kv_heads);
+  if (x.head_dim_k != y.head_dim_k) return differs("head_dim_k", x.head_dim_k, y.head_dim_k);
+  if (x.head_dim_v != y.head_dim_v) return differs("head_dim_v", x.head_dim_v, y.head_dim_v);
+  if (x.dtype != y.dtype) return differs("dtype", to_string(x.dtype), to_string(y.dtype));
+  if (x.window != y.window) return differs("window", x.window, y.window);
+  if (x.chunk != y.chunk) return differs("chunk", x.chunk, y.chunk);
+  if (x.kv_lora_rank != y.kv_lora_rank)
+    return differs("kv_lora_rank", x.kv_lora_rank, y.kv_lora_rank);
+  if (x.rope_dim != y.rope_dim) return differs("rope_dim", x.rope_dim, y.rope_dim);
+  if (x.mla_format != y.mla_format)
+    return differs("mla_format", to_string(x.mla_format), to_string(y.mla_format));
+  if (x.state.size() != y.state.size())
+    return differs("state tensor count", x.state.size(), y.state.size());
+  for (std::size_t t = 0; t < x.state.size(); ++t) {
+    const StateTensor& p = x.state[t];
+    const StateTensor& q = y.state[t];
+    const std::string field = fmt::format("state tensor {}", t);
+    if (p.name != q.name) return differs(field + " name", p.name, q.name);
+    if (p.shape != q.shape)
+      return differs(field + " shape", fmt::format("[{}]", fmt::join(p.shape, ", ")),
+                     fmt::format("[{}]", fmt::join(q.shape, ", ")));
+    if (p.dtype != q.dtype)
+      return differs(field + " dtype", to_string(p.dtype), to_string(q.dtype));
+  }
+  if (a.layers.size() != b.layers.size())
+    return differs("layer count", a.layers.size(), b.layers.size());
+  for (std::size_t i = 0; i < a.layers.size(); ++i) {
+    if (a.layers[i] != b.layers[i])
+      return differs(fmt::format("layer {}", i), a.layers[i], b.layers[i]);
+  }
+  for (std::size_t i = 0; i < a.layer_dtypes.size() && i < b.layer_dtypes.size(); ++i) {
+    if (a.layer_dtypes[i] != b.layer_dtypes[i]) {
+      return differs(fmt::format("layer {} dtype", a.layers[i]), to_string(a.layer_dtypes[i]),
+                     to_string(b.layer_dtypes[i]));
+    }
+  }
   return std::nullopt;
 }
 
@@ -128,6 +269,43 @@ KvCacheConfig PoolLayout::to_config() const {
   c.layer_dtypes = layer_dtypes;
   c.layout = layout;
   return c;
+}
+
+std::vector<LayoutGroup> layout_groups(std::span<const KvCacheGroup> groups,
+                                       std::size_t block_size) {
+  std::vector<LayoutGroup> out;
+  out.reserve(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const KvCacheGroup& in = groups[g];
+    const std::string where = group_name(g, in.spec.kind);
+    if (in.layer_dtypes.size() != in.layers.size()) {
+      throw InvalidArgument(fmt::format("layout_groups: {}: {} layer dtypes for {} layers", where,
+                                        in.layer_dtypes.size(), in.layers.size()));
+    }
+    LayoutGroup lg;
+    lg.spec = in.spec;
+    lg.block_size = to_u32(block_size, where + " block_size");
+    for (std::size_t layer : in.layers)
+      lg.layers.push_back(to_u32(layer, where + " layer"));
+    lg.layer_dtypes = in.layer_dtypes;
+    out.push_back(std::move(lg));
+  }
+  return out;
+}
+
+std::vector<LayoutGroup> model_groups(const PoolLayout& layout) {
+  if (!layout.groups.empty()) return layout.groups;
+  LayoutGroup g;
+  g.spec.kind = LayerKind::full_attention;
+  g.spec.num_kv_heads = layout.total_kv_heads();
+  g.spec.head_dim_k = layout.head_dim_k;
+  g.spec.head_dim_v = layout.head_dim_v;
+  g.spec.dtype = layout.layer_dtypes.empty() ? KvCacheDtype::bf16 : layout.layer_dtypes.front();
+  g.block_size = layout.block_size;
+  for (std::uint32_t l = 0; l < layout.num_layers; ++l)
+    g.layers.push_back(l);
+  g.layer_dtypes = layout.layer_dtypes;
+  return {std::move(g)};
 }
 
 PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank, std::uint32_t tp_size) {
@@ -158,11 +336,10 @@ std::vector<std::uint8_t> encode(const PoolLayout& layout) {
     throw InvalidArgument(fmt::format("encode: layer_dtypes has {} entries for {} layers",
                                       layout.layer_dtypes.size(), layout.num_layers));
   }
-  std::vector<std::uint8_t> out;
-  out.reserve(kHeaderBytes + layout.layer_dtypes.size());
-  out.insert(out.end(), kMagic.begin(), kMagic.end());
-  Writer w(out);
-  w.u16(kVersion);
+  wire::Writer w(kEncode);
+  for (std::uint8_t c : kMagic)  // (raw() of the array trips GCC 12's -Wstringop-overflow)
+    w.u8(c);
+  w.u16(layout.groups.empty() ? kVersionPool : kVersionGroups);
   w.u32(layout.num_layers);
   w.u32(layout.block_size);
   w.u32(layout.num_kv_heads);
@@ -174,7 +351,12 @@ std::vector<std::uint8_t> encode(const PoolLayout& layout) {
   w.u64(layout.num_blocks);
   for (KvCacheDtype d : layout.layer_dtypes)
     w.u8(static_cast<std::uint8_t>(d));
-  return out;
+  if (!layout.groups.empty()) {
+    w.count(layout.groups.size(), kMaxLayoutGroups, "group count");
+    for (std::size_t g = 0; g < layout.groups.size(); ++g)
+      write_group(w, layout.groups[g], g);
+  }
+  return w.take();
 }
 
 PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
@@ -182,12 +364,12 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
     throw InvalidArgument(fmt::format(
         "PoolLayout decode: bad magic (not a pool layout message; {} bytes)", bytes.size()));
   }
-  Reader r(bytes.subspan(kMagic.size()));
+  wire::Reader r(bytes, kDecode);
+  r.raw(kMagic.size(), "magic");
   const std::uint16_t version = r.u16("version");
-  if (version != kVersion) {
-    throw InvalidArgument(
-        fmt::format("PoolLayout decode: unsupported version {} (this build reads version {})",
-                    version, kVersion));
+  if (version != kVersionPool && version != kVersionGroups) {
+    r.fail(fmt::format("unsupported version {} (this build reads versions {} and {})", version,
+                       kVersionPool, kVersionGroups));
   }
   PoolLayout l;
   l.num_layers = r.u32("num_layers");
@@ -200,13 +382,10 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
   l.tp_size = r.u32("tp_size");
   l.num_blocks = r.u64("num_blocks");
 
-  auto zero = [](const char* field) {
-    throw InvalidArgument(fmt::format("PoolLayout decode: {} is 0", field));
-  };
+  auto zero = [&](std::string_view field) { r.fail(fmt::format("{} is 0", field)); };
   if (l.num_layers == 0) zero("num_layers");
   if (l.num_layers > kMaxLayers) {
-    throw InvalidArgument(fmt::format("PoolLayout decode: num_layers {} exceeds the limit of {}",
-                                      l.num_layers, kMaxLayers));
+    r.fail(fmt::format("num_layers {} exceeds the limit of {}", l.num_layers, kMaxLayers));
   }
   if (l.block_size == 0) zero("block_size");
   if (l.num_kv_heads == 0) zero("num_kv_heads");
@@ -214,33 +393,39 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
   if (l.tp_size == 0) zero("tp_size");
   if (l.num_blocks == 0) zero("num_blocks");
   if (layout > static_cast<std::uint8_t>(KvCacheLayout::block_major))
-    throw InvalidArgument(fmt::format("PoolLayout decode: unknown layout {}", layout));
+    r.fail(fmt::format("unknown layout {}", layout));
   l.layout = static_cast<KvCacheLayout>(layout);
-  if (l.tp_rank >= l.tp_size) {
-    throw InvalidArgument(
-        fmt::format("PoolLayout decode: tp_rank {} is not below tp_size {}", l.tp_rank, l.tp_size));
-  }
+  if (l.tp_rank >= l.tp_size)
+    r.fail(fmt::format("tp_rank {} is not below tp_size {}", l.tp_rank, l.tp_size));
 
+  // Version 1 is exactly the header and the dtypes; version 2 at least that.
   const std::size_t expected = kHeaderBytes + l.num_layers;
-  if (bytes.size() != expected) {
-    throw InvalidArgument(fmt::format(
-        "PoolLayout decode: {} message: {} bytes, {} expected for {} layers",
-        bytes.size() < expected ? "truncated" : "overlong", bytes.size(), expected, l.num_layers));
+  if (bytes.size() < expected || (version == kVersionPool && bytes.size() != expected)) {
+    r.fail(fmt::format("{} message: {} bytes, {} expected for {} layers",
+                       bytes.size() < expected ? "truncated" : "overlong", bytes.size(), expected,
+                       l.num_layers));
   }
-  const std::size_t num_dtypes = all_dtypes().size();
   l.layer_dtypes.reserve(l.num_layers);
   for (std::uint32_t layer = 0; layer < l.num_layers; ++layer) {
-    const std::uint8_t d = bytes[kHeaderBytes + layer];
-    if (d >= num_dtypes) {
-      throw InvalidArgument(
-          fmt::format("PoolLayout decode: layer {} has unknown dtype {}", layer, d));
-    }
+    const std::uint8_t d = r.u8("layer dtype");
+    if (d >= all_dtypes().size()) r.fail(fmt::format("layer {} has unknown dtype {}", layer, d));
     l.layer_dtypes.push_back(static_cast<KvCacheDtype>(d));
+  }
+  if (version == kVersionGroups) {
+    // Smallest group: the fixed fields (4 x u8, 8 x u32), no tensor, one layer.
+    constexpr std::size_t kMinGroupBytes = 4 + 8 * 4 + 4 + 4 + 5;
+    const std::uint32_t count = r.count("group count", kMaxLayoutGroups, kMinGroupBytes);
+    if (count == 0) r.fail("version 2 with no groups");
+    std::bitset<kMaxLayers> seen;
+    l.groups.reserve(count);
+    for (std::uint32_t g = 0; g < count; ++g)
+      l.groups.push_back(read_group(r, g, seen));
+    r.expect_end("the last group");
   }
   try {
     l.to_config().validate();  // element groups, byte-size overflow
   } catch (const InvalidArgument& e) {
-    throw InvalidArgument(fmt::format("PoolLayout decode: {}", e.what()));
+    r.fail(e.what());
   }
   return l;
 }
@@ -248,9 +433,7 @@ PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes) {
 std::uint64_t compatibility_hash(const PoolLayout& layout) {
   // A canonical encoding of exactly the fields peers must share; the version
   // byte keeps hashes of a later rule set apart.
-  std::vector<std::uint8_t> buf;
-  buf.reserve(32 + layout.layer_dtypes.size());
-  Writer w(buf);
+  wire::Writer w("compatibility_hash");
   w.u8(1);
   w.u32(layout.num_layers);
   w.u32(layout.block_size);
@@ -260,7 +443,12 @@ std::uint64_t compatibility_hash(const PoolLayout& layout) {
   w.u32(static_cast<std::uint32_t>(layout.layer_dtypes.size()));
   for (KvCacheDtype d : layout.layer_dtypes)
     w.u8(static_cast<std::uint8_t>(d));
-  return XXH3_64bits(buf.data(), buf.size());
+  if (!layout.groups.empty()) {
+    w.u32(static_cast<std::uint32_t>(layout.groups.size()));
+    for (std::size_t g = 0; g < layout.groups.size(); ++g)
+      write_group(w, layout.groups[g], g);
+  }
+  return XXH3_64bits(w.data().data(), w.data().size());
 }
 
 std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLayout& remote) {
@@ -289,6 +477,12 @@ std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLa
                          to_string(local.layer_dtypes[layer]),
                          to_string(remote.layer_dtypes[layer]));
     }
+  }
+  const std::vector<LayoutGroup> mine = model_groups(local);
+  const std::vector<LayoutGroup> theirs = model_groups(remote);
+  if (mine.size() != theirs.size()) return differs("group count", mine.size(), theirs.size());
+  for (std::size_t g = 0; g < mine.size(); ++g) {
+    if (auto d = group_difference(mine[g], theirs[g], g)) return d;
   }
   // total_kv_heads is num_kv_heads * tp_size, so each side's TP size divides
   // it by construction; checked anyway against a peer's future encodings.

@@ -411,9 +411,10 @@ class UcxTransport final : public Transport {
     }
   }
 
-  void post(ConnId id, bool write, std::span<const RmaOp> ops,
+  void post(ConnId id, Direction direction, std::span<const RmaOp> ops,
             std::span<const std::uint64_t> remote_keys,
             std::function<void(bool, const std::string&)> done) override {
+    const bool write = direction == Direction::write;
     Conn& conn = live(id, "post");
     auto batch = std::make_shared<Batch>();
     batch->remaining = 1;  // this call's own reference, dropped at the end

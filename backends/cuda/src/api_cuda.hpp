@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include "gpu_kernels.hpp"
+#include "kvport/platform/memory_kind.hpp"
 
 namespace kvport {
 
@@ -17,6 +18,7 @@ struct ApiCuda {
   static constexpr Status success = cudaSuccess;
   static constexpr Status not_ready = cudaErrorNotReady;
   static constexpr const char* name = "cuda";
+  static constexpr MemoryKind memory_kind = MemoryKind::cuda;
   static constexpr unsigned stream_non_blocking = cudaStreamNonBlocking;
   static constexpr unsigned event_disable_timing = cudaEventDisableTiming;
   static constexpr unsigned event_default = cudaEventDefault;

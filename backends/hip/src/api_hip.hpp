@@ -8,6 +8,7 @@
 #include <hip/hip_runtime_api.h>
 
 #include "gpu_kernels.hpp"
+#include "kvport/platform/memory_kind.hpp"
 
 namespace kvport {
 
@@ -18,6 +19,7 @@ struct ApiHip {
   static constexpr Status success = hipSuccess;
   static constexpr Status not_ready = hipErrorNotReady;
   static constexpr const char* name = "hip";
+  static constexpr MemoryKind memory_kind = MemoryKind::rocm;
   static constexpr unsigned stream_non_blocking = hipStreamNonBlocking;
   static constexpr unsigned event_disable_timing = hipEventDisableTiming;
   static constexpr unsigned event_default = hipEventDefault;

@@ -87,6 +87,8 @@ TEST_F(FaultInjectingBackendTest, NameAndQueriesForwardToTheInnerBackend) {
   EXPECT_EQ(fb_.name(), "fault(host)");
   EXPECT_EQ(fb_.inner().name(), "host");
   EXPECT_EQ(fb_.device_count(), 1);
+  EXPECT_EQ(fb_.memory_kind(), MemoryKind::host);  // the inner backend's
+  EXPECT_EQ(fb_.inner().memory_kind(), MemoryKind::host);
   EXPECT_EQ(fb_.mem_info().total_bytes, 64 * kMiB);
   DevicePtr p = buffer(0x5A);
   EXPECT_EQ(fb_.mem_info().free_bytes, fb_.inner().mem_info().free_bytes);

@@ -1,7 +1,8 @@
 // The agent over UCX, two agents in one process on 127.0.0.1: handshake and
 // its rejections, byte-exact reads and writes in both layouts, mixed dtypes
 // and head slicing, notifications, cancel, empty transfers, the staging path,
-// bad addresses and refused connections. Every wait is bounded.
+// bad addresses and refused connections, a hybrid model's groups at the
+// handshake. Every wait is bounded.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +16,7 @@
 #include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/testing/support.hpp"
 #include "kvport/transfer/agent.hpp"
 #include "kvport/transfer/kv_content.hpp"
 
@@ -22,7 +24,28 @@ namespace kvport::transfer {
 namespace {
 
 using namespace std::chrono_literals;
+using kvport::testing::message_of;
 using ::testing::HasSubstr;
+
+// A hybrid model's layers: full attention (0, 2, 4; the cache below is that
+// group's pool of 3 layers) and a 128-token sliding window (1, 3).
+std::vector<LayerSpec> hybrid_specs() {
+  const LayerSpec full = LayerSpec::full_attention(4, 64, 64);
+  const LayerSpec window = LayerSpec::sliding_window(128, 4, 64, 64);
+  return {full, window, full, window, full};
+}
+
+TEST(Agent, DirectionAndMemoryKindNames) {
+  EXPECT_EQ(to_string(Direction::read), "read");
+  EXPECT_EQ(to_string(Direction::write), "write");
+  EXPECT_EQ(to_string(MemoryKind::host), "host");
+  EXPECT_EQ(to_string(MemoryKind::cuda), "cuda");
+  EXPECT_EQ(to_string(MemoryKind::rocm), "rocm");
+  // The host backend's pools are host memory: registered directly.
+  Side a(config(KvCacheLayout::layer_major), 2);
+  EXPECT_EQ(a.backend->memory_kind(), MemoryKind::host);
+  EXPECT_EQ(a.agent->memory_path(), MemoryPath::direct);
+}
 
 TEST(Agent, HandshakeExchangesLayouts) {
   Side a(config(KvCacheLayout::layer_major), 8, named("decode"));
@@ -57,7 +80,7 @@ void expect_read_is_byte_exact(KvCacheLayout dst_layout, KvCacheLayout src_layou
   src.agent->publish(src_blocks);
   auto dst_blocks = dst.alloc(6);
   dst_blocks = {dst_blocks[5], dst_blocks[0], dst_blocks[1], dst_blocks[4]};
-  const TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  const TransferId id = dst.agent->post(to_src, Direction::read, dst_blocks, src_blocks);
   ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done) << dst.agent->why(id);
   EXPECT_GT(dst.agent->bytes(id), 0u);
   auto check = verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream);
@@ -94,7 +117,7 @@ TEST(Agent, MixedDtypesAndWrite) {
   dst_blocks.erase(dst_blocks.begin(), dst_blocks.begin() + 2);
   auto t = tokens(3 * 16, 9);
   write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
-  const TransferId id = src.agent->post(to_dst, false, src_blocks, dst_blocks);
+  const TransferId id = src.agent->post(to_dst, Direction::write, src_blocks, dst_blocks);
   ASSERT_EQ(src.agent->wait(id, 10s), TransferState::done) << src.agent->why(id);
   // A writer tells the receiver, which reads the blocks only after that.
   src.agent->notify(to_dst, 1, 0, dst_blocks);
@@ -130,7 +153,7 @@ void expect_head_sliced(std::uint32_t src_tp, std::uint32_t dst_tp) {
     for (std::size_t r = 0; r < srcs.size(); ++r) {
       const PeerId peer = d->agent->connect(addresses[r], 5s);
       if (!head_overlap(d->layout(), srcs[r]->layout())) continue;
-      const TransferId id = d->agent->post(peer, true, blocks, src_blocks[r]);
+      const TransferId id = d->agent->post(peer, Direction::read, blocks, src_blocks[r]);
       ASSERT_EQ(d->agent->wait(id, 10s), TransferState::done) << d->agent->why(id);
     }
     EXPECT_TRUE(verify_kv_content(d->cache, d->layout(), blocks, t, d->stream).ok());
@@ -237,7 +260,7 @@ TEST(Agent, ZeroBlocksIsDoneAtOnce) {
   Side b(config(KvCacheLayout::layer_major), 4);
   auto [to_b, to_a] = link(a, b);
   (void)to_a;
-  const TransferId id = a.agent->post(to_b, true, {}, {});
+  const TransferId id = a.agent->post(to_b, Direction::read, {}, {});
   EXPECT_EQ(a.agent->poll(id), TransferState::done);
   EXPECT_EQ(a.agent->bytes(id), 0u);
 }
@@ -248,15 +271,18 @@ TEST(Agent, PostRejectsBadInputBeforeMovingAnything) {
   auto [to_b, to_a] = link(a, b);
   (void)to_a;
   auto mine = a.alloc(2);
-  EXPECT_THROW(a.agent->post(to_b, true, mine, std::vector<BlockId>{0}),
+  EXPECT_THROW(a.agent->post(to_b, Direction::read, mine, std::vector<BlockId>{0}),
                InvalidArgument);  // lengths
-  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{9}, std::vector<BlockId>{0}),
-               InvalidArgument);  // out of range here
-  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{3}, std::vector<BlockId>{0}),
-               InvalidArgument);  // free here
-  EXPECT_THROW(a.agent->post(to_b, true, std::vector<BlockId>{mine[0]}, std::vector<BlockId>{4}),
-               InvalidArgument);                                          // out of range there
-  EXPECT_THROW(a.agent->post(12345, true, mine, mine), InvalidArgument);  // unknown peer
+  EXPECT_THROW(
+      a.agent->post(to_b, Direction::read, std::vector<BlockId>{9}, std::vector<BlockId>{0}),
+      InvalidArgument);  // out of range here
+  EXPECT_THROW(
+      a.agent->post(to_b, Direction::read, std::vector<BlockId>{3}, std::vector<BlockId>{0}),
+      InvalidArgument);  // free here
+  EXPECT_THROW(
+      a.agent->post(to_b, Direction::read, std::vector<BlockId>{mine[0]}, std::vector<BlockId>{4}),
+      InvalidArgument);  // out of range there
+  EXPECT_THROW(a.agent->post(12345, Direction::read, mine, mine), InvalidArgument);  // unknown peer
   EXPECT_EQ(a.agent->counters().transfers_posted, 0u);
   EXPECT_THROW(a.agent->poll(77), InvalidArgument);
   EXPECT_THROW(a.agent->cancel(77), InvalidArgument);
@@ -270,7 +296,7 @@ TEST(Agent, CancelEndsCancelledAndNothingLandsAfter) {
   (void)to_a;
   auto src = b.alloc(4);
   auto dst = a.alloc(4);
-  const TransferId id = a.agent->post(to_b, true, dst, src);
+  const TransferId id = a.agent->post(to_b, Direction::read, dst, src);
   a.agent->cancel(id);
   const TransferState st = a.agent->wait(id, 10s);
   // Over shared memory the read may have finished before the cancel.
@@ -292,7 +318,7 @@ TEST(Agent, ClosedPeerFailsLaterPostsAndIsReported) {
   ASSERT_EQ(lost, std::vector<PeerId>{to_b});
   EXPECT_FALSE(a.agent->peer(to_b)->connected);
   auto mine = a.alloc(1);
-  EXPECT_THROW(a.agent->post(to_b, true, mine, mine), InvalidArgument);
+  EXPECT_THROW(a.agent->post(to_b, Direction::read, mine, mine), InvalidArgument);
 }
 
 TEST(Agent, StagedPathIsByteExact) {
@@ -310,11 +336,11 @@ TEST(Agent, StagedPathIsByteExact) {
   write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
   // Not published yet: the mirror does not hold the blocks.
   auto dst_blocks = dst.alloc(3);
-  TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  TransferId id = dst.agent->post(to_src, Direction::read, dst_blocks, src_blocks);
   ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done);
   EXPECT_FALSE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
   src.agent->publish(src_blocks);
-  id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+  id = dst.agent->post(to_src, Direction::read, dst_blocks, src_blocks);
   ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done);
   EXPECT_TRUE(verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream).ok());
 }
@@ -343,7 +369,7 @@ TEST(Agent, KOnlyLayersMoveByteExact) {
     write_kv_content(src.cache, src.layout(), src_blocks, t, src.stream);
     src.agent->publish(src_blocks);
     auto dst_blocks = dst.alloc(3);
-    const TransferId id = dst.agent->post(to_src, true, dst_blocks, src_blocks);
+    const TransferId id = dst.agent->post(to_src, Direction::read, dst_blocks, src_blocks);
     ASSERT_EQ(dst.agent->wait(id, 10s), TransferState::done) << dst.agent->why(id);
     EXPECT_EQ(dst.agent->bytes(id), 3 * dst.cache.config().bytes_per_block());
     auto check = verify_kv_content(dst.cache, dst.layout(), dst_blocks, t, dst.stream);
@@ -400,7 +426,7 @@ TEST(Agent, RegisteredHostRangesMoveAsOneTransfer) {
   const auto remote = reinterpret_cast<std::uint64_t>(slots.data());
   const std::uint64_t half = slots.size() / 2;
   const std::vector<RangeCopy> ranges{{local, remote + half, half}, {local + half, remote, half}};
-  const TransferId id = dst.post_ranges(peer, true, ranges);
+  const TransferId id = dst.post_ranges(peer, Direction::read, ranges);
   ASSERT_EQ(dst.wait(id, 10s), TransferState::done) << dst.why(id);
   EXPECT_EQ(dst.bytes(id), slots.size());
   EXPECT_EQ(std::memcmp(landing.data(), slots.data() + half, half), 0);
@@ -409,17 +435,17 @@ TEST(Agent, RegisteredHostRangesMoveAsOneTransfer) {
   // Ranges outside registered memory, on either side, move nothing.
   std::vector<std::byte> unregistered(64);
   const auto stray = reinterpret_cast<std::uint64_t>(unregistered.data());
-  EXPECT_THROW(dst.post_ranges(peer, true, std::vector<RangeCopy>{{stray, remote, 64}}),
+  EXPECT_THROW(dst.post_ranges(peer, Direction::read, std::vector<RangeCopy>{{stray, remote, 64}}),
                InvalidArgument);
-  EXPECT_THROW(
-      dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, remote + slots.size() - 8, 64}}),
-      InvalidArgument);
-  EXPECT_THROW(dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, remote, 0}}),
+  EXPECT_THROW(dst.post_ranges(peer, Direction::read,
+                               std::vector<RangeCopy>{{local, remote + slots.size() - 8, 64}}),
                InvalidArgument);
-  EXPECT_THROW(
-      dst.post_ranges(peer, true, std::vector<RangeCopy>{{local, ~std::uint64_t{0} - 8, 64}}),
-      InvalidArgument);
-  EXPECT_THROW(dst.post_ranges(999, true, ranges), InvalidArgument);
+  EXPECT_THROW(dst.post_ranges(peer, Direction::read, std::vector<RangeCopy>{{local, remote, 0}}),
+               InvalidArgument);
+  EXPECT_THROW(dst.post_ranges(peer, Direction::read,
+                               std::vector<RangeCopy>{{local, ~std::uint64_t{0} - 8, 64}}),
+               InvalidArgument);
+  EXPECT_THROW(dst.post_ranges(999, Direction::read, ranges), InvalidArgument);
 }
 
 TEST(Agent, BadOptionsAreRejected) {
@@ -438,6 +464,54 @@ TEST(Agent, BadOptionsAreRejected) {
   o = {};
   o.host_regions = {std::span<std::byte>()};
   EXPECT_THROW(Agent(cache, o), InvalidArgument);
+  o = {};
+  o.name = std::string(64 * 1024 + 1, 'n');
+  EXPECT_THAT(message_of<InvalidArgument>([&] { Agent(cache, o); }),
+              HasSubstr("name is 65537 bytes, over the limit of 65536"));
+  o = {};
+  o.groups = layout_groups(group_layers(hybrid_specs(), 16), 16);
+  o.groups[1].spec.window = 0;  // a spec no peer would accept
+  EXPECT_THAT(message_of<InvalidArgument>([&] { Agent(cache, o); }),
+              HasSubstr("Agent: groups: PoolLayout decode: group 1 (sliding_window)"));
+}
+
+TEST(Agent, TheHandshakeCarriesAndComparesEveryGroup) {
+  const std::vector<LayoutGroup> groups = layout_groups(group_layers(hybrid_specs(), 16), 16);
+  AgentOptions with = named("hybrid");
+  with.groups = groups;
+  Side a(config(KvCacheLayout::layer_major), 4, with);
+  Side b(config(KvCacheLayout::layer_major), 4, with);
+  auto [to_b, to_a] = link(a, b);
+  ASSERT_NE(to_a, 0u);
+  EXPECT_EQ(a.agent->peer(to_b)->layout.groups, groups);  // carried, both ways
+  EXPECT_EQ(b.agent->peer(to_a)->layout.groups, groups);
+
+  AgentOptions other = with;
+  other.groups[1].spec.window = 4096;
+  Side c(config(KvCacheLayout::layer_major), 4, other);
+  const std::string address = c.agent->listen("127.0.0.1:0");
+  try {
+    a.agent->connect(address, 5s);
+    FAIL() << "connected to a peer with another window";
+  } catch (const TransferError& e) {
+    EXPECT_THAT(e.what(),
+                HasSubstr("group 1 (sliding_window): window differs: 128 here, 4096 on the peer"));
+  }
+  // A cache without groups is the whole model: one full-attention group.
+  Side plain(config(KvCacheLayout::layer_major), 4, named("plain"));
+  const std::string plain_address = plain.agent->listen("127.0.0.1:0");
+  try {
+    a.agent->connect(plain_address, 5s);
+    FAIL() << "a hybrid model connected to a plain one";
+  } catch (const TransferError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("group count differs: 2 here, 1 on the peer"));
+  }
+  // ... and a peer that lists that one group is compatible with it.
+  AgentOptions implied = named("implied");
+  implied.groups = model_groups(plain.layout());
+  Side d(config(KvCacheLayout::layer_major), 4, implied);
+  const PeerId to_plain = d.agent->connect(plain_address, 5s);
+  EXPECT_TRUE(d.agent->peer(to_plain)->connected);
 }
 
 }  // namespace

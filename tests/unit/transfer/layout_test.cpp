@@ -139,9 +139,14 @@ TEST(PoolLayoutCodecTest, BadMagicAndVersionAreNamed) {
   b[0] = 'X';
   EXPECT_THAT(message_of<InvalidArgument>([&] { decode_pool_layout(b); }), HasSubstr("bad magic"));
   b = encode(odd_layout());
-  b[4] = 2;
+  b[4] = 3;  // 1: no group list, 2: groups; 3 is a later build's
   EXPECT_THAT(message_of<InvalidArgument>([&] { decode_pool_layout(b); }),
-              HasSubstr("unsupported version 2"));
+              HasSubstr("unsupported version 3 (this build reads versions 1 and 2)"));
+  b = encode(odd_layout());
+  b[4] = 0;
+  b[5] = 1;  // 256: the u16 is little-endian
+  EXPECT_THAT(message_of<InvalidArgument>([&] { decode_pool_layout(b); }),
+              HasSubstr("unsupported version 256"));
 }
 
 // Sets the little-endian u32 at `offset`.

@@ -20,6 +20,7 @@
 #include "kvport/platform/device_ptr.hpp"
 #include "kvport/platform/device_region.hpp"
 #include "kvport/platform/host_buffer.hpp"
+#include "kvport/platform/memory_kind.hpp"
 #include "kvport/platform/stream.hpp"
 
 namespace kvport {
@@ -106,6 +107,10 @@ class Backend {
   /// DeviceLost): from then on every device call throws DeviceLost. Always
   /// false on the host backend.
   bool device_lost() const noexcept { return do_device_lost(); }
+
+  /// Where alloc() memory lives (host: host memory a CPU may read). A
+  /// decorator reports its inner backend's.
+  MemoryKind memory_kind() const noexcept { return do_memory_kind(); }
 
   // ---- memory -------------------------------------------------------------
 
@@ -269,6 +274,7 @@ class Backend {
   virtual int do_device_count() const = 0;
   virtual MemInfo do_mem_info() const = 0;
   virtual bool do_device_lost() const noexcept { return false; }
+  virtual MemoryKind do_memory_kind() const noexcept { return MemoryKind::host; }
   virtual DevicePtr do_alloc(std::size_t bytes) = 0;
   virtual bool do_free(DevicePtr ptr) noexcept = 0;
   virtual void* do_alloc_host(std::size_t bytes) = 0;

@@ -191,6 +191,7 @@ class FaultInjectingBackend final : public Backend {
   int do_device_count() const override;
   MemInfo do_mem_info() const override;
   bool do_device_lost() const noexcept override { return inner_->device_lost(); }
+  MemoryKind do_memory_kind() const noexcept override { return inner_->memory_kind(); }
   DevicePtr do_alloc(std::size_t bytes) override;
   bool do_free(DevicePtr ptr) noexcept override;
   void* do_alloc_host(std::size_t bytes) override;

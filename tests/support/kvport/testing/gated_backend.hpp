@@ -178,6 +178,7 @@ class GatedBackend final : public Backend {
   int do_device_count() const override { return inner_->device_count(); }
   MemInfo do_mem_info() const override { return inner_->mem_info(); }
   bool do_device_lost() const noexcept override { return inner_->device_lost(); }
+  MemoryKind do_memory_kind() const noexcept override { return inner_->memory_kind(); }
   DevicePtr do_alloc(std::size_t bytes) override { return inner_->alloc(bytes); }
   bool do_free(DevicePtr ptr) noexcept override { return inner_->free(ptr); }
   void* do_alloc_host(std::size_t bytes) override { return inner_->alloc_host(bytes); }

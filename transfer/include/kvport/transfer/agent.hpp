@@ -91,6 +91,13 @@ struct AgentOptions {
   /// HostTier::slot_memory(), or any pinned host range), moved with
   /// post_ranges(). Each must stay valid for the agent's lifetime.
   std::vector<std::span<std::byte>> host_regions;
+  /// A hybrid model's KV cache groups (layout_groups of its HybridKvCache's
+  /// groups), when the cache is one group's pool: the handshake carries them
+  /// and a peer must list the same (incompatibility() names the first group
+  /// and field that differ). Empty: the cache is the whole model, one
+  /// full-attention group. Checked at construction as a peer would decode
+  /// them.
+  std::vector<LayoutGroup> groups;
 };
 
 /// One contiguous copy of post_ranges(): `bytes` between our address `local`
@@ -131,9 +138,10 @@ struct AgentCounters {
 /// its pools are registered for the agent's lifetime.
 class Agent {
  public:
-  /// Registers `cache` (pool layout from options.tp_rank/tp_size) and starts
-  /// the progress thread. Throws InvalidArgument for bad options, TransferError
-  /// when the transport cannot start.
+  /// Registers `cache` (pool layout from options.tp_rank/tp_size; memory of
+  /// the kind its backend reports, Backend::memory_kind) and starts the
+  /// progress thread. Throws InvalidArgument for bad options (a name over
+  /// 64 KiB included), TransferError when the transport cannot start.
   Agent(PagedKvCache& cache, AgentOptions options = {});
   /// Cancels pending transfers and waits (bounded by peer_timeout) until the
   /// transport no longer touches the pools, closes every connection, stops
@@ -169,8 +177,8 @@ class Agent {
   /// The transport and what it may use, e.g. "ucx 1.13.1 (tcp, cma, posix)".
   std::string transport_description() const;
 
-  /// Reads (read == true: peer's remote_blocks -> our local_blocks) or writes
-  /// (our local_blocks -> peer's remote_blocks) the heads both sides hold of
+  /// Reads (Direction::read: peer's remote_blocks -> our local_blocks) or
+  /// writes (our local_blocks -> peer's remote_blocks) the heads both sides hold of
   /// every layer, K and V, as ONE transfer. local_blocks[i] pairs with
   /// remote_blocks[i]. An empty list is done at once. Throws InvalidArgument
   /// (nothing posted) for an unknown or lost peer, lists of different
@@ -178,7 +186,7 @@ class Agent {
   /// The caller keeps the local blocks allocated until the transfer is
   /// final; with staging, a write first copies them to the mirror and a read
   /// copies the mirror to them before it is done.
-  TransferId post(PeerId peer, bool read, std::span<const BlockId> local_blocks,
+  TransferId post(PeerId peer, Direction direction, std::span<const BlockId> local_blocks,
                   std::span<const BlockId> remote_blocks);
 
   /// Reads (peer -> us) or writes (us -> peer) arbitrary byte ranges as ONE
@@ -188,7 +196,7 @@ class Agent {
   /// InvalidArgument (nothing posted) otherwise, or for an unknown or lost
   /// peer or an empty range. For block lists use post(), which plans the
   /// ranges from the two layouts.
-  TransferId post_ranges(PeerId peer, bool read, std::span<const RangeCopy> ranges);
+  TransferId post_ranges(PeerId peer, Direction direction, std::span<const RangeCopy> ranges);
 
   /// The transfer's state. Throws InvalidArgument for an unknown (or
   /// released) id.

@@ -13,9 +13,29 @@
 
 #include "kvport/core/block_pool.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/layer_spec.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 
 namespace kvport::transfer {
+
+/// One KV cache group of the model (core's KvCacheGroup, as the handshake
+/// carries it): the layer spec its layers share (the model's: every KV head,
+/// not one rank's share), its block size, which model layers, their dtypes.
+struct LayoutGroup {
+  LayerSpec spec;
+  std::uint32_t block_size = 0;
+  std::vector<std::uint32_t> layers;       ///< model layer indices, ascending
+  std::vector<KvCacheDtype> layer_dtypes;  ///< one per layer
+
+  friend bool operator==(const LayoutGroup&, const LayoutGroup&) = default;
+};
+
+/// The groups of `groups` (group_layers / HybridKvCache::group) at
+/// `block_size`. Throws InvalidArgument naming the group and field when a
+/// size does not fit 32 bits or a group's layer_dtypes does not match its
+/// layers.
+std::vector<LayoutGroup> layout_groups(std::span<const KvCacheGroup> groups,
+                                       std::size_t block_size);
 
 /// One side's pool layout, as exchanged at the handshake.
 ///
@@ -39,6 +59,10 @@ struct PoolLayout {
   std::uint32_t tp_rank = 0;
   std::uint32_t tp_size = 1;
   std::uint64_t num_blocks = 0;
+  /// The model's KV cache groups (hybrid models: issue 20's HybridKvCache).
+  /// Empty: the pool is the whole model, one full-attention group implied
+  /// by the fields above (model_groups()); that is what version 1 carries.
+  std::vector<LayoutGroup> groups;
 
   /// Whether the layers have a V part (head_dim_v > 0).
   bool has_v() const noexcept { return head_dim_v != 0; }
@@ -56,20 +80,40 @@ struct PoolLayout {
 PoolLayout pool_layout(const PagedKvCache& cache, std::uint32_t tp_rank = 0,
                        std::uint32_t tp_size = 1);
 
-/// A versioned little-endian encoding (for the handshake message): magic
-/// "KVPL", version 1, the fields, one dtype byte per layer; 43 + num_layers
-/// bytes. Throws InvalidArgument when layer_dtypes.size() != num_layers.
+/// The groups `layout` describes: `groups`, or (empty) the one implied
+/// full-attention group of every layer (spec: total_kv_heads(), the head
+/// dims, layer 0's dtype; block_size; layers 0..num_layers-1; layer_dtypes).
+std::vector<LayoutGroup> model_groups(const PoolLayout& layout);
+
+/// Limits of the group list (a decoder refuses more before allocating).
+inline constexpr std::uint32_t kMaxLayoutGroups = 256;
+inline constexpr std::uint32_t kMaxStateTensors = 64;
+inline constexpr std::uint32_t kMaxStateRank = 8;
+inline constexpr std::size_t kMaxStateTensorName = 256;
+
+/// A versioned little-endian encoding (for the handshake message; the
+/// layout in docs/transfer.md): magic "KVPL", a u16 version, the fields, one
+/// dtype byte per layer; without groups that is version 1, 43 + num_layers
+/// bytes (what every earlier build sends and reads), with groups version 2,
+/// the same and then the group list. Throws InvalidArgument when
+/// layer_dtypes.size() != num_layers or a group is over the limits above.
 std::vector<std::uint8_t> encode(const PoolLayout& layout);
-/// Decodes `encode`'s bytes. Throws InvalidArgument naming what is wrong for a
-/// short, long, wrong-magic, wrong-version or out-of-range (unknown
-/// dtype/layout, zero sizes other than head_dim_v (0: K-only layers) or
-/// num_blocks, tp_rank >= tp_size, more than 4096
-/// layers, a head_dim that is not a multiple of a layer dtype's group) input;
-/// never reads past `bytes`. A decoded layout passes KvCacheConfig::validate.
+/// Decodes `encode`'s bytes (version 1 or 2). Throws InvalidArgument naming
+/// what is wrong for a short, long, wrong-magic, wrong-version or
+/// out-of-range (unknown dtype/layout/kind, zero sizes other than head_dim_v
+/// (0: K-only layers) or num_blocks, tp_rank >= tp_size, more than 4096
+/// layers, a head_dim that is not a multiple of a layer dtype's group, a group
+/// whose spec does not validate, a model layer in two groups or out of order,
+/// counts over the limits) input; truncation errors name the field being
+/// read. Never reads past `bytes` and allocates for a count only after
+/// checking it against its limit and the bytes left. A decoded layout passes
+/// KvCacheConfig::validate, and each group LayerSpec::validate.
 PoolLayout decode_pool_layout(std::span<const std::uint8_t> bytes);
 
 /// XXH3-64 of the fields two sides must agree on to exchange blocks: layers,
-/// per-layer dtypes, block size, head dims, total KV heads. Not tp_rank,
+/// per-layer dtypes, block size, head dims, total KV heads, and the groups
+/// when the layout lists them (without, the hash is what version 1's builds
+/// compute). Not tp_rank,
 /// tp_size, num_blocks or the in-block layout (KvCacheLayout): those may
 /// differ between compatible peers.
 std::uint64_t compatibility_hash(const PoolLayout& layout);
@@ -84,7 +128,13 @@ std::uint64_t compatibility_hash(const PoolLayout& layout);
 /// layer-major layout on both sides"), a TP size that does not divide the
 /// total heads, and a side that is malformed on its own (tp_size 0, tp_rank
 /// >= tp_size, layer_dtypes.size() != num_layers; named "here" or "on the
-/// peer").
+/// peer"). Then the groups (model_groups(), so that a layout without groups
+/// matches one listing its implied group): the count, then for the first
+/// group that differs the first field, in the order kind, block_size,
+/// num_kv_heads, head_dim_k, head_dim_v, dtype, window, chunk, kv_lora_rank,
+/// rope_dim, mla_format, state tensors (count, then name, shape, dtype),
+/// layers, layer dtypes, e.g. "group 1 (sliding_window): window differs: 128
+/// here, 4096 on the peer".
 std::optional<std::string> incompatibility(const PoolLayout& local, const PoolLayout& remote);
 
 /// Where one side's pools are: per layer, the address of block 0's K (V)

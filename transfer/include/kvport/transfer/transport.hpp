@@ -13,14 +13,24 @@
 #include <string>
 #include <vector>
 
+#include "kvport/platform/memory_kind.hpp"
+
 namespace kvport::transfer {
 
 /// A connection's handle inside one transport (never reused).
 using ConnId = std::uint64_t;
 
-/// Where registered memory lives.
-enum class MemoryKind : std::uint8_t { host, cuda, rocm };
+/// Where registered memory lives: the platform's vocabulary, which a Backend
+/// reports for its allocations (Backend::memory_kind).
+using MemoryKind = kvport::MemoryKind;
+/// "host", "cuda", "rocm".
 std::string_view to_string(MemoryKind kind) noexcept;
+
+/// Which way a transfer moves bytes, seen from the side that posts it: read
+/// brings the peer's bytes into our memory, write sends ours to the peer.
+enum class Direction : std::uint8_t { read, write };
+/// "read", "write".
+std::string_view to_string(Direction direction) noexcept;
 
 /// One contiguous one-sided operation: `bytes` between a local address and a
 /// remote address, both inside registered memory.
@@ -82,11 +92,12 @@ class Transport {
   /// connection).
   virtual void send(ConnId conn, std::span<const std::uint8_t> message) = 0;
 
-  /// Posts reads (remote -> local) or writes (local -> remote); `remote_key`
+  /// Posts reads (Direction::read: remote -> local) or writes (local ->
+  /// remote), as the agent was asked, never inverted at this seam; `remote_key`
   /// of each op from import_remote_key. `done(ok, why)` runs exactly once,
   /// when every op is final (for writes: remotely complete); ops already
   /// posted are never abandoned, so memory stays in use until `done`.
-  virtual void post(ConnId conn, bool write, std::span<const RmaOp> ops,
+  virtual void post(ConnId conn, Direction direction, std::span<const RmaOp> ops,
                     std::span<const std::uint64_t> remote_keys,
                     std::function<void(bool ok, const std::string& why)> done) = 0;
 
