@@ -712,6 +712,16 @@ double Agent::read_scratch(PeerId peer_id, std::size_t bytes) {
   TransferId id = 0;
   {
     std::lock_guard lock(s.mutex);
+    if (s.abandoned_scratch_read) {
+      auto it = s.transfers.find(*s.abandoned_scratch_read);
+      if (it != s.transfers.end() && it->second.state == TransferState::pending) {
+        throw TransferError(
+            "read_scratch: an earlier read into the scratch buffer has not ended (its peer was "
+            "lost or it passed its deadline); the buffer is quarantined until it does");
+      }
+      if (it != s.transfers.end()) s.transfers.erase(it);
+      s.abandoned_scratch_read.reset();
+    }
     State::Peer& p = s.connected_peer(peer_id, "read_scratch");
     if (!p.scratch || p.scratch->bytes < bytes || s.options.scratch_bytes < bytes || bytes == 0) {
       throw InvalidArgument(fmt::format(
@@ -721,13 +731,31 @@ double Agent::read_scratch(PeerId peer_id, std::size_t bytes) {
     id = s.start(p, Direction::read, {RmaOp{s.scratch_base, p.scratch->base, bytes}},
                  {p.scratch->key}, {});
   }
-  const TransferState st = wait(id, s.options.transfer_timeout + std::chrono::seconds(1));
-  std::lock_guard lock(s.mutex);
+  // Until the read ends, its deadline passes, or its peer is lost: a peer
+  // that stopped (SIGSTOP) is lost by liveness long before the deadline, but
+  // its process may still serve the read into our buffer later, so the
+  // transfer stays pending and the buffer quarantined (abandoned_scratch_read)
+  // while the caller goes on.
+  std::unique_lock lock(s.mutex);
+  const auto deadline =
+      std::chrono::steady_clock::now() + s.options.transfer_timeout + std::chrono::seconds(1);
+  auto peer_gone = [&] {
+    auto it = s.peers.find(peer_id);
+    return it == s.peers.end() || it->second.status != State::PeerStatus::connected;
+  };
+  s.changed.wait_until(lock, deadline, [&] {
+    auto it = s.transfers.find(id);
+    return it == s.transfers.end() || is_final(it->second.state) || peer_gone();
+  });
   State::Transfer& t = s.transfer(id, "read_scratch");
+  const TransferState st = t.state;
   if (st != TransferState::done) {
     if (st == TransferState::pending) {
-      t.cancel_requested = true;  // released by nobody: a bounded leak of one record
-      throw TransferError("read_scratch: the read did not finish");
+      t.cancel_requested = true;
+      s.abandoned_scratch_read = id;
+      throw TransferError(peer_gone()
+                              ? "read_scratch: the peer was lost; the read is abandoned"
+                              : "read_scratch: the read did not finish");
     }
     const std::string why = t.why;
     s.transfers.erase(id);

@@ -89,6 +89,10 @@ struct Agent::State {
   std::optional<Staging> staging;  // with MemoryPath::staged
   HostBuffer scratch_storage;
   std::uint64_t scratch_base = 0;
+  // A read into the scratch buffer abandoned while pending (its peer was
+  // lost, or it passed its deadline): the buffer is not read into again
+  // until that transfer ended (the peer can no longer write it).
+  std::optional<TransferId> abandoned_scratch_read;
   std::vector<std::uint8_t> address;  // the transport's, sent at the handshake
   std::string host = host_identity();
 
