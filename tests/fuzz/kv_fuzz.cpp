@@ -178,8 +178,8 @@ void fuzz_tier(const std::uint8_t* data, std::size_t size) {
       const TierOp op{static_cast<TierOpKind>(p[0] % kinds), u16(p + 1), u16(p + 3)};
       const std::string diff = driver.apply(op);
       if (!diff.empty()) {
-        std::fprintf(stderr, "kvport fuzz (tier%s): op %zu: %s\n", fault_mode ? ", faults" : "",
-                     i, diff.c_str());
+        std::fprintf(stderr, "kvport fuzz (tier%s): op %zu: %s\n", fault_mode ? ", faults" : "", i,
+                     diff.c_str());
         std::abort();
       }
     }

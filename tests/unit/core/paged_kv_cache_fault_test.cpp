@@ -375,7 +375,7 @@ class QueuedUseAfterFree {
     host_enqueue_for_testing(backend_, stream, [f = gate_] { f.wait(); });
     const DevicePtr doomed = backend_.alloc(4096);
     backend_.memset_async(doomed, 0xEE, 4096, stream);  // valid at the call
-    ASSERT_TRUE(backend_.free(doomed));  // nothing runs on it yet: no wait
+    ASSERT_TRUE(backend_.free(doomed));                 // nothing runs on it yet: no wait
   }
   void open() {
     if (!opened_) promise_.set_value();

@@ -8,8 +8,10 @@
 // The driver also runs without the model, for the tier's other settings
 // (write-through, inclusive, a free watermark, poll at any time), where the
 // completion time of a copy is the host stream's: then it checks the
-// invariants of both tiers after every operation and that every block a
-// lookup returns holds the bytes written for its hash (never stale data).
+// invariants of both tiers (as often as the full comparison: TierDriver's
+// comment) and that every block a lookup returns holds the bytes written for
+// its hash (never stale data). Over a FaultInjectingBackend it also arms
+// faults inside the tier's calls and checks that the tier fails closed.
 //
 // Model, written for obviousness: hashes only (no block ids), a std::list per
 // LRU order (O(n) removal), a counter of private (uncached) blocks.
@@ -237,8 +239,8 @@ enum class TierOpKind : std::uint8_t {
   /// With a FaultInjectingBackend only (else nothing): arms a fault, the
   /// (1 + b % 16)th call of one kind (a % 3: copy at the call, copy deferred
   /// to the stream, synchronize) that the tier's calls make from now fails.
-  /// The next calls do not decode to it unless the caller lets them (the
-  /// fuzzer: in its fault mode only).
+  /// A caller that decodes kinds from bytes may leave it out (the fuzzer
+  /// decodes it in its fault mode only).
   fault,
   count
 };
@@ -250,8 +252,8 @@ struct TierOp {
 };
 
 inline const char* to_string(TierOpKind k) {
-  constexpr const char* kNames[] = {"request", "lookup",      "release", "offload",
-                                    "evict",   "poll",        "synchronize", "fault"};
+  constexpr const char* kNames[] = {"request", "lookup", "release",     "offload",
+                                    "evict",   "poll",   "synchronize", "fault"};
   return kNames[static_cast<std::size_t>(k)];
 }
 
