@@ -24,7 +24,7 @@ status=0
 build/fuzz/bin/kvport_fuzz_kv build/fuzz/corpus tests/fuzz/corpus \
   -max_total_time="$seconds" -max_len=2562 -timeout=10 -rss_limit_mb=4096 \
   -artifact_prefix=build/fuzz/artifacts/ -print_final_stats=1 "$@" 2>"$log" || status=$?
-grep -E "^(stat::|Done|INFO: seed corpus)" "$log" || true
+grep -E "^(stat::|Done|INFO: seed corpus|kvport fuzz: [0-9])" "$log" || true
 if [ "$status" -ne 0 ]; then
   tail -n 40 "$log"
   echo "fuzz: FAILED (exit $status); the input is in build/fuzz/artifacts/" >&2

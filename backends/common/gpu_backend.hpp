@@ -459,6 +459,14 @@ class GpuBackend final : public Backend {
 
   void* do_default_stream() override { return stream_handle(kDefaultStreamSerial); }
 
+  // Host-side only (no vendor call): a lost device still knows its handles,
+  // so a caller can skip dead streams and hear DeviceLost from live ones.
+  bool do_stream_alive(void* handle) const noexcept override {
+    if (handle == stream_handle(kDefaultStreamSerial)) return true;
+    std::lock_guard lock(handles_mutex_);
+    return streams_.contains(handle);
+  }
+
   void do_synchronize(void* stream) override {
     const Stream_t s = stream_of(stream);
     const DeviceScope scope = enter();

@@ -215,17 +215,18 @@ void PagedKvCache::note_stream(StreamView stream, bool is_new) noexcept {
 }
 
 // Synchronizes every stream in `streams` and forgets them. A stream destroyed
-// since it was used (InvalidArgument: Stream's destructor already waited for
-// its work) is skipped; every other error goes to `on_error`, and the rest of
-// the streams are still waited for.
+// since it was used is skipped (Stream's destructor already waited for its
+// work): Backend::stream_alive says so, never the type of an error, since a
+// live stream can report an asynchronous InvalidArgument of its own (the host
+// backend's use after free). Every error of a live stream goes to
+// `on_error`, and the rest of the streams are still waited for.
 namespace {
 template <class OnError>
 void synchronize_each(Backend& backend, std::vector<StreamView>& streams, OnError on_error) {
   for (StreamView stream : streams) {
+    if (!backend.stream_alive(stream)) continue;
     try {
       backend.synchronize(stream);
-    } catch (const InvalidArgument&) {
-      // Destroyed since it was used.
     } catch (...) {
       on_error(std::current_exception());
     }

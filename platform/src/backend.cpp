@@ -157,6 +157,13 @@ StreamView Backend::default_stream() {
   return StreamView(this, do_default_stream());
 }
 
+bool Backend::stream_alive(StreamView stream) const noexcept {
+  // A moved-from view has no backend; a view of another backend names a
+  // handle this one never gave out (and may share its number).
+  if (stream.backend() != this) return false;
+  return do_stream_alive(stream.native());
+}
+
 void Backend::synchronize(StreamView stream) {
   void* native = check_stream(stream, "synchronize");
   bump(counters_->synchronize);

@@ -357,6 +357,13 @@ void* FaultInjectingBackend::do_create_stream() {
   return handle;
 }
 
+bool FaultInjectingBackend::do_stream_alive(void* native) const noexcept {
+  // The decorator's own handle, never faulted: a query, not a device call.
+  // The inner stream lives exactly as long as the handle that owns it.
+  std::lock_guard lock(mutex_);
+  return streams_.contains(native);
+}
+
 void FaultInjectingBackend::do_destroy_stream(void* native) noexcept {
   if (native == stream_handle(kDefaultStreamId)) return;
   std::shared_ptr<FaultStream> doomed;

@@ -131,6 +131,43 @@ TEST_P(Conformance, StreamMoveAssignmentReleasesTheOldStream) {
   EXPECT_NO_THROW(a.synchronize());
 }
 
+TEST_P(Conformance, StreamAliveFollowsEachStreamsLifetime) {
+  // Backend::stream_alive: what a caller that remembers streams (the cache's
+  // destructor) asks before it waits, instead of guessing from an error.
+  EXPECT_TRUE(b().stream_alive(b().default_stream()));
+  std::optional<Stream> s(b().create_stream());
+  const StreamView view = s->view();
+  EXPECT_TRUE(b().stream_alive(view));
+  b().memset_async(alloc(64), 0, 64, view);  // work queued does not change it
+  EXPECT_TRUE(b().stream_alive(view));
+  s.reset();
+  const CallCounts before = b().call_counts();
+  EXPECT_FALSE(b().stream_alive(view)) << "dead after destroy";
+  // A new stream may get the old native handle back; the old view stays dead.
+  Stream fresh = b().create_stream();
+  EXPECT_FALSE(b().stream_alive(view));
+  EXPECT_TRUE(b().stream_alive(fresh));
+  // Moved-from and move-assigned-over handles.
+  Stream moved = std::move(fresh);
+  EXPECT_FALSE(b().stream_alive(fresh.view()));  // NOLINT(bugprone-use-after-move): the point
+  EXPECT_TRUE(b().stream_alive(moved));
+  const StreamView replaced = moved.view();
+  moved = b().create_stream();
+  EXPECT_FALSE(b().stream_alive(replaced));
+  EXPECT_TRUE(b().stream_alive(moved));
+  // A stream of another backend is not one of this backend's.
+  std::unique_ptr<Backend> other = make_any_backend(GetParam());
+  Stream foreign = other->create_stream();
+  EXPECT_FALSE(b().stream_alive(foreign));
+  EXPECT_FALSE(b().stream_alive(other->default_stream()));
+  EXPECT_TRUE(other->stream_alive(foreign));
+  // A query: it queues nothing and waits for nothing.
+  const CallCounts after = b().call_counts();
+  EXPECT_EQ(after.synchronize, before.synchronize);
+  EXPECT_EQ(after.device_ops(), before.device_ops());
+  EXPECT_TRUE(b().stream_alive(b().default_stream()));
+}
+
 // ---- DeviceBuffer ------------------------------------------------------------------------
 
 TEST_P(Conformance, DeviceBufferFreesOnDestructionAndMoveAssignment) {

@@ -2,9 +2,11 @@
 // of operations (alloc, try_alloc, inc_ref, dec_ref, free, return_evicted,
 // zero, poison, fork, append, prefix lookup, evict, release), applied to the
 // real PagedKvCache + PrefixCache + BlockTables and to the plain reference
-// model of kvport/testing/kv_model.hpp. After every operation the two must
-// agree and both invariant checks must hold; otherwise the target aborts with
-// the difference, and libFuzzer saves the input.
+// model of kvport/testing/kv_model.hpp. After every operation what it touched
+// must agree (the blocks the model changed, the table, the free list, the
+// counters); every full_check_every() operations (16) and at the end of the input the
+// whole state must agree and both invariant checks must hold; otherwise the
+// target aborts with the difference, and libFuzzer saves the input.
 //
 // Input layout: byte 0 picks the number of blocks (4..67), byte 1 the layout;
 // then 5 bytes per operation: kind, a (16 bits), b (16 bits).
@@ -13,20 +15,45 @@
 // PrefixCache with a small HostTier (kvport/testing/tier_model.hpp). Byte 0
 // picks the device blocks (6..25), byte 2 the host blocks (1..8) and the
 // offload batch (1..4), byte 3 the policy (bit 0: write-through), the
-// inclusion (bit 1: inclusive) and the free watermark (bits 2..3); then 5
-// bytes per operation as above (requests that onload, lookups, releases,
-// offloads, evictions, polls, synchronizes). A write-back exclusive tier
-// without a watermark is compared with the two-tier reference model after
-// every operation; every setting checks both tiers' invariants after every
-// operation, that no lookup returns stale bytes, and that nothing leaks.
+// inclusion (bit 1: inclusive), the free watermark (bits 2..3) and the fault
+// mode (bit 4); then 5 bytes per operation as above (requests that onload,
+// lookups, releases, offloads, evictions, polls, synchronizes; in fault mode
+// also faults). A write-back exclusive tier without a watermark is compared
+// with the two-tier reference model (what each operation touched, all of it
+// every full_check_every() operations (16) and at the end); every setting checks
+// both tiers' invariants as often, that no lookup returns stale bytes, and
+// that nothing leaks.
+//
+// Fault mode: the cache lives on a FaultInjectingBackend over the host
+// backend, and a fault operation arms the failure of the Nth copy (at the
+// call or deferred to the stream) or synchronize that the tier's calls make
+// from then on: write-backs at allocation and offload, onloads in lookups,
+// write-throughs at poll. The tier must fail closed: no call throws, the
+// invariants hold right after the fault, every block a later lookup returns
+// holds its hash's bytes, and nothing leaks. The model runs until the first
+// fault (it cannot know what a rollback undid).
+//
+// Hybrid mode, when bits 1..3 of byte 1 are 101: a HybridKvCache of up to
+// four layers of any kind (kvport/testing/hybrid_model.hpp), so several KV
+// cache groups; byte 0 the blocks per group, byte 2 the block size and the
+// state checkpoint interval, bytes 3..7 the layers; then 5 bytes per
+// operation (start, decode, fork, release, evict), checked against the
+// rules' definitions every full_check_every() operations (16) and at the end.
+//
+// At exit (libFuzzer's -runs / -max_total_time end) the target prints one
+// line: "kvport fuzz: N inputs, M operations (...)".
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/platform/fault_injecting_backend.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/testing/hybrid_model.hpp"
 #include "kvport/testing/kv_model.hpp"
@@ -40,11 +67,58 @@ using kvport::testing::KvOpKind;
 
 constexpr std::size_t kMaxOps = 512;
 
+// Between full comparisons with the models, each operation checks what it
+// touched; a full one every full_check_every() operations (16) and at the end of each
+// input. (A full comparison after every operation made the target several
+// times slower: docs/reliability.md.)
+// KVPORT_FUZZ_FULL_CHECK_EVERY=k overrides it (1: a full comparison after
+// every operation, as before; for measuring what the checks cost).
+std::size_t full_check_every() {
+  static const std::size_t k = [] {
+    const char* env = std::getenv("KVPORT_FUZZ_FULL_CHECK_EVERY");
+    if (env == nullptr || *env == '\0') return std::size_t{16};
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(env, &end, 10);
+    if (*end != '\0' || v == 0 || v > 1000000) {
+      std::fprintf(stderr, "KVPORT_FUZZ_FULL_CHECK_EVERY: '%s' is not a count in 1..1000000\n",
+                   env);
+      std::exit(2);
+    }
+    return static_cast<std::size_t>(v);
+  }();
+  return k;
+}
+
 struct Fixture {
   std::unique_ptr<kvport::Backend> backend =
       kvport::make_host_backend(kvport::HostBackendOptions{std::size_t{64} << 20});
   kvport::Stream stream = backend->create_stream();
+  // Fault mode's backend: no plan is set between a tier's calls.
+  kvport::FaultInjectingBackend faults{*backend};
+  kvport::Stream fault_stream = faults.create_stream();
 };
+
+// What the run did, printed at exit.
+struct Stats {
+  std::uint64_t inputs = 0;
+  std::uint64_t kv_ops = 0;
+  std::uint64_t tier_ops = 0;
+  std::uint64_t fault_mode_ops = 0;
+  std::uint64_t faults_injected = 0;
+  std::uint64_t hybrid_ops = 0;
+  ~Stats() {
+    std::fprintf(stderr,
+                 "kvport fuzz: %llu inputs, %llu operations (kv %llu, tier %llu of which %llu in "
+                 "fault mode with %llu faults injected, hybrid %llu)\n",
+                 static_cast<unsigned long long>(inputs),
+                 static_cast<unsigned long long>(kv_ops + tier_ops + hybrid_ops),
+                 static_cast<unsigned long long>(kv_ops), static_cast<unsigned long long>(tier_ops),
+                 static_cast<unsigned long long>(fault_mode_ops),
+                 static_cast<unsigned long long>(faults_injected),
+                 static_cast<unsigned long long>(hybrid_ops));
+  }
+};
+Stats stats;
 
 Fixture& fixture() {
   static Fixture f;
@@ -87,20 +161,38 @@ void fuzz_tier(const std::uint8_t* data, std::size_t size) {
   options.inclusion =
       (data[3] & 2) != 0 ? kvport::TierInclusion::inclusive : kvport::TierInclusion::exclusive;
   options.free_watermark = (data[3] >> 2) % 4;
-  kvport::PagedKvCache cache(config(layout), num_blocks, *f.backend);
+  const bool fault_mode = (data[3] & 16) != 0;
+  kvport::Backend& backend = fault_mode ? static_cast<kvport::Backend&>(f.faults) : *f.backend;
+  const kvport::StreamView stream = fault_mode ? f.fault_stream.view() : f.stream.view();
+  // Without fault mode, a fault operation would arm nothing: not decoded.
+  const auto kinds = static_cast<std::uint8_t>(fault_mode ? TierOpKind::count : TierOpKind::fault);
+  kvport::PagedKvCache cache(config(layout), num_blocks, backend);
   const kvport::CallCounts before = f.backend->call_counts();
   {
-    TierDriver driver(cache, f.stream, options, /*with_model=*/true);
+    TierDriver driver(cache, stream, options, /*with_model=*/true,
+                      fault_mode ? &f.faults : nullptr);
+    driver.set_full_check_every(full_check_every());
     const std::size_t ops = std::min((size - 4) / 5, kMaxOps);
     for (std::size_t i = 0; i < ops; ++i) {
       const std::uint8_t* p = data + 4 + 5 * i;
-      const TierOp op{static_cast<TierOpKind>(p[0] % static_cast<std::uint8_t>(TierOpKind::count)),
-                      u16(p + 1), u16(p + 3)};
+      const TierOp op{static_cast<TierOpKind>(p[0] % kinds), u16(p + 1), u16(p + 3)};
       const std::string diff = driver.apply(op);
       if (!diff.empty()) {
-        std::fprintf(stderr, "kvport fuzz (tier): op %zu: %s\n", i, diff.c_str());
+        std::fprintf(stderr, "kvport fuzz (tier%s): op %zu: %s\n", fault_mode ? ", faults" : "", i,
+                     diff.c_str());
         std::abort();
       }
+    }
+    const std::string diff = driver.compare();
+    if (!diff.empty()) {
+      std::fprintf(stderr, "kvport fuzz (tier%s): at the end: %s\n", fault_mode ? ", faults" : "",
+                   diff.c_str());
+      std::abort();
+    }
+    stats.tier_ops += ops;
+    if (fault_mode) {
+      stats.fault_mode_ops += ops;
+      stats.faults_injected += driver.faults_injected();
     }
   }
   if (cache.num_free_blocks() != num_blocks || !cache.check_invariants().ok) {
@@ -111,6 +203,25 @@ void fuzz_tier(const std::uint8_t* data, std::size_t size) {
   const kvport::CallCounts after = f.backend->call_counts();
   if (after.host_alloc - before.host_alloc != after.host_free - before.host_free) {
     std::fprintf(stderr, "kvport fuzz (tier): pinned host memory leaked\n");
+    std::abort();
+  }
+}
+
+// After the cache of a fault-mode input is gone: nothing allocated through
+// the decorator is left, and no error is left pending on its streams.
+void check_fault_fixture() {
+  Fixture& f = fixture();
+  if (f.faults.live_allocations() != 0) {
+    std::fprintf(stderr, "kvport fuzz (tier, faults): %zu device allocations leaked\n",
+                 f.faults.live_allocations());
+    std::abort();
+  }
+  try {
+    f.fault_stream.synchronize();
+    f.faults.synchronize(f.faults.default_stream());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvport fuzz (tier, faults): an error was left on a stream: %s\n",
+                 e.what());
     std::abort();
   }
 }
@@ -160,6 +271,7 @@ void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
   kvport::HybridKvCache cache(c, counts, *f.backend);
   {
     kvport::testing::HybridDriver driver(cache, f.stream);
+    driver.set_full_check_every(full_check_every());
     const std::size_t ops = std::min((size - 8) / 5, kMaxOps);
     for (std::size_t i = 0; i < ops; ++i) {
       const std::uint8_t* p = data + 8 + 5 * i;
@@ -173,6 +285,11 @@ void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
         std::abort();
       }
     }
+    if (const std::string diff = driver.check(); !diff.empty()) {
+      std::fprintf(stderr, "kvport fuzz (hybrid): at the end: %s\n", diff.c_str());
+      std::abort();
+    }
+    stats.hybrid_ops += ops;
     driver.release_all();
     cache.synchronize();
   }
@@ -193,6 +310,7 @@ void fuzz_kv(const std::uint8_t* data, std::size_t size) {
   kvport::PagedKvCache cache(config(layout), num_blocks, *f.backend);
   {
     KvDriver driver(cache, f.stream);
+    driver.set_full_check_every(full_check_every());
     const std::size_t ops = std::min((size - 2) / 5, kMaxOps);
     for (std::size_t i = 0; i < ops; ++i) {
       const std::uint8_t* p = data + 2 + 5 * i;
@@ -204,6 +322,11 @@ void fuzz_kv(const std::uint8_t* data, std::size_t size) {
         std::abort();
       }
     }
+    if (const std::string diff = driver.compare(); !diff.empty()) {
+      std::fprintf(stderr, "kvport fuzz: at the end: %s\n", diff.c_str());
+      std::abort();
+    }
+    stats.kv_ops += ops;
     f.backend->synchronize(f.stream);
   }
   // Every table and handle was released: nothing may stay referenced.
@@ -223,8 +346,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size < 2) return 0;
+  ++stats.inputs;
   if (is_tier_input(data, size)) {
     fuzz_tier(data, size);
+    if ((data[3] & 16) != 0) check_fault_fixture();
   } else if (is_hybrid_input(data, size)) {
     fuzz_hybrid(data, size);
   } else {

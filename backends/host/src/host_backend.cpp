@@ -253,6 +253,11 @@ class HostBackend final : public Backend {
 
   void* do_default_stream() override { return handle(kDefaultStreamId); }
 
+  bool do_stream_alive(void* native) const noexcept override {
+    std::lock_guard lock(handles_mutex_);
+    return streams_.contains(native);  // the default stream is in it until destruction
+  }
+
   void do_synchronize(void* stream) override { stream_of(stream, "synchronize")->synchronize(); }
 
   void* do_create_event() override {

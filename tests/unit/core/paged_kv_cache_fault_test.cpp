@@ -8,10 +8,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core_test_util.hpp"
+#include "kvport/backends/host_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
@@ -349,6 +352,94 @@ TEST_F(PagedKvCacheFaultTest, SynchronizeWaitsForEveryStreamThenRethrowsTheFirst
   EXPECT_NO_THROW(cache.synchronize());
   EXPECT_EQ(fb_.counts(FaultKind::synchronize).calls, 2u) << "nothing queued since";
   EXPECT_NO_THROW(a.synchronize()) << "reported once";
+}
+
+// ---- an InvalidArgument of a live stream is its error, not "destroyed" ------------------------
+
+// The host backend reports a use after free asynchronously, as an
+// InvalidArgument at the next synchronize of the stream the work was queued
+// on: here the memset of a buffer freed while the memset waited behind a
+// gate, on a stream the cache also queued a fill on. The cache once took any
+// InvalidArgument from Backend::synchronize for "the stream was destroyed"
+// and dropped it; it now asks Backend::stream_alive.
+class QueuedUseAfterFree {
+ public:
+  explicit QueuedUseAfterFree(Backend& backend) : backend_(backend) {}
+  ~QueuedUseAfterFree() { open(); }
+  QueuedUseAfterFree(const QueuedUseAfterFree&) = delete;
+  QueuedUseAfterFree& operator=(const QueuedUseAfterFree&) = delete;
+
+  // Holds `stream`, queues a memset of a buffer behind the hold, frees the
+  // buffer: when the hold opens, the memset finds it gone.
+  void queue_on(StreamView stream) {
+    host_enqueue_for_testing(backend_, stream, [f = gate_] { f.wait(); });
+    const DevicePtr doomed = backend_.alloc(4096);
+    backend_.memset_async(doomed, 0xEE, 4096, stream);  // valid at the call
+    ASSERT_TRUE(backend_.free(doomed));                 // nothing runs on it yet: no wait
+  }
+  void open() {
+    if (!opened_) promise_.set_value();
+    opened_ = true;
+  }
+
+ private:
+  Backend& backend_;
+  std::promise<void> promise_;
+  std::shared_future<void> gate_ = promise_.get_future().share();
+  bool opened_ = false;
+};
+
+TEST(PagedKvCacheLiveStreamError, SynchronizeRethrowsAnAsynchronousUseAfterFree) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream s = backend->create_stream();
+  PagedKvCache cache(test::small_config(), 8, *backend, no_trace());
+  QueuedUseAfterFree fault(*backend);
+  cache.zero_block(0, s);  // the cache now waits for s
+  fault.queue_on(s);
+  fault.open();
+  ASSERT_TRUE(backend->stream_alive(s));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { cache.synchronize(); }),
+              AllOf(HasSubstr("memset_async"), HasSubstr("use after free")));
+  EXPECT_TRUE(cache.queued_streams().empty());
+  EXPECT_NO_THROW(s.synchronize()) << "reported once, by the cache";
+  EXPECT_NO_THROW(cache.synchronize());
+}
+
+TEST(PagedKvCacheLiveStreamError, TheDestructorLogsAnAsynchronousUseAfterFree) {
+  test::LogRecorder log(log::Level::warn);
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream s = backend->create_stream();  // outlives the cache
+  {
+    PagedKvCache cache(test::small_config(), 8, *backend, no_trace());
+    QueuedUseAfterFree fault(*backend);
+    cache.poison_block(3, s);
+    fault.queue_on(s);
+    fault.open();
+  }  // no synchronize: the destructor's
+  const std::vector<std::string> logged = log.find(log::Level::error, "use after free");
+  ASSERT_EQ(logged.size(), 1u);
+  EXPECT_THAT(logged[0], AllOf(HasSubstr("~PagedKvCache"), HasSubstr("memset_async")));
+  EXPECT_NO_THROW(s.synchronize()) << "the error came out once, in the log";
+}
+
+TEST(PagedKvCacheLiveStreamError, OnlyADestroyedStreamIsSkippedAndItIsNotSynchronized) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream live = backend->create_stream();
+  PagedKvCache cache(test::small_config(), 8, *backend, no_trace());
+  QueuedUseAfterFree fault(*backend);
+  {
+    Stream gone = backend->create_stream();
+    cache.zero_block(0, gone);
+  }  // destroyed first: remembered first
+  cache.zero_block(1, live);
+  fault.queue_on(live);
+  fault.open();
+  ASSERT_EQ(cache.queued_streams().size(), 2u);
+  EXPECT_FALSE(backend->stream_alive(cache.queued_streams()[0]));
+  backend->reset_call_counts();
+  EXPECT_THAT(message_of<InvalidArgument>([&] { cache.synchronize(); }),
+              HasSubstr("use after free"));
+  EXPECT_EQ(backend->call_counts().synchronize, 1u) << "the dead stream is not asked at all";
 }
 
 TEST_F(PagedKvCacheFaultTest, AReadOrWriteWhoseSecondCopyFailsWaitsForTheFirst) {

@@ -8,12 +8,17 @@
 // a lookup returns holds the bytes written for its hash. Without the model,
 // the tier's other settings (write-through, inclusive, a free watermark,
 // polls) run the same streams with the invariants and the byte checks.
+// The driver as the fuzzer runs it: full comparisons every 16 operations and
+// what each operation touched between them; and over a FaultInjectingBackend
+// with armed faults, failing closed.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <random>
 #include <string>
 
 #include "core_test_util.hpp"
+#include "kvport/platform/fault_injecting_backend.hpp"
 #include "kvport/testing/tier_model.hpp"
 
 namespace kvport {
@@ -86,6 +91,93 @@ INSTANTIATE_TEST_SUITE_P(
                                    TierInclusion::inclusive},
                       TierScenario{8, 16, 8, 2, KvCacheLayout::layer_major,
                                    TierPolicy::write_through, TierInclusion::inclusive, 3}));
+
+// The fuzzer's setting: a full comparison every 16 operations, what each
+// operation touched in between, compare() at the end. A fault operation
+// without a FaultInjectingBackend arms nothing.
+TEST(TierDriverChecks, TouchedChecksBetweenFullComparisonsAgreeWithTheModel) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  PagedKvCache cache(test::small_config(), 14, *backend);
+  HostTierOptions o;
+  o.num_host_blocks = 6;
+  o.offload_batch = 2;
+  std::mt19937 rng(11);
+  // request, lookup, release, offload, evict, poll, synchronize, fault
+  std::discrete_distribution<int> pick({10, 2, 8, 2, 1, 2, 1, 2});
+  {
+    TierDriver driver(cache, stream, o, /*with_model=*/true);
+    driver.set_full_check_every(16);
+    for (int step = 0; step < 4000; ++step) {
+      const TierOp op{static_cast<TierOpKind>(pick(rng)), static_cast<std::uint32_t>(rng()),
+                      static_cast<std::uint32_t>(rng())};
+      ASSERT_EQ(driver.apply(op), "") << "step " << step;
+    }
+    EXPECT_EQ(driver.compare(), "");
+    EXPECT_TRUE(driver.with_model());
+    EXPECT_EQ(driver.faults_injected(), 0u);
+    EXPECT_GT(driver.onloaded_blocks(), 100u);
+  }
+  EXPECT_EQ(cache.num_free_blocks(), 14u);
+}
+
+struct FaultScenario {
+  std::uint32_t seed;
+  TierPolicy policy;
+  TierInclusion inclusion;
+  std::size_t free_watermark;
+};
+
+class TierDriverFaults : public ::testing::TestWithParam<FaultScenario> {};
+
+// Armed faults (copies failing at the call or on the stream, synchronizes
+// failing) inside the tier's calls: no call throws, the invariants hold after
+// every fault, every block a lookup returns holds its hash's bytes, and
+// nothing leaks. The model runs until the first fault.
+TEST_P(TierDriverFaults, ArmedFaultsInTheTiersCallsFailClosed) {
+  const FaultScenario s = GetParam();
+  test::QuietLog quiet;  // every rollback logs an error
+  FaultInjectingBackend fb(test::host_backend());
+  {
+    Stream stream = fb.create_stream();
+    PagedKvCache cache(test::small_config(), 14, fb);
+    HostTierOptions o;
+    o.num_host_blocks = 6;
+    o.offload_batch = 2;
+    o.policy = s.policy;
+    o.inclusion = s.inclusion;
+    o.free_watermark = s.free_watermark;
+    std::mt19937 rng(s.seed);
+    std::discrete_distribution<int> pick({10, 2, 8, 2, 1, 2, 1, 3});
+    {
+      TierDriver driver(cache, stream, o, /*with_model=*/true, &fb);
+      driver.set_full_check_every(16);
+      for (int step = 0; step < 3000; ++step) {
+        const TierOp op{static_cast<TierOpKind>(pick(rng)), static_cast<std::uint32_t>(rng()),
+                        static_cast<std::uint32_t>(rng())};
+        ASSERT_EQ(driver.apply(op), "") << "seed " << s.seed << " step " << step;
+      }
+      EXPECT_EQ(driver.compare(), "");
+      EXPECT_GT(driver.faults_injected(), 20u);
+      EXPECT_FALSE(driver.with_model()) << "dropped at the first fault";
+      EXPECT_GT(driver.onloaded_blocks(), 0u);
+      EXPECT_GT(driver.tier().counters().aborted_transfers, 0u);
+    }
+    EXPECT_EQ(cache.num_free_blocks(), 14u);
+    EXPECT_TRUE(cache.check_invariants().ok);
+    EXPECT_FALSE(fb.plan(FaultKind::copy).has_value()) << "no plan outlives the driver";
+  }
+  EXPECT_EQ(fb.live_allocations(), 0u);
+  const CallCounts inner = fb.inner().call_counts();
+  EXPECT_EQ(inner.host_alloc, inner.host_free) << "pinned host memory leaked";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, TierDriverFaults,
+    ::testing::Values(FaultScenario{21, TierPolicy::write_back, TierInclusion::exclusive, 0},
+                      FaultScenario{22, TierPolicy::write_through, TierInclusion::exclusive, 0},
+                      FaultScenario{23, TierPolicy::write_back, TierInclusion::inclusive, 2},
+                      FaultScenario{24, TierPolicy::write_through, TierInclusion::inclusive, 3}));
 
 // A lookup_hashes span that names one host block twice (PrefixCache itself
 // accepts it: a device block named twice is returned twice, with a reference

@@ -85,8 +85,9 @@ struct PagedKvCacheOptions {
 /// frees the pools, so queued fills and copies never run on freed memory.
 /// An error a stream reports then is logged (error level), not thrown:
 /// call synchronize() before destruction to see it. A remembered stream that
-/// was destroyed meanwhile is skipped (Stream's destructor already waited for
-/// its work). Work the caller queued on the pools itself (kernels through
+/// was destroyed meanwhile is skipped (Backend::stream_alive says so;
+/// Stream's destructor already waited for its work); every error of a live
+/// stream is reported, whatever its type. Work the caller queued on the pools itself (kernels through
 /// k_cache_ptr, its own copies) on other streams is the caller's to finish
 /// before destroying the cache.
 class PagedKvCache {
@@ -270,9 +271,11 @@ class PagedKvCache {
 
   /// Waits for the device work this cache queued: synchronizes every stream
   /// in queued_streams() and forgets them. Streams destroyed since are
-  /// skipped (their destructor waited). Every stream is synchronized even
-  /// when one fails; then the first error is rethrown (BackendError, as
-  /// Backend::synchronize throws it). Costs one backend synchronize per
+  /// skipped (Backend::stream_alive is false: their destructor waited).
+  /// Every live stream is synchronized even when one fails; then the first
+  /// error is rethrown as Backend::synchronize threw it (BackendError, or
+  /// the InvalidArgument of an asynchronous use after free on the host
+  /// backend: an error of the stream, whoever queued the failing work). Costs one backend synchronize per
   /// remembered stream; a no-op when nothing was queued since the last call.
   void synchronize();
 

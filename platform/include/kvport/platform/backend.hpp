@@ -153,6 +153,17 @@ class Backend {
   /// The backend's own stream, alive as long as the backend.
   StreamView default_stream();
 
+  /// Whether `stream` names a live stream of this backend: the default stream
+  /// always; a stream from create_stream until its Stream is destroyed. False
+  /// for a destroyed stream (its handle is never reused, so a stale view stays
+  /// dead), a moved-from view and a stream of another backend. A lookup under
+  /// the backend's handle lock: no device call, no wait, never throws. It says
+  /// nothing about errors pending on the stream (synchronize reports those):
+  /// a caller that waits for streams it remembers skips the dead ones with it
+  /// and still sees every error of a live one, including an InvalidArgument
+  /// raised asynchronously (the host backend's use after free).
+  bool stream_alive(StreamView stream) const noexcept;
+
   /// Waits for every operation queued on `stream`; rethrows the first error an
   /// asynchronous operation on it raised since the last synchronize.
   void synchronize(StreamView stream);
@@ -282,6 +293,9 @@ class Backend {
   virtual void* do_create_stream() = 0;
   virtual void do_destroy_stream(void* native) noexcept = 0;
   virtual void* do_default_stream() = 0;
+  /// `native` is a handle this backend gave out (or a stale one); true while
+  /// it is the default stream or a stream not yet destroyed.
+  virtual bool do_stream_alive(void* native) const noexcept = 0;
   virtual void do_synchronize(void* stream) = 0;
   virtual void* do_create_event() = 0;
   virtual void* do_create_timing_event() = 0;

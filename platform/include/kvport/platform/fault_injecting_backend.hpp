@@ -199,6 +199,7 @@ class FaultInjectingBackend final : public Backend {
   void* do_create_stream() override;
   void do_destroy_stream(void* native) noexcept override;
   void* do_default_stream() override;
+  bool do_stream_alive(void* native) const noexcept override;
   void do_synchronize(void* stream) override;
   void* do_create_event() override;
   void* do_create_timing_event() override;

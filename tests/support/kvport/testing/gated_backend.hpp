@@ -201,6 +201,11 @@ class GatedBackend final : public Backend {
     delete static_cast<GStream*>(native);
   }
   void* do_default_stream() override { return &default_stream_; }
+  bool do_stream_alive(void* native) const noexcept override {
+    if (native == &default_stream_) return true;
+    std::lock_guard lock(mutex_);
+    return streams_.contains(static_cast<GStream*>(native));
+  }
   void do_synchronize(void* native) override {
     before_wait(&s(native));
     inner_->synchronize(s(native).inner);

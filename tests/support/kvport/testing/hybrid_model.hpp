@@ -103,8 +103,15 @@ class HybridDriver {
         break;
     }
     if (!diff.empty()) return diff;
+    if (++applied_ % full_check_every_ != 0) return "";
     return check();
   }
+
+  /// apply() runs check() (the rules over every sequence and group, and the
+  /// invariants) after every k-th operation (1, the default: after each one);
+  /// each operation's own checks (a refused append changed nothing) always.
+  /// A caller with k > 1 calls check() at the end as well. 0 is taken as 1.
+  void set_full_check_every(std::size_t k) { full_check_every_ = k == 0 ? 1 : k; }
 
   std::size_t hits() const noexcept { return hits_; }
   std::size_t refused_appends() const noexcept { return refused_; }
@@ -194,6 +201,8 @@ class HybridDriver {
     return "";
   }
 
+ public:
+  /// The full check of apply(): "" or the first difference.
   std::string check() {
     const std::size_t bs = cache_.block_size();
     std::vector<std::set<BlockId>> held(cache_.num_groups());
@@ -241,6 +250,7 @@ class HybridDriver {
     return "";
   }
 
+ private:
   HybridKvCache& cache_;
   StreamView stream_;
   std::vector<std::vector<TokenId>> families_;
@@ -248,6 +258,8 @@ class HybridDriver {
   std::size_t hits_ = 0;
   std::size_t refused_ = 0;
   std::uint32_t next_unique_ = 0;
+  std::size_t full_check_every_ = 1;
+  std::uint64_t applied_ = 0;
 };
 
 }  // namespace kvport::testing

@@ -51,6 +51,7 @@ class KvModel {
     const BlockId b = free_.back();
     free_.pop_back();
     refcount_[b] = 1;
+    touched.push_back(b);
     return b;
   }
 
@@ -58,11 +59,13 @@ class KvModel {
   bool inc_ref(BlockId b) {
     if (refcount_[b] == 0) return false;
     ++refcount_[b];
+    touched.push_back(b);
     return true;
   }
 
   /// PrefixCache::release.
   void release(BlockId b) {
+    touched.push_back(b);
     if (key_of_[b]) {
       if (refcount_[b] <= 1) {
         ++ignored_releases;
@@ -76,6 +79,7 @@ class KvModel {
 
   /// PagedKvCache::dec_ref / return_evicted_block on an uncached block.
   void raw_release(BlockId b) {
+    touched.push_back(b);
     if (refcount_[b] == 0) {
       ++ignored_double_frees;
       return;
@@ -105,6 +109,7 @@ class KvModel {
     for (BlockId b : found) {
       if (refcount_[b] == 1) lru_.remove(b);
       ++refcount_[b];
+      touched.push_back(b);
     }
     hits += found.size();
     misses += full - found.size();
@@ -165,13 +170,16 @@ class KvModel {
       cache_.emplace(k, b);
       key_of_[b] = k;
       ++refcount_[b];
+      touched.push_back(b);
     }
     return true;
   }
 
   Table fork(const Table& t) {
-    for (BlockId b : t.blocks)
+    for (BlockId b : t.blocks) {
       ++refcount_[b];
+      touched.push_back(b);
+    }
     return t;
   }
 
@@ -191,6 +199,11 @@ class KvModel {
   std::size_t num_cached() const { return cache_.size(); }
   std::size_t block_size() const { return block_size_; }
 
+  /// Blocks whose refcount or cached state the calls since the driver last
+  /// cleared it may have changed, repeats allowed: what the driver's
+  /// per-operation check compares.
+  std::vector<BlockId> touched;
+
   std::uint64_t hits = 0;
   std::uint64_t misses = 0;
   std::uint64_t evictions = 0;
@@ -208,6 +221,7 @@ class KvModel {
   void evict_front() {
     const BlockId b = lru_.front();
     lru_.pop_front();
+    touched.push_back(b);
     cache_.erase(*key_of_[b]);
     key_of_[b].reset();
     ++evictions;
@@ -255,9 +269,16 @@ inline const char* to_string(KvOpKind k) {
 }
 
 /// Applies operations to a real PrefixCache (over `cache`) and to a KvModel,
-/// and compares every observable after each one. `cache` must be fresh, with
-/// every block free. Tables are capped at kMaxTables, loose handles at
-/// kMaxHandles.
+/// and compares them. `cache` must be fresh, with every block free. Tables
+/// are capped at kMaxTables, loose handles at kMaxHandles.
+///
+/// Checks. apply() runs the full compare() (both invariant checks, every
+/// block's refcount and cached state, the free list, the LRU order, the
+/// counters, every table) after every `full_check_every`-th operation (1, the
+/// default: after each one); after the others only what the operation
+/// touched: the blocks the model changed (KvModel::touched), the table it
+/// made or changed, the free-list size and the counters. A caller with k > 1
+/// calls compare() at the end as well.
 class KvDriver {
  public:
   static constexpr std::size_t kMaxTables = 8;
@@ -276,10 +297,15 @@ class KvDriver {
       prefix_.release(b);
   }
 
+  /// See the class comment; k >= 1 (0 is taken as 1).
+  void set_full_check_every(std::size_t k) { full_check_every_ = std::max<std::size_t>(k, 1); }
+
   /// Applies `op`; returns "" when real and model still agree, else what
   /// differs.
   std::string apply(const KvOp& op) {
     last_ = op;
+    model_.touched.clear();
+    touched_table_.reset();
     switch (op.kind) {
       case KvOpKind::alloc:
       case KvOpKind::try_alloc: {
@@ -376,11 +402,13 @@ class KvDriver {
         child.real = std::make_unique<BlockTable>(parent.real->fork());
         child.model = model_.fork(parent.model);
         tables_.push_back(std::move(child));
+        touched_table_ = tables_.size() - 1;
         break;
       }
       case KvOpKind::append: {
         if (tables_.empty()) break;
-        Pair& t = tables_[op.a % tables_.size()];
+        touched_table_ = op.a % tables_.size();
+        Pair& t = tables_[*touched_table_];
         const std::vector<TokenId> tokens = continuation(t.model, op.b);
         const bool expect = model_.append(t.model, tokens);
         bool got = true;
@@ -417,6 +445,7 @@ class KvDriver {
         }
         if (real_ok != model_ok) return fail("prompt append disagrees with the model");
         tables_.push_back(std::move(t));  // a failed append keeps the reused prefix
+        touched_table_ = tables_.size() - 1;
         break;
       }
       case KvOpKind::evict: {
@@ -438,7 +467,8 @@ class KvDriver {
       case KvOpKind::count:
         break;
     }
-    return compare();
+    if (++applied_ % full_check_every_ == 0) return compare();
+    return check_touched();
   }
 
   /// Every observable of the real objects against the model, and both
@@ -447,26 +477,14 @@ class KvDriver {
     const InvariantReport report = prefix_.check_invariants();
     if (!report.ok) return fail("invariants: " + report.to_string());
     for (BlockId b = 0; b < cache_->num_blocks(); ++b) {
-      if (cache_->ref_count(b) != model_.refcount(b))
-        return fail("block " + std::to_string(b) + " refcount " +
-                    std::to_string(cache_->ref_count(b)) + ", model " +
-                    std::to_string(model_.refcount(b)));
-      if (prefix_.is_cached(b) != model_.cached(b))
-        return fail("block " + std::to_string(b) + " cached state differs from the model");
+      if (std::string d = compare_block(b); !d.empty()) return d;
     }
     if (cache_->num_free_blocks() != model_.free_list().size())
       return fail("free list size differs");
     if (prefix_.lru_order() != model_.lru_order()) return fail("LRU order differs");
-    const PrefixCacheCounters& c = prefix_.counters();
-    if (c.hits != model_.hits || c.misses != model_.misses || c.evictions != model_.evictions ||
-        c.ignored_releases != model_.ignored_releases)
-      return fail("prefix cache counters differ");
-    if (cache_->counters().ignored_double_frees != model_.ignored_double_frees)
-      return fail("ignored double frees differ");
+    if (std::string d = compare_counters(); !d.empty()) return d;
     for (const Pair& t : tables_) {
-      if (!std::ranges::equal(t.real->blocks(), t.model.blocks) ||
-          !std::ranges::equal(t.real->tokens(), t.model.tokens))
-        return fail("a block table differs from the model");
+      if (std::string d = compare_table(t); !d.empty()) return d;
     }
     return {};
   }
@@ -482,6 +500,45 @@ class KvDriver {
   };
 
   static constexpr std::uint32_t kDocuments = 4;
+
+  // What an operation touched, between full compares.
+  std::string check_touched() const {
+    for (BlockId b : model_.touched) {
+      if (std::string d = compare_block(b); !d.empty()) return d;
+    }
+    if (cache_->num_free_blocks() != model_.free_list().size())
+      return fail("free list size differs");
+    if (std::string d = compare_counters(); !d.empty()) return d;
+    if (touched_table_) return compare_table(tables_[*touched_table_]);
+    return {};
+  }
+
+  std::string compare_block(BlockId b) const {
+    if (cache_->ref_count(b) != model_.refcount(b))
+      return fail("block " + std::to_string(b) + " refcount " +
+                  std::to_string(cache_->ref_count(b)) + ", model " +
+                  std::to_string(model_.refcount(b)));
+    if (prefix_.is_cached(b) != model_.cached(b))
+      return fail("block " + std::to_string(b) + " cached state differs from the model");
+    return {};
+  }
+
+  std::string compare_counters() const {
+    const PrefixCacheCounters& c = prefix_.counters();
+    if (c.hits != model_.hits || c.misses != model_.misses || c.evictions != model_.evictions ||
+        c.ignored_releases != model_.ignored_releases)
+      return fail("prefix cache counters differ");
+    if (cache_->counters().ignored_double_frees != model_.ignored_double_frees)
+      return fail("ignored double frees differ");
+    return {};
+  }
+
+  std::string compare_table(const Pair& t) const {
+    if (!std::ranges::equal(t.real->blocks(), t.model.blocks) ||
+        !std::ranges::equal(t.real->tokens(), t.model.tokens))
+      return fail("a block table differs from the model");
+    return {};
+  }
 
   /// Deterministic token ids of document `d`: the shared prompts.
   static std::vector<TokenId> document(std::uint32_t d, std::size_t length) {
@@ -537,6 +594,9 @@ class KvDriver {
   std::vector<Pair> tables_;
   std::vector<BlockId> handles_;  // loose references the driver holds
   std::uint32_t fresh_ = 0;
+  std::size_t full_check_every_ = 1;
+  std::uint64_t applied_ = 0;
+  std::optional<std::size_t> touched_table_;  // the table the operation made or changed
   KvOp last_;
 };
 

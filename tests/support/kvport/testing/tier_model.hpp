@@ -8,8 +8,10 @@
 // The driver also runs without the model, for the tier's other settings
 // (write-through, inclusive, a free watermark, poll at any time), where the
 // completion time of a copy is the host stream's: then it checks the
-// invariants of both tiers after every operation and that every block a
-// lookup returns holds the bytes written for its hash (never stale data).
+// invariants of both tiers (as often as the full comparison: TierDriver's
+// comment) and that every block a lookup returns holds the bytes written for
+// its hash (never stale data). Over a FaultInjectingBackend it also arms
+// faults inside the tier's calls and checks that the tier fails closed.
 //
 // Model, written for obviousness: hashes only (no block ids), a std::list per
 // LRU order (O(n) removal), a counter of private (uncached) blocks.
@@ -21,6 +23,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <list>
 #include <map>
 #include <memory>
@@ -37,6 +40,7 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/fault_injecting_backend.hpp"
 
 namespace kvport::testing {
 
@@ -64,6 +68,7 @@ class TierModel {
     for (std::size_t j = 0; j < i; ++j) {
       if (refs_[chain[j]]++ == 0) device_lru_.remove(chain[j]);
       match.push_back({chain[j]});
+      touched.push_back(chain[j]);
     }
     onloaded = 0;
     if (i == chain.size()) return match;
@@ -92,6 +97,7 @@ class TierModel {
         match.push_back({h});
       }
       host_lru_.remove(h);  // exclusive: the host gives its slot back
+      touched.push_back(h);
     }
     onloads += got;
     onloaded = got;
@@ -113,6 +119,7 @@ class TierModel {
     --private_;
     refs_[h] = 1;
     r.hash = h;
+    touched.push_back(h);
   }
 
   /// PrefixCache::release_blocks: last block first.
@@ -123,6 +130,7 @@ class TierModel {
         continue;
       }
       if (--refs_[*it->hash] == 0) device_lru_.push_back(*it->hash);
+      touched.push_back(*it->hash);
     }
     table.clear();
   }
@@ -134,6 +142,7 @@ class TierModel {
   std::size_t evict(std::size_t n) {
     std::size_t done = 0;
     for (; done < n && !device_lru_.empty(); ++done) {
+      touched.push_back(device_lru_.front());
       refs_.erase(device_lru_.front());
       device_lru_.pop_front();
     }
@@ -146,6 +155,11 @@ class TierModel {
   }
   std::vector<BlockHash> device_lru() const { return {device_lru_.begin(), device_lru_.end()}; }
   std::vector<BlockHash> host_lru() const { return {host_lru_.begin(), host_lru_.end()}; }
+
+  /// Hashes whose place (device, host, neither) the calls since the driver
+  /// last cleared it may have changed, repeats allowed: what the driver's
+  /// per-operation check compares.
+  std::vector<BlockHash> touched;
 
   std::uint64_t offloads = 0;
   std::uint64_t onloads = 0;
@@ -166,6 +180,7 @@ class TierModel {
       const BlockHash h = device_lru_.front();
       device_lru_.pop_front();
       refs_.erase(h);
+      touched.push_back(h);
       if (auto it = std::find(host_lru_.begin(), host_lru_.end(), h); it != host_lru_.end()) {
         host_lru_.erase(it);
         host_lru_.push_back(h);
@@ -186,6 +201,7 @@ class TierModel {
         ++dropped_offloads;
         continue;
       }
+      touched.push_back(*victim);
       host_lru_.erase(victim);
       ++host_evictions;
       filling.push_back(h);
@@ -220,6 +236,12 @@ enum class TierOpKind : std::uint8_t {
   evict,        ///< PrefixCache::evict(n)
   poll,         ///< HostTier::poll (without the model only)
   synchronize,  ///< HostTier::synchronize
+  /// With a FaultInjectingBackend only (else nothing): arms a fault, the
+  /// (1 + b % 16)th call of one kind (a % 3: copy at the call, copy deferred
+  /// to the stream, synchronize) that the tier's calls make from now fails.
+  /// A caller that decodes kinds from bytes may leave it out (the fuzzer
+  /// decodes it in its fault mode only).
+  fault,
   count
 };
 
@@ -230,14 +252,32 @@ struct TierOp {
 };
 
 inline const char* to_string(TierOpKind k) {
-  constexpr const char* kNames[] = {"request", "lookup", "release",    "offload",
-                                    "evict",   "poll",   "synchronize"};
+  constexpr const char* kNames[] = {"request", "lookup", "release",     "offload",
+                                    "evict",   "poll",   "synchronize", "fault"};
   return kNames[static_cast<std::size_t>(k)];
 }
 
 /// Drives a PrefixCache + HostTier over `cache` (fresh, every block free)
 /// and, when `options` is write-back, exclusive and without a watermark and
 /// `with_model` is set, a TierModel; see the file comment.
+///
+/// Checks. apply() runs the full compare() (invariants of both tiers, every
+/// hash of the documents against the model, both LRU orders, free blocks,
+/// counters) after every `full_check_every`-th operation (1, the default:
+/// after each one) and after an operation in which a fault was injected;
+/// after the others only what the operation touched: the hashes of its chain
+/// and those the model moved (TierModel::touched), the free blocks and the
+/// counters. A caller with k > 1 calls compare() at the end as well.
+///
+/// Faults. With `faults` (the FaultInjectingBackend `cache` lives on), a
+/// TierOpKind::fault arms one fault, which only the tier's own calls (lookup,
+/// allocation, insert, release, offload, evict, poll, synchronize) can hit,
+/// never the driver's pattern writes and reads. The tier must fail closed:
+/// no call throws (an allocation may still run out: CacheExhausted), both
+/// tiers' invariants hold, and every block a lookup returns holds its hash's
+/// bytes, read back byte for byte. The model cannot know what a failed copy
+/// rolled back, so it is dropped at the first injected fault (with_model()
+/// turns false); the byte and invariant checks go on.
 class TierDriver {
  public:
   static constexpr std::size_t kDocuments = 8;
@@ -245,14 +285,15 @@ class TierDriver {
   static constexpr std::size_t kMaxTables = 3;
 
   TierDriver(PagedKvCache& cache, StreamView stream, const HostTierOptions& options,
-             bool with_model)
+             bool with_model, FaultInjectingBackend* faults = nullptr)
       : cache_(&cache),
         stream_(stream),
         prefix_(cache),
         tier_(std::make_unique<HostTier>(prefix_, options)),
         model_(cache.num_blocks(), options.num_host_blocks, options.offload_batch),
         with_model_(with_model && options.policy == TierPolicy::write_back &&
-                    options.inclusion == TierInclusion::exclusive && options.free_watermark == 0) {
+                    options.inclusion == TierInclusion::exclusive && options.free_watermark == 0),
+        faults_(faults) {
     const std::size_t block = cache.config().block_size;
     for (std::size_t d = 0; d < kDocuments; ++d) {
       // Documents share their first block in three groups.
@@ -267,6 +308,8 @@ class TierDriver {
   }
 
   ~TierDriver() {
+    armed_.reset();
+    if (faults_ != nullptr) faults_->clear_plans();
     for (Table& t : tables_)
       prefix_.release_blocks(t.blocks);
     tables_.clear();
@@ -281,10 +324,146 @@ class TierDriver {
   PrefixCache& prefix_cache() { return prefix_; }
   const TierModel& model() const { return model_; }
   std::uint64_t onloaded_blocks() const { return onloaded_; }
+  /// Faults injected into the tier's calls so far (with `faults` only).
+  std::uint64_t faults_injected() const { return faults_injected_; }
+
+  /// See the class comment; k >= 1 (0 is taken as 1).
+  void set_full_check_every(std::size_t k) { full_check_every_ = std::max<std::size_t>(k, 1); }
 
   /// Applies `op`; "" when everything agrees, else what differs.
   std::string apply(const TierOp& op) {
     last_ = op;
+    model_.touched.clear();
+    faulted_ = false;
+    std::span<const BlockHash> chain;
+    std::string diff;
+    try {
+      diff = apply_op(op, chain);
+    } catch (const std::exception& e) {
+      // Nothing the driver calls may throw here but CacheExhausted, caught
+      // where it can come; a fault must fail closed.
+      return fail(std::string("a call threw: ") + e.what());
+    }
+    if (!diff.empty()) return diff;
+    if (++applied_ % full_check_every_ == 0 || faulted_) return compare();
+    return check_touched(chain);
+  }
+
+  /// The invariants, and with the model every observable against it.
+  std::string compare() const {
+    const InvariantReport r = tier_->check_invariants();
+    if (!r.ok) return fail("invariants: " + r.to_string());
+    if (!with_model_) return {};
+    for (const BlockHash& h : universe_) {
+      if (std::string d = compare_hash(h); !d.empty()) return d;
+    }
+    std::vector<BlockHash> device_lru;
+    for (BlockId b : prefix_.lru_order())
+      device_lru.push_back(*prefix_.hash_of(b));
+    if (device_lru != model_.device_lru()) return fail("the device LRU order differs");
+    if (tier_->host_lru_order() != model_.host_lru()) return fail("the host LRU order differs");
+    return compare_scalars();
+  }
+
+ private:
+  // What an operation touched, between full compares: the place of the
+  // chain's hashes and of every hash the model moved, free blocks, counters.
+  std::string check_touched(std::span<const BlockHash> chain) const {
+    if (!with_model_) return {};
+    for (const BlockHash& h : chain) {
+      if (std::string d = compare_hash(h); !d.empty()) return d;
+    }
+    for (const BlockHash& h : model_.touched) {
+      if (std::string d = compare_hash(h); !d.empty()) return d;
+    }
+    return compare_scalars();
+  }
+
+  std::string compare_hash(const BlockHash& h) const {
+    if (prefix_.find(h).has_value() != model_.on_device(h))
+      return fail("hash " + h.to_string() + (model_.on_device(h) ? " should" : " should not") +
+                  " be on the device");
+    if (tier_->is_on_host(h) != model_.on_host(h))
+      return fail("hash " + h.to_string() + (model_.on_host(h) ? " should" : " should not") +
+                  " be on the host");
+    return {};
+  }
+
+  std::string compare_scalars() const {
+    if (cache_->num_free_blocks() != model_.free_blocks())
+      return fail("free blocks " + std::to_string(cache_->num_free_blocks()) + ", model " +
+                  std::to_string(model_.free_blocks()));
+    const HostTierCounters& c = tier_->counters();
+    if (c.offloads != model_.offloads || c.onloads != model_.onloads ||
+        c.host_evictions != model_.host_evictions || c.already_on_host != model_.already_on_host ||
+        c.dropped_offloads != model_.dropped_offloads ||
+        c.onload_shortfalls != model_.onload_shortfalls) {
+      std::ostringstream o;
+      o << "counters differ: offloads " << c.offloads << "/" << model_.offloads << " onloads "
+        << c.onloads << "/" << model_.onloads << " host_evictions " << c.host_evictions << "/"
+        << model_.host_evictions << " already_on_host " << c.already_on_host << "/"
+        << model_.already_on_host << " dropped " << c.dropped_offloads << "/"
+        << model_.dropped_offloads << " shortfalls " << c.onload_shortfalls << "/"
+        << model_.onload_shortfalls;
+      return fail(o.str());
+    }
+    return {};
+  }
+
+  // ---- faults ----
+
+  struct Armed {
+    FaultKind kind;
+    FaultMode mode;
+    std::uint64_t remaining;  // calls of `kind` to let through, plus one
+  };
+
+  // Runs one of the tier's calls with the armed fault's plan set (as the
+  // fault sweep of host_tier_fault_test.cpp does): the plan fails the
+  // remaining-th call of its kind from now; what the call made without a
+  // fault is counted off.
+  template <class F>
+  decltype(auto) tier_call(F&& fn) {
+    if (!armed_) return fn();
+    faults_->reset_fault_counts();
+    faults_->set_plan(armed_->kind, {.nth = armed_->remaining, .mode = armed_->mode});
+    struct Disarm {
+      TierDriver& d;
+      ~Disarm() {
+        const FaultCounts c = d.faults_->counts(d.armed_->kind);
+        d.faults_->clear_plan(d.armed_->kind);
+        if (c.faults == 0) {
+          d.armed_->remaining -= c.calls;
+          return;
+        }
+        d.armed_.reset();
+        ++d.faults_injected_;
+        d.faulted_ = true;
+        d.with_model_ = false;  // the model knows nothing of rollbacks
+      }
+    } disarm{*this};
+    return fn();
+  }
+
+  void arm(const TierOp& op) {
+    if (faults_ == nullptr || armed_) return;
+    switch (op.a % 3) {
+      case 0:
+        armed_ = Armed{FaultKind::copy, FaultMode::synchronous, 0};
+        break;
+      case 1:
+        armed_ = Armed{FaultKind::copy, FaultMode::deferred, 0};
+        break;
+      default:
+        armed_ = Armed{FaultKind::synchronize, FaultMode::synchronous, 0};
+        break;
+    }
+    armed_->remaining = 1 + op.b % 16;
+  }
+
+  // ---- operations ----
+
+  std::string apply_op(const TierOp& op, std::span<const BlockHash>& chain_out) {
     switch (op.kind) {
       case TierOpKind::request:
       case TierOpKind::lookup: {
@@ -294,8 +473,9 @@ class TierDriver {
         const std::vector<BlockHash>& doc = chains_[op.a % kDocuments];
         const std::size_t len = 1 + (op.a / kDocuments) % kMaxChain;
         const std::span<const BlockHash> chain(doc.data(), len);
+        chain_out = chain;
         Table t;
-        const PrefixMatch m = prefix_.lookup_hashes(chain);
+        const PrefixMatch m = tier_call([&] { return prefix_.lookup_hashes(chain); });
         onloaded_ += m.lower_tier_blocks;
         if (m.blocks.size() != m.hashes.size() || m.lower_tier_blocks > m.blocks.size() ||
             m.num_tokens != m.blocks.size() * prefix_.block_size())
@@ -319,7 +499,7 @@ class TierDriver {
           for (std::size_t i = m.blocks.size(); i < len; ++i) {
             std::optional<BlockId> b;
             try {
-              b = prefix_.alloc_block();
+              b = tier_call([&] { return prefix_.alloc_block(); });
             } catch (const CacheExhausted&) {
             }
             if (with_model_) {
@@ -330,7 +510,7 @@ class TierDriver {
             }
             if (!b) break;
             write(*b, chain[i]);
-            const bool inserted = prefix_.insert(chain[i], *b);
+            const bool inserted = tier_call([&] { return prefix_.insert(chain[i], *b); });
             t.blocks.push_back(*b);
             if (with_model_) {
               t.model.push_back({});
@@ -348,18 +528,18 @@ class TierDriver {
         break;
       case TierOpKind::offload: {
         const std::size_t n = op.b % 5;
-        const std::size_t got = tier_->offload(n);
+        const std::size_t got = tier_call([&] { return tier_->offload(n); });
         if (with_model_) {
-          tier_->synchronize();
+          tier_call([&] { tier_->synchronize(); });
           const std::size_t expect = model_.offload(n);
-          if (got != expect)
+          if (with_model_ && got != expect)  // the synchronize may have failed: then dropped
             return fail("offloaded " + std::to_string(got) + ", model " + std::to_string(expect));
         }
         break;
       }
       case TierOpKind::evict: {
         const std::size_t n = op.b % 4;
-        const std::size_t got = prefix_.evict(n);
+        const std::size_t got = tier_call([&] { return prefix_.evict(n); });
         if (with_model_) {
           const std::size_t expect = model_.evict(n);
           if (got != expect)
@@ -368,51 +548,16 @@ class TierDriver {
         break;
       }
       case TierOpKind::poll:
-        if (!with_model_) tier_->poll();
+        if (!with_model_) tier_call([&] { tier_->poll(); });
         break;
       case TierOpKind::synchronize:
-        tier_->synchronize();
+        tier_call([&] { tier_->synchronize(); });
+        break;
+      case TierOpKind::fault:
+        arm(op);
         break;
       case TierOpKind::count:
         break;
-    }
-    return compare();
-  }
-
-  /// The invariants, and with the model every observable against it.
-  std::string compare() const {
-    const InvariantReport r = tier_->check_invariants();
-    if (!r.ok) return fail("invariants: " + r.to_string());
-    if (!with_model_) return {};
-    for (const BlockHash& h : universe_) {
-      if (prefix_.find(h).has_value() != model_.on_device(h))
-        return fail("hash " + h.to_string() + (model_.on_device(h) ? " should" : " should not") +
-                    " be on the device");
-      if (tier_->is_on_host(h) != model_.on_host(h))
-        return fail("hash " + h.to_string() + (model_.on_host(h) ? " should" : " should not") +
-                    " be on the host");
-    }
-    std::vector<BlockHash> device_lru;
-    for (BlockId b : prefix_.lru_order())
-      device_lru.push_back(*prefix_.hash_of(b));
-    if (device_lru != model_.device_lru()) return fail("the device LRU order differs");
-    if (tier_->host_lru_order() != model_.host_lru()) return fail("the host LRU order differs");
-    if (cache_->num_free_blocks() != model_.free_blocks())
-      return fail("free blocks " + std::to_string(cache_->num_free_blocks()) + ", model " +
-                  std::to_string(model_.free_blocks()));
-    const HostTierCounters& c = tier_->counters();
-    if (c.offloads != model_.offloads || c.onloads != model_.onloads ||
-        c.host_evictions != model_.host_evictions || c.already_on_host != model_.already_on_host ||
-        c.dropped_offloads != model_.dropped_offloads ||
-        c.onload_shortfalls != model_.onload_shortfalls) {
-      std::ostringstream o;
-      o << "counters differ: offloads " << c.offloads << "/" << model_.offloads << " onloads "
-        << c.onloads << "/" << model_.onloads << " host_evictions " << c.host_evictions << "/"
-        << model_.host_evictions << " already_on_host " << c.already_on_host << "/"
-        << model_.already_on_host << " dropped " << c.dropped_offloads << "/"
-        << model_.dropped_offloads << " shortfalls " << c.onload_shortfalls << "/"
-        << model_.onload_shortfalls;
-      return fail(o.str());
     }
     return {};
   }
@@ -426,7 +571,7 @@ class TierDriver {
   void release_table(std::uint32_t which) {
     if (tables_.empty()) return;
     const std::size_t i = which % tables_.size();
-    prefix_.release_blocks(tables_[i].blocks);
+    tier_call([&] { prefix_.release_blocks(tables_[i].blocks); });
     if (with_model_) model_.release(tables_[i].model);
     tables_.erase(tables_.begin() + static_cast<std::ptrdiff_t>(i));
   }
@@ -466,6 +611,12 @@ class TierDriver {
   std::unique_ptr<HostTier> tier_;
   TierModel model_;
   bool with_model_;
+  FaultInjectingBackend* faults_;
+  std::optional<Armed> armed_;
+  bool faulted_ = false;  // a fault was injected in this apply()
+  std::uint64_t faults_injected_ = 0;
+  std::size_t full_check_every_ = 1;
+  std::uint64_t applied_ = 0;
   std::vector<std::vector<BlockHash>> chains_;
   std::vector<BlockHash> universe_;
   std::vector<Table> tables_;
