@@ -54,6 +54,23 @@ def tagged_processes(tag):
     return found
 
 
+def reap_tagged(tag):
+    """Waits up to 5 s for the processes tagged `tag` to go, SIGKILLs the rest
+    and returns their pids (empty: none was left behind)."""
+    leftovers = []
+    for _ in range(50):
+        leftovers = tagged_processes(tag)
+        if not leftovers:
+            break
+        time.sleep(0.1)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return leftovers
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvport", required=True)
@@ -84,17 +101,7 @@ def main():
         failures.append(f"exit {proc.returncode}, expected {expected_exit}")
 
     # The workers die with the coordinator (PDEATHSIG); give the kernel a moment.
-    leftovers = []
-    for _ in range(50):
-        leftovers = tagged_processes(tag)
-        if not leftovers:
-            break
-        time.sleep(0.1)
-    for pid in leftovers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    leftovers = reap_tagged(tag)
     if leftovers:
         failures.append(f"processes left behind: {leftovers}")
 

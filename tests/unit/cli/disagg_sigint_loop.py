@@ -28,7 +28,7 @@ import time
 import uuid
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from disagg_check import tagged_processes  # noqa: E402
+from disagg_check import reap_tagged  # noqa: E402
 
 CRASH_MARKS = ("double free", "Segmentation fault", "AddressSanitizer", "ThreadSanitizer",
                "UndefinedBehaviorSanitizer", "runtime error:", "terminate called", "Aborted")
@@ -84,17 +84,7 @@ def main():
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             problems.append(f"not done within {opts.timeout} s of the SIGINT")
-        leftovers = []
-        for _ in range(50):
-            leftovers = tagged_processes(tag)
-            if not leftovers:
-                break
-            time.sleep(0.1)
-        for pid in leftovers:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        leftovers = reap_tagged(tag)
         if leftovers:
             problems.append(f"processes left behind: {leftovers}")
         text = err.decode(errors="replace")
