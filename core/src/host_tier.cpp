@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <exception>
 #include <chrono>
+#include <exception>
 #include <limits>
 #include <thread>
 #include <utility>
@@ -894,9 +894,9 @@ InvariantReport HostTier::check_invariants() const {
   for (SlotId i = 0; i < s.slots.size(); ++i) {
     const Slot& slot = s.slots[i];
     if (slot.pins != read_pins[i]) {
-      report.add_violation(fmt::format(
-          "host slot {} has {} pins between calls, {} from quarantined onloads", i, slot.pins,
-          read_pins[i]));
+      report.add_violation(
+          fmt::format("host slot {} has {} pins between calls, {} from quarantined onloads", i,
+                      slot.pins, read_pins[i]));
     }
     switch (slot.state) {
       case SlotState::free:
@@ -1009,9 +1009,8 @@ InvariantReport HostTier::check_invariants() const {
     for (const Transfer& t : q.writes) {
       if (t.slot >= s.slots.size() || s.slots[t.slot].state != SlotState::quarantined ||
           slot_seen[t.slot]) {
-        report.add_violation(
-            fmt::format("host slot {} is a quarantined write's but not quarantined, or twice",
-                        t.slot));
+        report.add_violation(fmt::format(
+            "host slot {} is a quarantined write's but not quarantined, or twice", t.slot));
       } else {
         slot_seen[t.slot] = true;
       }
@@ -1021,9 +1020,8 @@ InvariantReport HostTier::check_invariants() const {
         if (!hold_once(t.block)) continue;
         const std::uint32_t rc = s.kv->ref_count(t.block);
         if (s.prefix->is_cached(t.block) ? rc < 2 : rc != 1) {
-          report.add_violation(fmt::format(
-              "quarantined block {} has refcount {} ({})", t.block, rc,
-              s.prefix->is_cached(t.block) ? "cached" : "uncached"));
+          report.add_violation(fmt::format("quarantined block {} has refcount {} ({})", t.block, rc,
+                                           s.prefix->is_cached(t.block) ? "cached" : "uncached"));
         }
       }
     }

@@ -51,9 +51,8 @@ namespace {
 
 void validate(const HybridKvCache& cache, const HybridHostTierOptions& o) {
   if (o.slots_per_group.size() != cache.num_groups()) {
-    throw InvalidArgument(
-        fmt::format("HybridHostTier: {} slot counts for {} KV cache groups",
-                    o.slots_per_group.size(), cache.num_groups()));
+    throw InvalidArgument(fmt::format("HybridHostTier: {} slot counts for {} KV cache groups",
+                                      o.slots_per_group.size(), cache.num_groups()));
   }
   std::size_t bytes = 0;
   bool any = false;
@@ -62,9 +61,9 @@ void validate(const HybridKvCache& cache, const HybridHostTierOptions& o) {
     if (n == 0) continue;
     any = true;
     if (n > HostTierOptions::kMaxHostBlocks) {
-      throw InvalidArgument(fmt::format("HybridHostTier: group {} ({}): {} host slots, more than {}",
-                                        g, cache.group(g).spec.describe(), n,
-                                        HostTierOptions::kMaxHostBlocks));
+      throw InvalidArgument(
+          fmt::format("HybridHostTier: group {} ({}): {} host slots, more than {}", g,
+                      cache.group(g).spec.describe(), n, HostTierOptions::kMaxHostBlocks));
     }
     const std::size_t slot = HostTier::slot_bytes_for(cache.group_cache(g));
     if (mul_overflows(n, slot) || add_overflows(bytes, n * slot)) {

@@ -14,8 +14,8 @@
 #include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
-#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/size_math.hpp"
 #include "kvport/sim/scheduler.hpp"
@@ -301,8 +301,8 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
                                         options.host_tier_blocks, format_bytes(unit)));
     }
     HybridHostTierOptions t;
-    t.slots_per_group = split_host_slots(plan, options.host_tier_blocks * unit,
-                                         options.state_checkpoint_interval);
+    t.slots_per_group =
+        split_host_slots(plan, options.host_tier_blocks * unit, options.state_checkpoint_interval);
     t.policy = options.tier_policy;
     t.inclusion = options.tier_inclusion;
     for (std::size_t g = 0; g < plan.groups.size(); ++g) {

@@ -61,8 +61,8 @@ TEST(cli_group_replay, TextReportAndAMambaHybridFromItsConfig) {
 
 TEST(cli_group_replay, HostTierPerGroupAndPerTier) {
   // gpt-oss with 2 GiB: every group's evicted blocks go to the host.
-  const CliResult r = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b",
-                                    "--host-tier-blocks", "20000", "--json"});
+  const CliResult r = group_replay(
+      {"--memory", "2GiB", "--model", "gpt-oss-120b", "--host-tier-blocks", "20000", "--json"});
   ASSERT_EQ(r.code, 0) << r.err << r.out;
   const nlohmann::json j = r.json();
   EXPECT_EQ(j.at("host_tier_blocks"), 20000);
@@ -91,8 +91,8 @@ TEST(cli_group_replay, HostTierPerGroupAndPerTier) {
   EXPECT_FALSE(bare.json().at("groups").contains("host_bytes"));
 
   // The text report names the host columns and rows.
-  const CliResult text = group_replay(
-      {"--memory", "2GiB", "--model", "gpt-oss-120b", "--host-tier-blocks", "20000"});
+  const CliResult text =
+      group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--host-tier-blocks", "20000"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_THAT(text.out, HasSubstr("host tier: 20000 blocks of the model"));
   EXPECT_THAT(text.out, HasSubstr("from host"));

@@ -353,9 +353,9 @@ TEST(cli_hostile_config, HugePerLayerListsAreRefusedWithoutTheirDom) {
   // At the limit a well-formed list is read (and its length checked).
   std::string at_limit = list("\"full_attention\"", kMaxModelLayers);
   at_limit.resize(at_limit.size() - std::string_view(", @ this is not JSON @").size());
-  expect_configs_rejected({{R"({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": )" +
-                                at_limit + "]}",
-                            "'layer_types' has 65536 entries but num_hidden_layers is 2"}});
+  expect_configs_rejected(
+      {{R"({"model_type": "gpt_oss", "num_hidden_layers": 2, "layer_types": )" + at_limit + "]}",
+        "'layer_types' has 65536 entries but num_hidden_layers is 2"}});
 }
 
 TEST(cli_hostile_config, FilesThatAreNotSmallRegularFiles) {

@@ -353,7 +353,8 @@ TEST_P(HostTierSlowStream, AnOnloadThatMissesItsDeadlineIsQuarantinedAndTheHitIs
   stream.synchronize();
   for (int i = 0; i < 100 && tier.num_quarantined_blocks() != 0; ++i) {
     tier.poll();
-    if (tier.num_quarantined_blocks() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (tier.num_quarantined_blocks() != 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(tier.num_quarantined_blocks(), 0u);
   EXPECT_EQ(cache.num_free_blocks(), 4u);
@@ -399,7 +400,8 @@ TEST_P(HostTierSlowStream, AWriteBackThatMissesItsDeadlineIsQuarantinedAndNeverP
   gb.open_gate();
   for (int i = 0; i < 100 && tier.num_quarantined_blocks() != 0; ++i) {
     tier.poll();
-    if (tier.num_quarantined_blocks() != 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (tier.num_quarantined_blocks() != 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   EXPECT_EQ(tier.num_quarantined_slots(), 0u);
   EXPECT_EQ(tier.num_free_host_blocks(), 4u);

@@ -78,7 +78,8 @@ struct World {
       }
       const std::span<const BlockId> blocks = t.blocks(g);
       for (std::size_t i = 0; i < blocks.size() && i < h.size(); ++i)
-        if (blocks[i] != kNullBlock) test::write_pattern_block(pool, blocks[i], tag(h[i], g), *stream);
+        if (blocks[i] != kNullBlock)
+          test::write_pattern_block(pool, blocks[i], tag(h[i], g), *stream);
     }
   }
 
@@ -247,8 +248,8 @@ TEST(hybrid_host_tier, OptionsAndSizing) {
   HybridKvCache cache(config(), device, *backend);
   HybridHostTierOptions o;
   o.slots_per_group = {4, 4};
-  EXPECT_THAT([&] { HybridHostTier t(cache, o); }, ::testing::ThrowsMessage<InvalidArgument>(
-                                                        HasSubstr("2 slot counts for 3")));
+  EXPECT_THAT([&] { HybridHostTier t(cache, o); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("2 slot counts for 3")));
   o.slots_per_group = {0, 0, 0};
   EXPECT_THAT([&] { HybridHostTier t(cache, o); },
               ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("no group has host slots")));

@@ -72,7 +72,7 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
 
 void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
   const bool tier = r.host_tier_blocks != 0;
-  std::vector<std::string> header = {"group",       "kind",       "layers",    "blocks",
+  std::vector<std::string> header = {"group",       "kind",        "layers",     "blocks",
                                      "bytes/block", "peak blocks", "peak bytes", "hit blocks"};
   if (tier) {
     for (const char* h : {"host slots", "from host", "written back", "host evictions"})

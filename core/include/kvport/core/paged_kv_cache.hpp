@@ -87,9 +87,9 @@ struct PagedKvCacheOptions {
 /// call synchronize() before destruction to see it. A remembered stream that
 /// was destroyed meanwhile is skipped (Backend::stream_alive says so;
 /// Stream's destructor already waited for its work); every error of a live
-/// stream is reported, whatever its type. Work the caller queued on the pools itself (kernels through
-/// k_cache_ptr, its own copies) on other streams is the caller's to finish
-/// before destroying the cache.
+/// stream is reported, whatever its type. Work the caller queued on the pools itself (kernels
+/// through k_cache_ptr, its own copies) on other streams is the caller's to finish before
+/// destroying the cache.
 class PagedKvCache {
  public:
   /// Validates `config` and allocates the pools on `backend`: 2 * num_layers
@@ -275,8 +275,8 @@ class PagedKvCache {
   /// Every live stream is synchronized even when one fails; then the first
   /// error is rethrown as Backend::synchronize threw it (BackendError, or
   /// the InvalidArgument of an asynchronous use after free on the host
-  /// backend: an error of the stream, whoever queued the failing work). Costs one backend synchronize per
-  /// remembered stream; a no-op when nothing was queued since the last call.
+  /// backend: an error of the stream, whoever queued the failing work). Costs one backend
+  /// synchronize per remembered stream; a no-op when nothing was queued since the last call.
   void synchronize();
 
   /// The streams this cache queued device work on since construction or the

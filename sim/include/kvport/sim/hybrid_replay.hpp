@@ -68,7 +68,7 @@ struct HybridGroupUsage {
   /// group, at first admission; of those, the ones the host tier copied in.
   std::uint64_t hit_blocks = 0;
   std::uint64_t host_hit_blocks = 0;
-  std::size_t host_slots = 0;     ///< the group's host slots (0: no tier)
+  std::size_t host_slots = 0;      ///< the group's host slots (0: no tier)
   HostTierCounters tier_counters;  ///< the group's HostTier at the end
 };
 
