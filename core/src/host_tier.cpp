@@ -860,18 +860,6 @@ void HostTier::append_block_regions(const PagedKvCache& cache, BlockId block, st
 
 // ---- diagnostics ----------------------------------------------------------------------------
 
-namespace {
-
-template <class State>
-std::size_t slots_in_quarantine(const State& s) {
-  std::size_t n = 0;
-  for (const auto& q : s.quarantine)
-    n += q.writes.size();
-  return n;
-}
-
-}  // namespace
-
 InvariantReport HostTier::check_invariants() const {
   const State& s = *state_;
   InvariantReport report = s.prefix->check_invariants();
@@ -882,8 +870,10 @@ InvariantReport HostTier::check_invariants() const {
   // Between calls only quarantined onloads pin slots (one pin each).
   std::vector<std::uint32_t> read_pins(s.slots.size(), 0);
   std::size_t quarantined_blocks = 0;
+  std::size_t quarantined_writes = 0;
   for (const Quarantine& q : s.quarantine) {
     quarantined_blocks += q.writes.size() + q.reads.size();
+    quarantined_writes += q.writes.size();
     for (const Transfer& t : q.reads)
       if (t.slot < read_pins.size()) ++read_pins[t.slot];
   }
@@ -1026,7 +1016,7 @@ InvariantReport HostTier::check_invariants() const {
       }
     }
   }
-  if (quarantined != slots_in_quarantine(s)) {
+  if (quarantined != quarantined_writes) {
     report.add_violation("a quarantined host slot is no quarantined write's destination");
   }
   return report;
