@@ -302,6 +302,18 @@ struct HostTier::State {
     }
   }
 
+  // Whether the copies queued on the tier's stream ended, without waiting;
+  // true when the query itself fails (the stream's synchronize then reports
+  // it, and the copies are rolled back).
+  bool copies_ended() {
+    try {
+      return backend->query_event(copies_done);
+    } catch (const Error& e) {
+      log_error_nothrow("HostTier: query_event failed: {}", e.what());
+      return true;
+    }
+  }
+
   // Waits for the copies queued on the tier's stream, until the deadline:
   // true when they completed (or failed: synchronize reports it), false when
   // the deadline passed first. Without a deadline, the stream's synchronize.
@@ -312,12 +324,7 @@ struct HostTier::State {
     // then sleep in growing steps up to 200 us.
     auto pause = std::chrono::microseconds(0);
     for (;;) {
-      try {
-        if (backend->query_event(copies_done)) return true;
-      } catch (const Error& e) {
-        log_error_nothrow("HostTier: query_event failed: {}", e.what());
-        return true;  // let synchronize report (and roll back)
-      }
+      if (copies_ended()) return true;
       if (std::chrono::steady_clock::now() >= deadline) return false;
       if (pause.count() == 0) {
         std::this_thread::yield();
@@ -441,14 +448,7 @@ struct HostTier::State {
   void reap() {
     if (!quarantine.empty()) release_quarantine(false);
     if (in_flight.empty()) return;
-    bool done = false;
-    try {
-      done = backend->query_event(copies_done);
-    } catch (const Error& e) {
-      log_error_nothrow("HostTier: query_event failed: {}", e.what());
-      done = true;  // let synchronize report (and roll back)
-    }
-    if (done) wait_all();
+    if (copies_ended()) wait_all();
   }
 
   // Queues the copies of `batch` (device -> host) and moves them in flight;
