@@ -42,16 +42,23 @@ constexpr std::string_view kLeaseContext = "lease notification";
 constexpr std::string_view kAnswerContext = "lease answer";
 constexpr std::uint32_t kMaxTokens = kMaxNotificationBytes / sizeof(TokenId);
 
-// lease: the lease id, the prefill group, the lease's ttl (ms), the tokens.
+// lease: the lease id, the prefill group, the lease's ttl (ms), the tokens,
+// and, for an extent other than the whole sequence, the extension: a u16
+// version (1), the u32 first block, a u8 of flags (bit 0: a state slot).
 struct LeaseOffer {
   std::uint64_t lease = 0;
   std::uint32_t group = 0;
   std::uint32_t ttl_ms = 0;
   std::vector<TokenId> tokens;
+  LeaseExtent extent;
 };
 
+constexpr std::uint16_t kExtentVersion = 1;
+constexpr std::uint8_t kExtentState = 1;
+
 std::vector<std::uint8_t> encode_offer(std::uint64_t lease, std::uint32_t group,
-                                       std::uint32_t ttl_ms, std::span<const TokenId> tokens) {
+                                       std::uint32_t ttl_ms, std::span<const TokenId> tokens,
+                                       const LeaseExtent& extent) {
   wire::Writer w(kLeaseContext);
   w.u64(lease);
   w.u32(group);
@@ -59,6 +66,11 @@ std::vector<std::uint8_t> encode_offer(std::uint64_t lease, std::uint32_t group,
   w.count(tokens.size(), kMaxTokens, "token count");
   for (TokenId t : tokens)
     w.u32(t);
+  if (extent != LeaseExtent{}) {
+    w.u16(kExtentVersion);
+    w.u32(extent.first_block);
+    w.u8(extent.state ? kExtentState : 0);
+  }
   return w.take();
 }
 
@@ -73,7 +85,16 @@ LeaseOffer decode_offer(std::span<const std::uint8_t> payload) {
   o.tokens.reserve(count);
   for (std::uint32_t i = 0; i < count; ++i)
     o.tokens.push_back(static_cast<TokenId>(r.u32("token")));
-  r.expect_end("the tokens");
+  if (!r.at_end()) {
+    const std::uint16_t version = r.u16("extent version");
+    if (version != kExtentVersion) r.fail(fmt::format("unknown extent version {}", version));
+    o.extent.first_block = r.u32("first block");
+    const std::uint8_t flags = r.u8("extent flags");
+    if ((flags & ~kExtentState) != 0) r.fail(fmt::format("unknown extent flags {:#x}", flags));
+    o.extent.state = (flags & kExtentState) != 0;
+    if (o.extent.state && o.extent.first_block != 0) r.fail("a state extent with a first block");
+    r.expect_end("the extent");
+  }
   return o;
 }
 
@@ -174,16 +195,29 @@ PrefillNode::~PrefillNode() {
 
 void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group,
                         std::span<const BlockId> blocks, std::span<const TokenId> tokens,
-                        std::span<const PeerId> decode_peers) {
+                        std::span<const PeerId> decode_peers, LeaseExtent extent) {
   State& s = *state_;
   if (decode_peers.empty()) throw InvalidArgument("offer: no decode peers");
   if (s.by_request.contains(request_id)) {
     throw InvalidArgument(fmt::format("offer: request {} already has a lease", request_id));
   }
   const std::size_t bs = s.cache.block_size();
-  if (tokens.empty() || blocks.size() != (tokens.size() + bs - 1) / bs) {
-    throw InvalidArgument(fmt::format("offer: {} blocks for {} tokens (block size {})",
-                                      blocks.size(), tokens.size(), bs));
+  if (tokens.empty() || tokens.size() > kMaxTokens) {
+    throw InvalidArgument(fmt::format("offer: {} tokens (1 to {})", tokens.size(), kMaxTokens));
+  }
+  if (extent.state) {
+    if (extent.first_block != 0 || blocks.size() != 1) {
+      throw InvalidArgument(
+          fmt::format("offer: a state extent is one slot at block 0, not {} at block {}",
+                      blocks.size(), extent.first_block));
+    }
+  } else {
+    const std::size_t total = (tokens.size() + bs - 1) / bs;
+    if (extent.first_block >= total || blocks.size() != total - extent.first_block) {
+      throw InvalidArgument(
+          fmt::format("offer: {} blocks from block {} for {} tokens (block size {})", blocks.size(),
+                      extent.first_block, tokens.size(), bs));
+    }
   }
   // Only the decode ranks that hold some of this rank's heads pull from it.
   std::vector<PeerId> peers;
@@ -202,7 +236,7 @@ void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group,
   lease.waiting.insert(decode_peers.begin(), decode_peers.end());
   lease.deadline = Clock::now() + s.options.lease_ttl;
   const std::vector<std::uint8_t> payload = encode_offer(
-      lease.id, group, static_cast<std::uint32_t>(s.options.lease_ttl.count()), tokens);
+      lease.id, group, static_cast<std::uint32_t>(s.options.lease_ttl.count()), tokens, extent);
   // Record first: a peer lost between two notifies still ends the lease.
   const std::uint64_t id = lease.id;
   s.held += lease.blocks.size();
@@ -321,6 +355,7 @@ struct DecodeNode::State {
     std::uint32_t group = 0;
     Phase phase = Phase::assembling;
     std::vector<TokenId> tokens;
+    LeaseExtent extent;
     std::size_t num_blocks = 0;
     std::set<std::uint32_t> expected_ranks;
     std::map<std::uint32_t, Part> parts;  // by prefill rank
@@ -379,17 +414,32 @@ struct DecodeNode::State {
       ++counters.late_notifications;
       return;
     }
+    const std::size_t bs = cache.block_size();
+    const std::size_t total = (offer.tokens.size() + bs - 1) / bs;
+    const bool shape_ok = offer.extent.state
+                              ? n.blocks.size() == 1
+                              : offer.extent.first_block < total &&
+                                    n.blocks.size() == total - offer.extent.first_block;
+    if (!shape_ok) {
+      ++counters.late_notifications;  // malformed: ignore (the lease expires)
+      log::warn(fmt::format(
+          "DecodeNode: dropped a lease from peer {}: {} blocks from block {} for {} tokens", n.peer,
+          n.blocks.size(), offer.extent.first_block, offer.tokens.size()));
+      return;
+    }
     auto [it, fresh] = requests.try_emplace(n.request_id);
     Request& r = it->second;
     if (fresh) {
       r.request_id = n.request_id;
       r.group = offer.group;
       r.tokens = std::move(offer.tokens);
+      r.extent = offer.extent;
       r.num_blocks = n.blocks.size();
       r.expected_ranks = ranks_for(info->layout);
       r.first_seen = Clock::now();
     } else if (r.phase != Phase::assembling || r.group != offer.group || r.tokens != offer.tokens ||
-               r.num_blocks != n.blocks.size() || r.parts.contains(info->layout.tp_rank)) {
+               r.extent != offer.extent || r.num_blocks != n.blocks.size() ||
+               r.parts.contains(info->layout.tp_rank)) {
       // A second offer of a request we already handle, or parts that
       // disagree: refuse this part.
       tell(n.peer, n.request_id, DisaggKind::refused, offer.lease);
@@ -467,6 +517,7 @@ struct DecodeNode::State {
       res.ok = ok;
       res.why = r.why;
       res.tokens = std::move(r.tokens);
+      res.extent = r.extent;
       res.bytes = r.bytes;
       if (r.first_post != Clock::time_point::max() && r.last_final > r.first_post) {
         res.transfer_seconds = std::chrono::duration<double>(r.last_final - r.first_post).count();
@@ -484,9 +535,12 @@ struct DecodeNode::State {
   }
 
   void register_blocks(const Request& r) {
+    if (!options.register_blocks || r.extent.state) return;
     const auto hashes = hash_full_blocks(r.tokens, cache.block_size());
-    for (std::size_t i = 0; i < hashes.size() && i < r.blocks.size(); ++i) {
-      if (cache.insert(hashes[i], r.blocks[i])) ++counters.blocks_registered;
+    for (std::size_t i = 0; i < r.blocks.size(); ++i) {
+      const std::size_t at = r.extent.first_block + i;
+      if (at >= hashes.size()) break;
+      if (cache.insert(hashes[at], r.blocks[i])) ++counters.blocks_registered;
     }
   }
 
@@ -688,6 +742,16 @@ const std::vector<PeerId>& DecodeNode::lost_peers() const noexcept {
 }
 std::size_t DecodeNode::pending_requests() const noexcept {
   return state_->requests.size();
+}
+bool DecodeNode::tracks(std::uint64_t request_id) const noexcept {
+  return state_->requests.contains(request_id);
+}
+std::vector<std::uint64_t> DecodeNode::pending_request_ids() const {
+  std::vector<std::uint64_t> out;
+  out.reserve(state_->requests.size());
+  for (const auto& [id, r] : state_->requests)
+    out.push_back(id);
+  return out;
 }
 std::size_t DecodeNode::held_blocks() const noexcept {
   return state_->held;

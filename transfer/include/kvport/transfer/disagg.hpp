@@ -45,6 +45,22 @@ enum class LeaseEnd : std::uint8_t {
 };
 std::string_view to_string(LeaseEnd end) noexcept;
 
+/// Which part of a request's sequence a lease's blocks are. The default, the
+/// whole sequence, is what every earlier build sends (the lease payload
+/// without an extension); anything else adds a versioned extension to the
+/// payload (docs/transfer.md), which an earlier decode side drops (the lease
+/// then expires: fail closed).
+struct LeaseExtent {
+  /// The blocks are the sequence's blocks [first_block, ceil(n / block_size))
+  /// (a window or chunk group holds only the blocks in its window).
+  std::uint32_t first_block = 0;
+  /// The blocks are one state slot: a state group's state after every token
+  /// (first_block is then 0).
+  bool state = false;
+
+  friend bool operator==(const LeaseExtent&, const LeaseExtent&) = default;
+};
+
 struct PrefillOptions {
   /// A lease not answered within this is expired and its blocks freed.
   std::chrono::milliseconds lease_ttl{10000};
@@ -82,12 +98,15 @@ class PrefillNode {
   /// Offers `blocks` (filled with the KV of `tokens`; the caller's one
   /// reference on each passes to the node) to each of `decode_peers`, which
   /// must all be connected. `group` names this prefill TP group (its ranks
-  /// offer the same request with the same group). Throws InvalidArgument
+  /// offer the same request with the same group). `extent` says which blocks
+  /// of the sequence these are (default: all of them). Throws InvalidArgument
   /// (the caller keeps its references) for an empty peer list, a request id
-  /// already leased, blocks that do not cover the tokens, or an unknown or
-  /// lost peer.
+  /// already leased, blocks that do not match the tokens and extent
+  /// (ceil(n / block_size) - first_block blocks, first_block below that; one
+  /// slot for a state extent), or an unknown or lost peer.
   void offer(std::uint64_t request_id, std::uint32_t group, std::span<const BlockId> blocks,
-             std::span<const TokenId> tokens, std::span<const PeerId> decode_peers);
+             std::span<const TokenId> tokens, std::span<const PeerId> decode_peers,
+             LeaseExtent extent = {});
 
   /// Handles notifications and lost peers, expires leases, and returns the
   /// leases that ended since the last call (their blocks are released).
@@ -118,6 +137,13 @@ struct DecodeOptions {
   /// A pulled request whose confirmations are not all here after this long
   /// fails (and is refused).
   std::chrono::milliseconds confirm_timeout{5000};
+  /// Insert a completed request's full blocks into the prefix cache (the
+  /// default). false: the result's blocks are only the caller's, nothing is
+  /// inserted (HybridDecodeNode registers every group's blocks itself once
+  /// every group of the request completed). A state extent is never
+  /// inserted by the node: its hash is the model's block chain, which a
+  /// state pool (block size 1) does not know.
+  bool register_blocks = true;
 };
 
 struct DecodeCounters {
@@ -144,6 +170,8 @@ struct DecodeResult {
   /// failure (the node freed them once no transfer could touch them).
   std::vector<BlockId> blocks;
   std::vector<TokenId> tokens;
+  /// Which blocks of the sequence `blocks` are (the lease's extent).
+  LeaseExtent extent;
   std::uint64_t bytes = 0;
   double transfer_seconds = 0;  ///< first post to last transfer final
   double latency_seconds = 0;   ///< first lease part received to result
@@ -174,6 +202,10 @@ class DecodeNode {
 
   /// Requests being assembled, pulled or confirmed.
   std::size_t pending_requests() const noexcept;
+  /// Whether `request_id` is one of them.
+  bool tracks(std::uint64_t request_id) const noexcept;
+  /// Their ids, ascending.
+  std::vector<std::uint64_t> pending_request_ids() const;
   /// Blocks allocated for requests not yet reported.
   std::size_t held_blocks() const noexcept;
   const DecodeCounters& counters() const noexcept;
