@@ -134,6 +134,52 @@ TEST(DisaggProtocol, WorkerSpecRoundTripsAndNamesABadField) {
   EXPECT_THROW(disagg::WorkerSpec::from_json(bad), InvalidArgument);
 }
 
+TEST(DisaggProtocol, HybridWorkerSpecCarriesEveryLayerKind) {
+  disagg::WorkerSpec s;
+  s.config.block_size = 16;
+  s.capacity_blocks = 10;
+  s.state_slots = 3;
+  s.model_layers = {LayerSpec::full_attention(8, 64, 64, KvCacheDtype::fp8_e4m3),
+                    LayerSpec::sliding_window(128, 8, 64, 64),
+                    LayerSpec::chunked_local(64, 4, 128, 128),
+                    LayerSpec::mla(512, 64, KvCacheDtype::fp8_e4m3, MlaFormat::fp8_ds_mla),
+                    LayerSpec::recurrent_state({StateTensor{"conv", {16, 3}, StateDtype::bf16},
+                                                StateTensor{"ssm", {4, 8, 16}, StateDtype::f32}}),
+                    LayerSpec::no_kv()};
+  const disagg::WorkerSpec back = disagg::WorkerSpec::from_json(s.to_json());
+  EXPECT_EQ(back.model_layers, s.model_layers);
+  EXPECT_EQ(back.state_slots, 3u);
+  // A spec without layers (what a full-attention run sends) reads back empty.
+  disagg::WorkerSpec plain;
+  plain.config.block_size = 16;
+  EXPECT_TRUE(disagg::WorkerSpec::from_json(plain.to_json()).model_layers.empty());
+  nlohmann::json bad = disagg::layer_spec_json(s.model_layers[1]);
+  bad["kind"] = "retention";
+  EXPECT_THROW(disagg::layer_spec_from_json(bad, 16), InvalidArgument);
+  bad = disagg::layer_spec_json(s.model_layers[1]);
+  bad["window"] = 0;  // validated
+  EXPECT_THROW(disagg::layer_spec_from_json(bad, 16), InvalidArgument);
+  bad = disagg::layer_spec_json(s.model_layers[4]);
+  bad["state"][0]["dtype"] = "f64";
+  EXPECT_THROW(disagg::layer_spec_from_json(bad, 16), InvalidArgument);
+  bad = disagg::layer_spec_json(s.model_layers[3]);
+  bad["mla_format"] = "zip";
+  EXPECT_THROW(disagg::layer_spec_from_json(bad, 16), InvalidArgument);
+  bad.erase("rope_dim");
+  EXPECT_THROW(disagg::layer_spec_from_json(bad, 16), InvalidArgument);
+}
+
+TEST(DisaggFlags, HybridModelsSplitOnlyTheirAttentionHeads) {
+  // gpt-oss-120b: 8 KV heads in every attention layer.
+  expect_bad_input(run_cli({"disagg", "--trace", kTrace, "--model", "gpt-oss-120b",
+                            "--capacity-blocks", "64", "--tp-decode", "3"}),
+                   "tensor-parallel size 3");
+  // Every group's pool counts toward the host-memory check.
+  expect_bad_input(run_cli({"disagg", "--trace", kTrace, "--model", "gpt-oss-120b",
+                            "--capacity-blocks", "30000", "--prefill", "16", "--decode", "16"}),
+                   "more than this machine has");
+}
+
 TEST(DisaggReport, AWorkerLostByAPeerFailsTheRunUnlessItWasTheVictim) {
   disagg::RunOptions o;
   o.config.num_layers = 2;

@@ -25,6 +25,12 @@
 //                                                named as the coordinator names it
 //   stats           {"leaked_blocks":n,"in_use":n,"invariants_ok":bool,...}
 //   fatal           {"why":...,"listen":bool}    listen: could not listen at all
+// A hybrid model's worker (run_hybrid_worker) has one agent per KV cache
+// group: its "ready" address is the groups' addresses, comma-separated in
+// group order, which "connect" carries unchanged; "done" adds "groups":
+// [{"kind","bytes","wrong_bytes","checked_bytes","blocks","first_block"}]
+// and "stats" adds "groups": [{"kind","in_use","cached","leaked_blocks",
+// "invariants_ok"}].
 #pragma once
 
 #include <chrono>
@@ -37,6 +43,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/layer_spec.hpp"
 
 namespace kvport::cli::disagg {
 
@@ -96,7 +103,15 @@ struct WorkerSpec {
   std::uint32_t rank = 0;
   std::uint32_t tp = 1;
   KvCacheConfig config;  ///< the model's: num_kv_heads is the total, sliced by tp
+  /// A hybrid (or MLA) model's layers, the model's heads (sliced by tp):
+  /// the worker then runs a HybridKvCache with one agent per KV cache group
+  /// (`config` gives only the block size and layout). Empty: one
+  /// PagedKvCache of `config`.
+  std::vector<LayerSpec> model_layers;
   std::size_t capacity_blocks = 0;
+  /// Hybrid models: the slots of each state group (a state slot is one
+  /// request's whole state, far larger than a block).
+  std::size_t state_slots = 0;
   std::chrono::milliseconds peer_timeout{1500};
   std::chrono::milliseconds lease_ttl{10000};
   std::size_t scratch_bytes = 0;
@@ -106,6 +121,19 @@ struct WorkerSpec {
   /// Throws InvalidArgument naming a missing or bad field.
   static WorkerSpec from_json(const nlohmann::json& j);
 };
+
+/// A layer spec as the worker spec's JSON carries it, and back (throws
+/// InvalidArgument naming a bad field; the spec is validated at
+/// `block_size`).
+nlohmann::json layer_spec_json(const LayerSpec& spec);
+LayerSpec layer_spec_from_json(const nlohmann::json& j, std::size_t block_size);
+
+/// The hybrid worker (WorkerSpec::model_layers not empty): as run_worker.
+/// Its "ready" address is its groups' agents' addresses, comma-separated in
+/// group order (the coordinator passes it on unchanged in "connect"); its
+/// "done" and "stats" events add a "groups" array (per group: bytes,
+/// wrong_bytes, blocks; leaked_blocks, in_use, cached).
+int run_hybrid_worker(const WorkerSpec& spec, std::ostream& out);
 
 /// Runs one worker until "finish" or its stdin closes. Writes events to
 /// `out` (one JSON per line, flushed). Returns the process exit code.

@@ -32,6 +32,7 @@
 #include "kvport/platform/host_memory.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 #include "kvport/sim/trace_tokens.hpp"
+#include "kvport/transfer/hybrid_disagg.hpp"
 #include "process_group.hpp"
 
 namespace kvport::cli {
@@ -42,6 +43,10 @@ using nlohmann::json;
 
 // Mooncake traces hash prompts in blocks of 512 tokens.
 constexpr std::size_t kTraceBlockTokens = 512;
+
+// Hybrid models: the slots of each state group per worker (a slot holds one
+// request's whole state, often hundreds of times a block).
+constexpr std::size_t kStateSlots = 8;
 
 // The bounds of the time flags: far beyond any use, small enough that no
 // deadline or sum of them overflows.
@@ -190,13 +195,35 @@ class DisaggCommand final : public Command {
     if (bind_.given()) o.bind = std::string(bind_.value);
     validate_bind(o.bind);
 
-    const CacheShapeOptions::Resolved shape = shape_.resolve();
-    o.config = shape.config;
-    o.model = shape.model.name;
-    for (std::uint32_t tp : {o.tp_prefill, o.tp_decode}) {
-      if (o.config.num_kv_heads % tp != 0) {
-        throw InvalidArgument(fmt::format("{} KV heads do not split over tensor-parallel size {}",
-                                          o.config.num_kv_heads, tp));
+    const CacheShapeOptions::Layered layered = shape_.resolve_layers();
+    if (layered.full_attention) {
+      o.config = layered.full_attention->config;
+      o.model = layered.full_attention->model.name;
+      o.block_bytes = o.config.bytes_per_block();
+      for (std::uint32_t tp : {o.tp_prefill, o.tp_decode}) {
+        if (o.config.num_kv_heads % tp != 0) {
+          throw InvalidArgument(fmt::format("{} KV heads do not split over tensor-parallel size {}",
+                                            o.config.num_kv_heads, tp));
+        }
+      }
+    } else {
+      // A hybrid or MLA model: one HybridKvCache per worker, one agent per
+      // KV cache group (docs/transfer.md).
+      o.layers = layered.layers;
+      o.model = layered.model.name;
+      o.config.block_size = layered.block_size;
+      o.config.layout = layered.layout;
+      o.state_slots = std::min<std::size_t>(o.capacity_blocks, kStateSlots);
+      for (std::uint32_t tp : {o.tp_prefill, o.tp_decode}) {
+        try {
+          (void)transfer::rank_layer_specs(o.layers, tp);
+        } catch (const InvalidArgument& e) {
+          throw InvalidArgument(fmt::format("tensor-parallel size {}: {}", tp, e.what()));
+        }
+      }
+      for (const KvCacheGroup& g : group_layers(o.layers, o.config.block_size)) {
+        if (!g.spec.has_state())
+          o.block_bytes += group_pool_config(g, o.config.block_size).bytes_per_block();
       }
     }
     if (o.tp_prefill != o.tp_decode && o.config.layout != KvCacheLayout::layer_major) {
@@ -231,10 +258,28 @@ class DisaggCommand final : public Command {
 
   // Every worker allocates and touches its whole cache at start: the total
   // must fit this machine, or the kernel kills one of them half-way.
+  // The bytes of one worker's cache of `tp` ranks: every group's pool
+  // (hybrid models: capacity_blocks blocks per block group, state_slots
+  // slots per state group).
+  static double process_bytes(const disagg::RunOptions& o, std::uint32_t tp) {
+    if (o.layers.empty()) {
+      return static_cast<double>(o.config.bytes_per_block() / tp) *
+             static_cast<double>(o.capacity_blocks);
+    }
+    double total = 0;
+    const auto rank_layers = transfer::rank_layer_specs(o.layers, tp);
+    for (const KvCacheGroup& g : group_layers(rank_layers, o.config.block_size)) {
+      const double count =
+          static_cast<double>(g.spec.has_state() ? o.state_slots : o.capacity_blocks);
+      total +=
+          static_cast<double>(group_pool_config(g, o.config.block_size).bytes_per_block()) * count;
+    }
+    return total;
+  }
+
   static void validate_memory(const disagg::RunOptions& o) {
-    const std::uint64_t block_bytes = o.config.bytes_per_block();
-    const double per_process =
-        static_cast<double>(block_bytes) * static_cast<double>(o.capacity_blocks);
+    const std::uint64_t block_bytes = o.block_bytes;
+    const double per_process = process_bytes(o, 1);
     if (per_process > 64.0 * (1u << 30)) {
       throw InvalidArgument(
           fmt::format("--capacity-blocks: {} blocks of {} bytes is over 64 GiB per process",
@@ -244,7 +289,9 @@ class DisaggCommand final : public Command {
     // scratch buffer of at most 512 MiB besides.
     double total = 0;
     for (const Role role : {Role::prefill, Role::decode}) {
-      total += static_cast<double>(o.instances(role)) * per_process;
+      // Replicated groups (MLA, state) are whole on every rank.
+      total += static_cast<double>(o.instances(role)) * static_cast<double>(o.tp(role)) *
+               process_bytes(o, o.tp(role));
     }
     total += 2.0 * static_cast<double>(std::uint64_t{512} << 20);
     const std::size_t memory = host_physical_memory();  // 0: unknown, not checked

@@ -43,7 +43,7 @@ void Coordinator::size_baseline() {
       largest = std::max<std::uint64_t>(largest, r.blocks);
     }
   }
-  const std::uint64_t per_block = options_.config.bytes_per_block() / options_.tp_decode;
+  const std::uint64_t per_block = options_.block_bytes / options_.tp_decode;
   scratch_bytes_ = std::min<std::uint64_t>(largest * per_block, std::uint64_t{512} << 20);
   stats_.baseline_bytes = std::min<std::uint64_t>((n ? sum / n : 16) * per_block, scratch_bytes_);
 }
@@ -58,6 +58,8 @@ void Coordinator::spawn_all(ProcessGroup& group) {
         s.rank = r;
         s.tp = options_.tp(role);
         s.config = options_.config;
+        s.model_layers = options_.layers;
+        s.state_slots = options_.state_slots;
         s.capacity_blocks = options_.capacity_blocks;
         s.peer_timeout = options_.peer_timeout;
         s.lease_ttl = options_.lease_ttl;
@@ -458,6 +460,18 @@ void Coordinator::on_done(WorkerRecord& w, const json& j) {
       ++stats_.raw_samples;
     }
     if (j.value("wrong_bytes", std::uint64_t{0}) > 0) ++stats_.verification_failures;
+    if (const auto groups = j.find("groups"); groups != j.end() && groups->is_array()) {
+      if (stats_.groups.size() < groups->size()) stats_.groups.resize(groups->size());
+      for (std::size_t g = 0; g < groups->size(); ++g) {
+        const json& one = (*groups)[g];
+        GroupTotals& t = stats_.groups[g];
+        t.kind = one.value("kind", "");
+        t.bytes += one.value("bytes", std::uint64_t{0});
+        t.wrong_bytes += one.value("wrong_bytes", std::uint64_t{0});
+        t.checked_bytes += one.value("checked_bytes", std::uint64_t{0});
+        t.blocks += one.value("blocks", std::uint64_t{0});
+      }
+    }
   } else if (j.value("recomputed", false)) {
     ++stats_.rank_recomputes;
   } else {

@@ -31,6 +31,66 @@ json event_message(std::string_view name) {
   return json{{field::event, name}};
 }
 
+json layer_spec_json(const LayerSpec& spec) {
+  json tensors = json::array();
+  for (const StateTensor& t : spec.state) {
+    tensors.push_back(
+        {{"name", t.name}, {"shape", t.shape}, {"dtype", std::string(kvport::to_string(t.dtype))}});
+  }
+  return json{{"kind", std::string(kvport::to_string(spec.kind))},
+              {"kv_heads", spec.num_kv_heads},
+              {"head_dim_k", spec.head_dim_k},
+              {"head_dim_v", spec.head_dim_v},
+              {"dtype", std::string(kvport::to_string(spec.dtype))},
+              {"window", spec.window},
+              {"chunk", spec.chunk},
+              {"kv_lora_rank", spec.kv_lora_rank},
+              {"rope_dim", spec.rope_dim},
+              {"mla_format", std::string(kvport::to_string(spec.mla_format))},
+              {"state", tensors}};
+}
+
+LayerSpec layer_spec_from_json(const json& j, std::size_t block_size) {
+  try {
+    LayerSpec s;
+    const std::string kind = j.at("kind").get<std::string>();
+    const auto k = parse_layer_kind(kind);
+    if (!k) throw InvalidArgument("layer spec: unknown kind " + kind);
+    s.kind = *k;
+    s.num_kv_heads = j.at("kv_heads").get<std::size_t>();
+    s.head_dim_k = j.at("head_dim_k").get<std::size_t>();
+    s.head_dim_v = j.at("head_dim_v").get<std::size_t>();
+    const std::string dtype = j.at("dtype").get<std::string>();
+    const auto d = parse_dtype(dtype);
+    if (!d) throw InvalidArgument("layer spec: unknown dtype " + dtype);
+    s.dtype = *d;
+    s.window = j.at("window").get<std::size_t>();
+    s.chunk = j.at("chunk").get<std::size_t>();
+    s.kv_lora_rank = j.at("kv_lora_rank").get<std::size_t>();
+    s.rope_dim = j.at("rope_dim").get<std::size_t>();
+    const std::string format = j.at("mla_format").get<std::string>();
+    if (format == kvport::to_string(MlaFormat::fp8_ds_mla)) {
+      s.mla_format = MlaFormat::fp8_ds_mla;
+    } else if (format != kvport::to_string(MlaFormat::plain)) {
+      throw InvalidArgument("layer spec: unknown mla_format " + format);
+    }
+    for (const auto& t : j.at("state")) {
+      StateTensor st;
+      st.name = t.at("name").get<std::string>();
+      st.shape = t.at("shape").get<std::vector<std::size_t>>();
+      const std::string sd = t.at("dtype").get<std::string>();
+      const auto parsed = parse_state_dtype(sd);
+      if (!parsed) throw InvalidArgument("layer spec: unknown state dtype " + sd);
+      st.dtype = *parsed;
+      s.state.push_back(std::move(st));
+    }
+    if (s.kind != LayerKind::none) s.validate(block_size);
+    return s;
+  } catch (const json::exception& e) {
+    throw InvalidArgument(std::string("layer spec: ") + e.what());
+  }
+}
+
 json WorkerSpec::to_json() const {
   json dtypes = json::array();
   for (KvCacheDtype d : config.layer_dtypes)
@@ -47,6 +107,14 @@ json WorkerSpec::to_json() const {
               {"dtype", std::string(kvport::to_string(config.dtype))},
               {"layer_dtypes", dtypes},
               {"layout", std::string(kvport::to_string(config.layout))},
+              {"model_layers",
+               [&] {
+                 json a = json::array();
+                 for (const LayerSpec& l : model_layers)
+                   a.push_back(layer_spec_json(l));
+                 return a;
+               }()},
+              {"state_slots", state_slots},
               {"capacity_blocks", capacity_blocks},
               {"peer_timeout_ms", peer_timeout.count()},
               {"lease_ttl_ms", lease_ttl.count()},
@@ -82,6 +150,11 @@ WorkerSpec WorkerSpec::from_json(const json& j) {
                           ? KvCacheLayout::block_major
                           : KvCacheLayout::layer_major;
     s.capacity_blocks = j.at("capacity_blocks").get<std::size_t>();
+    s.state_slots = j.value("state_slots", std::size_t{0});
+    if (j.contains("model_layers")) {
+      for (const auto& l : j.at("model_layers"))
+        s.model_layers.push_back(layer_spec_from_json(l, s.config.block_size));
+    }
     s.peer_timeout = std::chrono::milliseconds(j.at("peer_timeout_ms").get<std::int64_t>());
     s.lease_ttl = std::chrono::milliseconds(j.at("lease_ttl_ms").get<std::int64_t>());
     s.scratch_bytes = j.at("scratch_bytes").get<std::size_t>();

@@ -108,7 +108,7 @@ json report_json(const RunOptions& o, const Stats& s) {
       {"tp_prefill", o.tp_prefill},
       {"tp_decode", o.tp_decode},
       {"capacity_blocks", o.capacity_blocks},
-      {"block_bytes", o.config.bytes_per_block()},
+      {"block_bytes", o.block_bytes},
       {"transport", s.transport},
       {"memory_path", s.memory_path},
       {"data_lanes", s.lanes},
@@ -163,6 +163,17 @@ json report_json(const RunOptions& o, const Stats& s) {
                  {"loss_detected_ms_max", s.kill->loss_detected_ms_max},
                  {"bound_ms", o.peer_timeout.count()}};
   }
+  if (!o.layers.empty()) {
+    json groups = json::array();
+    for (const GroupTotals& g : s.groups) {
+      groups.push_back({{"kind", g.kind},
+                        {"bytes", g.bytes},
+                        {"wrong_bytes", g.wrong_bytes},
+                        {"checked_bytes", g.checked_bytes},
+                        {"blocks", g.blocks}});
+    }
+    j["groups"] = groups;
+  }
   if (!s.failure.empty()) j["failure"] = s.failure;
   if (!s.notes.empty()) j["notes"] = s.notes;
   return j;
@@ -172,7 +183,7 @@ void print_report(std::ostream& out, const RunOptions& o, const Stats& s) {
   const json j = report_json(o, s);
   out << fmt::format(
       "kvport disagg: {} prefill x TP{} -> {} decode x TP{}, {} ({} bytes/block), {}\n", o.prefill,
-      o.tp_prefill, o.decode, o.tp_decode, o.model, o.config.bytes_per_block(), s.transport);
+      o.tp_prefill, o.decode, o.tp_decode, o.model, o.block_bytes, s.transport);
   TextTable t({"", "value"});
   t.add_row({"requests (completed / replayed)", fmt::format("{} / {}", s.completed, s.requests)});
   t.add_row({"skipped (larger than capacity)", std::to_string(s.skipped)});
@@ -194,6 +205,12 @@ void print_report(std::ostream& out, const RunOptions& o, const Stats& s) {
              fmt::format("{:.2f} / {:.2f} ms", j["transfer_latency_ms"]["p50"].get<double>(),
                          j["transfer_latency_ms"]["p99"].get<double>())});
   t.add_row({"verification failures", std::to_string(s.verification_failures)});
+  for (std::size_t g = 0; g < s.groups.size(); ++g) {
+    t.add_row(
+        {fmt::format("group {} ({}): bytes / wrong / blocks", g, s.groups[g].kind),
+         fmt::format("{:.1f} MiB / {} / {}", static_cast<double>(s.groups[g].bytes) / (1 << 20),
+                     s.groups[g].wrong_bytes, s.groups[g].blocks)});
+  }
   t.add_row({"leaked blocks (all workers)", std::to_string(leaked_blocks(s))});
   if (o.kill && !s.kill) {
     t.add_row(

@@ -16,6 +16,7 @@
 
 #include "disagg.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/layer_spec.hpp"
 
 namespace kvport::cli::disagg {
 
@@ -24,6 +25,15 @@ struct RunOptions {
   std::string model;
   std::string trace;
   KvCacheConfig config;
+  /// A hybrid or MLA model (`--model` of one): its layers, the model's
+  /// heads; `config` then gives only the block size and layout. Empty: one
+  /// PagedKvCache of `config` per worker.
+  std::vector<LayerSpec> layers;
+  /// Hybrid models: the slots of each state group per worker.
+  std::size_t state_slots = 0;
+  /// Bytes of one block of every layer with blocks, the model's heads
+  /// (config.bytes_per_block() without `layers`).
+  std::uint64_t block_bytes = 0;
   std::uint32_t prefill = 1, decode = 1, tp_prefill = 1, tp_decode = 1;
   std::size_t capacity_blocks = 0;
   std::optional<Role> kill;      ///< --kill: SIGKILL rank 0 of instance 0 of this role
@@ -81,8 +91,16 @@ struct KillRecord {
   double loss_detected_ms_max = 0;
 };
 
+/// What moved in one KV cache group (hybrid models), over every completed
+/// pull.
+struct GroupTotals {
+  std::string kind;
+  std::uint64_t bytes = 0, wrong_bytes = 0, checked_bytes = 0, blocks = 0;
+};
+
 /// Everything the coordinator counted.
 struct Stats {
+  std::vector<GroupTotals> groups;  ///< hybrid models only
   std::vector<WorkerRecord> workers;
   std::size_t requests = 0, skipped = 0;
   std::uint64_t completed = 0, failed_requests = 0, recomputed = 0, rank_recomputes = 0;

@@ -1,0 +1,552 @@
+// A `kvport disagg` worker for a hybrid (or MLA) model: one prefill or decode
+// rank owning a host-backend HybridKvCache (one pool and prefix cache per KV
+// cache group) with one Agent per group, running a HybridPrefillNode or a
+// HybridDecodeNode. Same ops and events as the single-cache worker
+// (disagg.hpp), with per-group addresses and per-group numbers.
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <ostream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "disagg.hpp"
+#include "disagg_line_input.hpp"
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+#include "kvport/transfer/agent.hpp"
+#include "kvport/transfer/hybrid_disagg.hpp"
+
+namespace kvport::cli::disagg {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t start = 0;
+  while (true) {
+    const std::size_t comma = s.find(',', start);
+    out.push_back(s.substr(start, comma - start));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+// An agent's name without the ".g<group>" suffix hybrid_agent_options adds:
+// the worker's name, as the coordinator knows it.
+std::string worker_of(const std::string& agent_name) {
+  const std::size_t dot = agent_name.rfind(".g");
+  return dot == std::string::npos ? agent_name : agent_name.substr(0, dot);
+}
+
+HybridKvCacheConfig rank_cache_config(const WorkerSpec& spec) {
+  HybridKvCacheConfig c;
+  c.layers = transfer::rank_layer_specs(spec.model_layers, spec.tp);
+  c.block_size = spec.config.block_size;
+  c.layout = spec.config.layout;
+  return c;
+}
+
+std::vector<std::size_t> group_capacities(const WorkerSpec& spec) {
+  std::vector<std::size_t> out;
+  for (const KvCacheGroup& g : group_layers(rank_cache_config(spec).layers, spec.config.block_size))
+    out.push_back(g.spec.has_state() ? spec.state_slots : spec.capacity_blocks);
+  return out;
+}
+
+class HybridWorker {
+ public:
+  HybridWorker(const WorkerSpec& spec, std::ostream& out)
+      : spec_(spec),
+        out_(out),
+        backend_(make_host_backend()),
+        cache_(rank_cache_config(spec), group_capacities(spec), *backend_),
+        stream_(backend_->create_stream()) {
+    transfer::AgentOptions base;
+    base.name = worker_name(spec.role, spec.instance, spec.rank);
+    base.peer_timeout = spec.peer_timeout;
+    options_ = transfer::hybrid_agent_options(cache_, spec.rank, spec.tp, base);
+    options_[0].scratch_bytes = spec.scratch_bytes;  // the raw baseline, group 0's agent
+    for (std::size_t g = 0; g < options_.size(); ++g) {
+      agents_.push_back(std::make_unique<transfer::Agent>(cache_.group_cache(g), options_[g]));
+      ptrs_.push_back(agents_.back().get());
+      layouts_.push_back(transfer::group_content_layout(cache_, g, options_[g]));
+    }
+    if (spec.role == Role::prefill) {
+      transfer::PrefillOptions po;
+      po.lease_ttl = spec.lease_ttl;
+      prefill_.emplace(cache_, ptrs_, spec.rank, spec.tp, po);
+    } else {
+      transfer::DecodeOptions d;
+      d.assemble_timeout = spec.lease_ttl;
+      d.confirm_timeout = spec.lease_ttl;
+      decode_.emplace(cache_, ptrs_, d);
+    }
+  }
+
+  int run() {
+    for (std::size_t g = 0; g < groups(); ++g) {  // touch the pools once, as an engine does
+      std::vector<BlockId> all(cache_.group_cache(g).num_blocks());
+      std::iota(all.begin(), all.end(), BlockId{0});
+      cache_.group_cache(g).zero_blocks(all, stream_);
+    }
+    backend_->synchronize(stream_);
+    std::string addresses;
+    try {
+      for (auto& a : agents_) {
+        if (!addresses.empty()) addresses += ',';
+        addresses += a->listen(spec_.bind + ":0");
+      }
+    } catch (const Error& e) {
+      emit(event::fatal, {{"why", e.what()}, {"listen", true}});
+      return 2;
+    }
+    emit(event::ready,
+         {{"address", addresses},
+          {"transport", agents_[0]->transport_description()},
+          {"memory_path", std::string(transfer::to_string(agents_[0]->memory_path()))}});
+    LineInput input(STDIN_FILENO);
+    while (true) {
+      for (const std::string& line :
+           input.read(busy() ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5))) {
+        handle(line);
+      }
+      if (input.eof()) return 3;  // the coordinator is gone
+      step();
+      if (finishing_ && (!busy() || Clock::now() > finish_deadline_)) {
+        report_stats();
+        return 0;
+      }
+    }
+  }
+
+ private:
+  struct Waiting {
+    std::uint64_t req;
+    std::uint32_t decode;
+    std::vector<TokenId> tokens;
+    Clock::time_point since;
+  };
+
+  std::size_t groups() const { return agents_.size(); }
+
+  bool busy() const {
+    return !waiting_.empty() || !recomputes_.empty() ||
+           (decode_ && decode_->pending_requests() > 0) ||
+           (prefill_ && prefill_->active_leases() > 0);
+  }
+
+  void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
+  void emit(std::string_view name, json fields) {
+    fields[field::event] = name;
+    emit(fields);
+  }
+
+  static std::vector<TokenId> tokens_of(const json& j) {
+    return j.at("tokens").get<std::vector<TokenId>>();
+  }
+
+  void handle(const std::string& line) {
+    try {
+      const json j = json::parse(line);
+      const std::string op = j.at(field::op).get<std::string>();
+      if (op == op::connect) {
+        connect(j);
+      } else if (op == op::baseline) {
+        baseline(j);
+      } else if (op == op::prefill) {
+        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(),
+                            tokens_of(j), Clock::now()});
+      } else if (op == op::recompute) {
+        recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
+      } else if (op == op::finish) {
+        finishing_ = true;
+        finish_deadline_ = Clock::now() + spec_.lease_ttl + spec_.peer_timeout * 2;
+      } else {
+        throw InvalidArgument("unknown op " + op);
+      }
+    } catch (const std::exception& e) {
+      emit(event::fatal, {{"why", std::string("bad command: ") + e.what()}});
+    }
+  }
+
+  // "decode": per instance, per rank, the rank's comma-separated group addresses.
+  void connect(const json& j) {
+    const auto& instances = j.at("decode");
+    for (std::size_t i = 0; i < instances.size(); ++i) {
+      auto& peers = decode_peers_[static_cast<std::uint32_t>(i)];
+      peers.resize(groups());
+      for (const auto& address : instances[i]) {
+        const auto parts = split_commas(address.get<std::string>());
+        if (parts.size() != groups()) {
+          throw InvalidArgument(fmt::format("decode rank address '{}': {} groups, {} here",
+                                            address.get<std::string>(), parts.size(), groups()));
+        }
+        for (std::size_t g = 0; g < groups(); ++g)
+          peers[g].push_back(agents_[g]->connect(parts[g]));
+      }
+    }
+    std::string lanes;
+    if (!decode_peers_.empty() && !decode_peers_.begin()->second[0].empty())
+      lanes = agents_[0]->peer_transport(decode_peers_.begin()->second[0].front());
+    emit(event::connected, {{"lanes", lanes}});
+  }
+
+  std::optional<transfer::PeerId> scratch_peer() const {
+    const std::string want = worker_name(Role::prefill, 0, 0);
+    for (transfer::PeerId p : agents_[0]->peers()) {
+      auto info = agents_[0]->peer(p);
+      if (info && info->connected && worker_of(info->name) == want) return p;
+    }
+    return std::nullopt;
+  }
+
+  void baseline(const json& j) {
+    const auto bytes = j.at("bytes").get<std::size_t>();
+    const auto repeat = j.at("repeat").get<int>();
+    json seconds = json::array();
+    std::string why = "no connection to prefill0.0";
+    if (auto p = scratch_peer()) {
+      why.clear();
+      try {
+        for (int i = 0; i < repeat; ++i)
+          seconds.push_back(agents_[0]->read_scratch(*p, bytes));
+      } catch (const Error& e) {
+        why = e.what();
+        seconds.clear();
+      }
+    }
+    emit(event::baseline, {{"bytes", bytes}, {"seconds", seconds}, {"why", why}});
+  }
+
+  // Every group's blocks of `tokens`' lease extent (groups this rank offers
+  // only, when `offered_only`), filled; nullopt (nothing held) without room.
+  std::optional<std::vector<std::vector<BlockId>>> fill(std::uint64_t req,
+                                                        const std::vector<TokenId>& tokens,
+                                                        bool offered_only) {
+    std::vector<std::vector<BlockId>> blocks(groups());
+    std::vector<transfer::LeaseExtent> extents(groups());
+    const std::size_t bs = cache_.block_size();
+    for (std::size_t g = 0; g < groups(); ++g) {
+      if (offered_only && !prefill_->offers(req, g)) continue;
+      extents[g] = transfer::lease_extent(cache_.group(g), bs, tokens.size());
+      const std::size_t n =
+          extents[g].state ? 1 : (tokens.size() + bs - 1) / bs - extents[g].first_block;
+      for (std::size_t i = 0; i < n; ++i) {
+        auto b = cache_.prefix_cache(g).try_alloc_block();
+        if (!b) {
+          for (std::size_t h = 0; h <= g; ++h)
+            cache_.prefix_cache(h).release_blocks(blocks[h]);
+          return std::nullopt;
+        }
+        blocks[g].push_back(*b);
+      }
+    }
+    for (std::size_t g = 0; g < groups(); ++g) {
+      if (blocks[g].empty()) continue;
+      transfer::write_group_content(cache_, g, layouts_[g], blocks[g], tokens, extents[g], stream_);
+      agents_[g]->publish(blocks[g]);
+    }
+    return blocks;
+  }
+
+  void release(const std::vector<std::vector<BlockId>>& blocks) {
+    for (std::size_t g = 0; g < blocks.size(); ++g)
+      cache_.prefix_cache(g).release_blocks(blocks[g]);
+  }
+
+  bool try_prefill(const Waiting& w) {
+    auto peers = decode_peers_.find(w.decode);
+    if (peers == decode_peers_.end())
+      throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
+    auto blocks = fill(w.req, w.tokens, true);
+    if (!blocks) return false;
+    std::vector<std::vector<transfer::PeerId>> live(groups());
+    for (std::size_t g = 0; g < groups(); ++g) {
+      for (transfer::PeerId p : peers->second[g]) {
+        auto info = agents_[g]->peer(p);
+        if (info && info->connected) live[g].push_back(p);
+      }
+    }
+    try {
+      for (std::size_t g = 0; g < groups(); ++g) {
+        if (prefill_->offers(w.req, g) && live[g].empty())
+          throw InvalidArgument("every decode rank of the instance is lost");
+      }
+      prefill_->offer(w.req, spec_.instance, *blocks, w.tokens, live);
+    } catch (const InvalidArgument& e) {
+      release(*blocks);
+      emit(event::prefill_failed, {{"req", w.req}, {"why", e.what()}});
+    }
+    return true;
+  }
+
+  void recompute(std::uint64_t req, std::vector<TokenId> tokens) {
+    if (done_.contains(req)) return;
+    if (decode_) decode_->abort(req);
+    if (!try_recompute(req, tokens))
+      recomputes_.push_back({req, 0, std::move(tokens), Clock::now()});
+  }
+
+  bool try_recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
+    if (done_.contains(req)) return true;
+    auto blocks = fill(req, tokens, false);
+    if (!blocks) return false;
+    std::size_t n = 0;
+    for (const auto& b : *blocks)
+      n += b.size();
+    release(*blocks);
+    done_.insert(req);
+    emit(event::done, {{"req", req},
+                       {"ok", false},
+                       {"recomputed", true},
+                       {"blocks", n},
+                       {"bytes", 0},
+                       {"transfer_s", 0},
+                       {"latency_s", 0},
+                       {"wrong_bytes", 0}});
+    return true;
+  }
+
+  void retry_recomputes() {
+    while (!recomputes_.empty()) {
+      Waiting& w = recomputes_.front();
+      if (!try_recompute(w.req, w.tokens)) {
+        bool pulls_hold_blocks = false;
+        for (std::size_t g = 0; decode_ && g < groups(); ++g)
+          pulls_hold_blocks = pulls_hold_blocks || decode_->held_blocks(g) > 0;
+        if (pulls_hold_blocks || Clock::now() - w.since <= spec_.lease_ttl * 2) return;
+        done_.insert(w.req);
+        emit(event::done, {{"req", w.req},
+                           {"ok", false},
+                           {"recomputed", false},
+                           {"why", "no room to recompute"}});
+      }
+      recomputes_.pop_front();
+    }
+  }
+
+  void step() {
+    retry_recomputes();
+    if (prefill_) {
+      while (!waiting_.empty()) {
+        const Waiting& w = waiting_.front();
+        if (!try_prefill(w)) {
+          if (Clock::now() - w.since > spec_.lease_ttl * 2) {
+            emit(event::prefill_failed, {{"req", w.req}, {"why", "no room"}});
+            waiting_.pop_front();
+            continue;
+          }
+          break;
+        }
+        waiting_.pop_front();
+      }
+      for (const auto& l : prefill_->poll()) {
+        emit(event::lease_end,
+             {{"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
+      }
+      for (std::size_t g = 0; g < groups(); ++g)
+        report_losses(g, prefill_->group_node(g).lost_peers());
+    }
+    if (decode_) {
+      for (auto& r : decode_->poll())
+        finish_decode(r);
+      for (std::size_t g = 0; g < groups(); ++g)
+        report_losses(g, decode_->group_node(g).lost_peers());
+    }
+  }
+
+  void finish_decode(transfer::HybridDecodeResult& r) {
+    if (done_.contains(r.request_id)) {
+      for (std::size_t g = 0; g < r.groups.size(); ++g)
+        cache_.prefix_cache(g).release_blocks(r.groups[g].blocks);
+      return;
+    }
+    if (!r.ok) {
+      log::warn(fmt::format("disagg: request {} falls back to recompute: {}", r.request_id, r.why));
+      recompute(r.request_id, r.tokens);
+      return;
+    }
+    json per_group = json::array();
+    std::uint64_t wrong = 0;
+    std::size_t blocks = 0;
+    for (std::size_t g = 0; g < r.groups.size(); ++g) {
+      transfer::HybridGroupResult& gr = r.groups[g];
+      const auto check = transfer::verify_group_content(cache_, g, layouts_[g], gr.blocks, r.tokens,
+                                                        gr.extent, stream_);
+      // Every byte of the group is checked: none counts as all wrong.
+      const std::uint64_t w = check.bytes_checked == 0 ? gr.bytes : check.bytes_wrong;
+      wrong += w;
+      blocks += gr.blocks.size();
+      per_group.push_back({{"kind", std::string(to_string(cache_.group(g).spec.kind))},
+                           {"bytes", gr.bytes},
+                           {"wrong_bytes", w},
+                           {"checked_bytes", check.bytes_checked},
+                           {"blocks", gr.blocks.size()},
+                           {"first_block", gr.extent.first_block}});
+      cache_.prefix_cache(g).release_blocks(gr.blocks);
+    }
+    done_.insert(r.request_id);
+    emit(event::done, {{"raw_bytes", 0},
+                       {"raw_s", 0},
+                       {"req", r.request_id},
+                       {"ok", true},
+                       {"recomputed", false},
+                       {"blocks", blocks},
+                       {"bytes", r.bytes},
+                       {"transfer_s", r.transfer_seconds},
+                       {"latency_s", r.latency_seconds},
+                       {"wrong_bytes", wrong},
+                       {"groups", per_group}});
+  }
+
+  // One event per worker lost (each group's agent loses it: reported once).
+  void report_losses(std::size_t g, const std::vector<transfer::PeerId>& lost) {
+    std::size_t& seen = reported_[g];
+    for (; seen < lost.size(); ++seen) {
+      auto info = agents_[g]->peer(lost[seen]);
+      const std::string name = info ? worker_of(info->name) : std::string("?");
+      if (lost_names_.insert(name).second) emit(event::peer_lost, {{"peer", name}});
+    }
+  }
+
+  void report_stats() {
+    json per_group = json::array();
+    std::size_t in_use = 0, cached = 0, leaked = 0;
+    bool invariants_ok = true;
+    for (std::size_t g = 0; g < groups(); ++g) {
+      PagedKvCache& pool = cache_.group_cache(g);
+      PrefixCache& prefix = cache_.prefix_cache(g);
+      const std::size_t u = pool.num_blocks_in_use();
+      const std::size_t c = prefix.num_cached_blocks();
+      prefix.evict(pool.num_blocks());
+      const bool ok = prefix.check_invariants().ok;
+      in_use += u;
+      cached += c;
+      leaked += pool.num_blocks_in_use();
+      invariants_ok = invariants_ok && ok;
+      per_group.push_back({{"kind", std::string(to_string(cache_.group(g).spec.kind))},
+                           {"in_use", u},
+                           {"cached", c},
+                           {"leaked_blocks", pool.num_blocks_in_use()},
+                           {"invariants_ok", ok}});
+    }
+    transfer::AgentCounters a;
+    for (auto& agent : agents_) {
+      const auto c = agent->counters();
+      a.transfers_posted += c.transfers_posted;
+      a.transfers_done += c.transfers_done;
+      a.transfers_cancelled += c.transfers_cancelled;
+      a.transfers_failed += c.transfers_failed;
+      a.malformed_messages += c.malformed_messages;
+      a.peers_lost += c.peers_lost;
+    }
+    json j = event_message(event::stats);
+    j.update({{"role", std::string(to_string(spec_.role))},
+              {"in_use", in_use},
+              {"cached", cached},
+              {"leaked_blocks", leaked},
+              {"invariants_ok", invariants_ok},
+              {"transfers_posted", a.transfers_posted},
+              {"transfers_done", a.transfers_done},
+              {"transfers_cancelled", a.transfers_cancelled},
+              {"transfers_failed", a.transfers_failed},
+              {"malformed_messages", a.malformed_messages},
+              {"peers_lost", a.peers_lost},
+              {"groups", per_group}});
+    if (prefill_) {
+      std::uint64_t offered = 0, pulled = 0, refused = 0, expired = 0, lost = 0, aborted = 0,
+                    late = 0;
+      std::size_t held = 0;
+      for (std::size_t g = 0; g < groups(); ++g) {
+        const auto& c = prefill_->group_node(g).counters();
+        offered += c.leases_offered;
+        pulled += c.leases_pulled;
+        refused += c.leases_refused;
+        expired += c.leases_expired;
+        lost += c.leases_lost;
+        aborted += c.leases_aborted;
+        late += c.late_notifications;
+        held += prefill_->held_blocks(g);
+      }
+      j["leases"] = {{"active", prefill_->active_leases()},
+                     {"held_blocks", held},
+                     {"offered", offered},
+                     {"pulled", pulled},
+                     {"refused", refused},
+                     {"expired", expired},
+                     {"lost", lost},
+                     {"aborted", aborted},
+                     {"late_notifications", late}};
+    }
+    if (decode_) {
+      const auto& c = decode_->counters();
+      std::size_t held = 0;
+      std::uint64_t revoked = 0, late = 0, no_room = 0;
+      for (std::size_t g = 0; g < groups(); ++g) {
+        held += decode_->held_blocks(g);
+        revoked += decode_->group_node(g).counters().revoked;
+        late += decode_->group_node(g).counters().late_notifications;
+        no_room += decode_->group_node(g).counters().no_room;
+      }
+      j["decode"] = {{"pending", decode_->pending_requests()},
+                     {"held_blocks", held},
+                     {"completed", c.requests_completed},
+                     {"failed", c.requests_failed},
+                     {"revoked", revoked},
+                     {"late_notifications", late},
+                     {"late_results", c.late_results},
+                     {"no_room", no_room},
+                     {"blocks_registered", c.blocks_registered}};
+    }
+    emit(j);
+  }
+
+  WorkerSpec spec_;
+  std::ostream& out_;
+  std::unique_ptr<Backend> backend_;
+  HybridKvCache cache_;
+  Stream stream_;
+  std::vector<transfer::AgentOptions> options_;
+  std::vector<std::unique_ptr<transfer::Agent>> agents_;
+  std::vector<transfer::Agent*> ptrs_;
+  std::vector<transfer::PoolLayout> layouts_;
+  std::optional<transfer::HybridPrefillNode> prefill_;
+  std::optional<transfer::HybridDecodeNode> decode_;
+  // decode instance -> per group, that group's agent's peer ids of its ranks
+  std::map<std::uint32_t, std::vector<std::vector<transfer::PeerId>>> decode_peers_;
+  std::deque<Waiting> waiting_;
+  std::deque<Waiting> recomputes_;
+  std::set<std::uint64_t> done_;
+  std::map<std::size_t, std::size_t> reported_;
+  std::set<std::string> lost_names_;
+  bool finishing_ = false;
+  Clock::time_point finish_deadline_;
+};
+
+}  // namespace
+
+int run_hybrid_worker(const WorkerSpec& spec, std::ostream& out) {
+  try {
+    HybridWorker worker(spec, out);
+    return worker.run();
+  } catch (const std::exception& e) {
+    json j = event_message(event::fatal);
+    j[field::why] = e.what();
+    out << j.dump() << '\n' << std::flush;
+    return 1;
+  }
+}
+
+}  // namespace kvport::cli::disagg
