@@ -480,6 +480,79 @@ TEST(HybridDisagg, AgentsOfReplicatedGroupsAreOneRankAndCarryTheModel) {
   EXPECT_EQ(r.agents[1]->layout().num_kv_heads, 2u);
 }
 
+// A lease payload as PrefillNode encodes it (docs/transfer.md): lease id,
+// group, ttl, token count and tokens, then the extent extension.
+std::vector<std::uint8_t> lease_payload(const std::vector<TokenId>& t,
+                                        std::vector<std::uint8_t> extension) {
+  std::vector<std::uint8_t> out;
+  auto put = [&](std::uint64_t v, int n) {
+    for (int i = 0; i < n; ++i)
+      out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+  };
+  put(77, 8);  // lease id
+  put(0, 4);   // group
+  put(5000, 4);
+  put(t.size(), 4);
+  for (TokenId x : t)
+    put(x, 4);
+  out.insert(out.end(), extension.begin(), extension.end());
+  return out;
+}
+
+// Extents the decode side cannot take are dropped and counted, never pulled.
+TEST(HybridDisagg, MalformedExtentsAreDropped) {
+  Cluster c(gpt_oss_like(), 1, 1);
+  Rank& pr = *c.prefill[0];
+  DecodeNode decode(*c.decode[0]->agents[0], c.decode[0]->cache->prefix_cache(0));
+  const auto t = tokens(6 * kBs);
+  const std::vector<BlockId> two{0, 1};
+  const PeerId to = c.peers[0][0][0];
+  const auto kind = static_cast<std::uint32_t>(DisaggKind::lease);
+  const std::vector<std::vector<std::uint8_t>> bad{
+      {9, 0, 4, 0, 0, 0, 0},     // unknown extension version
+      {1, 0, 4, 0, 0, 0, 2},     // unknown flag
+      {1, 0, 4, 0, 0, 0, 1},     // a state extent with a first block
+      {1, 0, 4, 0, 0},           // truncated
+      {1, 0, 4, 0, 0, 0, 0, 0},  // trailing byte
+      {1, 0, 3, 0, 0, 0, 0},     // 2 blocks from block 3 of 6: not the tail
+      {1, 0, 6, 0, 0, 0, 0},     // first block past the end
+  };
+  for (std::size_t i = 0; i < bad.size(); ++i)
+    pr.agents[0]->notify(to, 100 + i, kind, two, lease_payload(t, bad[i]));
+  // A good one last: notifications are ordered, so the bad ones were seen.
+  pr.agents[0]->notify(to, 200, kind, two, lease_payload(t, {1, 0, 4, 0, 0, 0, 0}));
+  ASSERT_TRUE(eventually([&] {
+    decode.poll();
+    return decode.tracks(200);
+  }));
+  EXPECT_EQ(decode.counters().late_notifications, bad.size());
+  EXPECT_EQ(decode.pending_request_ids(), (std::vector<std::uint64_t>{200}));
+  EXPECT_TRUE(decode.abort(200));
+}
+
+TEST(HybridDisagg, OffersOutsideTheExtentAreRefused) {
+  Cluster c(gpt_oss_like(), 1, 1);
+  Rank& pr = *c.prefill[0];
+  PrefillNode node(*pr.agents[1], pr.cache->prefix_cache(1));
+  const auto t = tokens(3 * kBs);
+  auto blocks = pr.prefill(t);  // group 1: 3 blocks from 0
+  EXPECT_THROW(node.offer(1, 0, blocks[1], t, c.peers[0][1], LeaseExtent{1, false}),
+               InvalidArgument);
+  EXPECT_THROW(node.offer(1, 0, blocks[1], t, c.peers[0][1], LeaseExtent{3, false}),
+               InvalidArgument);
+  EXPECT_THROW(node.offer(1, 0, blocks[1], t, c.peers[0][1], LeaseExtent{0, true}),
+               InvalidArgument);
+  EXPECT_THROW(
+      node.offer(1, 0, std::span(blocks[1]).first(1), t, c.peers[0][1], LeaseExtent{1, true}),
+      InvalidArgument);
+  node.offer(1, 0, std::span(blocks[1]).subspan(1), t, c.peers[0][1], LeaseExtent{1, false});
+  pr.cache->prefix_cache(1).release(blocks[1][0]);
+  EXPECT_EQ(node.held_blocks(), 2u);
+  EXPECT_TRUE(node.abort(1));
+  pr.cache->prefix_cache(0).release_blocks(blocks[0]);
+  EXPECT_TRUE(pr.clean());
+}
+
 TEST(HybridDisagg, StateContentDependsOnEveryToken) {
   auto a = tokens(40);
   auto b = a;
