@@ -360,10 +360,13 @@ class HybridWorker {
         report_losses(g, prefill_->group_node(g).lost_peers());
     }
     if (decode_) {
-      for (auto& r : decode_->poll())
-        finish_decode(r);
+      // Losses first: verifying a large result takes a while, and a loss
+      // is timed from the kill to its report.
+      auto results = decode_->poll();
       for (std::size_t g = 0; g < groups(); ++g)
         report_losses(g, decode_->group_node(g).lost_peers());
+      for (auto& r : results)
+        finish_decode(r);
     }
   }
 
