@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "kvport/core/block_hash.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "vector_growth.hpp"
@@ -519,6 +520,88 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   checkpointed_at_ = tokens_.size();  // the state there came from a checkpoint
   counters.hit_tokens += tokens_.size();
   return tokens_.size();
+}
+
+HybridBlockTable HybridBlockTable::adopt(HybridKvCache& cache, std::span<const TokenId> tokens,
+                                         std::span<const std::vector<BlockId>> blocks,
+                                         std::span<const std::size_t> first_blocks,
+                                         StreamView stream, std::uint64_t extra_key) {
+  const std::size_t ng = cache.num_groups();
+  const std::size_t bs = cache.block_size();
+  if (tokens.empty()) throw InvalidArgument("HybridBlockTable::adopt: no tokens");
+  if (blocks.size() != ng || first_blocks.size() != ng) {
+    throw InvalidArgument(
+        fmt::format("HybridBlockTable::adopt: {} block lists and {} first blocks for {} groups",
+                    blocks.size(), first_blocks.size(), ng));
+  }
+  const std::size_t n = tokens.size();
+  const std::size_t total = div_ceil(n, bs);
+  for (std::size_t g = 0; g < ng; ++g) {
+    const LayerSpec& spec = cache.group(g).spec;
+    const PagedKvCache& pool = cache.group_cache(g);
+    const std::size_t want = spec.has_state() ? 1 : total - std::min(first_blocks[g], total);
+    const std::size_t limit = spec.has_state() ? 0 : first_needed_block(hit_rule_of(spec), bs, n);
+    if (first_blocks[g] > limit || blocks[g].size() != want) {
+      throw InvalidArgument(fmt::format(
+          "HybridBlockTable::adopt: group {}: {} blocks from block {} for {} tokens (needs {} "
+          "from a block <= {})",
+          g, blocks[g].size(), first_blocks[g], n, want, limit));
+    }
+    for (BlockId b : blocks[g]) {
+      if (b >= pool.num_blocks() || pool.ref_count(b) == 0) {
+        throw InvalidArgument(fmt::format(
+            "HybridBlockTable::adopt: group {}: block {} is out of range or free", g, b));
+      }
+    }
+  }
+  HybridBlockTable t(cache, extra_key);
+  std::vector<std::optional<BlockId>> fresh(ng);
+  bool checkpoint = false;
+  try {
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (!cache.group(g).spec.has_state()) continue;
+      const BlockId slot = blocks[g].front();
+      if (!cache.prefix_cache(g).is_cached(slot)) continue;
+      // A checkpoint stays immutable in the cache: the working state is a copy.
+      fresh[g] = cache.prefix_cache(g).try_alloc_block();
+      if (!fresh[g]) {
+        throw CacheExhausted(fmt::format(
+            "HybridBlockTable::adopt: group {}: no state slot for the working state", g));
+      }
+      const BlockCopy c{slot, *fresh[g]};
+      cache.group_cache(g).copy_blocks({&c, 1}, stream);
+      checkpoint = true;
+    }
+    t.tokens_.assign(tokens.begin(), tokens.end());
+    t.hashes_ = hash_full_blocks(tokens, bs, extra_key);
+    for (std::size_t g = 0; g < ng; ++g) {
+      Group& grp = t.groups_[g];
+      if (cache.group(g).spec.has_state()) continue;
+      grp.blocks.reserve(total);
+      grp.blocks.assign(first_blocks[g], kNullBlock);
+      grp.blocks.insert(grp.blocks.end(), blocks[g].begin(), blocks[g].end());
+      grp.live_begin = first_blocks[g];
+    }
+  } catch (...) {
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (fresh[g]) cache.prefix_cache(g).release(*fresh[g]);
+      t.groups_[g] = Group{};
+    }
+    t.tokens_.clear();
+    throw;
+  }
+  // Commit (nothing below throws): the working slots.
+  for (std::size_t g = 0; g < ng; ++g) {
+    if (!cache.group(g).spec.has_state()) continue;
+    if (fresh[g]) {
+      t.release_block(g, blocks[g].front());  // the checkpoint stays cached, evictable
+      t.groups_[g].state = fresh[g];
+    } else {
+      t.groups_[g].state = blocks[g].front();
+    }
+  }
+  if (checkpoint) t.checkpointed_at_ = n;  // the state at n is cached already
+  return t;
 }
 
 HybridBlockTable HybridBlockTable::fork(StreamView stream) const {

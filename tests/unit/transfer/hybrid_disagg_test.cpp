@@ -237,8 +237,34 @@ void run_pull(const std::vector<LayerSpec>& model, std::uint32_t p, std::uint32_
       EXPECT_EQ(dn[r]->held_blocks(g), 0u);
     }
     EXPECT_EQ(res.bytes, bytes);
-    for (std::size_t g = 0; g < groups; ++g)
-      dr.cache->prefix_cache(g).release_blocks(res.groups[g].blocks);
+    // Decoding goes on from the pulled KV: a table adopts the blocks.
+    std::vector<std::vector<BlockId>> pulled;
+    std::vector<std::size_t> firsts;
+    for (std::size_t g = 0; g < groups; ++g) {
+      pulled.push_back(res.groups[g].blocks);
+      firsts.push_back(res.groups[g].extent.first_block);
+    }
+    HybridBlockTable adopted = HybridBlockTable::adopt(*dr.cache, t, pulled, firsts, dr.stream);
+    EXPECT_EQ(adopted.num_tokens(), t.size());
+    for (std::size_t g = 0; g < groups; ++g) {
+      if (dr.cache->group(g).spec.has_state()) {
+        ASSERT_TRUE(adopted.state_slot(g).has_value());
+        // A cached checkpoint is copied into a working slot.
+        EXPECT_EQ(*adopted.state_slot(g) != pulled[g][0], res.groups[g].registered == 1);
+        dr.cache->synchronize();
+        const std::vector<BlockId> slot{*adopted.state_slot(g)};
+        EXPECT_TRUE(verify_group_content(*dr.cache, g, dr.layout(g), slot, t, LeaseExtent{0, true},
+                                         dr.stream)
+                        .ok());
+      } else {
+        EXPECT_EQ(adopted.num_live_blocks(g), pulled[g].size());
+        EXPECT_EQ(adopted.blocks(g).size(), (t.size() + kBs - 1) / kBs);
+      }
+    }
+    adopted.append_tokens(tokens(kBs + 3, 9), dr.stream);
+    EXPECT_EQ(adopted.num_tokens(), t.size() + kBs + 3);
+    EXPECT_TRUE(dr.cache->check_invariants().ok);
+    adopted.release();
     // What was pulled is a prefix hit for every group.
     HybridBlockTable table(*dr.cache);
     table.set_prefix_hit_mode(PrefixHitMode::full);
@@ -551,6 +577,38 @@ TEST(HybridDisagg, OffersOutsideTheExtentAreRefused) {
   EXPECT_TRUE(node.abort(1));
   pr.cache->prefix_cache(0).release_blocks(blocks[0]);
   EXPECT_TRUE(pr.clean());
+}
+
+TEST(HybridDisagg, AdoptRefusesBlocksThatDoNotMatch) {
+  Rank r(mamba_hybrid(), 0, 1, "x", {1, 16});  // group 0: state, 1 slot; group 1: full
+  const auto t = tokens(2 * kBs + 1);
+  auto blocks = r.prefill(t);  // 1 slot, 3 blocks
+  const std::vector<std::size_t> firsts{0, 0};
+  auto adopt = [&](std::vector<std::vector<BlockId>> b, std::vector<std::size_t> f) {
+    return HybridBlockTable::adopt(*r.cache, t, b, f, r.stream);
+  };
+  EXPECT_THROW(adopt({blocks[0]}, {0}), InvalidArgument);
+  EXPECT_THROW(adopt({blocks[0], {blocks[1][0], blocks[1][1]}}, firsts), InvalidArgument);
+  EXPECT_THROW(adopt({blocks[0], {blocks[1][1], blocks[1][2]}}, {0, 1}), InvalidArgument);
+  EXPECT_THROW(adopt({{}, blocks[1]}, firsts), InvalidArgument);
+  EXPECT_THROW(adopt({blocks[0], {blocks[1][0], blocks[1][1], 999}}, firsts), InvalidArgument);
+  EXPECT_THROW(HybridBlockTable::adopt(*r.cache, {}, blocks, firsts, r.stream), InvalidArgument);
+  {  // An uncached slot becomes the working slot.
+    HybridBlockTable table = adopt(blocks, firsts);
+    EXPECT_EQ(table.state_slot(0), blocks[0][0]);
+    EXPECT_EQ(table.num_tokens(), t.size());
+  }
+  EXPECT_TRUE(r.clean());
+  // A cached checkpoint needs a working slot: none is free (1 slot).
+  const auto t2 = tokens(2 * kBs, 3);
+  blocks = r.prefill(t2);
+  ASSERT_TRUE(r.cache->prefix_cache(0).insert(hash_full_blocks(t2, kBs)[1], blocks[0][0]));
+  EXPECT_THROW(HybridBlockTable::adopt(*r.cache, t2, blocks, firsts, r.stream), CacheExhausted);
+  for (std::size_t g = 0; g < 2; ++g)
+    EXPECT_EQ(r.cache->blocks_in_use(g), blocks[g].size());  // nothing taken
+  for (std::size_t g = 0; g < 2; ++g)
+    r.cache->prefix_cache(g).release_blocks(blocks[g]);
+  EXPECT_TRUE(r.clean());
 }
 
 TEST(HybridDisagg, StateContentDependsOnEveryToken) {

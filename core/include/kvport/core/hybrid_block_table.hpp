@@ -71,6 +71,26 @@ class HybridBlockTable {
   /// the state copy propagates with the strong guarantee.
   std::size_t reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream);
 
+  /// A table holding `tokens` whose KV is already in `blocks` (pulled from
+  /// another process: HybridDecodeNode's result), so that decoding goes on
+  /// from there. The caller's one reference on every block passes to the
+  /// table. blocks[g] for a block group: the blocks of positions
+  /// [first_blocks[g], ceil(n / bs)) (entries before are kNullBlock), with
+  /// first_blocks[g] <= the group's first_needed_block at n; for a state
+  /// group: one slot holding the state after `tokens` (first_blocks[g] 0).
+  /// A state slot the group's prefix cache holds (a checkpoint) is copied
+  /// into a fresh working slot on `stream` and its reference released; an
+  /// uncached one becomes the working slot. Full blocks keep whatever prefix
+  /// cache entries they have. Throws InvalidArgument (nothing taken) for
+  /// counts that do not match, no tokens, an id out of range or free, or a
+  /// first block past what the next token needs; CacheExhausted (nothing
+  /// taken) when a checkpoint needs a working slot and none is free or
+  /// evictable.
+  static HybridBlockTable adopt(HybridKvCache& cache, std::span<const TokenId> tokens,
+                                std::span<const std::vector<BlockId>> blocks,
+                                std::span<const std::size_t> first_blocks, StreamView stream,
+                                std::uint64_t extra_key = 0);
+
   PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
   void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
 
