@@ -443,7 +443,9 @@ Agent::Agent(PagedKvCache& cache, AgentOptions options) {
   s.events.on_accept = [&s](ConnId c) { s.on_accept(c); };
   s.events.on_message = [&s](ConnId c, std::span<const std::uint8_t> b) { s.on_message(c, b); };
   s.events.on_error = [&s](ConnId c, const std::string& why) { s.on_error(c, why); };
-  s.transport = make_ucx_transport(s.events);
+  s.transport = s.options.transport_factory ? s.options.transport_factory(s.events)
+                                            : make_ucx_transport(s.events);
+  if (!s.transport) throw InvalidArgument("Agent: the transport factory returned no transport");
   const MemoryKind kind = cache.backend().memory_kind();
   memory_path_ = s.options.memory_path.value_or(s.transport->supports(kind) ? MemoryPath::direct
                                                                             : MemoryPath::staged);
@@ -639,6 +641,14 @@ std::string Agent::why(TransferId id) const {
                                                                                : t.why;
 }
 
+std::optional<TransferState> Agent::abandoned(TransferId id) const {
+  std::lock_guard lock(state_->mutex);
+  const auto& t = state_->transfer(id, "abandoned");
+  if (t.state != TransferState::pending) return std::nullopt;
+  if (t.cancel_requested) return TransferState::cancelled;
+  return t.fail_as;
+}
+
 std::uint64_t Agent::bytes(TransferId id) const {
   std::lock_guard lock(state_->mutex);
   return state_->transfer(id, "bytes").bytes;
@@ -753,9 +763,8 @@ double Agent::read_scratch(PeerId peer_id, std::size_t bytes) {
     if (st == TransferState::pending) {
       t.cancel_requested = true;
       s.abandoned_scratch_read = id;
-      throw TransferError(peer_gone()
-                              ? "read_scratch: the peer was lost; the read is abandoned"
-                              : "read_scratch: the read did not finish");
+      throw TransferError(peer_gone() ? "read_scratch: the peer was lost; the read is abandoned"
+                                      : "read_scratch: the read did not finish");
     }
     const std::string why = t.why;
     s.transfers.erase(id);
