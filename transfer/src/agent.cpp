@@ -356,6 +356,17 @@ void Agent::State::housekeeping(Clock::time_point now) {
   reap_dead_peers();
   const auto beat = std::max(options.peer_timeout / 8, std::chrono::milliseconds(1));
   for (auto& [id, p] : peers) {
+    if (p.status == PeerStatus::handshaking && !p.outgoing &&
+        now - p.since > options.peer_timeout) {
+      // A connection to our listener that sent no usable hello (connect()
+      // bounds our own handshakes): refused, so that nothing waits on it.
+      ++counters.handshakes_rejected;
+      p.status = PeerStatus::rejected;
+      p.why = fmt::format("no hello within {} ms", options.peer_timeout.count());
+      log::warn(fmt::format("transfer: {} closed an incoming connection: {}", options.name, p.why));
+      transport->close(p.conn, true, nullptr);
+      continue;
+    }
     if (p.status != PeerStatus::connected) continue;
     if (now - p.last_heard > options.peer_timeout) {
       lose_peer(p, fmt::format("no message for {} ms", options.peer_timeout.count()), true);

@@ -77,7 +77,8 @@ struct AgentOptions {
   std::uint32_t tp_size = 1;
   /// A peer not heard from for this long is lost: its pending transfers end
   /// peer_lost and its connection is closed. Heartbeats go out every
-  /// peer_timeout / 8.
+  /// peer_timeout / 8. A connection to our listener whose hello has not
+  /// arrived (or was malformed) this long after it connected is closed.
   std::chrono::milliseconds peer_timeout{2000};
   /// A transfer not final after this long ends timed_out (its connection is
   /// reset so that no byte lands later).
@@ -139,7 +140,9 @@ struct AgentCounters {
   std::uint64_t notifications_received = 0;
   std::uint64_t malformed_messages = 0;  ///< dropped, counted
   std::uint64_t peers_lost = 0;
-  std::uint64_t handshakes_rejected = 0;  ///< either side's
+  /// Either side's; also a connection to our listener that sent no usable
+  /// hello within peer_timeout (closed).
+  std::uint64_t handshakes_rejected = 0;
 };
 
 /// Moves a PagedKvCache's blocks to and from peer agents. Thread-safe: every
