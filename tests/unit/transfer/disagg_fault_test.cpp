@@ -13,6 +13,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,8 +37,9 @@ using ::testing::HasSubstr;
 constexpr std::size_t kBlock = 16;  // config()'s block size
 constexpr std::size_t kDecodeBlocks = 10;
 
-AgentOptions drill_options(std::string name, const std::shared_ptr<FaultControl>& faults) {
-  AgentOptions o = named(std::move(name));
+AgentOptions drill_options(std::string name, const std::shared_ptr<FaultControl>& faults,
+                           std::uint32_t rank = 0, std::uint32_t ranks = 1) {
+  AgentOptions o = named(std::move(name), rank, ranks);
   // Short, but long enough that a clean pull on a loaded machine (these
   // tests run beside others) is never mistaken for a stall.
   o.transfer_timeout = 250ms;
@@ -51,8 +53,10 @@ struct FaultNode {
   std::shared_ptr<FaultControl> faults = std::make_shared<FaultControl>();
   Side side;
   PrefixCache prefix;
-  FaultNode(std::string name, std::size_t blocks)
-      : side(config(KvCacheLayout::layer_major), blocks, drill_options(std::move(name), faults)),
+  // Rank `rank` of `ranks`, holding 4 / ranks of the model's 4 KV heads.
+  FaultNode(std::string name, std::size_t blocks, std::uint32_t rank = 0, std::uint32_t ranks = 1)
+      : side(config(KvCacheLayout::layer_major, 4 / ranks), blocks,
+             drill_options(std::move(name), faults, rank, ranks)),
         prefix(side.cache) {}
   std::vector<BlockId> prefill(const std::vector<TokenId>& t) {
     std::vector<BlockId> blocks;
@@ -98,33 +102,70 @@ bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
 }
 
 struct Case {
-  bool on_decode = true;  // whose transport injects
+  bool on_decode = true;  // whose transport injects (else the last prefill rank's)
   FaultStep step = FaultStep::post;
   std::size_t nth = 1;
   FaultKind kind = FaultKind::submit_throws;
+  std::uint32_t prefill_ranks = 1;  // 2: a TP-2 prefill group feeds the TP-1 decode rank
   std::string name() const {
     return std::string(on_decode ? "decode" : "prefill") + " " + test::to_string(step) + " #" +
-           std::to_string(nth) + " " + test::to_string(kind);
+           std::to_string(nth) + " " + test::to_string(kind) + ", " +
+           std::to_string(prefill_ranks) + " prefill rank(s)";
   }
 };
 
 // One run: a clean request caches the first two blocks of `t`, then the
-// faulted request pulls all of `t` (three full blocks and a partial one).
-// Returns whether the fault fired.
+// faulted request pulls all of `t` (three full blocks and a partial one),
+// from every prefill rank (one transfer each). Returns whether the fault
+// fired.
+// Runs and injected faults of the current test (printed at its end).
+struct Tally {
+  std::size_t runs = 0;
+  std::size_t faults = 0;
+};
+Tally tally;
+
+// Prints the tally (the figures docs/reliability.md quotes) and resets it.
+void print_tally() {
+  std::printf("[kvport] %zu runs, %zu transport faults injected\n", tally.runs, tally.faults);
+  tally = {};
+}
+
 bool run_case(const Case& c) {
   SCOPED_TRACE(c.name());
-  FaultNode prefill_side("prefill", 16);
+  ++tally.runs;
+  const std::uint32_t ranks = c.prefill_ranks;
   FaultNode decode_side("decode", kDecodeBlocks);
   const std::string address = decode_side.side.agent->listen("127.0.0.1:0");
-  const PeerId to_decode = prefill_side.side.agent->connect(address, 5s);
-  EXPECT_TRUE(eventually([&] { return !decode_side.side.agent->peers().empty(); }));
+  std::vector<std::unique_ptr<FaultNode>> prefill_sides;
+  std::vector<PeerId> to_decode;
+  for (std::uint32_t r = 0; r < ranks; ++r) {
+    prefill_sides.push_back(
+        std::make_unique<FaultNode>("prefill" + std::to_string(r), 16, r, ranks));
+    to_decode.push_back(prefill_sides.back()->side.agent->connect(address, 5s));
+  }
+  EXPECT_TRUE(eventually([&] { return decode_side.side.agent->peers().size() == ranks; }));
   PrefillOptions po;
   po.lease_ttl = 600ms;
   DecodeOptions dopt;
   dopt.assemble_timeout = 600ms;
   dopt.confirm_timeout = 300ms;
-  PrefillNode prefill(*prefill_side.side.agent, prefill_side.prefix, po);
+  std::vector<std::unique_ptr<PrefillNode>> prefills;
+  for (auto& side : prefill_sides)
+    prefills.push_back(std::make_unique<PrefillNode>(*side->side.agent, side->prefix, po));
   DecodeNode decode(*decode_side.side.agent, decode_side.prefix, dopt);
+  auto active_leases = [&] {
+    std::size_t n = 0;
+    for (auto& p : prefills)
+      n += p->active_leases();
+    return n;
+  };
+  auto offer = [&](std::uint64_t id, const std::vector<TokenId>& tok) {
+    for (std::uint32_t r = 0; r < ranks; ++r) {
+      prefills[r]->offer(id, 0, prefill_sides[r]->prefill(tok), tok,
+                         std::vector<PeerId>{to_decode[r]});
+    }
+  };
 
   std::vector<DecodeResult> results;
   std::vector<LeaseResult> leases;
@@ -132,8 +173,10 @@ bool run_case(const Case& c) {
     try {
       for (auto& r : decode.poll())
         results.push_back(std::move(r));
-      for (auto& l : prefill.poll())
-        leases.push_back(l);
+      for (auto& p : prefills) {
+        for (auto& l : p->poll())
+          leases.push_back(l);
+      }
     } catch (const std::exception& e) {
       // A node's poll must not throw for a transport fault; a caller that
       // catches and polls on must still never see a wrong byte.
@@ -144,10 +187,10 @@ bool run_case(const Case& c) {
   // The clean request: 32 tokens, two full blocks, cached on the decode side.
   const std::vector<TokenId> t = tokens(3 * kBlock + 4, 5);
   const std::vector<TokenId> head(t.begin(), t.begin() + 2 * kBlock);
-  prefill.offer(1, 0, prefill_side.prefill(head), head, std::vector<PeerId>{to_decode});
+  offer(1, head);
   EXPECT_TRUE(eventually([&] {
     pump();
-    return !results.empty() && !leases.empty();
+    return !results.empty() && leases.size() == ranks;
   }));
   if (results.size() != 1 || !results[0].ok) {
     ADD_FAILURE() << "the clean request failed";
@@ -159,9 +202,9 @@ bool run_case(const Case& c) {
   EXPECT_EQ(checked_hit(decode_side, t), 2u);
   const DecodeCounters before = decode.counters();
 
-  FaultNode& faulty = c.on_decode ? decode_side : prefill_side;
+  FaultNode& faulty = c.on_decode ? decode_side : *prefill_sides.back();
   faulty.faults->arm(c.step, c.nth, c.kind);
-  prefill.offer(2, 0, prefill_side.prefill(t), t, std::vector<PeerId>{to_decode});
+  offer(2, t);
 
   bool quarantine_checked = false;
   std::vector<BlockId> reused;
@@ -189,12 +232,11 @@ bool run_case(const Case& c) {
       write_kv_content(cache, decode_side.side.layout(), reused, mine, decode_side.side.stream);
       faulty.faults->release();
     }
-    return decode.pending_requests() == 0 && prefill.active_leases() == 0 &&
+    return decode.pending_requests() == 0 && active_leases() == 0 &&
            decode.quarantined_blocks() == 0 && !faulty.faults->stalled();
   });
-  EXPECT_TRUE(settled) << "pending " << decode.pending_requests() << ", leases "
-                       << prefill.active_leases() << ", quarantined "
-                       << decode.quarantined_blocks();
+  EXPECT_TRUE(settled) << "pending " << decode.pending_requests() << ", leases " << active_leases()
+                       << ", quarantined " << decode.quarantined_blocks();
   if (faulty.faults->stalled()) {
     faulty.faults->release();
     eventually([&] {
@@ -235,8 +277,11 @@ bool run_case(const Case& c) {
     EXPECT_EQ(hit, 2u);
     EXPECT_EQ(after.requests_completed, before.requests_completed);
     EXPECT_EQ(after.blocks_registered, before.blocks_registered);
+    // With one prefill rank a lost lease is a request the decode side never
+    // heard of; with two, the other rank's part is refused after
+    // assemble_timeout.
     const bool lease_lost =
-        !c.on_decode && c.step == FaultStep::notify &&
+        ranks == 1 && !c.on_decode && c.step == FaultStep::notify &&
         faulty.faults->fired_kind() == static_cast<std::uint32_t>(DisaggKind::lease);
     if (lease_lost) {
       EXPECT_TRUE(results.empty());
@@ -248,13 +293,16 @@ bool run_case(const Case& c) {
       }
       EXPECT_EQ(after.requests_failed, before.requests_failed + 1);
     }
-    EXPECT_EQ(leases.size(), 1u);
+    EXPECT_EQ(leases.size(), ranks);
     if (!results.empty() && c.step == FaultStep::post) {
       const std::string& why = results[0].why;
       switch (c.kind) {
         case FaultKind::submit_throws:
-          EXPECT_THAT(why, HasSubstr("post to prefill rank 0 failed: injected"));
-          EXPECT_EQ(after.transfers, before.transfers);
+          // Post n is rank n - 1's (the parts are pulled in rank order).
+          EXPECT_THAT(why, HasSubstr("post to prefill rank " + std::to_string(c.nth - 1) +
+                                     " failed: injected"));
+          // The other ranks' pulls are posted all the same (and waited for).
+          EXPECT_EQ(after.transfers, before.transfers + ranks - 1);
           break;
         case FaultKind::completion_error:
         case FaultKind::partial_error:
@@ -279,19 +327,22 @@ bool run_case(const Case& c) {
   }
   EXPECT_EQ(decode.held_blocks(), 0u);
   EXPECT_EQ(decode.quarantined_blocks(), 0u);
-  EXPECT_EQ(prefill.held_blocks(), 0u);
   decode_side.expect_settled("decode");
-  prefill_side.expect_settled("prefill");
+  for (std::uint32_t r = 0; r < ranks; ++r) {
+    EXPECT_EQ(prefills[r]->held_blocks(), 0u);
+    prefill_sides[r]->expect_settled("prefill");
+  }
   return fired;
 }
 
 // Faults the Nth step for N = 1, 2, ... until a run sees no fault; returns
 // how many runs fired.
-std::size_t sweep(bool on_decode, FaultStep step, FaultKind kind) {
+std::size_t sweep(bool on_decode, FaultStep step, FaultKind kind, std::uint32_t ranks = 1) {
   std::size_t fired = 0;
   for (std::size_t n = 1; n <= 6; ++n) {
-    if (!run_case({on_decode, step, n, kind})) break;
+    if (!run_case({on_decode, step, n, kind, ranks})) break;
     ++fired;
+    ++tally.faults;
     if (::testing::Test::HasFailure()) break;  // one failing case is enough to read
   }
   return fired;
@@ -302,8 +353,33 @@ TEST(DisaggFault, EveryPullFaultOnTheDecodeSideFailsClosed) {
                          FaultKind::partial_error, FaultKind::stall, FaultKind::connection_error}) {
     // One pull per request: the first post faults, the second run is clean.
     EXPECT_EQ(sweep(true, FaultStep::post, kind), 1u) << test::to_string(kind);
-    if (HasFailure()) return;
+    if (HasFailure()) break;
   }
+  print_tally();
+}
+
+// A TP-2 prefill group feeding one decode rank: two pulls per request, so a
+// fault in the second comes after the first half of every block's heads
+// landed; the request must still fail closed.
+TEST(DisaggFault, EveryPullFaultFromATensorParallelGroupFailsClosed) {
+  for (FaultKind kind : {FaultKind::submit_throws, FaultKind::completion_error,
+                         FaultKind::partial_error, FaultKind::stall, FaultKind::connection_error}) {
+    EXPECT_EQ(sweep(true, FaultStep::post, kind, 2), 2u) << test::to_string(kind);
+    if (HasFailure()) break;
+  }
+  print_tally();
+}
+
+TEST(DisaggFault, EveryLostOrDroppedNotificationOfATensorParallelGroupFailsClosed) {
+  for (FaultKind kind : {FaultKind::lose_message, FaultKind::connection_error}) {
+    // The decode side sends `pulled` to each rank; the second rank sends
+    // its lease, then `confirm`.
+    EXPECT_GE(sweep(true, FaultStep::notify, kind, 2), 2u) << test::to_string(kind);
+    if (HasFailure()) break;
+    EXPECT_GE(sweep(false, FaultStep::notify, kind, 2), 2u) << test::to_string(kind);
+    if (HasFailure()) break;
+  }
+  print_tally();
 }
 
 TEST(DisaggFault, EveryLostOrDroppedNotificationFailsClosed) {
@@ -311,10 +387,11 @@ TEST(DisaggFault, EveryLostOrDroppedNotificationFailsClosed) {
     // The decode side sends `pulled` (then `refused` after a failure); the
     // prefill side sends the lease, then `confirm`.
     EXPECT_GE(sweep(true, FaultStep::notify, kind), 1u) << test::to_string(kind);
-    if (HasFailure()) return;
+    if (HasFailure()) break;
     EXPECT_GE(sweep(false, FaultStep::notify, kind), 2u) << test::to_string(kind);
-    if (HasFailure()) return;
+    if (HasFailure()) break;
   }
+  print_tally();
 }
 
 // ---- the seam and the agent's abandoned state -----------------------------------------------
