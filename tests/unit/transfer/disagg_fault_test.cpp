@@ -394,6 +394,54 @@ TEST(DisaggFault, EveryLostOrDroppedNotificationFailsClosed) {
   print_tally();
 }
 
+// A DecodeNode destroyed while a stalled pull's blocks are quarantined waits
+// for the transport to let go (here: released from another thread) and then
+// frees them; nothing is leaked.
+TEST(DisaggFault, TheDestructorWaitsForTheQuarantineThenFreesIt) {
+  FaultNode prefill_side("prefill", 16);
+  FaultNode decode_side("decode", kDecodeBlocks);
+  const std::string address = decode_side.side.agent->listen("127.0.0.1:0");
+  const PeerId to_decode = prefill_side.side.agent->connect(address, 5s);
+  ASSERT_TRUE(eventually([&] { return !decode_side.side.agent->peers().empty(); }));
+  PrefillOptions po;
+  po.lease_ttl = 600ms;
+  PrefillNode prefill(*prefill_side.side.agent, prefill_side.prefix, po);
+  auto decode = std::make_unique<DecodeNode>(*decode_side.side.agent, decode_side.prefix);
+  decode_side.faults->arm(FaultStep::post, 1, FaultKind::stall);
+  const std::vector<TokenId> t = tokens(3 * kBlock, 9);
+  prefill.offer(1, 0, prefill_side.prefill(t), t, std::vector<PeerId>{to_decode});
+  std::vector<DecodeResult> results;
+  ASSERT_TRUE(eventually([&] {
+    for (auto& r : decode->poll())
+      results.push_back(std::move(r));
+    prefill.poll();
+    return !results.empty();
+  }));
+  EXPECT_FALSE(results[0].ok);
+  EXPECT_EQ(decode->quarantined_blocks(), 3u);
+  EXPECT_EQ(decode->pending_requests(), 0u);
+  EXPECT_EQ(decode_side.side.cache.num_blocks_in_use(), 3u);
+  ASSERT_TRUE(decode_side.faults->stalled());
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(100ms);
+    decode_side.faults->release();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  decode.reset();
+  const auto waited = std::chrono::steady_clock::now() - start;
+  releaser.join();
+  EXPECT_GE(waited, 90ms) << "the destructor did not wait for the transport";
+  EXPECT_LT(waited, 5s);
+  EXPECT_FALSE(decode_side.faults->stalled());
+  EXPECT_EQ(decode_side.side.cache.num_blocks_in_use(), 0u);
+  decode_side.expect_settled("decode");
+  eventually([&] {
+    prefill.poll();
+    return prefill.active_leases() == 0;
+  });
+  EXPECT_EQ(prefill.held_blocks(), 0u);
+}
+
 // ---- the seam and the agent's abandoned state -----------------------------------------------
 
 TEST(AgentFault, TransportFactoryErrorsReachTheCaller) {
