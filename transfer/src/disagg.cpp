@@ -480,7 +480,7 @@ struct DecodeNode::State {
       if (in_flight.empty()) {
         cache.release_blocks(r.blocks);
       } else {
-        ++counters.transfers_abandoned;
+        counters.transfers_abandoned += in_flight.size();
         counters.blocks_quarantined += r.blocks.size();
         quarantined += r.blocks.size();
         r.why +=

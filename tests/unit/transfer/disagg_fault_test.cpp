@@ -38,8 +38,9 @@ constexpr std::size_t kBlock = 16;  // config()'s block size
 constexpr std::size_t kDecodeBlocks = 10;
 
 AgentOptions drill_options(std::string name, const std::shared_ptr<FaultControl>& faults,
-                           std::uint32_t rank = 0, std::uint32_t ranks = 1) {
+                           std::uint32_t rank = 0, std::uint32_t ranks = 1, bool staged = false) {
   AgentOptions o = named(std::move(name), rank, ranks);
+  if (staged) o.memory_path = MemoryPath::staged;
   // Short, but long enough that a clean pull on a loaded machine (these
   // tests run beside others) is never mistaken for a stall.
   o.transfer_timeout = 250ms;
@@ -54,9 +55,11 @@ struct FaultNode {
   Side side;
   PrefixCache prefix;
   // Rank `rank` of `ranks`, holding 4 / ranks of the model's 4 KV heads.
-  FaultNode(std::string name, std::size_t blocks, std::uint32_t rank = 0, std::uint32_t ranks = 1)
+  // `staged`: through the agent's pinned mirror (MemoryPath::staged).
+  FaultNode(std::string name, std::size_t blocks, std::uint32_t rank = 0, std::uint32_t ranks = 1,
+            bool staged = false)
       : side(config(KvCacheLayout::layer_major, 4 / ranks), blocks,
-             drill_options(std::move(name), faults, rank, ranks)),
+             drill_options(std::move(name), faults, rank, ranks, staged)),
         prefix(side.cache) {}
   std::vector<BlockId> prefill(const std::vector<TokenId>& t) {
     std::vector<BlockId> blocks;
@@ -107,10 +110,11 @@ struct Case {
   std::size_t nth = 1;
   FaultKind kind = FaultKind::submit_throws;
   std::uint32_t prefill_ranks = 1;  // 2: a TP-2 prefill group feeds the TP-1 decode rank
+  bool staged = false;              // the decode side stages through its pinned mirror
   std::string name() const {
     return std::string(on_decode ? "decode" : "prefill") + " " + test::to_string(step) + " #" +
            std::to_string(nth) + " " + test::to_string(kind) + ", " +
-           std::to_string(prefill_ranks) + " prefill rank(s)";
+           std::to_string(prefill_ranks) + " prefill rank(s)" + (staged ? ", staged" : "");
   }
 };
 
@@ -135,7 +139,7 @@ bool run_case(const Case& c) {
   SCOPED_TRACE(c.name());
   ++tally.runs;
   const std::uint32_t ranks = c.prefill_ranks;
-  FaultNode decode_side("decode", kDecodeBlocks);
+  FaultNode decode_side("decode", kDecodeBlocks, 0, 1, c.staged);
   const std::string address = decode_side.side.agent->listen("127.0.0.1:0");
   std::vector<std::unique_ptr<FaultNode>> prefill_sides;
   std::vector<PeerId> to_decode;
@@ -337,10 +341,11 @@ bool run_case(const Case& c) {
 
 // Faults the Nth step for N = 1, 2, ... until a run sees no fault; returns
 // how many runs fired.
-std::size_t sweep(bool on_decode, FaultStep step, FaultKind kind, std::uint32_t ranks = 1) {
+std::size_t sweep(bool on_decode, FaultStep step, FaultKind kind, std::uint32_t ranks = 1,
+                  bool staged = false) {
   std::size_t fired = 0;
   for (std::size_t n = 1; n <= 6; ++n) {
-    if (!run_case({on_decode, step, n, kind, ranks})) break;
+    if (!run_case({on_decode, step, n, kind, ranks, staged})) break;
     ++fired;
     ++tally.faults;
     if (::testing::Test::HasFailure()) break;  // one failing case is enough to read
@@ -353,6 +358,18 @@ TEST(DisaggFault, EveryPullFaultOnTheDecodeSideFailsClosed) {
                          FaultKind::partial_error, FaultKind::stall, FaultKind::connection_error}) {
     // One pull per request: the first post faults, the second run is clean.
     EXPECT_EQ(sweep(true, FaultStep::post, kind), 1u) << test::to_string(kind);
+    if (HasFailure()) break;
+  }
+  print_tally();
+}
+
+// The same through the decode agent's pinned mirror: a failed or partial
+// read never reaches the blocks (the mirror is copied in only when the read
+// is done).
+TEST(DisaggFault, EveryPullFaultThroughStagingFailsClosed) {
+  for (FaultKind kind : {FaultKind::submit_throws, FaultKind::completion_error,
+                         FaultKind::partial_error, FaultKind::stall, FaultKind::connection_error}) {
+    EXPECT_EQ(sweep(true, FaultStep::post, kind, 1, true), 1u) << test::to_string(kind);
     if (HasFailure()) break;
   }
   print_tally();
