@@ -459,6 +459,19 @@ TEST(DisaggFault, TheDestructorWaitsForTheQuarantineThenFreesIt) {
   EXPECT_EQ(prefill.held_blocks(), 0u);
 }
 
+TEST(AgentFault, FaultControlRefusesAFaultThatDoesNotApplyToItsStep) {
+  FaultControl c;
+  EXPECT_THROW(c.arm(FaultStep::post, 1, FaultKind::lose_message), std::invalid_argument);
+  EXPECT_THROW(c.arm(FaultStep::notify, 1, FaultKind::stall), std::invalid_argument);
+  EXPECT_THROW(c.arm(FaultStep::notify, 0, FaultKind::lose_message), std::invalid_argument);
+  c.arm(FaultStep::notify, 2, FaultKind::connection_error);
+  EXPECT_FALSE(c.count(FaultStep::post));
+  EXPECT_FALSE(c.count(FaultStep::notify));
+  EXPECT_EQ(c.count(FaultStep::notify), FaultKind::connection_error);
+  EXPECT_FALSE(c.count(FaultStep::notify));  // once
+  EXPECT_TRUE(c.fired());
+}
+
 // ---- the seam and the agent's abandoned state -----------------------------------------------
 
 TEST(AgentFault, TransportFactoryErrorsReachTheCaller) {

@@ -15,7 +15,8 @@
 //   connection_error  the connection fails: on_error at the next progress();
 //                     a post's done(false) then, a notification is dropped
 //   lose_message      the notification is not sent (a lost message); for
-//                     notifications only (a post is not affected)
+//                     notifications only (arm() refuses it for a post, and
+//                     the post kinds for a notification)
 // Every callback runs inside a call the agent makes (progress(), or the call
 // itself), with the agent's lock held, as the Transport contract says.
 #pragma once
@@ -29,6 +30,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -78,7 +80,15 @@ inline const char* to_string(FaultStep s) {
 class FaultControl {
  public:
   /// From now on, count `step` calls and inject `kind` at the `nth` (1-based).
+  /// A notification takes lose_message or connection_error; a post any
+  /// other kind (std::invalid_argument otherwise).
   void arm(FaultStep step, std::size_t nth, FaultKind kind) {
+    const bool message_fault =
+        kind == FaultKind::lose_message || kind == FaultKind::connection_error;
+    if (nth == 0 || (step == FaultStep::notify && !message_fault) ||
+        (step == FaultStep::post && kind == FaultKind::lose_message)) {
+      throw std::invalid_argument("FaultControl::arm: that fault does not apply to that step");
+    }
     std::lock_guard lock(mutex_);
     armed_ = true;
     step_ = step;
@@ -186,15 +196,13 @@ class FaultInjectingTransport final : public Transport {
       return;
     }
     control_->set_fired_kind(kind);
-    if (*fault == FaultKind::connection_error) errors_.push_back(conn);
-    if (*fault == FaultKind::connection_error || *fault == FaultKind::lose_message) return;
-    inner_->send(conn, message);  // the other kinds do not apply to a message
+    if (*fault == FaultKind::connection_error) errors_.push_back(conn);  // and the message is lost
   }
 
   void post(ConnId conn, Direction direction, std::span<const RmaOp> ops,
             std::span<const std::uint64_t> remote_keys, Done done) override {
     const std::optional<FaultKind> fault = control_->count(FaultStep::post);
-    if (!fault || *fault == FaultKind::lose_message) {
+    if (!fault) {
       inner_->post(conn, direction, ops, remote_keys, std::move(done));
       return;
     }
@@ -230,8 +238,9 @@ class FaultInjectingTransport final : public Transport {
         errors_.push_back(conn);
         failed_posts_.push_back(std::move(done));  // nothing posted; fails with the connection
         return;
-      case FaultKind::lose_message:
-        break;
+      case FaultKind::lose_message:  // refused by arm()
+        inner_->post(conn, direction, ops, remote_keys, std::move(done));
+        return;
     }
   }
 
