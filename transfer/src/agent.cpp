@@ -356,6 +356,17 @@ void Agent::State::housekeeping(Clock::time_point now) {
   reap_dead_peers();
   const auto beat = std::max(options.peer_timeout / 8, std::chrono::milliseconds(1));
   for (auto& [id, p] : peers) {
+    if (p.status == PeerStatus::handshaking && !p.outgoing &&
+        now - p.since > options.peer_timeout) {
+      // A connection to our listener that sent no usable hello (connect()
+      // bounds our own handshakes): refused, so that nothing waits on it.
+      ++counters.handshakes_rejected;
+      p.status = PeerStatus::rejected;
+      p.why = fmt::format("no hello within {} ms", options.peer_timeout.count());
+      log::warn(fmt::format("transfer: {} closed an incoming connection: {}", options.name, p.why));
+      transport->close(p.conn, true, nullptr);
+      continue;
+    }
     if (p.status != PeerStatus::connected) continue;
     if (now - p.last_heard > options.peer_timeout) {
       lose_peer(p, fmt::format("no message for {} ms", options.peer_timeout.count()), true);
@@ -443,7 +454,9 @@ Agent::Agent(PagedKvCache& cache, AgentOptions options) {
   s.events.on_accept = [&s](ConnId c) { s.on_accept(c); };
   s.events.on_message = [&s](ConnId c, std::span<const std::uint8_t> b) { s.on_message(c, b); };
   s.events.on_error = [&s](ConnId c, const std::string& why) { s.on_error(c, why); };
-  s.transport = make_ucx_transport(s.events);
+  s.transport = s.options.transport_factory ? s.options.transport_factory(s.events)
+                                            : make_ucx_transport(s.events);
+  if (!s.transport) throw InvalidArgument("Agent: the transport factory returned no transport");
   const MemoryKind kind = cache.backend().memory_kind();
   memory_path_ = s.options.memory_path.value_or(s.transport->supports(kind) ? MemoryPath::direct
                                                                             : MemoryPath::staged);
@@ -639,6 +652,14 @@ std::string Agent::why(TransferId id) const {
                                                                                : t.why;
 }
 
+std::optional<TransferState> Agent::abandoned(TransferId id) const {
+  std::lock_guard lock(state_->mutex);
+  const auto& t = state_->transfer(id, "abandoned");
+  if (t.state != TransferState::pending) return std::nullopt;
+  if (t.cancel_requested) return TransferState::cancelled;
+  return t.fail_as;
+}
+
 std::uint64_t Agent::bytes(TransferId id) const {
   std::lock_guard lock(state_->mutex);
   return state_->transfer(id, "bytes").bytes;
@@ -753,9 +774,8 @@ double Agent::read_scratch(PeerId peer_id, std::size_t bytes) {
     if (st == TransferState::pending) {
       t.cancel_requested = true;
       s.abandoned_scratch_read = id;
-      throw TransferError(peer_gone()
-                              ? "read_scratch: the peer was lost; the read is abandoned"
-                              : "read_scratch: the read did not finish");
+      throw TransferError(peer_gone() ? "read_scratch: the peer was lost; the read is abandoned"
+                                      : "read_scratch: the read did not finish");
     }
     const std::string why = t.why;
     s.transfers.erase(id);

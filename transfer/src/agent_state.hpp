@@ -55,6 +55,7 @@ struct Agent::State {
     Hello hello;
     std::vector<RemoteRegion> regions;
     std::optional<RemoteRegion> scratch;
+    Clock::time_point since = Clock::now();  // the connection's start (handshake deadline)
     Clock::time_point last_heard = Clock::now();
     Clock::time_point last_sent = Clock::now();
   };

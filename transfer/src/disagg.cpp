@@ -347,7 +347,15 @@ struct DecodeNode::State {
     std::vector<BlockId> remote_blocks;
     std::optional<TransferId> transfer;
     bool final = false;
+    bool abandoned = false;  // pending, but the agent gave up on it
     bool confirmed = false;
+  };
+
+  // The blocks of a failed request whose abandoned transfers the transport
+  // may still write: held until those transfers are final.
+  struct Quarantine {
+    std::vector<TransferId> transfers;
+    std::vector<BlockId> blocks;
   };
 
   struct Request {
@@ -375,6 +383,8 @@ struct DecodeNode::State {
   DecodeOptions options;
   std::map<std::uint64_t, Request> requests;  // by request id
   std::size_t held = 0;
+  std::vector<Quarantine> quarantine;
+  std::size_t quarantined = 0;
   DecodeCounters counters;
   std::vector<DecodeResult> results;
   std::vector<PeerId> lost;
@@ -477,7 +487,8 @@ struct DecodeNode::State {
       try {
         part.transfer = agent.post(part.peer, Direction::read, r.blocks, part.remote_blocks);
         ++counters.transfers;
-      } catch (const InvalidArgument& e) {
+      } catch (const std::exception& e) {
+        // Nothing was posted (a lost peer, or the transport refused it).
         part.final = true;
         fail(r, fmt::format("post to prefill rank {} failed: {}", rank, e.what()));
       }
@@ -494,20 +505,42 @@ struct DecodeNode::State {
     return std::all_of(r.parts.begin(), r.parts.end(),
                        [](const auto& p) { return p.second.final || !p.second.transfer; });
   }
+  // Every transfer final or abandoned: nothing more can make the request
+  // succeed.
+  bool all_settled(const Request& r) const {
+    return std::all_of(r.parts.begin(), r.parts.end(), [](const auto& p) {
+      return p.second.final || p.second.abandoned || !p.second.transfer;
+    });
+  }
 
-  // Ends a request: frees its blocks (only called when no transfer is in
-  // flight), refuses the parts that were not confirmed, reports.
+  // Ends a request: frees its blocks (only called when every transfer is
+  // final or abandoned; the blocks of abandoned ones are quarantined until
+  // they are final), refuses the parts that were not confirmed, reports.
   void finish(std::map<std::uint64_t, Request>::iterator it) {
     Request& r = it->second;
     const bool ok = !r.failed && !r.aborted;
+    std::vector<TransferId> in_flight;
+    for (auto& [rank, part] : r.parts) {
+      if (part.transfer && !part.final) in_flight.push_back(*part.transfer);
+    }
     if (!ok) {
       for (auto& [rank, part] : r.parts) {
         if (!part.confirmed) tell(part.peer, r.request_id, DisaggKind::refused, part.lease);
       }
-      cache.release_blocks(r.blocks);
+      if (in_flight.empty()) {
+        cache.release_blocks(r.blocks);
+      } else {
+        counters.transfers_abandoned += in_flight.size();
+        counters.blocks_quarantined += r.blocks.size();
+        quarantined += r.blocks.size();
+        r.why +=
+            fmt::format("; its {} blocks are quarantined until the transfer ends", r.blocks.size());
+        log::warn(fmt::format("DecodeNode: request {} failed: {}", r.request_id, r.why));
+        quarantine.push_back({std::move(in_flight), r.blocks});
+      }
     }
     for (auto& [rank, part] : r.parts) {
-      if (part.transfer) agent.release(*part.transfer);
+      if (part.transfer && part.final) agent.release(*part.transfer);
     }
     held -= r.blocks.size();
     if (!r.aborted) {
@@ -565,7 +598,25 @@ struct DecodeNode::State {
       for (auto& [rank, part] : r.parts) {
         if (!part.transfer || part.final) continue;
         const TransferState st = agent.poll(*part.transfer);
-        if (!is_final(st)) continue;
+        if (!is_final(st)) {
+          // Given up on (deadline, lost peer, abort) while the transport may
+          // still write the blocks: the request fails now, the blocks wait
+          // in quarantine.
+          // (An aborted request reports nothing: it keeps its blocks until
+          // the transfer is final, as before.)
+          if (part.abandoned || r.aborted) continue;
+          const std::optional<TransferState> end = agent.abandoned(*part.transfer);
+          if (!end) continue;
+          part.abandoned = true;
+          if (*end == TransferState::timed_out) ++counters.transfers_timed_out;
+          std::string why = fmt::format("transfer from prefill rank {} abandoned ({}): {}", rank,
+                                        to_string(*end), agent.why(*part.transfer));
+          if (r.failed)
+            r.why += "; " + why;  // the report says why the blocks are held
+          else
+            fail(r, std::move(why));
+          continue;
+        }
         part.final = true;
         const Agent::Times times = agent.times(*part.transfer);
         r.first_post = std::min(r.first_post, times.posted);
@@ -573,12 +624,13 @@ struct DecodeNode::State {
         if (st == TransferState::done) {
           r.bytes += agent.bytes(*part.transfer);
         } else {
+          if (st == TransferState::timed_out && !part.abandoned) ++counters.transfers_timed_out;
           fail(r, fmt::format("transfer from prefill rank {} {}: {}", rank, to_string(st),
                               agent.why(*part.transfer)));
         }
       }
-      if (!all_final(r)) return;
-      if (r.failed || r.aborted) {
+      if (!all_settled(r)) return;
+      if (r.failed || r.aborted || !all_final(r)) {
         finish(it);
         return;
       }
@@ -638,6 +690,28 @@ struct DecodeNode::State {
     ++counters.late_notifications;
   }
 
+  // Frees the quarantined blocks whose transfers are all final (each waits
+  // up to `wait`).
+  void release_quarantine(std::chrono::milliseconds wait) {
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < quarantine.size(); ++i) {
+      Quarantine& q = quarantine[i];
+      const bool ended = std::all_of(q.transfers.begin(), q.transfers.end(), [&](TransferId id) {
+        return is_final(wait.count() > 0 ? agent.wait(id, wait) : agent.poll(id));
+      });
+      if (!ended) {
+        if (kept != i) quarantine[kept] = std::move(q);
+        ++kept;
+        continue;
+      }
+      for (TransferId id : q.transfers)
+        agent.release(id);
+      cache.release_blocks(q.blocks);
+      quarantined -= q.blocks.size();
+    }
+    quarantine.resize(kept);
+  }
+
   // A prefill rank that has not confirmed is gone: the request fails in
   // whatever phase it is (a pull from it may even finish, but nobody can
   // confirm the lease any more). Its blocks are freed once no transfer is
@@ -691,6 +765,16 @@ DecodeNode::~DecodeNode() {
       s.requests.erase(it);
     }
   }
+  try {
+    s.release_quarantine(std::chrono::seconds(60));
+  } catch (const std::exception& e) {
+    log::error(fmt::format("DecodeNode: releasing the quarantine failed: {}", e.what()));
+  }
+  if (s.quarantined > 0) {
+    log::error(fmt::format(
+        "DecodeNode: {} quarantined blocks still have a transfer in flight; they are kept",
+        s.quarantined));
+  }
 }
 
 std::vector<DecodeResult> DecodeNode::poll() {
@@ -720,6 +804,7 @@ std::vector<DecodeResult> DecodeNode::poll() {
     s.step(it, now);
     it = next;
   }
+  s.release_quarantine(std::chrono::milliseconds(0));
   return std::exchange(s.results, {});
 }
 
@@ -755,6 +840,9 @@ std::vector<std::uint64_t> DecodeNode::pending_request_ids() const {
 }
 std::size_t DecodeNode::held_blocks() const noexcept {
   return state_->held;
+}
+std::size_t DecodeNode::quarantined_blocks() const noexcept {
+  return state_->quarantined;
 }
 const DecodeCounters& DecodeNode::counters() const noexcept {
   return state_->counters;

@@ -431,7 +431,11 @@ class Worker {
                      {"revoked", c.revoked},
                      {"late_notifications", c.late_notifications},
                      {"no_room", c.no_room},
-                     {"blocks_registered", c.blocks_registered}};
+                     {"blocks_registered", c.blocks_registered},
+                     {"transfers_timed_out", c.transfers_timed_out},
+                     {"transfers_abandoned", c.transfers_abandoned},
+                     {"blocks_quarantined", c.blocks_quarantined},
+                     {"quarantined_blocks", decode_->quarantined_blocks()}};
     }
     emit(j);
   }

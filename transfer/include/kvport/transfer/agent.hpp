@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -76,7 +77,8 @@ struct AgentOptions {
   std::uint32_t tp_size = 1;
   /// A peer not heard from for this long is lost: its pending transfers end
   /// peer_lost and its connection is closed. Heartbeats go out every
-  /// peer_timeout / 8.
+  /// peer_timeout / 8. A connection to our listener whose hello has not
+  /// arrived (or was malformed) this long after it connected is closed.
   std::chrono::milliseconds peer_timeout{2000};
   /// A transfer not final after this long ends timed_out (its connection is
   /// reset so that no byte lands later).
@@ -98,6 +100,15 @@ struct AgentOptions {
   /// full-attention group. Checked at construction as a peer would decode
   /// them.
   std::vector<LayoutGroup> groups;
+  /// Makes the agent's transport from the agent's event handlers (which the
+  /// transport calls as TransportEvents says, and must not outlive: the
+  /// agent destroys the transport before them). Empty: UCX
+  /// (make_ucx_transport). For tests and fault drills: a decorator over the
+  /// UCX transport that injects submission failures, failed or partial
+  /// completions, stalls, lost messages and dropped connections
+  /// (tests/unit/transfer/fault_transport.hpp). The Agent constructor throws
+  /// what the factory throws, and InvalidArgument when it returns null.
+  std::function<std::unique_ptr<Transport>(const TransportEvents&)> transport_factory;
 };
 
 /// One contiguous copy of post_ranges(): `bytes` between our address `local`
@@ -129,7 +140,9 @@ struct AgentCounters {
   std::uint64_t notifications_received = 0;
   std::uint64_t malformed_messages = 0;  ///< dropped, counted
   std::uint64_t peers_lost = 0;
-  std::uint64_t handshakes_rejected = 0;  ///< either side's
+  /// Either side's; also a connection to our listener that sent no usable
+  /// hello within peer_timeout (closed).
+  std::uint64_t handshakes_rejected = 0;
 };
 
 /// Moves a PagedKvCache's blocks to and from peer agents. Thread-safe: every
@@ -203,8 +216,17 @@ class Agent {
   TransferState poll(TransferId id) const;
   /// Waits until final or `timeout`; returns the state then.
   TransferState wait(TransferId id, std::chrono::milliseconds timeout) const;
-  /// One line on why a transfer failed (empty unless failed/peer_lost/timed_out).
+  /// One line on why a transfer failed (empty unless failed/peer_lost/timed_out,
+  /// or abandoned()).
   std::string why(TransferId id) const;
+  /// For a pending transfer the agent has given up on (it passed its
+  /// deadline, its peer was lost, or cancel() was called) whose memory the
+  /// transport may still write (its connection's close has not completed):
+  /// the state it will end in (timed_out, peer_lost or cancelled); the
+  /// caller may report the request failed now but must keep the memory
+  /// until poll() says final. nullopt for a transfer still running or final.
+  /// Throws InvalidArgument for an unknown (or released) id.
+  std::optional<TransferState> abandoned(TransferId id) const;
   /// Bytes the transfer moves (its merged regions).
   std::uint64_t bytes(TransferId id) const;
   /// When the transfer was posted and when it became final (equal to posted

@@ -157,6 +157,14 @@ struct DecodeCounters {
   std::uint64_t no_room = 0;             ///< refused: not enough blocks
   std::uint64_t blocks_registered = 0;   ///< full blocks inserted into the prefix cache
   std::uint64_t peers_lost = 0;          ///< prefill peers the agent reported lost
+  /// Pulls that ended timed_out, or were abandoned at their deadline.
+  std::uint64_t transfers_timed_out = 0;
+  /// Pulls the agent gave up on (deadline, lost peer, abort) while the
+  /// transport could still write their blocks: the request was reported
+  /// failed at once and its blocks quarantined (held, neither cached nor
+  /// free) until the transfer ended; and the blocks so quarantined.
+  std::uint64_t transfers_abandoned = 0;
+  std::uint64_t blocks_quarantined = 0;
 };
 
 /// A request the decode side finished, successfully or not.
@@ -181,8 +189,10 @@ struct DecodeResult {
 class DecodeNode {
  public:
   DecodeNode(Agent& agent, PrefixCache& cache, DecodeOptions options = {});
-  /// Frees what it holds; waits (bounded by the agent's peer timeout) for
-  /// in-flight transfers to end first.
+  /// Frees what it holds; waits (up to 60 s each; the agent's transfer
+  /// timeout bounds them unless the transport holds a closed connection's
+  /// memory longer) for in-flight and quarantined transfers to end first,
+  /// and keeps (leaks, logged) the blocks of any that did not.
   ~DecodeNode();
   DecodeNode(const DecodeNode&) = delete;
   DecodeNode& operator=(const DecodeNode&) = delete;
@@ -208,6 +218,10 @@ class DecodeNode {
   std::vector<std::uint64_t> pending_request_ids() const;
   /// Blocks allocated for requests not yet reported.
   std::size_t held_blocks() const noexcept;
+  /// Blocks of abandoned pulls that the transport may still write (see
+  /// DecodeCounters::transfers_abandoned); poll() frees them once their
+  /// transfers are final.
+  std::size_t quarantined_blocks() const noexcept;
   const DecodeCounters& counters() const noexcept;
 
  private:
