@@ -1,0 +1,233 @@
+// The UCX transport on its own, two transports in one process: the bulk
+// data path a same-host connection uses (rendezvous active messages, or
+// RMA with KVPORT_UCX_BULK=rma), byte-exact reads and writes of several
+// ranges, done exactly once, a range outside the peer's registered memory
+// refused without a byte moved, and a read ended by closing its connection
+// before the peer answered (nothing lands after). Every wait is bounded.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvport/transfer/transport.hpp"
+
+namespace kvport::transfer {
+namespace {
+
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+// One transport and a registered buffer of `bytes`, filled with `seed`.
+struct End {
+  TransportEvents events;
+  std::unique_ptr<Transport> transport;
+  std::vector<std::uint8_t> buffer;
+  std::vector<std::uint8_t> key;
+  explicit End(std::size_t bytes, std::uint8_t seed) : buffer(bytes) {
+    for (std::size_t i = 0; i < bytes; ++i)
+      buffer[i] = static_cast<std::uint8_t>(seed + i * 7 + (i >> 12));
+    transport = make_ucx_transport(events);
+    key = transport->register_memory(base(), bytes, MemoryKind::host);
+  }
+  std::uint64_t base() const { return reinterpret_cast<std::uint64_t>(buffer.data()); }
+};
+
+// `reader` connected to `peer` as the agent connects a same-host data peer.
+struct Pair {
+  End reader{1 << 22, 1};
+  End peer{1 << 22, 101};
+  ConnId conn = 0;
+  std::uint64_t key = 0;
+  Pair() {
+    conn = reader.transport->connect_to(peer.transport->local_address(), false);
+    key = reader.transport->import_remote_key(conn, peer.key);
+  }
+  // Progresses both until `pred` or 10 s.
+  template <class Pred>
+  bool until(Pred pred) {
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (!pred() && Clock::now() < deadline) {
+      reader.transport->progress();
+      peer.transport->progress();
+    }
+    return pred();
+  }
+  // Progresses both for 300 ms.
+  void settle() {
+    const auto end = Clock::now() + std::chrono::milliseconds(300);
+    while (Clock::now() < end) {
+      reader.transport->progress();
+      peer.transport->progress();
+    }
+  }
+};
+
+struct Outcome {
+  int calls = 0;
+  bool ok = false;
+  std::string why;
+};
+
+std::function<void(bool, const std::string&)> record(Outcome& o) {
+  return [&o](bool ok, const std::string& why) {
+    ++o.calls;
+    o.ok = ok;
+    o.why = why;
+  };
+}
+
+// Three ranges of different sizes, in different places of both buffers.
+std::vector<RmaOp> ranges(const End& local, const End& remote) {
+  return {{local.base() + 0, remote.base() + 4096, 1 << 20},
+          {local.base() + (2 << 20), remote.base() + (3 << 20), 65536},
+          {local.base() + (3 << 20), remote.base() + 0, 777}};
+}
+
+void expect_moved(const std::vector<RmaOp>& ops, const End& to, const End& from, bool to_is_local) {
+  for (const RmaOp& op : ops) {
+    const std::uint64_t dst = to_is_local ? op.local : op.remote;
+    const std::uint64_t src = to_is_local ? op.remote : op.local;
+    EXPECT_EQ(std::memcmp(to.buffer.data() + (dst - to.base()),
+                          from.buffer.data() + (src - from.base()), op.bytes),
+              0);
+  }
+}
+
+// The bulk path's settings: KVPORT_UCX_BULK, and KVPORT_UCX_BULK_MIN_BYTES
+// (null: the default, which sends the 1 MiB range as a rendezvous message
+// and the two small ones as RMA).
+struct Bulk {
+  const char* path;
+  const char* min_bytes;
+};
+
+void set_bulk(const Bulk& b) {
+  ::setenv("KVPORT_UCX_BULK", b.path, 1);
+  if (b.min_bytes != nullptr) ::setenv("KVPORT_UCX_BULK_MIN_BYTES", b.min_bytes, 1);
+}
+
+void unset_bulk() {
+  ::unsetenv("KVPORT_UCX_BULK");
+  ::unsetenv("KVPORT_UCX_BULK_MIN_BYTES");
+}
+
+class UcxTransportBulk : public ::testing::TestWithParam<Bulk> {
+ protected:
+  void SetUp() override { set_bulk(GetParam()); }
+  void TearDown() override { unset_bulk(); }
+};
+
+TEST_P(UcxTransportBulk, DescriptionNamesTheBulkPath) {
+  Pair p;
+  EXPECT_THAT(p.reader.transport->description(),
+              HasSubstr(std::string(GetParam().path) == "rma" ? "RMA gets and puts"
+                                                              : "rendezvous active messages"));
+}
+
+TEST_P(UcxTransportBulk, ReadOfSeveralRangesIsByteExactAndDoneOnce) {
+  Pair p;
+  const auto ops = ranges(p.reader, p.peer);
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  p.reader.transport->post(p.conn, Direction::read, ops, keys, record(o));
+  ASSERT_TRUE(p.until([&] { return o.calls > 0; }));
+  EXPECT_TRUE(o.ok) << o.why;
+  expect_moved(ops, p.reader, p.peer, true);
+  p.settle();  // a second callback would show now
+  EXPECT_EQ(o.calls, 1);
+}
+
+TEST_P(UcxTransportBulk, WriteOfSeveralRangesIsByteExactAndDoneOnce) {
+  Pair p;
+  const auto ops = ranges(p.reader, p.peer);
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  p.reader.transport->post(p.conn, Direction::write, ops, keys, record(o));
+  ASSERT_TRUE(p.until([&] { return o.calls > 0; }));
+  EXPECT_TRUE(o.ok) << o.why;
+  expect_moved(ops, p.peer, p.reader, false);
+  p.settle();
+  EXPECT_EQ(o.calls, 1);
+}
+
+// Every range as a rendezvous message; the default split; every range RMA.
+INSTANTIATE_TEST_SUITE_P(Paths, UcxTransportBulk,
+                         ::testing::Values(Bulk{"am", "0"}, Bulk{"am", nullptr},
+                                           Bulk{"rma", nullptr}));
+
+// The rendezvous path checks every range against the memory its owner
+// registered (the RMA path has the memory key's bounds for that).
+class UcxTransportAm : public ::testing::Test {
+ protected:
+  void SetUp() override { set_bulk({"am", "0"}); }
+  void TearDown() override { unset_bulk(); }
+};
+
+TEST_F(UcxTransportAm, ReadOutsideThePeersMemoryFailsAndMovesNothing) {
+  Pair p;
+  std::vector<std::uint8_t> outside(4096, 0xEE);
+  const std::vector<std::uint8_t> before = p.reader.buffer;
+  const std::vector<RmaOp> ops = {
+      {p.reader.base(), p.peer.base() + 4096, 4096},
+      {p.reader.base() + 8192, reinterpret_cast<std::uint64_t>(outside.data()), 4096}};
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  p.reader.transport->post(p.conn, Direction::read, ops, keys, record(o));
+  ASSERT_TRUE(p.until([&] { return o.calls > 0; }));
+  EXPECT_FALSE(o.ok);
+  EXPECT_FALSE(o.why.empty());
+  EXPECT_EQ(o.calls, 1);
+  EXPECT_TRUE(std::equal(before.begin() + 8192, before.begin() + 8192 + 4096,
+                         p.reader.buffer.begin() + 8192));
+}
+
+TEST_F(UcxTransportAm, WriteOutsideThePeersMemoryFailsAndMovesNothing) {
+  Pair p;
+  std::vector<std::uint8_t> outside(4096, 0xEE);
+  const std::vector<RmaOp> ops = {
+      {p.reader.base(), reinterpret_cast<std::uint64_t>(outside.data()), 4096}};
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  p.reader.transport->post(p.conn, Direction::write, ops, keys, record(o));
+  ASSERT_TRUE(p.until([&] { return o.calls > 0; }));
+  EXPECT_FALSE(o.ok);
+  EXPECT_EQ(o.calls, 1);
+  EXPECT_EQ(outside, std::vector<std::uint8_t>(4096, 0xEE));
+}
+
+TEST_F(UcxTransportAm, CloseBeforeThePeerAnswersEndsTheReadAndNothingLandsAfter) {
+  Pair p;
+  // Let the connection's wireup finish first, so only the read is pending.
+  Outcome warm;
+  const std::vector<RmaOp> one = {{p.reader.base(), p.peer.base(), 64}};
+  p.reader.transport->post(p.conn, Direction::read, one, std::vector<std::uint64_t>{p.key},
+                           record(warm));
+  ASSERT_TRUE(p.until([&] { return warm.calls > 0; }));
+  ASSERT_TRUE(warm.ok) << warm.why;
+  std::memset(p.reader.buffer.data(), 0, p.reader.buffer.size());
+
+  const auto ops = ranges(p.reader, p.peer);
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  bool closed = false;
+  p.reader.transport->post(p.conn, Direction::read, ops, keys, record(o));
+  p.reader.transport->close(p.conn, true, [&] { closed = true; });  // the peer never progressed
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while ((!closed || o.calls == 0) && Clock::now() < deadline)
+    p.reader.transport->progress();
+  ASSERT_EQ(o.calls, 1);
+  EXPECT_FALSE(o.ok);
+  ASSERT_TRUE(closed);
+  // The peer now serves the read it was asked for: it finds no one to take it.
+  p.settle();
+  EXPECT_EQ(o.calls, 1);
+  EXPECT_EQ(p.reader.buffer, std::vector<std::uint8_t>(p.reader.buffer.size(), 0));
+}
+
+}  // namespace
+}  // namespace kvport::transfer
