@@ -4,8 +4,13 @@
 // owning Agent's lock (the worker is created UCS_THREAD_MODE_SERIALIZED).
 //
 // Bulk data on a connection to a peer on this host (connect_to without peer
-// error handling: shared memory and CMA) goes as rendezvous active messages
-// unless KVPORT_UCX_BULK=rma: UCX 1.13 has no one-sided lane for a get or put
+// error handling: shared memory and CMA) is copied by the posting process
+// itself with cross-memory attach, process_vm_readv/writev, up to 1024
+// ranges a system call (KVPORT_UCX_BULK=cma, the default; the peer's
+// process id travels in its local_address()). Where the kernel refuses
+// that (ptrace rules), and with KVPORT_UCX_BULK=am, it goes as rendezvous
+// active messages; with KVPORT_UCX_BULK=rma as RMA gets and puts.
+// UCX 1.13 has no one-sided lane for a get or put
 // there (CMA is zero-copy only, and its RMA protocols want a lane with
 // buffered operations), so ucp_get/ucp_put become requests the peer's
 // process serves by copying through the shared-memory FIFO; a rendezvous
@@ -19,14 +24,18 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <random>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -60,9 +69,14 @@ constexpr unsigned kControlAmId = 7;
 constexpr unsigned kBulkAmId = 8;  // one range of bulk data, rendezvous; header BulkHeader
 constexpr unsigned kPullAmId = 9;  // "send me these ranges": header a token, data PullRange[]
 constexpr std::size_t kPullRangesPerMessage = 512;
+// local_address() ends with our process id and this tag.
+constexpr std::uint32_t kPidTag = 0x4350564b;  // "KVPC"
+constexpr std::size_t kIovPerCall = 1024;      // IOV_MAX
 // The smallest range sent as a rendezvous message (KVPORT_UCX_BULK_MIN_BYTES
-// overrides it); smaller ones go as RMA.
-constexpr std::uint64_t kBulkMinBytes = 256 * 1024;
+// overrides it); smaller ones go as RMA. 0: all of them (under load, a 32 KiB
+// range pulled as RMA, copied by the peer's process, cost more than a
+// rendezvous).
+constexpr std::uint64_t kBulkMinBytes = 0;
 
 // The header of a bulk range. A write: token 0 and the destination address
 // in `dest`. An answer to a pull: the reader's token and op index (the
@@ -241,7 +255,9 @@ class UcxTransport final : public Transport {
       }
     }
     const char* bulk = std::getenv("KVPORT_UCX_BULK");
-    bulk_am_ = bulk == nullptr || std::string_view(bulk) != "rma";
+    const std::string_view mode = bulk != nullptr ? bulk : "cma";
+    bulk_am_ = mode != "rma";
+    bulk_cma_ = mode == "cma";
     if (const char* min = std::getenv("KVPORT_UCX_BULK_MIN_BYTES"); min != nullptr) {
       char* end = nullptr;
       const unsigned long long v = std::strtoull(min, &end, 10);
@@ -294,10 +310,11 @@ class UcxTransport final : public Transport {
     std::string kinds = "host";
     if (supports(MemoryKind::cuda)) kinds += ", cuda";
     if (supports(MemoryKind::rocm)) kinds += ", rocm";
-    return fmt::format(
-        "ucx {} (UCX_TLS={}; registers {} memory; bulk data on this host: {})",
-        ucp_get_version_string(), tls != nullptr ? tls : "all", kinds,
-        bulk_am_ ? "rendezvous active messages (CMA zero-copy)" : "RMA gets and puts");
+    return fmt::format("ucx {} (UCX_TLS={}; registers {} memory; bulk data on this host: {})",
+                       ucp_get_version_string(), tls != nullptr ? tls : "all", kinds,
+                       bulk_cma_  ? "process_vm_readv/writev, else rendezvous active messages"
+                       : bulk_am_ ? "rendezvous active messages (CMA zero-copy)"
+                                  : "RMA gets and puts");
   }
 
   bool supports(MemoryKind kind) const noexcept override {
@@ -364,12 +381,38 @@ class UcxTransport final : public Transport {
     const auto* bytes = reinterpret_cast<const std::uint8_t*>(address);
     std::vector<std::uint8_t> out(bytes, bytes + size);
     ucp_worker_release_address(worker_, address);
+    // Then what a same-host peer needs to copy our memory directly: where
+    // our nonce lives, its value (the peer reads it back to make sure the
+    // process id names us in its pid namespace too), our process id, a tag.
+    auto put = [&](std::uint64_t v, int width) {
+      for (int i = 0; i < width; ++i)
+        out.push_back(static_cast<std::uint8_t>(v >> (8 * i)));
+    };
+    put(reinterpret_cast<std::uint64_t>(&cma_nonce_), 8);
+    put(cma_nonce_, 8);
+    put(static_cast<std::uint32_t>(::getpid()), 4);
+    put(kPidTag, 4);
     return out;
   }
 
   ConnId connect_to(std::span<const std::uint8_t> address, bool peer_errors) override {
     if (address.empty()) throw InvalidArgument("connect_to: an empty address");
+    auto word = [&](std::size_t at, int bytes) {
+      std::uint64_t v = 0;
+      for (int i = 0; i < bytes; ++i)
+        v |= std::uint64_t{address[at + i]} << (8 * i);
+      return v;
+    };
+    pid_t pid = 0;
+    constexpr std::size_t kTrailer = 24;
+    if (address.size() > kTrailer && word(address.size() - 4, 4) == kPidTag) {
+      const std::size_t at = address.size() - kTrailer;
+      if (!peer_errors)
+        pid = peer_process(static_cast<pid_t>(word(at + 16, 4)), word(at, 8), word(at + 8, 8));
+      address = address.first(at);
+    }
     auto conn = new_conn();
+    conn->peer_pid = pid;
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLER |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -526,6 +569,25 @@ class UcxTransport final : public Transport {
     // Ranges of at least bulk_min_bytes_ as rendezvous messages, the rest
     // (where a rendezvous's round trips cost more than the copies it saves)
     // as RMA.
+    if (bulk_cma_ && !baseline_ && conn.peer_pid > 0) {
+      const int err = cma_copy(conn.peer_pid, write, ops);
+      if (err == EPERM || err == ENOSYS) {
+        log::warn(
+            fmt::format("transfer: cannot copy a peer's memory directly ({}); its data "
+                        "goes as rendezvous active messages",
+                        std::strerror(err)));
+        conn.peer_pid = 0;  // and on through UCX below
+      } else {
+        if (err != 0) {
+          batch->ok = false;
+          batch->why = err == ESRCH ? "the peer's process is gone"
+                                    : fmt::format("copying the peer's memory failed: {}",
+                                                  std::strerror(err));
+        }
+        batch->finish_one(UCS_OK);
+        return;
+      }
+    }
     std::vector<RmaOp> small_ops;
     std::vector<std::uint64_t> small_keys;
     if (bulk_am_ && conn.data && !conn.peer_errors) {
@@ -591,6 +653,19 @@ class UcxTransport final : public Transport {
       submit(ucp_ep_flush_nbx(conn.ep, &p), ctx);
     }
     batch->finish_one(UCS_OK);
+  }
+
+  // UCX alone: rendezvous active messages (or, with KVPORT_UCX_BULK=rma,
+  // RMA), never process_vm_readv/writev.
+  void post_baseline(ConnId id, Direction direction, std::span<const RmaOp> ops,
+                     std::span<const std::uint64_t> remote_keys,
+                     std::function<void(bool, const std::string&)> done) override {
+    baseline_ = true;
+    struct Reset {
+      bool& flag;
+      ~Reset() { flag = false; }
+    } reset{baseline_};
+    post(id, direction, ops, remote_keys, std::move(done));
   }
 
   std::string connection_info(ConnId id) override {
@@ -672,6 +747,7 @@ class UcxTransport final : public Transport {
     bool closing = false;
     bool peer_errors = true;            // created with UCP_ERR_HANDLING_MODE_PEER
     bool data = false;                  // made by connect_to
+    pid_t peer_pid = 0;                 // a same-host peer's process, for CMA copies
     int receiving = 0;                  // our pulls' receives in flight on it
     std::function<void()> closed_done;  // close()'s done, once `receiving` is 0
     std::vector<ucp_rkey_h> rkeys;
@@ -733,6 +809,74 @@ class UcxTransport final : public Transport {
     const auto* bytes = static_cast<const std::uint8_t*>(data);
     self->inbox_.emplace_back(id, std::vector<std::uint8_t>(bytes, bytes + length));
     return UCS_OK;
+  }
+
+  // ---- bulk data copied with cross-memory attach ----
+
+  // `pid` if reading `bytes` at `at` from it gives `nonce` (it is the peer,
+  // and the kernel lets us read its memory), else 0.
+  static pid_t peer_process(pid_t pid, std::uint64_t at, std::uint64_t nonce) {
+    std::uint64_t seen = 0;
+    iovec local{&seen, sizeof seen};
+    iovec remote{reinterpret_cast<void*>(at), sizeof seen};
+    const ssize_t got = ::process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (got == sizeof seen && seen == nonce) return pid;
+    log::info(fmt::format(
+        "transfer: a same-host peer's memory cannot be read directly ({}); its data goes "
+        "through UCX",
+        got < 0 ? std::strerror(errno) : "another process has its id here"));
+    return 0;
+  }
+
+  // Copies every op between our memory and process `pid`'s (write: ours to
+  // theirs), up to kIovPerCall ranges a call; 0 or the errno of the failed
+  // call. EPERM or ENOSYS come before a byte moved (the first call).
+  static int cma_copy(pid_t pid, bool write, std::span<const RmaOp> ops) {
+    std::vector<iovec> local;
+    std::vector<iovec> remote;
+    local.reserve(std::min(ops.size(), kIovPerCall));
+    remote.reserve(local.capacity());
+    std::size_t i = 0;
+    std::uint64_t offset = 0;  // into ops[i]
+    while (i < ops.size()) {
+      local.clear();
+      remote.clear();
+      std::uint64_t want = 0;
+      for (std::size_t k = i; k < ops.size() && local.size() < kIovPerCall; ++k) {
+        const std::uint64_t skip = k == i ? offset : 0;
+        const std::uint64_t n = ops[k].bytes - skip;
+        if (n == 0) continue;
+        local.push_back({reinterpret_cast<void*>(ops[k].local + skip), n});
+        remote.push_back({reinterpret_cast<void*>(ops[k].remote + skip), n});
+        want += n;
+      }
+      if (want == 0) break;
+      const ssize_t got = write ? ::process_vm_writev(pid, local.data(), local.size(),
+                                                      remote.data(), remote.size(), 0)
+                                : ::process_vm_readv(pid, local.data(), local.size(), remote.data(),
+                                                     remote.size(), 0);
+      if (got < 0) return errno;
+      if (got == 0) return EFAULT;
+      // Advance past what was copied (a short count stops at a range's page
+      // the kernel could not reach; the next call reports why).
+      auto left = static_cast<std::uint64_t>(got);
+      while (left > 0 && i < ops.size()) {
+        const std::uint64_t n = ops[i].bytes - offset;
+        if (left >= n) {
+          left -= n;
+          ++i;
+          offset = 0;
+        } else {
+          offset += left;
+          left = 0;
+        }
+      }
+      while (i < ops.size() && ops[i].bytes == offset) {
+        ++i;
+        offset = 0;
+      }
+    }
+    return 0;
   }
 
   // ---- bulk data as rendezvous active messages ----
@@ -1006,6 +1150,11 @@ class UcxTransport final : public Transport {
 
   TransportEvents events_;
   bool bulk_am_ = true;
+  bool bulk_cma_ = true;
+  bool baseline_ = false;  // inside post_baseline
+  // A peer reads it back through CMA to check our process id (local_address).
+  std::uint64_t cma_nonce_ =
+      (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^ 0x9e3779b97f4a7c15;
   std::uint64_t bulk_min_bytes_ = kBulkMinBytes;
   std::uint64_t next_token_ = 0;
   std::unordered_map<std::uint64_t, std::unique_ptr<Pull>> pulls_;

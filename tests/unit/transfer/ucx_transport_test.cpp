@@ -1,9 +1,12 @@
 // The UCX transport on its own, two transports in one process: the bulk
-// data path a same-host connection uses (rendezvous active messages, or
-// RMA with KVPORT_UCX_BULK=rma), byte-exact reads and writes of several
-// ranges, done exactly once, a range outside the peer's registered memory
-// refused without a byte moved, and a read ended by closing its connection
-// before the peer answered (nothing lands after). Every wait is bounded.
+// data paths a same-host connection uses (process_vm_readv/writev, the
+// default; rendezvous active messages with KVPORT_UCX_BULK=am; RMA with
+// KVPORT_UCX_BULK=rma), byte-exact reads and writes of several ranges, done
+// exactly once; a range outside the peer's registered memory refused by the
+// rendezvous path without a byte moved, and a read ended by closing its
+// connection before the peer answered (nothing lands after); an unmapped
+// range failing the direct copy; post_baseline staying on UCX. Every wait is
+// bounded.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -99,8 +102,7 @@ void expect_moved(const std::vector<RmaOp>& ops, const End& to, const End& from,
 }
 
 // The bulk path's settings: KVPORT_UCX_BULK, and KVPORT_UCX_BULK_MIN_BYTES
-// (null: the default, which sends the 1 MiB range as a rendezvous message
-// and the two small ones as RMA).
+// (null: the default).
 struct Bulk {
   const char* path;
   const char* min_bytes;
@@ -124,9 +126,11 @@ class UcxTransportBulk : public ::testing::TestWithParam<Bulk> {
 
 TEST_P(UcxTransportBulk, DescriptionNamesTheBulkPath) {
   Pair p;
+  const std::string path = GetParam().path;
   EXPECT_THAT(p.reader.transport->description(),
-              HasSubstr(std::string(GetParam().path) == "rma" ? "RMA gets and puts"
-                                                              : "rendezvous active messages"));
+              HasSubstr(path == "rma"   ? "RMA gets and puts"
+                        : path == "cma" ? "process_vm_readv/writev"
+                                        : "rendezvous active messages"));
 }
 
 TEST_P(UcxTransportBulk, ReadOfSeveralRangesIsByteExactAndDoneOnce) {
@@ -155,10 +159,11 @@ TEST_P(UcxTransportBulk, WriteOfSeveralRangesIsByteExactAndDoneOnce) {
   EXPECT_EQ(o.calls, 1);
 }
 
-// Every range as a rendezvous message; the default split; every range RMA.
+// The direct copy; every range as a rendezvous message; ranges under 256 KiB
+// as RMA and the rest as rendezvous; every range RMA.
 INSTANTIATE_TEST_SUITE_P(Paths, UcxTransportBulk,
-                         ::testing::Values(Bulk{"am", "0"}, Bulk{"am", nullptr},
-                                           Bulk{"rma", nullptr}));
+                         ::testing::Values(Bulk{"cma", nullptr}, Bulk{"am", "0"},
+                                           Bulk{"am", "262144"}, Bulk{"rma", nullptr}));
 
 // The rendezvous path checks every range against the memory its owner
 // registered (the RMA path has the memory key's bounds for that).
@@ -227,6 +232,81 @@ TEST_F(UcxTransportAm, CloseBeforeThePeerAnswersEndsTheReadAndNothingLandsAfter)
   p.settle();
   EXPECT_EQ(o.calls, 1);
   EXPECT_EQ(p.reader.buffer, std::vector<std::uint8_t>(p.reader.buffer.size(), 0));
+}
+
+class UcxTransportCma : public ::testing::Test {
+ protected:
+  void SetUp() override { set_bulk({"cma", nullptr}); }
+  void TearDown() override { unset_bulk(); }
+};
+
+TEST_F(UcxTransportCma, AnUnmappedRangeFailsTheTransferOnce) {
+  Pair p;
+  const std::vector<RmaOp> ops = {{p.reader.base(), p.peer.base(), 4096},
+                                  {p.reader.base() + 4096, 4096, 4096}};  // page 1: unmapped
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome o;
+  p.reader.transport->post(p.conn, Direction::read, ops, keys, record(o));
+  ASSERT_TRUE(p.until([&] { return o.calls > 0; }));
+  EXPECT_FALSE(o.ok);
+  EXPECT_THAT(o.why, HasSubstr("copying the peer's memory failed"));
+  p.settle();
+  EXPECT_EQ(o.calls, 1);
+}
+
+// The raw baseline is UCX's: the rendezvous path, which refuses memory its
+// owner did not register, where the direct copy (trusting the agent's
+// checks) reads any mapped address.
+TEST_F(UcxTransportCma, PostBaselineStaysOnUcx) {
+  Pair p;
+  std::vector<std::uint8_t> unregistered(4096, 0x5A);
+  const std::vector<RmaOp> ops = {
+      {p.reader.base(), reinterpret_cast<std::uint64_t>(unregistered.data()), 4096}};
+  const std::vector<std::uint64_t> keys(ops.size(), p.key);
+  Outcome direct;
+  p.reader.transport->post(p.conn, Direction::read, ops, keys, record(direct));
+  ASSERT_TRUE(p.until([&] { return direct.calls > 0; }));
+  EXPECT_TRUE(direct.ok) << direct.why;
+  EXPECT_EQ(p.reader.buffer[0], 0x5A);
+  Outcome baseline;
+  p.reader.transport->post_baseline(p.conn, Direction::read, ops, keys, record(baseline));
+  ASSERT_TRUE(p.until([&] { return baseline.calls > 0; }));
+  EXPECT_FALSE(baseline.ok);
+  EXPECT_EQ(baseline.calls, 1);
+  // And a registered range moves through it byte-exact.
+  const auto good = ranges(p.reader, p.peer);
+  Outcome moved;
+  p.reader.transport->post_baseline(p.conn, Direction::read, good,
+                                    std::vector<std::uint64_t>(good.size(), p.key), record(moved));
+  ASSERT_TRUE(p.until([&] { return moved.calls > 0; }));
+  EXPECT_TRUE(moved.ok) << moved.why;
+  expect_moved(good, p.reader, p.peer, true);
+}
+
+// A peer address whose nonce does not read back (another process with that
+// id, another pid namespace): no direct copies on that connection, UCX's
+// rendezvous path instead (which refuses unregistered memory).
+TEST_F(UcxTransportCma, AnAddressWhoseNonceDoesNotReadBackGoesThroughUcx) {
+  End reader{1 << 16, 1};
+  End peer{1 << 16, 2};
+  std::vector<std::uint8_t> address = peer.transport->local_address();
+  ASSERT_GT(address.size(), 24u);
+  address[address.size() - 16] ^= 0xFF;  // the nonce's first byte
+  const ConnId conn = reader.transport->connect_to(address, false);
+  const std::uint64_t key = reader.transport->import_remote_key(conn, peer.key);
+  std::vector<std::uint8_t> unregistered(4096, 0x5A);
+  const std::vector<RmaOp> ops = {
+      {reader.base(), reinterpret_cast<std::uint64_t>(unregistered.data()), 4096}};
+  Outcome o;
+  reader.transport->post(conn, Direction::read, ops, std::vector<std::uint64_t>{key}, record(o));
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (o.calls == 0 && Clock::now() < deadline) {
+    reader.transport->progress();
+    peer.transport->progress();
+  }
+  ASSERT_EQ(o.calls, 1);
+  EXPECT_FALSE(o.ok);
+  EXPECT_NE(reader.buffer[0], 0x5A);
 }
 
 }  // namespace
