@@ -569,24 +569,15 @@ class UcxTransport final : public Transport {
     // Ranges of at least bulk_min_bytes_ as rendezvous messages, the rest
     // (where a rendezvous's round trips cost more than the copies it saves)
     // as RMA.
-    if (bulk_cma_ && !baseline_ && conn.peer_pid > 0) {
-      const int err = cma_copy(conn.peer_pid, write, ops);
-      if (err == EPERM || err == ENOSYS) {
-        log::warn(
-            fmt::format("transfer: cannot copy a peer's memory directly ({}); its data "
-                        "goes as rendezvous active messages",
-                        std::strerror(err)));
-        conn.peer_pid = 0;  // and on through UCX below
-      } else {
-        if (err != 0) {
-          batch->ok = false;
-          batch->why = err == ESRCH ? "the peer's process is gone"
-                                    : fmt::format("copying the peer's memory failed: {}",
-                                                  std::strerror(err));
-        }
-        batch->finish_one(UCS_OK);
-        return;
-      }
+    if (bulk_cma_ && !baseline_ && conn.peer_pid > 0 && !ops.empty()) {
+      // Copied by progress() (the caller does not wait for the bytes, as
+      // with UCX's operations); the worker's wakeup tells the owner's
+      // progress thread.
+      ++batch->remaining;
+      cma_jobs_.push_back({id, write, {ops.begin(), ops.end()}, batch});
+      ucp_worker_signal(worker_);
+      batch->finish_one(UCS_OK);
+      return;
     }
     std::vector<RmaOp> small_ops;
     std::vector<std::uint64_t> small_keys;
@@ -685,7 +676,7 @@ class UcxTransport final : public Transport {
   int event_fd() const noexcept override { return event_fd_; }
 
   bool arm() override {
-    if (event_fd_ < 0) return false;
+    if (event_fd_ < 0 || !cma_jobs_.empty() || !pull_requests_.empty()) return false;
     return ucp_worker_arm(worker_) == UCS_OK;
   }
 
@@ -716,6 +707,7 @@ class UcxTransport final : public Transport {
       by_ep_[conn->ep] = conn->id;
       if (events_.on_accept) events_.on_accept(conn->id);
     }
+    if (run_cma_jobs()) any = true;
     // Serve the peers' pulls (sends are not made inside a UCX callback).
     while (!pull_requests_.empty()) {
       PullRequest req = std::move(pull_requests_.front());
@@ -812,6 +804,59 @@ class UcxTransport final : public Transport {
   }
 
   // ---- bulk data copied with cross-memory attach ----
+
+  // A post() whose copies progress() makes.
+  struct CmaJob {
+    ConnId conn = 0;
+    bool write = false;
+    std::vector<RmaOp> ops;
+    std::shared_ptr<Batch> batch;
+  };
+
+  // Runs the queued copies; a connection closed meanwhile ends its jobs
+  // with an error and no byte moved.
+  bool run_cma_jobs() {
+    bool any = false;
+    while (!cma_jobs_.empty()) {
+      CmaJob job = std::move(cma_jobs_.front());
+      cma_jobs_.pop_front();
+      any = true;
+      auto it = conns_.find(job.conn);
+      if (it == conns_.end() || it->second->ep == nullptr || it->second->closing) {
+        fail_batch(*job.batch, "the connection was closed");
+        job.batch->finish_one(UCS_OK);
+        continue;
+      }
+      Conn& conn = *it->second;
+      const int err = cma_copy(conn.peer_pid, job.write, job.ops);
+      if (err == EPERM || err == ENOSYS) {
+        // Refused before a byte moved: this connection's data goes through
+        // UCX from now on, this job first.
+        log::warn(fmt::format(
+            "transfer: cannot copy a peer's memory directly ({}); its data goes as rendezvous "
+            "active messages",
+            std::strerror(err)));
+        conn.peer_pid = 0;
+        if (job.write) {
+          post_am_writes(conn, job.ops, job.batch);
+        } else {
+          post_pull(conn, job.ops, job.batch);
+        }
+      } else if (err != 0) {
+        fail_batch(*job.batch, err == ESRCH ? std::string("the peer's process is gone")
+                                            : fmt::format("copying the peer's memory failed: {}",
+                                                          std::strerror(err)));
+      }
+      job.batch->finish_one(UCS_OK);
+    }
+    return any;
+  }
+
+  static void fail_batch(Batch& batch, std::string why) {
+    if (!batch.ok) return;
+    batch.ok = false;
+    batch.why = std::move(why);
+  }
 
   // `pid` if reading `bytes` at `at` from it gives `nonce` (it is the peer,
   // and the kernel lets us read its memory), else 0.
@@ -1152,6 +1197,7 @@ class UcxTransport final : public Transport {
   bool bulk_am_ = true;
   bool bulk_cma_ = true;
   bool baseline_ = false;  // inside post_baseline
+  std::deque<CmaJob> cma_jobs_;
   // A peer reads it back through CMA to check our process id (local_address).
   std::uint64_t cma_nonce_ =
       (std::uint64_t{std::random_device{}()} << 32) ^ std::random_device{}() ^ 0x9e3779b97f4a7c15;
