@@ -1,20 +1,25 @@
-// Block transfer over UCX (issue 14): one Agent::post of a list of llama-3-8b
-// blocks (2 MiB each) read from a peer agent, against the raw UCX figure of
-// the same bytes and the memory limit, in the same iterations.
+// Block transfer over UCX (issue 14): one Agent::post of a list of blocks
+// read from (Transfer/read) or written to (Transfer/write) a peer agent,
+// against the raw UCX figure of the same bytes and the memory limit, in the
+// same iterations. Blocks: llama-3-8b (full attention, 2 MiB each) and
+// gpt-oss-120b's sliding-window group (its 18 sliding layers, 576 KiB each).
 //
-//   ours    Agent::post(read) of `batch` blocks + wait: the planner's merged
-//           regions (2 x layers per run of consecutive ids in layer-major, one
-//           per run in block-major), one UCX get each, one transfer
-//   raw     Agent::read_scratch: ONE contiguous UCX get of the same bytes
-//           between two registered scratch buffers (the baseline `kvport
-//           disagg` reports)
+//   ours    Agent::post(read or write) of `batch` blocks + wait: the
+//           planner's merged regions (2 x layers per run of consecutive ids
+//           in layer-major, one per run in block-major), one transfer, on the
+//           transport's bulk path (KVPORT_UCX_BULK: the direct copy by
+//           default, docs/transfer.md)
+//   raw     Agent::read_scratch: ONE contiguous UCX read of the same bytes
+//           between two registered scratch buffers (Transport::post_baseline:
+//           UCX's own rendezvous read, never the direct copy; the baseline
+//           `kvport disagg` reports). A READ for the write cases too: the
+//           agent has no raw write
 //   memcpy  std::memcpy of the same bytes between two host buffers (what a
 //           copy through this machine's memory costs)
 //
-// Both agents live in this process, on 127.0.0.1, so UCX picks the
-// transports it picks between processes on one host (shared memory, CMA;
-// with UCX 1.13 the gets run in software over shared memory, see
-// docs/performance.md). Block ids: the
+// Both agents live in this process, on 127.0.0.1, so the transport picks
+// what it picks between processes on one host (see docs/performance.md).
+// Block ids: the
 // first `batch` ids (consecutive) or `batch` ids drawn at random from a
 // 192-block cache (scattered), on both sides. Counters: bytes and regions per
 // transfer; GBps (ours), raw_GBps, memcpy_GBps; ratio (ours over raw) and

@@ -72,6 +72,8 @@ constexpr std::size_t kPullRangesPerMessage = 512;
 // local_address() ends with our process id and this tag.
 constexpr std::uint32_t kPidTag = 0x4350564b;  // "KVPC"
 constexpr std::size_t kIovPerCall = 1024;      // IOV_MAX
+// The most bytes one progress() copies directly (a few ms).
+constexpr std::uint64_t kCmaBytesPerProgress = 16 << 20;
 // The smallest range sent as a rendezvous message (KVPORT_UCX_BULK_MIN_BYTES
 // overrides it); smaller ones go as RMA. 0: all of them (under load, a 32 KiB
 // range pulled as RMA, copied by the peer's process, cost more than a
@@ -805,49 +807,63 @@ class UcxTransport final : public Transport {
 
   // ---- bulk data copied with cross-memory attach ----
 
-  // A post() whose copies progress() makes.
+  // A post() whose copies progress() makes: ops[next] from `offset` on are
+  // left.
   struct CmaJob {
     ConnId conn = 0;
     bool write = false;
     std::vector<RmaOp> ops;
     std::shared_ptr<Batch> batch;
+    std::size_t next = 0;
+    std::uint64_t offset = 0;
   };
 
-  // Runs the queued copies; a connection closed meanwhile ends its jobs
-  // with an error and no byte moved.
+  // Copies up to kCmaBytesPerProgress of the queued jobs, oldest first, so
+  // that the owner's timers (heartbeats) run between rounds of a large
+  // transfer. A connection closed meanwhile ends its jobs with an error and
+  // nothing more moved.
   bool run_cma_jobs() {
     bool any = false;
-    while (!cma_jobs_.empty()) {
-      CmaJob job = std::move(cma_jobs_.front());
-      cma_jobs_.pop_front();
+    std::uint64_t budget = kCmaBytesPerProgress;
+    while (!cma_jobs_.empty() && budget > 0) {
+      CmaJob& job = cma_jobs_.front();
       any = true;
       auto it = conns_.find(job.conn);
+      int err = 0;
+      bool fallback = false;
       if (it == conns_.end() || it->second->ep == nullptr || it->second->closing) {
         fail_batch(*job.batch, "the connection was closed");
-        job.batch->finish_one(UCS_OK);
-        continue;
+      } else {
+        const bool untouched = job.next == 0 && job.offset == 0;
+        err = cma_copy(it->second->peer_pid, job.write, job.ops, job.next, job.offset, budget);
+        if ((err == EPERM || err == ENOSYS) && untouched) {
+          fallback = true;
+        } else if (err != 0) {
+          fail_batch(*job.batch, err == ESRCH ? std::string("the peer's process is gone")
+                                              : fmt::format("copying the peer's memory failed: {}",
+                                                            std::strerror(err)));
+        } else if (job.next < job.ops.size()) {
+          break;  // the budget is spent; the rest next round
+        }
       }
-      Conn& conn = *it->second;
-      const int err = cma_copy(conn.peer_pid, job.write, job.ops);
-      if (err == EPERM || err == ENOSYS) {
+      CmaJob done = std::move(job);
+      cma_jobs_.pop_front();
+      if (fallback) {
         // Refused before a byte moved: this connection's data goes through
         // UCX from now on, this job first.
         log::warn(fmt::format(
             "transfer: cannot copy a peer's memory directly ({}); its data goes as rendezvous "
             "active messages",
             std::strerror(err)));
+        Conn& conn = *it->second;
         conn.peer_pid = 0;
-        if (job.write) {
-          post_am_writes(conn, job.ops, job.batch);
+        if (done.write) {
+          post_am_writes(conn, done.ops, done.batch);
         } else {
-          post_pull(conn, job.ops, job.batch);
+          post_pull(conn, done.ops, done.batch);
         }
-      } else if (err != 0) {
-        fail_batch(*job.batch, err == ESRCH ? std::string("the peer's process is gone")
-                                            : fmt::format("copying the peer's memory failed: {}",
-                                                          std::strerror(err)));
       }
-      job.batch->finish_one(UCS_OK);
+      done.batch->finish_one(UCS_OK);
     }
     return any;
   }
@@ -873,29 +889,33 @@ class UcxTransport final : public Transport {
     return 0;
   }
 
-  // Copies every op between our memory and process `pid`'s (write: ours to
-  // theirs), up to kIovPerCall ranges a call; 0 or the errno of the failed
-  // call. EPERM or ENOSYS come before a byte moved (the first call).
-  static int cma_copy(pid_t pid, bool write, std::span<const RmaOp> ops) {
+  // Copies ops from ops[i] + offset on between our memory and process
+  // `pid`'s (write: ours to theirs), up to kIovPerCall ranges a call, until
+  // they are done or `budget` bytes moved; advances i, offset and budget.
+  // 0 or the errno of the failed call (EPERM or ENOSYS: the kernel refuses
+  // this peer; it comes at the first call).
+  static int cma_copy(pid_t pid, bool write, std::span<const RmaOp> ops, std::size_t& i,
+                      std::uint64_t& offset, std::uint64_t& budget) {
     std::vector<iovec> local;
     std::vector<iovec> remote;
-    local.reserve(std::min(ops.size(), kIovPerCall));
+    local.reserve(std::min(ops.size() - i, kIovPerCall));
     remote.reserve(local.capacity());
-    std::size_t i = 0;
-    std::uint64_t offset = 0;  // into ops[i]
-    while (i < ops.size()) {
+    while (i < ops.size() && budget > 0) {
       local.clear();
       remote.clear();
       std::uint64_t want = 0;
-      for (std::size_t k = i; k < ops.size() && local.size() < kIovPerCall; ++k) {
+      for (std::size_t k = i; k < ops.size() && local.size() < kIovPerCall && want < budget; ++k) {
         const std::uint64_t skip = k == i ? offset : 0;
-        const std::uint64_t n = ops[k].bytes - skip;
+        const std::uint64_t n = std::min(ops[k].bytes - skip, budget - want);
         if (n == 0) continue;
         local.push_back({reinterpret_cast<void*>(ops[k].local + skip), n});
         remote.push_back({reinterpret_cast<void*>(ops[k].remote + skip), n});
         want += n;
       }
-      if (want == 0) break;
+      if (want == 0) {
+        i = ops.size();  // only empty ranges were left
+        break;
+      }
       const ssize_t got = write ? ::process_vm_writev(pid, local.data(), local.size(),
                                                       remote.data(), remote.size(), 0)
                                 : ::process_vm_readv(pid, local.data(), local.size(), remote.data(),
@@ -905,6 +925,7 @@ class UcxTransport final : public Transport {
       // Advance past what was copied (a short count stops at a range's page
       // the kernel could not reach; the next call reports why).
       auto left = static_cast<std::uint64_t>(got);
+      budget -= std::min(budget, left);
       while (left > 0 && i < ops.size()) {
         const std::uint64_t n = ops[i].bytes - offset;
         if (left >= n) {
