@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -72,8 +73,12 @@ constexpr std::size_t kPullRangesPerMessage = 512;
 // local_address() ends with our process id and this tag.
 constexpr std::uint32_t kPidTag = 0x4350564b;  // "KVPC"
 constexpr std::size_t kIovPerCall = 1024;      // IOV_MAX
-// The most bytes one progress() copies directly (a few ms).
-constexpr std::uint64_t kCmaBytesPerProgress = 16 << 20;
+// One progress() copies directly for about this long (in calls of at most
+// kCmaBytesPerCall), then returns so that the owner's timers run: a round
+// per 16 MiB instead cost a yield of the progress thread each, which under
+// load (other processes on the cores) halved a pull's speed.
+constexpr auto kCmaRound = std::chrono::milliseconds(20);
+constexpr std::uint64_t kCmaBytesPerCall = 4 << 20;
 // The smallest range sent as a rendezvous message (KVPORT_UCX_BULK_MIN_BYTES
 // overrides it); smaller ones go as RMA. 0: all of them (under load, a 32 KiB
 // range pulled as RMA, copied by the peer's process, cost more than a
@@ -818,14 +823,15 @@ class UcxTransport final : public Transport {
     std::uint64_t offset = 0;
   };
 
-  // Copies up to kCmaBytesPerProgress of the queued jobs, oldest first, so
-  // that the owner's timers (heartbeats) run between rounds of a large
-  // transfer. A connection closed meanwhile ends its jobs with an error and
-  // nothing more moved.
+  // Copies the queued jobs, oldest first, for about kCmaRound, so that the
+  // owner's timers (heartbeats) run between rounds of a large transfer. A
+  // connection closed meanwhile ends its jobs with an error and nothing more
+  // moved.
   bool run_cma_jobs() {
     bool any = false;
-    std::uint64_t budget = kCmaBytesPerProgress;
-    while (!cma_jobs_.empty() && budget > 0) {
+    const auto until = std::chrono::steady_clock::now() + kCmaRound;
+    while (!cma_jobs_.empty() && std::chrono::steady_clock::now() < until) {
+      std::uint64_t budget = kCmaBytesPerCall;
       CmaJob& job = cma_jobs_.front();
       any = true;
       auto it = conns_.find(job.conn);
@@ -843,7 +849,7 @@ class UcxTransport final : public Transport {
                                               : fmt::format("copying the peer's memory failed: {}",
                                                             std::strerror(err)));
         } else if (job.next < job.ops.size()) {
-          break;  // the budget is spent; the rest next round
+          continue;  // more of it, while the round lasts
         }
       }
       CmaJob done = std::move(job);
