@@ -74,10 +74,12 @@ constexpr std::size_t kPullRangesPerMessage = 512;
 constexpr std::uint32_t kPidTag = 0x4350564b;  // "KVPC"
 constexpr std::size_t kIovPerCall = 1024;      // IOV_MAX
 // One progress() copies directly for about this long (in calls of at most
-// kCmaBytesPerCall), then returns so that the owner's timers run: a round
-// per 16 MiB instead cost a yield of the progress thread each, which under
-// load (other processes on the cores) halved a pull's speed.
-constexpr auto kCmaRound = std::chrono::milliseconds(20);
+// kCmaBytesPerCall), then returns so that the owner's timers run (the
+// agent's heartbeats go every peer timeout / 8, 190 ms in `kvport disagg`).
+// Each round ends in a yield of the progress thread, which under load
+// (other processes on the cores) costs a scheduling round: 16 MiB rounds
+// halved a pull's speed, 20 ms rounds still cost a quarter.
+constexpr auto kCmaRound = std::chrono::milliseconds(100);
 constexpr std::uint64_t kCmaBytesPerCall = 4 << 20;
 // The smallest range sent as a rendezvous message (KVPORT_UCX_BULK_MIN_BYTES
 // overrides it); smaller ones go as RMA. 0: all of them (under load, a 32 KiB
