@@ -1,20 +1,25 @@
-// Block transfer over UCX (issue 14): one Agent::post of a list of llama-3-8b
-// blocks (2 MiB each) read from a peer agent, against the raw UCX figure of
-// the same bytes and the memory limit, in the same iterations.
+// Block transfer over UCX (issue 14): one Agent::post of a list of blocks
+// read from (Transfer/read) or written to (Transfer/write) a peer agent,
+// against the raw UCX figure of the same bytes and the memory limit, in the
+// same iterations. Blocks: llama-3-8b (full attention, 2 MiB each) and
+// gpt-oss-120b's sliding-window group (its 18 sliding layers, 576 KiB each).
 //
-//   ours    Agent::post(read) of `batch` blocks + wait: the planner's merged
-//           regions (2 x layers per run of consecutive ids in layer-major, one
-//           per run in block-major), one UCX get each, one transfer
-//   raw     Agent::read_scratch: ONE contiguous UCX get of the same bytes
-//           between two registered scratch buffers (the baseline `kvport
-//           disagg` reports)
+//   ours    Agent::post(read or write) of `batch` blocks + wait: the
+//           planner's merged regions (2 x layers per run of consecutive ids
+//           in layer-major, one per run in block-major), one transfer, on the
+//           transport's bulk path (KVPORT_UCX_BULK: the direct copy by
+//           default, docs/transfer.md)
+//   raw     Agent::read_scratch: ONE contiguous UCX read of the same bytes
+//           between two registered scratch buffers (Transport::post_baseline:
+//           UCX's own rendezvous read, never the direct copy; the baseline
+//           `kvport disagg` reports). A READ for the write cases too: the
+//           agent has no raw write
 //   memcpy  std::memcpy of the same bytes between two host buffers (what a
 //           copy through this machine's memory costs)
 //
-// Both agents live in this process, on 127.0.0.1, so UCX picks the
-// transports it picks between processes on one host (shared memory, CMA;
-// with UCX 1.13 the gets run in software over shared memory, see
-// docs/performance.md). Block ids: the
+// Both agents live in this process, on 127.0.0.1, so the transport picks
+// what it picks between processes on one host (see docs/performance.md).
+// Block ids: the
 // first `batch` ids (consecutive) or `batch` ids drawn at random from a
 // 192-block cache (scattered), on both sides. Counters: bytes and regions per
 // transfer; GBps (ours), raw_GBps, memcpy_GBps; ratio (ours over raw) and
@@ -30,6 +35,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
@@ -63,9 +69,9 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scattered) {
+void BM_Transfer(benchmark::State& state, Direction direction, KvCacheConfig config,
+                 KvCacheLayout layout, bool scattered) {
   const auto batch = static_cast<std::size_t>(state.range(0));
-  KvCacheConfig config = sim::preset_config(*sim::find_model_preset("llama-3-8b"));
   config.layout = layout;
   const std::size_t bytes = batch * config.bytes_per_block();
   Side dst(config, bytes);
@@ -88,7 +94,7 @@ void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scatter
   auto ours = [&] {
     const auto before = dst.agent->counters().regions_posted;
     const auto t = Clock::now();
-    const TransferId id = dst.agent->post(peer, Direction::read, local, remote);
+    const TransferId id = dst.agent->post(peer, direction, local, remote);
     regions += dst.agent->counters().regions_posted - before;
     if (dst.agent->wait(id, std::chrono::seconds(60)) != TransferState::done) {
       throw std::runtime_error("transfer failed: " + dst.agent->why(id));
@@ -133,15 +139,31 @@ void BM_TransferRead(benchmark::State& state, KvCacheLayout layout, bool scatter
 
 void register_all() {
   log::set_level(log::Level::warn);
-  for (auto layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
-    for (bool scattered : {false, true}) {
-      const std::string name = fmt::format("Transfer/read/llama-3-8b/{}/{}", to_string(layout),
-                                           scattered ? "scattered" : "consecutive");
-      benchmark::RegisterBenchmark(name.c_str(), BM_TransferRead, layout, scattered)
-          ->Arg(16)
-          ->Arg(64)
-          ->UseManualTime()
-          ->Unit(benchmark::kMillisecond);
+  // llama-3-8b: full attention, 32 layers x 8 KV heads x 128, 2 MiB a
+  // block. gpt-oss-120b's sliding-window group: its 18 sliding layers (8 KV
+  // heads x 64), 576 KiB a block, one of the two groups of its hybrid cache.
+  const KvCacheConfig llama = sim::preset_config(*sim::find_model_preset("llama-3-8b"));
+  KvCacheConfig swa = llama;
+  swa.num_layers = 18;
+  swa.num_kv_heads = 8;
+  swa.head_dim_k = swa.head_dim_v = 64;
+  const std::pair<const char*, KvCacheConfig> models[] = {{"llama-3-8b", llama},
+                                                          {"gpt-oss-120b-swa-group", swa}};
+  for (Direction direction : {Direction::read, Direction::write}) {
+    for (const auto& [model, config] : models) {
+      for (auto layout : {KvCacheLayout::layer_major, KvCacheLayout::block_major}) {
+        for (bool scattered : {false, true}) {
+          const std::string name =
+              fmt::format("Transfer/{}/{}/{}/{}", to_string(direction), model, to_string(layout),
+                          scattered ? "scattered" : "consecutive");
+          benchmark::RegisterBenchmark(name.c_str(), BM_Transfer, direction, config, layout,
+                                       scattered)
+              ->Arg(16)
+              ->Arg(64)
+              ->UseManualTime()
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
     }
   }
 }

@@ -314,7 +314,7 @@ const Agent::State::RemoteRegion& Agent::State::remote_region(const Peer& p, std
 
 TransferId Agent::State::start(Peer& p, Direction direction, std::vector<RmaOp> ops,
                                std::vector<std::uint64_t> keys,
-                               std::vector<HostCopyRegion> stage_in) {
+                               std::vector<HostCopyRegion> stage_in, bool baseline) {
   const TransferId id = ++next_transfer;
   Transfer& t = transfers[id];
   t.peer = p.id;
@@ -331,8 +331,12 @@ TransferId Agent::State::start(Peer& p, Direction direction, std::vector<RmaOp> 
     return id;
   }
   try {
-    transport->post(p.data, direction, ops, keys,
-                    [this, id](bool ok, const std::string& why) { finish(id, ok, why); });
+    auto done = [this, id](bool ok, const std::string& why) { finish(id, ok, why); };
+    if (baseline) {
+      transport->post_baseline(p.data, direction, ops, keys, std::move(done));
+    } else {
+      transport->post(p.data, direction, ops, keys, std::move(done));
+    }
   } catch (...) {
     // Refused before any operation was posted: no record of it stays.
     transfers.erase(id);
@@ -750,7 +754,7 @@ double Agent::read_scratch(PeerId peer_id, std::size_t bytes) {
           s.options.scratch_bytes, p.scratch ? p.scratch->bytes : 0));
     }
     id = s.start(p, Direction::read, {RmaOp{s.scratch_base, p.scratch->base, bytes}},
-                 {p.scratch->key}, {});
+                 {p.scratch->key}, {}, /*baseline=*/true);
   }
   // Until the read ends, its deadline passes, or its peer is lost: a peer
   // that stopped (SIGSTOP) is lost by liveness long before the deadline, but

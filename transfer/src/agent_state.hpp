@@ -149,8 +149,10 @@ struct Agent::State {
   // ---- transfers (agent.cpp) -----------------------------------------------------
   void finish(TransferId id, bool ok, const std::string& why);
   const RemoteRegion& remote_region(const Peer& p, std::uint64_t addr, std::uint64_t bytes) const;
+  // `baseline`: through Transport::post_baseline (the raw figure).
   TransferId start(Peer& p, Direction direction, std::vector<RmaOp> ops,
-                   std::vector<std::uint64_t> keys, std::vector<HostCopyRegion> stage_in);
+                   std::vector<std::uint64_t> keys, std::vector<HostCopyRegion> stage_in,
+                   bool baseline = false);
   Transfer& transfer(TransferId id, const char* what);
 
   // ---- the progress thread (agent.cpp) -------------------------------------------

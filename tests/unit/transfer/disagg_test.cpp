@@ -4,6 +4,7 @@
 // peers, no room. Every wait is bounded.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <cstdlib>
 
 #include "agent_pair.hpp"
 #include "kvport/core/prefix_cache.hpp"
@@ -165,6 +166,13 @@ TEST(Disagg, PrefillAbortThenReuseNeverCorruptsEitherSide) {
 }
 
 TEST(Disagg, DecodeAbortFreesOnlyAfterTheTransferIsFinal) {
+  // The abort must find the pull still pending: on the RMA path, whose gets
+  // the peer's process serves, not the direct copy (done microseconds after
+  // the post).
+  ::setenv("KVPORT_UCX_BULK", "rma", 1);
+  struct Unset {
+    ~Unset() { ::unsetenv("KVPORT_UCX_BULK"); }
+  } unset;
   Pair p;
   PrefillNode prefill(*p.prefill.side.agent, p.prefill.prefix);
   DecodeNode decode(*p.decode.side.agent, p.decode.prefix);

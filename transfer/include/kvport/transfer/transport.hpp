@@ -101,6 +101,15 @@ class Transport {
                     std::span<const std::uint64_t> remote_keys,
                     std::function<void(bool ok, const std::string& why)> done) = 0;
 
+  /// Posts like post(), on the wire library's own operations only (for UCX:
+  /// UCX's, never the transport's direct copies between processes on one
+  /// host): the baseline a raw figure measures. By default post().
+  virtual void post_baseline(ConnId conn, Direction direction, std::span<const RmaOp> ops,
+                             std::span<const std::uint64_t> remote_keys,
+                             std::function<void(bool ok, const std::string& why)> done) {
+    post(conn, direction, ops, remote_keys, std::move(done));
+  }
+
   /// What the connection uses (for UCX: its lanes and transports, as
   /// ucp_ep_print_info prints them); empty for an unknown connection.
   virtual std::string connection_info(ConnId conn) = 0;
