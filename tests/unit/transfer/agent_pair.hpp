@@ -18,6 +18,18 @@ namespace kvport::transfer {
 
 using namespace std::chrono_literals;
 
+/// Polls `pred` every millisecond until it holds or `limit` passes; returns
+/// its last value.
+template <typename Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(1ms);
+  }
+  return pred();
+}
+
 inline KvCacheConfig config(KvCacheLayout layout, std::size_t heads = 4,
                             KvCacheDtype dtype = KvCacheDtype::bf16) {
   KvCacheConfig c;

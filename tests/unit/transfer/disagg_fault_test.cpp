@@ -94,16 +94,6 @@ std::size_t checked_hit(FaultNode& decode, const std::vector<TokenId>& t) {
   return m.blocks.size();
 }
 
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return pred();
-}
-
 struct Case {
   bool on_decode = true;  // whose transport injects (else the last prefill rank's)
   FaultStep step = FaultStep::post;

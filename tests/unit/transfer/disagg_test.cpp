@@ -33,16 +33,6 @@ struct Node {
   }
 };
 
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return pred();
-}
-
 struct Pair {
   Node prefill;
   Node decode;

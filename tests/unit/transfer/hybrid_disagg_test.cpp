@@ -38,16 +38,6 @@ std::vector<LayerSpec> mla_model() {
   return {LayerSpec::mla(64, 16), LayerSpec::mla(64, 16)};
 }
 
-template <typename Pred>
-bool eventually(Pred pred, std::chrono::milliseconds limit = 5000ms) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(1ms);
-  }
-  return pred();
-}
-
 // One rank: a hybrid cache of this rank's heads and one agent per group.
 struct Rank {
   std::unique_ptr<Backend> backend = make_host_backend(HostBackendOptions{64u << 20});
