@@ -40,8 +40,26 @@
 // operation (start, decode, fork, release, evict), checked against the
 // rules' definitions every full_check_every() operations (16) and at the end.
 //
+// Hybrid tier mode, when bits 1..3 of byte 1 are 111 (byte 1 % 16 is 14 or
+// 15) and the input has at least 10 bytes: the hybrid mode's cache (bytes 0,
+// 2..7; 4..19 blocks a group) with a HybridHostTier under its groups. Byte 8:
+// policy (bit 0: write-through), inclusion (bit 1: inclusive), free
+// watermark (bits 2..3), fault mode (bit 4), offload batch (bits 5..6, 1..4);
+// byte 9: two bits a group, its host slots in units of 1 + (byte 0 / 16) % 4
+// (0: no tier; group 0 gets one unit when no group has any); then 5 bytes per
+// operation (the hybrid ones, and offload, poll, synchronize; in fault mode
+// also faults). The driver writes every block's bytes from its hash as an
+// engine's forward pass would, and checks every hit byte for byte, the hit
+// and tier counters (a hit shorter than the rule's only as a counted short
+// hit), both tiers' invariants, and at the end that nothing leaked (device
+// blocks, pinned memory, and in fault mode the decorator's allocations and
+// stream errors). In fault mode a copy (at the call or deferred) or
+// synchronize inside the driver's cache calls fails; the tiers must fail
+// closed (kvport/testing/hybrid_model.hpp).
+//
 // At exit (libFuzzer's -runs / -max_total_time end) the target prints one
 // line: "kvport fuzz: N inputs, M operations (...)".
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -52,6 +70,7 @@
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
 #include "kvport/platform/log.hpp"
@@ -106,16 +125,23 @@ struct Stats {
   std::uint64_t fault_mode_ops = 0;
   std::uint64_t faults_injected = 0;
   std::uint64_t hybrid_ops = 0;
+  std::uint64_t hybrid_tier_ops = 0;
+  std::uint64_t hybrid_tier_fault_ops = 0;
+  std::uint64_t hybrid_tier_host_hits = 0;
   ~Stats() {
     std::fprintf(stderr,
                  "kvport fuzz: %llu inputs, %llu operations (kv %llu, tier %llu of which %llu in "
-                 "fault mode with %llu faults injected, hybrid %llu)\n",
+                 "fault mode, hybrid %llu, hybrid tier %llu of which %llu in fault mode, with "
+                 "%llu hits from the host; %llu faults injected)\n",
                  static_cast<unsigned long long>(inputs),
-                 static_cast<unsigned long long>(kv_ops + tier_ops + hybrid_ops),
+                 static_cast<unsigned long long>(kv_ops + tier_ops + hybrid_ops + hybrid_tier_ops),
                  static_cast<unsigned long long>(kv_ops), static_cast<unsigned long long>(tier_ops),
                  static_cast<unsigned long long>(fault_mode_ops),
-                 static_cast<unsigned long long>(faults_injected),
-                 static_cast<unsigned long long>(hybrid_ops));
+                 static_cast<unsigned long long>(hybrid_ops),
+                 static_cast<unsigned long long>(hybrid_tier_ops),
+                 static_cast<unsigned long long>(hybrid_tier_fault_ops),
+                 static_cast<unsigned long long>(hybrid_tier_host_hits),
+                 static_cast<unsigned long long>(faults_injected));
   }
 };
 Stats stats;
@@ -230,10 +256,15 @@ bool is_hybrid_input(const std::uint8_t* data, std::size_t size) {
   return size >= 8 && (data[1] >> 1) % 8 == 5;
 }
 
-void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
+bool is_hybrid_tier_input(const std::uint8_t* data, std::size_t size) {
+  return size >= 10 && (data[1] >> 1) % 8 == 7;
+}
+
+// The hybrid cache of bytes 0, 2..7 (hybrid and hybrid tier modes); false
+// when every layer is 'none'.
+bool hybrid_config(const std::uint8_t* data, kvport::HybridKvCacheConfig& c,
+                   std::vector<kvport::KvCacheGroup>& groups) {
   using kvport::LayerSpec;
-  Fixture& f = fixture();
-  kvport::HybridKvCacheConfig c;
   c.block_size = 1 + data[2] % 4;
   c.state_checkpoint_interval = (data[2] >> 2) % 4;
   for (std::size_t i = 0; i < 4; ++i) {
@@ -261,12 +292,19 @@ void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
         break;
     }
   }
-  std::vector<kvport::KvCacheGroup> groups;
   try {
     groups = kvport::group_layers(c.layers, c.block_size);
   } catch (const kvport::InvalidArgument&) {
-    return;  // every layer 'none'
+    return false;  // every layer 'none'
   }
+  return true;
+}
+
+void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
+  Fixture& f = fixture();
+  kvport::HybridKvCacheConfig c;
+  std::vector<kvport::KvCacheGroup> groups;
+  if (!hybrid_config(data, c, groups)) return;
   const std::vector<std::size_t> counts(groups.size(), 4 + data[0] % 32);
   kvport::HybridKvCache cache(c, counts, *f.backend);
   {
@@ -276,8 +314,7 @@ void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
     for (std::size_t i = 0; i < ops; ++i) {
       const std::uint8_t* p = data + 8 + 5 * i;
       const kvport::testing::HybridOp op{
-          static_cast<kvport::testing::HybridOpKind>(
-              p[0] % static_cast<std::uint8_t>(kvport::testing::HybridOpKind::count)),
+          static_cast<kvport::testing::HybridOpKind>(p[0] % kvport::testing::kNumPlainHybridOps),
           u16(p + 1), u16(p + 3)};
       const std::string diff = driver.apply(op);
       if (!diff.empty()) {
@@ -299,6 +336,93 @@ void fuzz_hybrid(const std::uint8_t* data, std::size_t size) {
                    cache.check_invariants().to_string().c_str());
       std::abort();
     }
+  }
+}
+
+void fuzz_hybrid_tier(const std::uint8_t* data, std::size_t size) {
+  using kvport::testing::HybridOpKind;
+  Fixture& f = fixture();
+  kvport::HybridKvCacheConfig c;
+  std::vector<kvport::KvCacheGroup> groups;
+  if (!hybrid_config(data, c, groups)) return;
+  const std::size_t ng = groups.size();
+  // Smaller device pools than the hybrid mode's, so that blocks go to the host.
+  const std::vector<std::size_t> counts(ng, 4 + data[0] % 16);
+  kvport::HybridHostTierOptions o;
+  o.policy =
+      (data[8] & 1) != 0 ? kvport::TierPolicy::write_through : kvport::TierPolicy::write_back;
+  o.inclusion =
+      (data[8] & 2) != 0 ? kvport::TierInclusion::inclusive : kvport::TierInclusion::exclusive;
+  o.free_watermark = (data[8] >> 2) % 4;
+  const bool fault_mode = (data[8] & 16) != 0;
+  o.offload_batch = 1 + (data[8] >> 5) % 4;
+  // Two bits a group: no host tier (0) or 1..3 times (1 + data[0] / 16 % 4) slots.
+  const std::size_t unit = 1 + (data[0] >> 4) % 4;
+  for (std::size_t g = 0; g < ng; ++g)
+    o.slots_per_group.push_back(((data[9] >> (2 * g)) & 3) * unit);
+  if (std::all_of(o.slots_per_group.begin(), o.slots_per_group.end(),
+                  [](std::size_t n) { return n == 0; }))
+    o.slots_per_group[0] = unit;
+  kvport::Backend& backend = fault_mode ? static_cast<kvport::Backend&>(f.faults) : *f.backend;
+  const kvport::StreamView stream = fault_mode ? f.fault_stream.view() : f.stream.view();
+  const auto kinds =
+      static_cast<std::uint8_t>(fault_mode ? HybridOpKind::count : HybridOpKind::fault);
+  const kvport::CallCounts before = f.backend->call_counts();
+  {
+    kvport::HybridKvCache cache(c, counts, backend);
+    {
+      kvport::HybridHostTier tier(cache, o, stream);
+      kvport::testing::HybridDriver driver(cache, stream, &tier, fault_mode ? &f.faults : nullptr);
+      driver.set_full_check_every(full_check_every());
+      const std::size_t ops = std::min((size - 10) / 5, kMaxOps);
+      for (std::size_t i = 0; i < ops; ++i) {
+        const std::uint8_t* p = data + 10 + 5 * i;
+        const kvport::testing::HybridOp op{static_cast<HybridOpKind>(p[0] % kinds), u16(p + 1),
+                                           u16(p + 3)};
+        const std::string diff = driver.apply(op);
+        if (!diff.empty()) {
+          std::fprintf(stderr, "kvport fuzz (hybrid tier%s): op %zu: %s\n",
+                       fault_mode ? ", faults" : "", i, diff.c_str());
+          std::abort();
+        }
+      }
+      if (const std::string diff = driver.check(); !diff.empty()) {
+        std::fprintf(stderr, "kvport fuzz (hybrid tier%s): at the end: %s\n",
+                     fault_mode ? ", faults" : "", diff.c_str());
+        std::abort();
+      }
+      stats.hybrid_tier_ops += ops;
+      stats.hybrid_tier_host_hits += driver.host_hits();
+      if (fault_mode) {
+        stats.hybrid_tier_fault_ops += ops;
+        stats.faults_injected += driver.faults_injected();
+      }
+      driver.release_all();
+      tier.poll();  // queues the last write-throughs
+      tier.synchronize();
+      const kvport::InvariantReport r = tier.check_invariants();
+      for (std::size_t g = 0; g < ng; ++g) {
+        if (cache.blocks_in_use(g) != 0 || !r.ok) {
+          std::fprintf(stderr, "kvport fuzz (hybrid tier): leaked blocks in group %zu: %s\n", g,
+                       r.to_string().c_str());
+          std::abort();
+        }
+      }
+    }
+    // The tier gone (uninstalled), the device is as if it had never been.
+    cache.synchronize();
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (cache.blocks_in_use(g) != 0 || !cache.check_invariants().ok) {
+        std::fprintf(stderr, "kvport fuzz (hybrid tier): the tier left blocks in group %zu: %s\n",
+                     g, cache.check_invariants().to_string().c_str());
+        std::abort();
+      }
+    }
+  }
+  const kvport::CallCounts after = f.backend->call_counts();
+  if (after.host_alloc - before.host_alloc != after.host_free - before.host_free) {
+    std::fprintf(stderr, "kvport fuzz (hybrid tier): pinned host memory leaked\n");
+    std::abort();
   }
 }
 
@@ -352,6 +476,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if ((data[3] & 16) != 0) check_fault_fixture();
   } else if (is_hybrid_input(data, size)) {
     fuzz_hybrid(data, size);
+  } else if (is_hybrid_tier_input(data, size)) {
+    fuzz_hybrid_tier(data, size);
+    if ((data[8] & 16) != 0) check_fault_fixture();
   } else {
     fuzz_kv(data, size);
   }
