@@ -608,18 +608,6 @@ class UcxTransport final : public Transport {
       ops = small_ops;
       remote_keys = small_keys;
     }
-    auto submit = [&](ucs_status_ptr_t req, OpContext* ctx) {
-      if (req == nullptr) {
-        delete ctx;
-        batch->finish_one(UCS_OK);
-      } else if (UCS_PTR_IS_ERR(req)) {
-        delete ctx;
-        batch->finish_one(UCS_PTR_STATUS(req));
-      } else {
-        ctx->request = req;
-        pending_.insert(ctx);
-      }
-    };
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = [](void* request, ucs_status_t status, void* user) {
@@ -642,7 +630,7 @@ class UcxTransport final : public Transport {
       void* local = reinterpret_cast<void*>(op.local);
       ucs_status_ptr_t req = write ? ucp_put_nbx(conn.ep, local, op.bytes, op.remote, rkey, &p)
                                    : ucp_get_nbx(conn.ep, local, op.bytes, op.remote, rkey, &p);
-      submit(req, ctx);
+      track(req, ctx, *batch);
     }
     if (write && batch->ok && !ops.empty()) {
       // Puts complete locally; the flush completes when they are remote.
@@ -650,7 +638,7 @@ class UcxTransport final : public Transport {
       ctx->owner = this;
       p.user_data = ctx;
       ++batch->remaining;
-      submit(ucp_ep_flush_nbx(conn.ep, &p), ctx);
+      track(ucp_ep_flush_nbx(conn.ep, &p), ctx, *batch);
     }
     batch->finish_one(UCS_OK);
   }
@@ -972,17 +960,23 @@ class UcxTransport final : public Transport {
       ctx->batch = batch;
       ctx->header.dest = op.remote;
       ++batch->remaining;
-      ucs_status_ptr_t req = send_bulk(conn.ep, ctx, reinterpret_cast<void*>(op.local), op.bytes);
-      if (req == nullptr) {
-        delete ctx;
-        batch->finish_one(UCS_OK);
-      } else if (UCS_PTR_IS_ERR(req)) {
-        delete ctx;
-        batch->finish_one(UCS_PTR_STATUS(req));
-      } else {
-        ctx->request = req;
-        pending_.insert(ctx);
-      }
+      track(send_bulk(conn.ep, ctx, reinterpret_cast<void*>(op.local), op.bytes), ctx, *batch);
+    }
+  }
+
+  // The request UCX returned for one op of `batch` (already counted in its
+  // `remaining`): done at once (`ctx` freed, the op finished ok), failed at
+  // once (freed, finished with the error), or pending until its callback.
+  void track(ucs_status_ptr_t req, Pending* ctx, Batch& batch) {
+    if (req == nullptr) {
+      delete ctx;
+      batch.finish_one(UCS_OK);
+    } else if (UCS_PTR_IS_ERR(req)) {
+      delete ctx;
+      batch.finish_one(UCS_PTR_STATUS(req));
+    } else {
+      ctx->request = req;
+      pending_.insert(ctx);
     }
   }
 
