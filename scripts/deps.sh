@@ -9,7 +9,10 @@
 # The bindings (bindings/): python3-dev, pybind11, NumPy and pytest for the
 # Python module, rustc + cargo for the Rust crate, libdlpack-dev for the
 # tensor views; all from Debian. The block transfer (transfer/, `kvport
-# disagg`): UCX (libucx-dev: UCP over TCP, shared memory and CMA).
+# disagg`): UCX (libucx-dev: UCP over TCP, shared memory and CMA). The KV
+# events (events/): ZeroMQ (libzmq3-dev, cppzmq-dev) and msgpack-cxx, with
+# python3-zmq + python3-msgpack for the test that decodes the stream the way
+# vLLM's consumers do.
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -20,6 +23,7 @@ packages=(
   python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest libdlpack-dev
   rustc cargo
   libucx-dev
+  libzmq3-dev cppzmq-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
 )
 for arg in "$@"; do
   case "$arg" in
