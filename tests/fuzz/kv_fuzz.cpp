@@ -354,13 +354,8 @@ void fuzz_hybrid_tier(const std::uint8_t* data, std::size_t size) {
   o.inclusion =
       (data[8] & 2) != 0 ? kvport::TierInclusion::inclusive : kvport::TierInclusion::exclusive;
   o.free_watermark = (data[8] >> 2) % 4;
-  // Fault mode (bit 4 of byte 8) is held off: its long runs stopped on a hit
-  // longer than the driver's reference ("hit 8 tokens, more than the
-  // reference's 4"), most likely the reference taken before the lookup
-  // completed copies that had finished meanwhile; until the driver accounts
-  // for that, the bit is read and ignored so that the CI run cannot stop on a
-  // reference error. HybridTierDriver.ArmedFaultsFailClosed runs the faults.
-  const bool fault_mode = false && (data[8] & 16) != 0;
+  // Fault mode: bit 4 of byte 8 (a FaultInjectingBackend under the cache).
+  const bool fault_mode = (data[8] & 16) != 0;
   o.offload_batch = 1 + (data[8] >> 5) % 4;
   // Two bits a group: no host tier (0) or 1..3 times (1 + data[0] / 16 % 4) slots.
   const std::size_t unit = 1 + (data[0] >> 4) % 4;

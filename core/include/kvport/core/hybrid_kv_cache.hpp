@@ -47,9 +47,12 @@ struct HybridHitCounters {
   /// Lookups whose hit had to be decided again because a block the probe
   /// found could not be brought in (a lower tier's copy failed, or the
   /// allocations of an onload evicted a block not yet taken): the request got
-  /// the hit that was valid afterwards (fail closed), shorter or none.
+  /// the hit that was valid afterwards (fail closed), shorter or none, or
+  /// sometimes longer (copies that completed meanwhile made more blocks
+  /// visible).
   std::uint64_t short_hits = 0;
-  /// Tokens those lookups lost: the first probe's hit minus the hit taken.
+  /// Tokens those lookups lost: the first probe's hit minus the hit taken
+  /// (0 for one that came out as long or longer).
   std::uint64_t short_hit_tokens = 0;
   double hit_rate() const noexcept {
     return lookup_tokens == 0
