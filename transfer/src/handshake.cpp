@@ -15,8 +15,6 @@ namespace kvport::transfer {
 
 namespace {
 
-constexpr std::string_view kHello = "hello";
-
 // "the peer's memory keys or address are unusable here: ..."
 std::string unusable(const Error& e) {
   return fmt::format("the peer's memory keys or address are unusable here: {}", e.what());

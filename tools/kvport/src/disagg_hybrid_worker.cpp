@@ -16,7 +16,7 @@
 #include <fmt/format.h>
 
 #include "disagg.hpp"
-#include "disagg_line_input.hpp"
+#include "disagg_worker_base.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
@@ -65,11 +65,10 @@ std::vector<std::size_t> group_capacities(const WorkerSpec& spec) {
   return out;
 }
 
-class HybridWorker {
+class HybridWorker : public WorkerBase<HybridWorker> {
  public:
   HybridWorker(const WorkerSpec& spec, std::ostream& out)
-      : spec_(spec),
-        out_(out),
+      : WorkerBase(spec, out),
         backend_(make_host_backend()),
         cache_(rank_cache_config(spec), group_capacities(spec), *backend_),
         stream_(backend_->create_stream()) {
@@ -116,69 +115,25 @@ class HybridWorker {
          {{"address", addresses},
           {"transport", agents_[0]->transport_description()},
           {"memory_path", std::string(transfer::to_string(agents_[0]->memory_path()))}});
-    LineInput input(STDIN_FILENO);
-    while (true) {
-      for (const std::string& line :
-           input.read(busy() ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5))) {
-        handle(line);
-      }
-      if (input.eof()) return 3;  // the coordinator is gone
-      step();
-      if (finishing_ && (!busy() || Clock::now() > finish_deadline_)) {
-        report_stats();
-        return 0;
-      }
-    }
+    return serve();
   }
 
  private:
-  struct Waiting {
-    std::uint64_t req;
-    std::uint32_t decode;
-    std::vector<TokenId> tokens;
-    Clock::time_point since;
-  };
-
   std::size_t groups() const { return agents_.size(); }
 
-  bool busy() const {
-    return !waiting_.empty() || !recomputes_.empty() ||
-           (decode_ && decode_->pending_requests() > 0) ||
+  friend class WorkerBase<HybridWorker>;
+
+  bool busy_nodes() const {
+    return (decode_ && decode_->pending_requests() > 0) ||
            (prefill_ && prefill_->active_leases() > 0);
   }
-
-  void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
-  void emit(std::string_view name, json fields) {
-    fields[field::event] = name;
-    emit(fields);
+  void abort_pull(std::uint64_t req) {
+    if (decode_) decode_->abort(req);
   }
-
-  static std::vector<TokenId> tokens_of(const json& j) {
-    return j.at("tokens").get<std::vector<TokenId>>();
-  }
-
-  void handle(const std::string& line) {
-    try {
-      const json j = json::parse(line);
-      const std::string op = j.at(field::op).get<std::string>();
-      if (op == op::connect) {
-        connect(j);
-      } else if (op == op::baseline) {
-        baseline(j);
-      } else if (op == op::prefill) {
-        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(),
-                            tokens_of(j), Clock::now()});
-      } else if (op == op::recompute) {
-        recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
-      } else if (op == op::finish) {
-        finishing_ = true;
-        finish_deadline_ = Clock::now() + spec_.lease_ttl + spec_.peer_timeout * 2;
-      } else {
-        throw InvalidArgument("unknown op " + op);
-      }
-    } catch (const std::exception& e) {
-      emit(event::fatal, {{"why", std::string("bad command: ") + e.what()}});
-    }
+  bool pulls_hold_blocks() const {
+    for (std::size_t g = 0; decode_ && g < groups(); ++g)
+      if (decode_->held_blocks(g) > 0) return true;
+    return false;
   }
 
   // "decode": per instance, per rank, the rank's comma-separated group addresses.
@@ -212,23 +167,7 @@ class HybridWorker {
     return std::nullopt;
   }
 
-  void baseline(const json& j) {
-    const auto bytes = j.at("bytes").get<std::size_t>();
-    const auto repeat = j.at("repeat").get<int>();
-    json seconds = json::array();
-    std::string why = "no connection to prefill0.0";
-    if (auto p = scratch_peer()) {
-      why.clear();
-      try {
-        for (int i = 0; i < repeat; ++i)
-          seconds.push_back(agents_[0]->read_scratch(*p, bytes));
-      } catch (const Error& e) {
-        why = e.what();
-        seconds.clear();
-      }
-    }
-    emit(event::baseline, {{"bytes", bytes}, {"seconds", seconds}, {"why", why}});
-  }
+  void baseline(const json& j) { WorkerBase::baseline(j, *agents_[0], scratch_peer()); }
 
   // Every group's blocks of `tokens`' lease extent (groups this rank offers
   // only, when `offered_only`), filled; nullopt (nothing held) without room.
@@ -267,6 +206,10 @@ class HybridWorker {
   }
 
   bool try_prefill(const Waiting& w) {
+    if (!prefill_) {
+      emit(event::prefill_failed, {{"req", w.req}, {"why", "not a prefill worker"}});
+      return true;
+    }
     auto peers = decode_peers_.find(w.decode);
     if (peers == decode_peers_.end())
       throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
@@ -292,13 +235,6 @@ class HybridWorker {
     return true;
   }
 
-  void recompute(std::uint64_t req, std::vector<TokenId> tokens) {
-    if (done_.contains(req)) return;
-    if (decode_) decode_->abort(req);
-    if (!try_recompute(req, tokens))
-      recomputes_.push_back({req, 0, std::move(tokens), Clock::now()});
-  }
-
   bool try_recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
     if (done_.contains(req)) return true;
     auto blocks = fill(req, tokens, false);
@@ -307,51 +243,12 @@ class HybridWorker {
     for (const auto& b : *blocks)
       n += b.size();
     release(*blocks);
-    done_.insert(req);
-    emit(event::done, {{"req", req},
-                       {"ok", false},
-                       {"recomputed", true},
-                       {"blocks", n},
-                       {"bytes", 0},
-                       {"transfer_s", 0},
-                       {"latency_s", 0},
-                       {"wrong_bytes", 0}});
+    emit_recomputed(req, n);
     return true;
   }
 
-  void retry_recomputes() {
-    while (!recomputes_.empty()) {
-      Waiting& w = recomputes_.front();
-      if (!try_recompute(w.req, w.tokens)) {
-        bool pulls_hold_blocks = false;
-        for (std::size_t g = 0; decode_ && g < groups(); ++g)
-          pulls_hold_blocks = pulls_hold_blocks || decode_->held_blocks(g) > 0;
-        if (pulls_hold_blocks || Clock::now() - w.since <= spec_.lease_ttl * 2) return;
-        done_.insert(w.req);
-        emit(event::done, {{"req", w.req},
-                           {"ok", false},
-                           {"recomputed", false},
-                           {"why", "no room to recompute"}});
-      }
-      recomputes_.pop_front();
-    }
-  }
-
-  void step() {
-    retry_recomputes();
+  void poll_nodes() {
     if (prefill_) {
-      while (!waiting_.empty()) {
-        const Waiting& w = waiting_.front();
-        if (!try_prefill(w)) {
-          if (Clock::now() - w.since > spec_.lease_ttl * 2) {
-            emit(event::prefill_failed, {{"req", w.req}, {"why", "no room"}});
-            waiting_.pop_front();
-            continue;
-          }
-          break;
-        }
-        waiting_.pop_front();
-      }
       for (const auto& l : prefill_->poll()) {
         emit(event::lease_end,
              {{"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
@@ -401,17 +298,17 @@ class HybridWorker {
       cache_.prefix_cache(g).release_blocks(gr.blocks);
     }
     done_.insert(r.request_id);
-    emit(event::done, {{"raw_bytes", 0},
-                       {"raw_s", 0},
-                       {"req", r.request_id},
-                       {"ok", true},
-                       {"recomputed", false},
-                       {"blocks", blocks},
-                       {"bytes", r.bytes},
-                       {"transfer_s", r.transfer_seconds},
-                       {"latency_s", r.latency_seconds},
-                       {"wrong_bytes", wrong},
-                       {"groups", per_group}});
+    json fields = raw_sample(*agents_[0], scratch_peer(), r.bytes, blocks);
+    fields.update({{"req", r.request_id},
+                   {"ok", true},
+                   {"recomputed", false},
+                   {"blocks", blocks},
+                   {"bytes", r.bytes},
+                   {"transfer_s", r.transfer_seconds},
+                   {"latency_s", r.latency_seconds},
+                   {"wrong_bytes", wrong},
+                   {"groups", per_group}});
+    emit(event::done, std::move(fields));
   }
 
   // One event per worker lost (each group's agent loses it: reported once).
@@ -469,55 +366,32 @@ class HybridWorker {
               {"peers_lost", a.peers_lost},
               {"groups", per_group}});
     if (prefill_) {
-      std::uint64_t offered = 0, pulled = 0, refused = 0, expired = 0, lost = 0, aborted = 0,
-                    late = 0;
-      std::size_t held = 0;
+      LeaseStats l;
+      l.active = prefill_->active_leases();
       for (std::size_t g = 0; g < groups(); ++g) {
-        const auto& c = prefill_->group_node(g).counters();
-        offered += c.leases_offered;
-        pulled += c.leases_pulled;
-        refused += c.leases_refused;
-        expired += c.leases_expired;
-        lost += c.leases_lost;
-        aborted += c.leases_aborted;
-        late += c.late_notifications;
-        held += prefill_->held_blocks(g);
+        l.add(prefill_->group_node(g).counters());
+        l.held_blocks += prefill_->held_blocks(g);
       }
-      j["leases"] = {{"active", prefill_->active_leases()},
-                     {"held_blocks", held},
-                     {"offered", offered},
-                     {"pulled", pulled},
-                     {"refused", refused},
-                     {"expired", expired},
-                     {"lost", lost},
-                     {"aborted", aborted},
-                     {"late_notifications", late}};
+      j["leases"] = l.to_json();
     }
     if (decode_) {
       const auto& c = decode_->counters();
-      std::size_t held = 0;
-      std::uint64_t revoked = 0, late = 0, no_room = 0;
+      DecodeStats d;
+      d.pending = decode_->pending_requests();
       for (std::size_t g = 0; g < groups(); ++g) {
-        held += decode_->held_blocks(g);
-        revoked += decode_->group_node(g).counters().revoked;
-        late += decode_->group_node(g).counters().late_notifications;
-        no_room += decode_->group_node(g).counters().no_room;
+        d.add_pulls(decode_->group_node(g).counters());
+        d.held_blocks += decode_->held_blocks(g);
+        d.quarantined_blocks += decode_->group_node(g).quarantined_blocks();
       }
-      j["decode"] = {{"pending", decode_->pending_requests()},
-                     {"held_blocks", held},
-                     {"completed", c.requests_completed},
-                     {"failed", c.requests_failed},
-                     {"revoked", revoked},
-                     {"late_notifications", late},
-                     {"late_results", c.late_results},
-                     {"no_room", no_room},
-                     {"blocks_registered", c.blocks_registered}};
+      d.completed = c.requests_completed;
+      d.failed = c.requests_failed;
+      d.late_results = c.late_results;
+      d.blocks_registered = c.blocks_registered;
+      j["decode"] = d.to_json();
     }
     emit(j);
   }
 
-  WorkerSpec spec_;
-  std::ostream& out_;
   std::unique_ptr<Backend> backend_;
   HybridKvCache cache_;
   Stream stream_;
@@ -529,13 +403,8 @@ class HybridWorker {
   std::optional<transfer::HybridDecodeNode> decode_;
   // decode instance -> per group, that group's agent's peer ids of its ranks
   std::map<std::uint32_t, std::vector<std::vector<transfer::PeerId>>> decode_peers_;
-  std::deque<Waiting> waiting_;
-  std::deque<Waiting> recomputes_;
-  std::set<std::uint64_t> done_;
   std::map<std::size_t, std::size_t> reported_;
   std::set<std::string> lost_names_;
-  bool finishing_ = false;
-  Clock::time_point finish_deadline_;
 };
 
 }  // namespace

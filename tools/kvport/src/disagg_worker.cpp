@@ -18,7 +18,7 @@
 #include <fmt/format.h>
 
 #include "disagg.hpp"
-#include "disagg_line_input.hpp"
+#include "disagg_worker_base.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
@@ -35,11 +35,10 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-class Worker {
+class Worker : public WorkerBase<Worker> {
  public:
   Worker(const WorkerSpec& spec, std::ostream& out)
-      : spec_(spec),
-        out_(out),
+      : WorkerBase(spec, out),
         backend_(make_host_backend()),
         cache_(rank_config(spec), spec.capacity_blocks, *backend_),
         prefix_(cache_),
@@ -83,26 +82,7 @@ class Worker {
     emit(event::ready, {{"address", address},
                         {"transport", agent_->transport_description()},
                         {"memory_path", std::string(transfer::to_string(agent_->memory_path()))}});
-    LineInput input(STDIN_FILENO);
-    while (true) {
-      const bool busy = !waiting_.empty() || !recomputes_.empty() ||
-                        (decode_ && decode_->pending_requests() > 0) ||
-                        (prefill_ && prefill_->active_leases() > 0);
-      for (const std::string& line :
-           input.read(busy ? std::chrono::milliseconds(1) : std::chrono::milliseconds(5))) {
-        handle(line);
-      }
-      if (input.eof()) return 3;  // the coordinator is gone
-      step();
-      if (finishing_ && idle()) {
-        report_stats();
-        return 0;
-      }
-      if (finishing_ && Clock::now() > finish_deadline_) {
-        report_stats();
-        return 0;
-      }
-    }
+    return serve();
   }
 
  private:
@@ -116,43 +96,8 @@ class Worker {
     return c;
   }
 
-  void emit(const json& j) { out_ << j.dump() << '\n' << std::flush; }
-  void emit(std::string_view name, json fields) {
-    fields[field::event] = name;
-    emit(fields);
-  }
-
-  static std::vector<TokenId> tokens_of(const json& j) {
-    return j.at("tokens").get<std::vector<TokenId>>();
-  }
-
   std::size_t blocks_for(std::size_t tokens) const {
     return (tokens + cache_.config().block_size - 1) / cache_.config().block_size;
-  }
-
-  void handle(const std::string& line) {
-    json j;
-    try {
-      j = json::parse(line);
-      const std::string op = j.at(field::op).get<std::string>();
-      if (op == op::connect) {
-        connect(j);
-      } else if (op == op::baseline) {
-        baseline(j);
-      } else if (op == op::prefill) {
-        waiting_.push_back({j.at("req").get<std::uint64_t>(), j.at("decode").get<std::uint32_t>(),
-                            tokens_of(j), Clock::now()});
-      } else if (op == op::recompute) {
-        recompute(j.at("req").get<std::uint64_t>(), tokens_of(j));
-      } else if (op == op::finish) {
-        finishing_ = true;
-        finish_deadline_ = Clock::now() + spec_.lease_ttl + spec_.peer_timeout * 2;
-      } else {
-        throw InvalidArgument("unknown op " + op);
-      }
-    } catch (const std::exception& e) {
-      emit(event::fatal, {{"why", std::string("bad command: ") + e.what()}});
-    }
   }
 
   void connect(const json& j) {
@@ -171,36 +116,21 @@ class Worker {
     emit(event::connected, {{"lanes", lanes}});
   }
 
-  void baseline(const json& j) {
-    const auto bytes = j.at("bytes").get<std::size_t>();
-    const auto repeat = j.at("repeat").get<int>();
-    json seconds = json::array();
-    std::string why = "no connection to prefill0.0";
-    if (auto p = scratch_peer()) {
-      why.clear();
-      try {
-        for (int i = 0; i < repeat; ++i)
-          seconds.push_back(agent_->read_scratch(*p, bytes));
-      } catch (const Error& e) {
-        why = e.what();
-        seconds.clear();
-      }
-    }
-    emit(event::baseline, {{"bytes", bytes}, {"seconds", seconds}, {"why", why}});
+  friend class WorkerBase<Worker>;
+
+  void baseline(const json& j) { WorkerBase::baseline(j, *agent_, scratch_peer()); }
+
+  void abort_pull(std::uint64_t req) {
+    if (decode_) decode_->abort(req);
+  }
+  bool pulls_hold_blocks() const { return decode_ && decode_->held_blocks() > 0; }
+  bool busy_nodes() const {
+    return (decode_ && decode_->pending_requests() > 0) ||
+           (prefill_ && prefill_->active_leases() > 0);
   }
 
-  // Computes a request here ("recompute"): fills its blocks, caches the full
+  // Computes  // Computes a request here ("recompute"): fills its blocks, caches the full
   // ones, releases them.
-  // Computes a request here ("recompute"): fills its blocks, caches the full
-  // ones, releases them. Without room now (blocks held by pulls under way),
-  // it waits in recomputes_ and is retried by step().
-  void recompute(std::uint64_t req, std::vector<TokenId> tokens) {
-    if (done_.contains(req)) return;
-    if (decode_) decode_->abort(req);  // a pull still under way is dropped
-    if (!try_recompute(req, tokens))
-      recomputes_.push_back({req, 0, std::move(tokens), Clock::now()});
-  }
-
   // False when there is no room yet.
   bool try_recompute(std::uint64_t req, const std::vector<TokenId>& tokens) {
     if (done_.contains(req)) return true;
@@ -217,36 +147,8 @@ class Worker {
     transfer::write_kv_content(cache_, agent_->layout(), blocks, tokens, stream_);
     cache_full_blocks(blocks, tokens);
     prefix_.release_blocks(blocks);
-    done_.insert(req);
-    emit(event::done, {{"req", req},
-                       {"ok", false},
-                       {"recomputed", true},
-                       {"blocks", n},
-                       {"bytes", 0},
-                       {"transfer_s", 0},
-                       {"latency_s", 0},
-                       {"wrong_bytes", 0}});
+    emit_recomputed(req, n);
     return true;
-  }
-
-  // Retries the recomputes waiting for room; one that waited two lease TTLs
-  // with no pull holding blocks fails (reported, not computed).
-  void retry_recomputes() {
-    while (!recomputes_.empty()) {
-      Waiting& w = recomputes_.front();
-      if (!try_recompute(w.req, w.tokens)) {
-        // Blocks held by pulls under way come back when those end: keep
-        // waiting while there are any.
-        const bool pulls_hold_blocks = decode_ && decode_->held_blocks() > 0;
-        if (pulls_hold_blocks || Clock::now() - w.since <= spec_.lease_ttl * 2) return;
-        done_.insert(w.req);
-        emit(event::done, {{"req", w.req},
-                           {"ok", false},
-                           {"recomputed", false},
-                           {"why", "no room to recompute"}});
-      }
-      recomputes_.pop_front();
-    }
   }
 
   void cache_full_blocks(const std::vector<BlockId>& blocks, const std::vector<TokenId>& tokens) {
@@ -256,15 +158,12 @@ class Worker {
     }
   }
 
-  struct Waiting {
-    std::uint64_t req;
-    std::uint32_t decode;
-    std::vector<TokenId> tokens;
-    Clock::time_point since;
-  };
-
   // Prefill: the request's blocks (cached prefix reused), filled, leased.
   bool try_prefill(const Waiting& w) {
+    if (!prefill_) {
+      emit(event::prefill_failed, {{"req", w.req}, {"why", "not a prefill worker"}});
+      return true;
+    }
     auto peers = decode_peers_.find(w.decode);
     if (peers == decode_peers_.end())
       throw InvalidArgument(fmt::format("unknown decode instance {}", w.decode));
@@ -299,21 +198,8 @@ class Worker {
     return true;
   }
 
-  void step() {
-    retry_recomputes();
+  void poll_nodes() {
     if (prefill_) {
-      while (!waiting_.empty()) {
-        const Waiting& w = waiting_.front();
-        if (!try_prefill(w)) {
-          if (Clock::now() - w.since > spec_.lease_ttl * 2) {
-            emit(event::prefill_failed, {{"req", w.req}, {"why", "no room"}});
-            waiting_.pop_front();
-            continue;
-          }
-          break;
-        }
-        waiting_.pop_front();
-      }
       for (const auto& l : prefill_->poll()) {
         emit(event::lease_end,
              {{"req", l.request_id}, {"end", std::string(transfer::to_string(l.end))}});
@@ -341,31 +227,16 @@ class Worker {
         transfer::verify_kv_content(cache_, agent_->layout(), r.blocks, r.tokens, stream_);
     prefix_.release_blocks(r.blocks);
     done_.insert(r.request_id);
-    // The raw baseline under the same load: one contiguous read of the same
-    // bytes (up to the scratch size) right after this pull.
-    std::uint64_t raw_bytes = 0;
-    double raw_seconds = 0;
-    if (spec_.scratch_bytes > 0 && r.blocks.size() >= 16) {
-      if (auto peer = scratch_peer()) {
-        raw_bytes = std::min<std::uint64_t>(r.bytes, spec_.scratch_bytes);
-        try {
-          raw_seconds = agent_->read_scratch(*peer, raw_bytes);
-        } catch (const Error& e) {
-          log::warn(fmt::format("disagg: raw read failed: {}", e.what()));
-          raw_bytes = 0;
-        }
-      }
-    }
-    emit(event::done, {{"raw_bytes", raw_bytes},
-                       {"raw_s", raw_seconds},
-                       {"req", r.request_id},
-                       {"ok", true},
-                       {"recomputed", false},
-                       {"blocks", r.blocks.size()},
-                       {"bytes", r.bytes},
-                       {"transfer_s", r.transfer_seconds},
-                       {"latency_s", r.latency_seconds},
-                       {"wrong_bytes", check.bytes_wrong}});
+    json fields = raw_sample(*agent_, scratch_peer(), r.bytes, r.blocks.size());
+    fields.update({{"req", r.request_id},
+                   {"ok", true},
+                   {"recomputed", false},
+                   {"blocks", r.blocks.size()},
+                   {"bytes", r.bytes},
+                   {"transfer_s", r.transfer_seconds},
+                   {"latency_s", r.latency_seconds},
+                   {"wrong_bytes", check.bytes_wrong}});
+    emit(event::done, std::move(fields));
   }
 
   // One event per peer lost since the last call, naming it.
@@ -383,13 +254,6 @@ class Worker {
       if (info && info->connected && info->name == worker_name(Role::prefill, 0, 0)) return p;
     }
     return std::nullopt;
-  }
-
-  bool idle() const {
-    if (!waiting_.empty() || !recomputes_.empty()) return false;
-    if (prefill_ && prefill_->active_leases() > 0) return false;
-    if (decode_ && decode_->pending_requests() > 0) return false;
-    return true;
   }
 
   void report_stats() {
@@ -411,37 +275,27 @@ class Worker {
               {"malformed_messages", a.malformed_messages},
               {"peers_lost", a.peers_lost}});
     if (prefill_) {
-      const auto& c = prefill_->counters();
-      j["leases"] = {{"active", prefill_->active_leases()},
-                     {"held_blocks", prefill_->held_blocks()},
-                     {"offered", c.leases_offered},
-                     {"pulled", c.leases_pulled},
-                     {"refused", c.leases_refused},
-                     {"expired", c.leases_expired},
-                     {"lost", c.leases_lost},
-                     {"aborted", c.leases_aborted},
-                     {"late_notifications", c.late_notifications}};
+      LeaseStats l;
+      l.add(prefill_->counters());
+      l.active = prefill_->active_leases();
+      l.held_blocks = prefill_->held_blocks();
+      j["leases"] = l.to_json();
     }
     if (decode_) {
       const auto& c = decode_->counters();
-      j["decode"] = {{"pending", decode_->pending_requests()},
-                     {"held_blocks", decode_->held_blocks()},
-                     {"completed", c.requests_completed},
-                     {"failed", c.requests_failed},
-                     {"revoked", c.revoked},
-                     {"late_notifications", c.late_notifications},
-                     {"no_room", c.no_room},
-                     {"blocks_registered", c.blocks_registered},
-                     {"transfers_timed_out", c.transfers_timed_out},
-                     {"transfers_abandoned", c.transfers_abandoned},
-                     {"blocks_quarantined", c.blocks_quarantined},
-                     {"quarantined_blocks", decode_->quarantined_blocks()}};
+      DecodeStats d;
+      d.add_pulls(c);
+      d.pending = decode_->pending_requests();
+      d.held_blocks = decode_->held_blocks();
+      d.quarantined_blocks = decode_->quarantined_blocks();
+      d.completed = c.requests_completed;
+      d.failed = c.requests_failed;
+      d.blocks_registered = c.blocks_registered;
+      j["decode"] = d.to_json();
     }
     emit(j);
   }
 
-  WorkerSpec spec_;
-  std::ostream& out_;
   std::unique_ptr<Backend> backend_;
   PagedKvCache cache_;
   PrefixCache prefix_;
@@ -450,12 +304,7 @@ class Worker {
   std::optional<transfer::PrefillNode> prefill_;
   std::optional<transfer::DecodeNode> decode_;
   std::map<std::uint32_t, std::vector<transfer::PeerId>> decode_peers_;
-  std::deque<Waiting> waiting_;
-  std::deque<Waiting> recomputes_;
-  std::set<std::uint64_t> done_;
   std::size_t reported_losses_ = 0;
-  bool finishing_ = false;
-  Clock::time_point finish_deadline_;
 };
 
 }  // namespace

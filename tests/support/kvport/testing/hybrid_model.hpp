@@ -48,6 +48,7 @@
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
+#include "kvport/testing/armed_fault.hpp"
 
 namespace kvport::testing {
 
@@ -108,52 +109,10 @@ inline std::size_t reference_hit(const HybridKvCache& cache, std::size_t max_blo
 
 class HybridDriver {
  private:
-  // ---- faults (as TierDriver's) ----
-
-  struct Armed {
-    FaultKind kind;
-    FaultMode mode;
-    std::uint64_t remaining;  // calls of `kind` to let through, plus one
-  };
-
-  void arm(const HybridOp& op) {
-    if (faults_ == nullptr || armed_) return;
-    switch (op.a % 3) {
-      case 0:
-        armed_ = Armed{FaultKind::copy, FaultMode::synchronous, 0};
-        break;
-      case 1:
-        armed_ = Armed{FaultKind::copy, FaultMode::deferred, 0};
-        break;
-      default:
-        armed_ = Armed{FaultKind::synchronize, FaultMode::synchronous, 0};
-        break;
-    }
-    armed_->remaining = 1 + op.b % 16;
-  }
-
-  // Runs one of the driver's cache calls with the armed fault's plan set;
-  // what the call made without a fault is counted off.
+  // Runs one of the driver's cache calls under the armed fault.
   template <class F>
   decltype(auto) cache_call(F&& fn) {
-    if (!armed_) return fn();
-    faults_->reset_fault_counts();
-    faults_->set_plan(armed_->kind, {.nth = armed_->remaining, .mode = armed_->mode});
-    struct Disarm {
-      HybridDriver& d;
-      ~Disarm() {
-        const FaultCounts c = d.faults_->counts(d.armed_->kind);
-        d.faults_->clear_plan(d.armed_->kind);
-        if (c.faults == 0) {
-          d.armed_->remaining -= c.calls;
-          return;
-        }
-        d.armed_.reset();
-        ++d.faults_injected_;
-        d.faulted_ = true;
-      }
-    } disarm{*this};
-    return fn();
+    return fault_.call(std::forward<F>(fn), [this] { faulted_ = true; });
   }
 
  public:
@@ -162,7 +121,7 @@ class HybridDriver {
   /// tier only). See the file comment.
   HybridDriver(HybridKvCache& cache, StreamView stream, HybridHostTier* tier = nullptr,
                FaultInjectingBackend* faults = nullptr)
-      : cache_(cache), stream_(stream), tier_(tier), faults_(tier != nullptr ? faults : nullptr) {
+      : cache_(cache), stream_(stream), tier_(tier), fault_(tier != nullptr ? faults : nullptr) {
     // Four prompt families over a 3-token vocabulary: long shared prefixes.
     for (std::uint32_t f = 0; f < 4; ++f) {
       std::vector<TokenId> t(f * 7 % 29);
@@ -204,15 +163,14 @@ class HybridDriver {
   std::size_t checked_blocks() const noexcept { return checked_blocks_; }
   /// Faults injected so far, those that made a call throw, and whether a
   /// deferred one on the compute stream stopped the operation stream.
-  std::uint64_t faults_injected() const noexcept { return faults_injected_; }
+  std::uint64_t faults_injected() const noexcept { return fault_.injected(); }
   std::uint64_t faults_thrown() const noexcept { return faults_thrown_; }
   bool stopped() const noexcept { return stopped_; }
   /// Releases every sequence (under the armed fault, if any: a release may
   /// reach a tier) and disarms.
   void release_all() {
     cache_call([&] { seqs_.clear(); });
-    armed_.reset();
-    if (faults_ != nullptr) faults_->clear_plans();
+    fault_.disarm();
   }
 
  private:
@@ -254,7 +212,7 @@ class HybridDriver {
         if (tier_ != nullptr) cache_call([&] { tier_->synchronize(); });
         break;
       case HybridOpKind::fault:
-        arm(op);
+        fault_.arm(op.a, op.b);
         break;
       case HybridOpKind::count:
         break;
@@ -593,11 +551,9 @@ class HybridDriver {
   HybridKvCache& cache_;
   StreamView stream_;
   HybridHostTier* tier_;
-  FaultInjectingBackend* faults_;
-  std::optional<Armed> armed_;
+  ArmedFault fault_;
   bool faulted_ = false;  // a fault was injected in this apply()
   bool stopped_ = false;  // a deferred fault on the compute stream
-  std::uint64_t faults_injected_ = 0;
   std::uint64_t faults_thrown_ = 0;
   std::size_t host_hits_ = 0;
   std::size_t checked_blocks_ = 0;

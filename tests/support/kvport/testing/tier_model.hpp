@@ -41,6 +41,7 @@
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
+#include "kvport/testing/armed_fault.hpp"
 
 namespace kvport::testing {
 
@@ -293,7 +294,7 @@ class TierDriver {
         model_(cache.num_blocks(), options.num_host_blocks, options.offload_batch),
         with_model_(with_model && options.policy == TierPolicy::write_back &&
                     options.inclusion == TierInclusion::exclusive && options.free_watermark == 0),
-        faults_(faults) {
+        fault_(faults) {
     const std::size_t block = cache.config().block_size;
     for (std::size_t d = 0; d < kDocuments; ++d) {
       // Documents share their first block in three groups.
@@ -308,8 +309,7 @@ class TierDriver {
   }
 
   ~TierDriver() {
-    armed_.reset();
-    if (faults_ != nullptr) faults_->clear_plans();
+    fault_.disarm();
     for (Table& t : tables_)
       prefix_.release_blocks(t.blocks);
     tables_.clear();
@@ -325,7 +325,7 @@ class TierDriver {
   const TierModel& model() const { return model_; }
   std::uint64_t onloaded_blocks() const { return onloaded_; }
   /// Faults injected into the tier's calls so far (with `faults` only).
-  std::uint64_t faults_injected() const { return faults_injected_; }
+  std::uint64_t faults_injected() const { return fault_.injected(); }
 
   /// See the class comment; k >= 1 (0 is taken as 1).
   void set_full_check_every(std::size_t k) { full_check_every_ = std::max<std::size_t>(k, 1); }
@@ -412,53 +412,14 @@ class TierDriver {
 
   // ---- faults ----
 
-  struct Armed {
-    FaultKind kind;
-    FaultMode mode;
-    std::uint64_t remaining;  // calls of `kind` to let through, plus one
-  };
-
-  // Runs one of the tier's calls with the armed fault's plan set (as the
-  // fault sweep of host_tier_fault_test.cpp does): the plan fails the
-  // remaining-th call of its kind from now; what the call made without a
-  // fault is counted off.
+  // Runs one of the tier's calls under the armed fault (as the fault sweep
+  // of host_tier_fault_test.cpp does).
   template <class F>
   decltype(auto) tier_call(F&& fn) {
-    if (!armed_) return fn();
-    faults_->reset_fault_counts();
-    faults_->set_plan(armed_->kind, {.nth = armed_->remaining, .mode = armed_->mode});
-    struct Disarm {
-      TierDriver& d;
-      ~Disarm() {
-        const FaultCounts c = d.faults_->counts(d.armed_->kind);
-        d.faults_->clear_plan(d.armed_->kind);
-        if (c.faults == 0) {
-          d.armed_->remaining -= c.calls;
-          return;
-        }
-        d.armed_.reset();
-        ++d.faults_injected_;
-        d.faulted_ = true;
-        d.with_model_ = false;  // the model knows nothing of rollbacks
-      }
-    } disarm{*this};
-    return fn();
-  }
-
-  void arm(const TierOp& op) {
-    if (faults_ == nullptr || armed_) return;
-    switch (op.a % 3) {
-      case 0:
-        armed_ = Armed{FaultKind::copy, FaultMode::synchronous, 0};
-        break;
-      case 1:
-        armed_ = Armed{FaultKind::copy, FaultMode::deferred, 0};
-        break;
-      default:
-        armed_ = Armed{FaultKind::synchronize, FaultMode::synchronous, 0};
-        break;
-    }
-    armed_->remaining = 1 + op.b % 16;
+    return fault_.call(std::forward<F>(fn), [this] {
+      faulted_ = true;
+      with_model_ = false;  // the model knows nothing of rollbacks
+    });
   }
 
   // ---- operations ----
@@ -554,7 +515,7 @@ class TierDriver {
         tier_call([&] { tier_->synchronize(); });
         break;
       case TierOpKind::fault:
-        arm(op);
+        fault_.arm(op.a, op.b);
         break;
       case TierOpKind::count:
         break;
@@ -611,10 +572,8 @@ class TierDriver {
   std::unique_ptr<HostTier> tier_;
   TierModel model_;
   bool with_model_;
-  FaultInjectingBackend* faults_;
-  std::optional<Armed> armed_;
+  ArmedFault fault_;
   bool faulted_ = false;  // a fault was injected in this apply()
-  std::uint64_t faults_injected_ = 0;
   std::size_t full_check_every_ = 1;
   std::uint64_t applied_ = 0;
   std::vector<std::vector<BlockHash>> chains_;
