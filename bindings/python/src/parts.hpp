@@ -14,12 +14,23 @@ namespace kvport::python {
 
 namespace py = pybind11;
 
+/// kvport.Error and its subclasses, and the translator from C++ errors
+/// (errors.cpp).
+void register_exceptions(py::module_& m);
+/// dtypes(), compiled_backends(), block_region_layout(), BlockRegionLayout,
+/// KvCacheConfig, the counters and InvariantReport (bind_config.cpp).
+void bind_config(py::module_& m);
+/// PagedKvCache (bind_cache.cpp).
+void bind_cache(py::module_& m);
+/// PrefixMatch, PrefixCache, BlockTable (bind_prefix.cpp).
+void bind_prefix(py::module_& m);
+
 /// LayerSpec, StateTensor, KvCacheGroup, plan_kv_cache, HybridKvCache,
 /// HybridBlockTable (hybrid.cpp).
 void register_hybrid(py::module_& m);
 
 /// A kvport.PagedKvCache over `pool`, a hybrid cache's group pool
-/// (module.cpp): pointers, strides, views, read/write and checks work on it;
+/// (bind_cache.cpp): pointers, strides, views, read/write and checks work on it;
 /// allocation, refcounts and prefix caches or block tables over it raise
 /// InvalidArgument (its blocks belong to the hybrid tables). It holds
 /// `lender`, which keeps the pool (and `backend`) alive.
