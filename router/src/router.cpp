@@ -137,27 +137,28 @@ InstanceLoad Router::load(InstanceId id) const {
 void Router::decide(const Request& request, Decision& out) {
   const std::size_t bs = index_.options().block_size;
   const std::size_t full = request.tokens.size() / bs;
-  hashes_.clear();
-  std::optional<BlockHash> parent;
-  for (std::size_t b = 0; b < full; ++b) {
-    const BlockHash h = hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
-    hashes_.push_back(event_hash(h));
-    parent = h;
-  }
   const std::uint64_t followed = index_.instance_mask();
   const std::uint64_t candidates = index_.active_mask();
-  const std::size_t n = index_.match(hashes_, candidates, holders_);
 
+  // Hash and look up block by block, and stop at the first block no
+  // candidate holds after the blocks before it: the rest cannot extend any
+  // prefix, so it is never hashed (the cost is the longest prefix, not the
+  // request).
   std::array<std::uint32_t, kMaxInstances> matched{};
   std::array<std::array<std::uint32_t, kNumTiers>, kMaxInstances> per_tier{};
   std::uint64_t alive = candidates;
-  for (std::size_t j = 0; j < n; ++j) {
-    const BlockHolders& h = holders_[j];
-    alive &= h.any();
+  std::optional<BlockHash> parent;
+  for (std::size_t b = 0; b < full && alive != 0; ++b) {
+    const BlockHash h = hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
+    parent = h;
+    const BlockHolders holders = index_.holders(event_hash(h));
+    alive &= holders.any();
     for (std::uint64_t rest = alive; rest != 0; rest &= rest - 1) {
       const int i = std::countr_zero(rest);
-      const std::uint64_t b = std::uint64_t{1} << i;
-      const std::size_t tier = (h.tiers[0] & b) != 0 ? 0 : (h.tiers[1] & b) != 0 ? 1 : 2;
+      const std::uint64_t bit = std::uint64_t{1} << i;
+      const std::size_t tier = (holders.tiers[0] & bit) != 0   ? 0
+                               : (holders.tiers[1] & bit) != 0 ? 1
+                                                               : 2;
       ++matched[static_cast<std::size_t>(i)];
       ++per_tier[static_cast<std::size_t>(i)][tier];
     }

@@ -125,8 +125,11 @@ class Router {
 
   /// Scores every followed instance for `request` and lets the policy pick.
   /// Hashes the request's full blocks as kvport's caches do (hash_block
-  /// chained, block_size of the index), low 64 bits. `out`'s capacity is
-  /// reused: no allocation once it and the router's scratch have grown.
+  /// chained, block_size of the index, low 64 bits), one at a time, looking
+  /// each up, and stops after the first block that ends every candidate's
+  /// prefix: O(longest prefix held + 1) hashes and lookups, plus
+  /// O(instances). `out`'s capacity is reused: no allocation once it has
+  /// grown.
   void decide(const Request& request, Decision& out);
   Decision decide(const Request& request);
 
@@ -135,8 +138,6 @@ class Router {
   ScoringOptions scoring_;
   std::unique_ptr<Policy> policy_;
   std::array<InstanceLoad, kMaxInstances> loads_{};
-  std::vector<std::uint64_t> hashes_;
-  std::vector<BlockHolders> holders_;
 };
 
 }  // namespace kvport::router
