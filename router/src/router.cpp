@@ -1,5 +1,6 @@
 #include "kvport/router/router.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <string>
 #include <tuple>
@@ -140,27 +141,39 @@ void Router::decide(const Request& request, Decision& out) {
   const std::uint64_t followed = index_.instance_mask();
   const std::uint64_t candidates = index_.active_mask();
 
-  // Hash and look up block by block, and stop at the first block no
-  // candidate holds after the blocks before it: the rest cannot extend any
-  // prefix, so it is never hashed (the cost is the longest prefix, not the
-  // request).
+  // Stop at the first block no candidate holds after the blocks before it:
+  // the rest cannot extend any prefix, so it is never hashed (the cost is
+  // the longest prefix, not the request).
   std::array<std::uint32_t, kMaxInstances> matched{};
   std::array<std::array<std::uint32_t, kNumTiers>, kMaxInstances> per_tier{};
+  // In chunks: hash a chunk (each hash chains on the one before), prefetch
+  // its table slots, then look them up, so that the lookups' cache misses
+  // overlap. At most one chunk is hashed past the end of the prefixes.
+  constexpr std::size_t kChunk = 16;
+  std::array<std::uint64_t, kChunk> chunk;
   std::uint64_t alive = candidates;
   std::optional<BlockHash> parent;
-  for (std::size_t b = 0; b < full && alive != 0; ++b) {
-    const BlockHash h = hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
-    parent = h;
-    const BlockHolders holders = index_.holders(event_hash(h));
-    alive &= holders.any();
-    for (std::uint64_t rest = alive; rest != 0; rest &= rest - 1) {
-      const int i = std::countr_zero(rest);
-      const std::uint64_t bit = std::uint64_t{1} << i;
-      const std::size_t tier = (holders.tiers[0] & bit) != 0   ? 0
-                               : (holders.tiers[1] & bit) != 0 ? 1
-                                                               : 2;
-      ++matched[static_cast<std::size_t>(i)];
-      ++per_tier[static_cast<std::size_t>(i)][tier];
+  for (std::size_t start = 0; start < full && alive != 0; start += kChunk) {
+    const std::size_t n = std::min(kChunk, full - start);
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t b = start + k;
+      const BlockHash h = hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
+      parent = h;
+      chunk[k] = event_hash(h);
+      index_.prefetch(chunk[k]);
+    }
+    for (std::size_t k = 0; k < n && alive != 0; ++k) {
+      const BlockHolders holders = index_.holders(chunk[k]);
+      alive &= holders.any();
+      for (std::uint64_t rest = alive; rest != 0; rest &= rest - 1) {
+        const int i = std::countr_zero(rest);
+        const std::uint64_t bit = std::uint64_t{1} << i;
+        const std::size_t tier = (holders.tiers[0] & bit) != 0   ? 0
+                                 : (holders.tiers[1] & bit) != 0 ? 1
+                                                                 : 2;
+        ++matched[static_cast<std::size_t>(i)];
+        ++per_tier[static_cast<std::size_t>(i)][tier];
+      }
     }
   }
 

@@ -24,6 +24,9 @@ namespace {
 
 constexpr std::uint8_t kAllTiers = 0b111;
 constexpr std::size_t kTsWindow = 64;
+// How many blocks ahead an event's table slots are prefetched: the table is
+// larger than the caches, so each lookup is a miss worth overlapping.
+constexpr std::size_t kPrefetchAhead = 8;
 
 std::array<double, kTsWindow> unknown_ts() noexcept {
   std::array<double, kTsWindow> a;
@@ -163,16 +166,22 @@ struct RouterIndex::State {
         return;
       }
       const Tier tier = tier_of_medium(s->medium);
-      for (const std::uint64_t h : s->block_hashes)
-        add_block(id, inst, h, tier);
+      const auto& hs = s->block_hashes;
+      for (std::size_t k = 0; k < hs.size(); ++k) {
+        if (k + kPrefetchAhead < hs.size()) table.prefetch(hs[k + kPrefetchAhead]);
+        add_block(id, inst, hs[k], tier);
+      }
     } else if (const auto* r = std::get_if<BlockRemoved>(&event)) {
       if (r->group_idx && !scored(inst, *r->group_idx, nullptr)) {
         ++counters.other_group_events;
         return;
       }
       const Tier tier = tier_of_medium(r->medium);
-      for (const std::uint64_t h : r->block_hashes)
-        remove_block(id, inst, h, tier);
+      const auto& hs = r->block_hashes;
+      for (std::size_t k = 0; k < hs.size(); ++k) {
+        if (k + kPrefetchAhead < hs.size()) table.prefetch(hs[k + kPrefetchAhead]);
+        remove_block(id, inst, hs[k], tier);
+      }
     } else {
       const auto& c = std::get<AllBlocksCleared>(event);
       if (c.group_idx && !scored(inst, *c.group_idx, nullptr)) {
@@ -404,6 +413,10 @@ std::uint64_t RouterIndex::expire(Clock::time_point now) {
     dropped |= bit(id);
   }
   return dropped;
+}
+
+void RouterIndex::prefetch(std::uint64_t hash) const noexcept {
+  state_->table.prefetch(hash);
 }
 
 BlockHolders RouterIndex::holders(std::uint64_t hash) const noexcept {

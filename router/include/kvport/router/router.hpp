@@ -125,10 +125,10 @@ class Router {
 
   /// Scores every followed instance for `request` and lets the policy pick.
   /// Hashes the request's full blocks as kvport's caches do (hash_block
-  /// chained, block_size of the index, low 64 bits), one at a time, looking
-  /// each up, and stops after the first block that ends every candidate's
-  /// prefix: O(longest prefix held + 1) hashes and lookups, plus
-  /// O(instances). `out`'s capacity is reused: no allocation once it has
+  /// chained, block_size of the index, low 64 bits), 16 blocks at a time,
+  /// looking each up, and stops after the first block that ends every
+  /// candidate's prefix: O(longest prefix held + 16) hashes and lookups,
+  /// plus O(instances). `out`'s capacity is reused: no allocation once it has
   /// grown.
   void decide(const Request& request, Decision& out);
   Decision decide(const Request& request);

@@ -230,6 +230,9 @@ class RouterIndex {
 
   /// Who holds the block with event hash `hash` (all zero: nobody).
   BlockHolders holders(std::uint64_t hash) const noexcept;
+  /// Hints that holders(hash) comes soon: starts loading its table slot, so
+  /// that lookups of several blocks overlap their cache misses.
+  void prefetch(std::uint64_t hash) const noexcept;
 
   /// The holders of a request's blocks, in order: fills holders[0..n) (the
   /// vector is resized to hashes.size(), its capacity reused) for the first
