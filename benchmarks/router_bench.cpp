@@ -30,7 +30,8 @@
 // block_ops_per_s, decisions_per_s, decision_p50_us / decision_p99_us (wall
 // clock) and decision_cpu_p50_us / decision_cpu_p99_us (this thread's CPU
 // time: the same without the time the shared machine's scheduler gave the
-// core to another process).
+// core to another process), decide_ns_per_block (decide time per block up to
+// the end of the longest prefix held, + 1: hashing and lookup).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -274,6 +275,7 @@ void BM_RouterTraceReplay(benchmark::State& state) {
   cpu_us.reserve(rec.steps.size() * 4);
   router::Decision d;
   double decide_s = 0, apply_s = 0;
+  double looked_up = 0;  // blocks up to the end of the longest prefix, + 1
   for (auto _ : state) {
     router::Router r(index_options(), router::ScoringOptions{}, router::make_prefix_aware_policy());
     for (InstanceId i = 0; i < kInstances; ++i)
@@ -294,6 +296,10 @@ void BM_RouterTraceReplay(benchmark::State& state) {
       const auto t2 = SteadyClock::now();
       benchmark::DoNotOptimize(d.instance);
       lat_us.push_back(seconds(t1 - t0) * 1e6);
+      std::uint32_t longest = 0;
+      for (const router::InstanceScore& sc : d.scores)
+        longest = std::max(longest, sc.matched_blocks);
+      looked_up += std::min<double>(d.request_blocks, longest + 1.0);
       decide_s += seconds(t1 - t0);
       apply_s += seconds(t2 - t1);
       busy += seconds(t2 - t0);
@@ -312,6 +318,7 @@ void BM_RouterTraceReplay(benchmark::State& state) {
   state.counters["decisions_per_s"] = decisions / decide_s;
   state.counters["decision_p50_us"] = percentile(lat_us, 0.50);
   state.counters["decision_p99_us"] = percentile(lat_us, 0.99);
+  state.counters["decide_ns_per_block"] = looked_up == 0 ? 0.0 : decide_s * 1e9 / looked_up;
   state.counters["decision_cpu_p50_us"] = percentile(cpu_us, 0.50);
   state.counters["decision_cpu_p99_us"] = percentile(cpu_us, 0.99);
 }
