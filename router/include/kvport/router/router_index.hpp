@@ -194,11 +194,13 @@ class RouterIndex {
   // ---- events -------------------------------------------------------------------
 
   /// Applies, holds or drops one batch of instance `id` received at `now`
-  /// (see the class comment). O(events); allocates only when the table
-  /// grows or a batch is held. Throws InvalidArgument for an unknown instance.
+  /// (see the class comment). O(blocks in the batch), except that clearing an
+  /// instance (AllBlocksCleared, a restart) scans the table: O(table).
+  /// Allocates only when the table grows or a batch is held. Throws
+  /// InvalidArgument for an unknown instance.
   ApplyResult apply(InstanceId id, const EventBatch& batch, Clock::time_point now);
 
-  /// Replaces everything instance `id` holds by the blocks of `events`
+  /// Replaces everything instance `id` holds (a table scan) by the blocks of `events`
   /// (BlockStored of the cached set; other events are applied in order too)
   /// valid at sequence `seq`, then applies the held batches that follow it.
   /// `ts`: the ts of batch `seq` (the publisher's clock when the snapshot was
