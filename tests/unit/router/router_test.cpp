@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
@@ -498,6 +499,53 @@ TEST(Router, DecideReusesTheDecisionsStorage) {
   f.router.decide(Request{f.req}, d);
   EXPECT_EQ(d.scores.data(), data);
   EXPECT_EQ(d.scores.size(), 3u);
+}
+
+TEST(Router, ScoresEqualABruteForceMatchOverRandomIndexes) {
+  // Prefixes across the 16-block chunks decide hashes in, holes, several
+  // tiers per block, expired instances: every instance's matched and
+  // per-tier blocks equal a block-by-block walk of holders().
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    Router r(options(), ScoringOptions{}, make_prefix_aware_policy());
+    const auto req = tokens(4 * 50 + 3, static_cast<TokenId>(round * 1000));
+    const auto h = event_hashes(req);
+    const InstanceId n = 1 + static_cast<InstanceId>(rng() % 6);
+    for (InstanceId i = 0; i < n; ++i) {
+      r.index().add_instance(i, t0);
+      // A prefix of random length, then random further blocks, random tiers.
+      const std::size_t len = rng() % 60;
+      std::vector<CacheEvent> ev;
+      for (std::size_t b = 0; b < h.size(); ++b) {
+        if (b >= len && rng() % 4 != 0) continue;
+        const char* medium = rng() % 3 == 0 ? "GPU" : rng() % 2 == 0 ? "CPU" : "DISK";
+        ev.emplace_back(stored({h[b]}, medium));
+        if (rng() % 5 == 0) ev.emplace_back(stored({h[b]}, "CPU"));
+      }
+      r.index().apply(i, batch(0, std::move(ev)), i % 3 == 2 ? t0 - std::chrono::hours(1) : t0);
+    }
+    r.index().expire(t0 + std::chrono::seconds(5));  // instances 2 and 5 dropped
+    const Decision d = r.decide(Request{req});
+    ASSERT_EQ(d.scores.size(), n);
+    for (const InstanceScore& s : d.scores) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << " instance " << s.id);
+      std::uint32_t matched = 0, gpu = 0, cpu = 0, other = 0;
+      const std::uint64_t b = std::uint64_t{1} << s.id;
+      for (std::size_t k = 0; s.candidate && k < h.size(); ++k) {
+        const BlockHolders hh = r.index().holders(h[k]);
+        if ((hh.any() & b) == 0) break;
+        ++matched;
+        ((hh.tiers[0] & b) != 0 ? gpu : (hh.tiers[1] & b) != 0 ? cpu : other) += 1;
+      }
+      EXPECT_EQ(s.candidate, s.id % 3 != 2);
+      EXPECT_EQ(s.matched_blocks, matched);
+      EXPECT_EQ(s.gpu_blocks, gpu);
+      EXPECT_EQ(s.cpu_blocks, cpu);
+      EXPECT_EQ(s.other_blocks, other);
+      EXPECT_DOUBLE_EQ(s.prefix_score, gpu + 0.8 * cpu + 0.5 * other);
+      EXPECT_DOUBLE_EQ(s.cost, 51.0 - s.prefix_score);
+    }
+  }
 }
 
 // ---- errors ---------------------------------------------------------------------------
