@@ -22,7 +22,9 @@
 //    for each request, set the instances' loads, decide (hash the prompt,
 //    match, score, pick: timed one by one for p50/p99), then apply the
 //    batches it produced. Manual time: the sum of the decide and apply
-//    sections (token synthesis excluded).
+//    sections (token synthesis excluded). prehashed:1 passes the prompt's
+//    block hashes in (Request::block_hashes, computed untimed, as a frontend
+//    that hands them on to the engine would): lookups and scoring only.
 //  - BM_RouterIndexApply: only the batches, into a fresh index.
 //  - BM_RouterDecideFull: only decisions, on the index in its final state.
 // Counters: ops_per_s = (events + decisions) / s (the measure),
@@ -269,7 +271,9 @@ void add_info(benchmark::State& state, const Recording& rec) {
 
 void BM_RouterTraceReplay(benchmark::State& state) {
   const Recording& rec = recording();
+  const bool prehashed = state.range(0) != 0;
   std::vector<TokenId> tokens;
+  std::vector<BlockHash> hashes;
   std::vector<double> lat_us, cpu_us;
   lat_us.reserve(rec.steps.size() * 4);
   cpu_us.reserve(rec.steps.size() * 4);
@@ -284,11 +288,15 @@ void BM_RouterTraceReplay(benchmark::State& state) {
     for (const Step& step : rec.steps) {
       const sim::TraceRequest& req = rec.trace[step.request];
       sim::sequence_tokens(req, step.request, kTraceBlockTokens, req.input_length, tokens);
+      if (prehashed) hashes = hash_full_blocks(tokens, kBlockTokens);
       const double c0 = thread_cpu_us();
       const auto t0 = SteadyClock::now();
       for (InstanceId i = 0; i < kInstances; ++i)
         r.set_load(i, step.loads[i].running_requests, step.loads[i].blocks_in_use);
-      r.decide(router::Request{tokens}, d);
+      r.decide(router::Request{tokens, 0,
+                               prehashed ? std::span<const BlockHash>(hashes)
+                                         : std::span<const BlockHash>()},
+               d);
       const auto t1 = SteadyClock::now();
       cpu_us.push_back(thread_cpu_us() - c0);
       for (const auto& [id, batch] : step.batches)
@@ -322,7 +330,12 @@ void BM_RouterTraceReplay(benchmark::State& state) {
   state.counters["decision_cpu_p50_us"] = percentile(cpu_us, 0.50);
   state.counters["decision_cpu_p99_us"] = percentile(cpu_us, 0.99);
 }
-BENCHMARK(BM_RouterTraceReplay)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RouterTraceReplay)
+    ->ArgName("prehashed")
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 void BM_RouterIndexApply(benchmark::State& state) {
   const Recording& rec = recording();

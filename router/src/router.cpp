@@ -138,6 +138,12 @@ InstanceLoad Router::load(InstanceId id) const {
 void Router::decide(const Request& request, Decision& out) {
   const std::size_t bs = index_.options().block_size;
   const std::size_t full = request.tokens.size() / bs;
+  const bool prehashed = !request.block_hashes.empty();
+  if (prehashed && request.block_hashes.size() != full) {
+    throw InvalidArgument("Router::decide: " + std::to_string(request.block_hashes.size()) +
+                          " block hashes for " + std::to_string(full) + " full blocks of " +
+                          std::to_string(bs) + " tokens");
+  }
   const std::uint64_t followed = index_.instance_mask();
   const std::uint64_t candidates = index_.active_mask();
 
@@ -157,9 +163,14 @@ void Router::decide(const Request& request, Decision& out) {
     const std::size_t n = std::min(kChunk, full - start);
     for (std::size_t k = 0; k < n; ++k) {
       const std::size_t b = start + k;
-      const BlockHash h = hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
-      parent = h;
-      chunk[k] = event_hash(h);
+      if (prehashed) {
+        chunk[k] = event_hash(request.block_hashes[b]);
+      } else {
+        const BlockHash h =
+            hash_block(parent, request.tokens.subspan(b * bs, bs), request.extra_key);
+        parent = h;
+        chunk[k] = event_hash(h);
+      }
       index_.prefetch(chunk[k]);
     }
     for (std::size_t k = 0; k < n && alive != 0; ++k) {

@@ -365,6 +365,25 @@ TEST(Router, RequestHashesAreKvportsChainHashes) {
   EXPECT_EQ(f.router.decide(Request{f.req, 7}).scores[1].matched_blocks, 4u);
 }
 
+TEST(Router, PrecomputedBlockHashesDecideTheSameAndAreChecked) {
+  Fixture f;
+  f.router.index().apply(0, batch(0, {stored({f.h[0], f.h[1]})}), t0);
+  f.router.index().apply(1, batch(0, {stored({f.h[0]}, "CPU")}), t0);
+  const std::vector<BlockHash> hashes = hash_full_blocks(f.req, kBs);
+  const Decision a = f.router.decide(Request{f.req});
+  const Decision b = f.router.decide(Request{f.req, 0, hashes});
+  ASSERT_EQ(b.scores.size(), a.scores.size());
+  for (std::size_t i = 0; i < a.scores.size(); ++i) {
+    EXPECT_EQ(b.scores[i].matched_blocks, a.scores[i].matched_blocks);
+    EXPECT_EQ(b.scores[i].gpu_blocks, a.scores[i].gpu_blocks);
+    EXPECT_DOUBLE_EQ(b.scores[i].cost, a.scores[i].cost);
+  }
+  EXPECT_EQ(b.instance, a.instance);
+  EXPECT_EQ(b.scores[0].matched_blocks, 2u);
+  const std::span<const BlockHash> short_by_one(hashes.data(), hashes.size() - 1);
+  EXPECT_THROW(f.router.decide(Request{f.req, 0, short_by_one}), InvalidArgument);
+}
+
 TEST(Router, GpuBlocksWeighOneAndCpuBlocksPointEight) {
   Fixture f;
   // Instance 0: blocks 0-1 on the GPU. Instance 1: blocks 0-2 on the CPU.

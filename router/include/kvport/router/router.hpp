@@ -101,6 +101,12 @@ std::unique_ptr<Policy> make_policy(std::string_view name);
 struct Request {
   std::span<const TokenId> tokens;
   std::uint64_t extra_key = 0;
+  /// The chained hashes of the tokens' full blocks (hash_full_blocks with
+  /// the index's block_size and extra_key), when the caller has them: the
+  /// router then hashes nothing, and the engine can take the same hashes
+  /// (PrefixCache::lookup_hashes), so a prompt is hashed once. Empty: the
+  /// router hashes the tokens. Must have tokens.size() / block_size entries.
+  std::span<const BlockHash> block_hashes{};
 };
 
 /// The index, the instances' loads and a policy. Not thread-safe.
@@ -128,8 +134,9 @@ class Router {
   /// chained, block_size of the index, low 64 bits), 16 blocks at a time,
   /// looking each up, and stops after the first block that ends every
   /// candidate's prefix: O(longest prefix held + 16) hashes and lookups,
-  /// plus O(instances). `out`'s capacity is reused: no allocation once it has
-  /// grown.
+  /// plus O(instances); with Request::block_hashes given, the lookups only.
+  /// `out`'s capacity is reused: no allocation once it has grown. Throws
+  /// InvalidArgument for block_hashes of the wrong length.
   void decide(const Request& request, Decision& out);
   Decision decide(const Request& request);
 
