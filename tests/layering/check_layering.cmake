@@ -3,6 +3,7 @@
 # Fails (listing every offending include or link) when
 #   - a file outside tools/ (and the CLI's own tests) includes kvport/cli/;
 #   - sim/ includes a backend or tools header (kvport/backends/, kvport/cli/);
+#   - router/ includes sim, transfer, events or a backend (core and platform only);
 #   - core/ includes sim, transfer, a backend or the CLI; platform/ includes anything
 #     above it; backends/ include core, sim or the CLI;
 #   - benchmarks/ or sim/ link kvport_cli, or sim/ links a backend.
@@ -49,7 +50,7 @@ function(check_links cmake_file forbidden why)
   set(violations "${violations}" PARENT_SCOPE)
 endfunction()
 
-foreach(folder platform core sim backends benchmarks tests transfer bindings)
+foreach(folder platform core sim backends benchmarks tests transfer bindings router)
   check_includes(${folder} "kvport/cli/" "only tools/ may include the CLI")
 endforeach()
 check_includes(sim "kvport/backends/" "sim depends on core and platform only")
@@ -61,6 +62,9 @@ foreach(above sim transfer backends)
 endforeach()
 foreach(above core sim backends)
   check_includes(platform "kvport/${above}/" "platform is the bottom layer")
+endforeach()
+foreach(above sim transfer backends events)
+  check_includes(router "kvport/${above}/" "router depends on core and platform only")
 endforeach()
 foreach(above core sim)
   check_includes(backends "kvport/${above}/" "backends never include core or above")
