@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "group_reports.hpp"
@@ -95,6 +96,27 @@ std::size_t HybridKvCache::total_bytes() const noexcept {
   for (const auto& c : caches_)
     total += c->total_bytes();
   return total;
+}
+
+void HybridKvCache::set_event_sink(CacheEventSink* sink) {
+  for (std::size_t g = 0; g < prefixes_.size(); ++g)
+    prefixes_[g]->set_event_sink(sink, group_event_source(g, Medium::gpu));
+}
+
+EventSource HybridKvCache::group_event_source(std::size_t g, Medium medium) const {
+  const LayerSpec& spec = group(g).spec;
+  EventSource source;
+  source.medium = medium;
+  source.group_idx = static_cast<std::uint32_t>(g);
+  source.spec_kind = std::string(to_string(spec.kind));
+  if (spec.kind == LayerKind::sliding_window)
+    source.sliding_window = static_cast<std::uint32_t>(spec.window);
+  return source;
+}
+
+void HybridKvCache::snapshot(CacheEventSink& sink) const {
+  for (const auto& p : prefixes_)
+    p->snapshot(sink);
 }
 
 std::size_t HybridKvCache::blocks_in_use(std::size_t g) const {
