@@ -91,6 +91,8 @@ struct SlotOrigin {
   bool has_tokens = false;
 };
 
+static_assert(sizeof(SlotOrigin) == 32, "host_tier.hpp and docs/events.md say 32 bytes");
+
 // One device block in a write-back or write-through copy.
 struct Transfer {
   BlockId block;
@@ -129,10 +131,10 @@ struct HostTier::State {
         options(o),
         compute_stream(compute),
         slot_bytes(slot_bytes_for(*kv)),
-        block_size(p.block_size()),
+        block_size(p.tokens_per_block()),
         slots(o.num_host_blocks),
         origins(o.num_host_blocks),
-        origin_tokens(o.num_host_blocks * p.block_size()),
+        origin_tokens(o.num_host_blocks * p.tokens_per_block()),
         stream(backend->create_stream()),
         compute_done(backend->create_event()),
         copies_done(backend->create_event()) {

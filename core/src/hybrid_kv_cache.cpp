@@ -53,6 +53,8 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
         group_pool_config(groups_[g], config_.block_size, config_.layout), blocks_per_group[g],
         backend, options));
     prefixes_.push_back(std::make_unique<PrefixCache>(*caches_.back()));
+    // A state slot stands for a block of tokens: its events carry them.
+    if (groups_[g].spec.has_state()) prefixes_.back()->set_tokens_per_block(config_.block_size);
   }
 }
 

@@ -58,6 +58,8 @@ struct OriginRecord {
   bool has_tokens = false;
 };
 
+static_assert(sizeof(OriginRecord) == 32, "prefix_cache.hpp and docs/events.md say 32 bytes");
+
 // A slot of the LRU queue: live while entries[block] is linked with this gen.
 struct QueueSlot {
   BlockId block;
@@ -199,12 +201,10 @@ struct PrefixCache::State {
     if (o.has_tokens) std::copy(tokens.begin(), tokens.end(), origin_tokens_of(block).begin());
   }
   std::span<TokenId> origin_tokens_of(BlockId block) noexcept {
-    const std::size_t bs = kv->config().block_size;
-    return {origin_tokens.data() + std::size_t{block} * bs, bs};
+    return {origin_tokens.data() + std::size_t{block} * origin_bs, origin_bs};
   }
   std::span<const TokenId> origin_tokens_of(BlockId block) const noexcept {
-    const std::size_t bs = kv->config().block_size;
-    return {origin_tokens.data() + std::size_t{block} * bs, bs};
+    return {origin_tokens.data() + std::size_t{block} * origin_bs, origin_bs};
   }
 
   void emit_stored(std::span<const BlockHash> hashes, const std::optional<BlockHash>& parent,
@@ -214,7 +214,7 @@ struct PrefixCache::State {
     view.hashes = hashes;
     view.parent = parent;
     view.tokens = tokens;
-    view.block_size = static_cast<std::uint32_t>(kv->config().block_size);
+    view.block_size = static_cast<std::uint32_t>(origin_bs);
     view.extra_key = extra_key;
     sink->stored(source, view);
   }
@@ -285,6 +285,7 @@ struct PrefixCache::State {
   std::size_t removed_count = 0;
   std::vector<OriginRecord> origins;
   std::vector<TokenId> origin_tokens;
+  std::size_t origin_bs = kv->config().block_size;  // tokens a registered block covers
 };
 
 PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(cache)) {}
@@ -380,9 +381,9 @@ bool PrefixCache::insert(const BlockHash& hash, BlockId block, const BlockOrigin
                          std::source_location where) {
   State& s = *state_;
   s.check_held(block, "insert");
-  if (!origin.tokens.empty() && origin.tokens.size() != block_size()) {
+  if (!origin.tokens.empty() && origin.tokens.size() != s.origin_bs) {
     throw InvalidArgument(fmt::format("PrefixCache::insert: {} tokens for one block of {}",
-                                      origin.tokens.size(), block_size()));
+                                      origin.tokens.size(), s.origin_bs));
   }
   if (!s.register_block(*this, hash, block, origin.parent, origin.tokens, origin.extra_key,
                         where)) {
@@ -397,7 +398,7 @@ std::size_t PrefixCache::insert_run(std::span<const BlockHash> hashes,
                                     std::source_location where) {
   State& s = *state_;
   const std::size_t n = hashes.size();
-  const std::size_t bs = block_size();
+  const std::size_t bs = s.origin_bs;
   if (blocks.size() != n) {
     throw InvalidArgument(
         fmt::format("PrefixCache::insert_run: {} blocks for {} hashes", blocks.size(), n));
@@ -526,9 +527,23 @@ const EventSource& PrefixCache::event_source() const noexcept {
 void PrefixCache::keep_block_origins() {
   State& s = *state_;
   if (!s.origins.empty() || s.entries.empty()) return;
-  std::vector<TokenId> tokens(s.entries.size() * block_size());
+  std::vector<TokenId> tokens(s.entries.size() * s.origin_bs);
   s.origins.resize(s.entries.size());  // tokens first: nothing kept when either throws
   s.origin_tokens = std::move(tokens);
+}
+
+void PrefixCache::set_tokens_per_block(std::size_t tokens) {
+  State& s = *state_;
+  if (tokens == 0) throw InvalidArgument("PrefixCache::set_tokens_per_block: 0 tokens");
+  if (!s.origins.empty() && tokens != s.origin_bs) {
+    throw InvalidArgument(fmt::format(
+        "PrefixCache::set_tokens_per_block: origins of {} tokens are kept already", s.origin_bs));
+  }
+  s.origin_bs = tokens;
+}
+
+std::size_t PrefixCache::tokens_per_block() const noexcept {
+  return state_->origin_bs;
 }
 
 bool PrefixCache::keeps_block_origins() const noexcept {
@@ -549,7 +564,7 @@ std::optional<BlockOrigin> PrefixCache::block_origin(BlockId block) const {
 
 void PrefixCache::snapshot(CacheEventSink& sink) const {
   const State& s = *state_;
-  const std::uint32_t bs = static_cast<std::uint32_t>(block_size());
+  const std::uint32_t bs = static_cast<std::uint32_t>(s.origin_bs);
   std::vector<bool> seen(s.entries.size(), false);
   std::vector<BlockId> chain;
   auto announce = [&](BlockId b) {
@@ -652,6 +667,8 @@ PrefixCacheMemory PrefixCache::memory_usage() const noexcept {
   const std::size_t slots = s.index.capacity();
   m.index_bytes = slots == 0 ? 0 : slots * (1 + sizeof(BlockId)) + 16;
   m.lru_bytes = s.queue.capacity() * sizeof(QueueSlot);
+  m.origin_bytes =
+      s.origins.capacity() * sizeof(OriginRecord) + s.origin_tokens.capacity() * sizeof(TokenId);
   return m;
 }
 

@@ -210,7 +210,7 @@ class HostTier final : public PrefixCacheTier {
   /// block after its parent where the parent is visible too), with
   /// event_source(); on the tier's thread, as PrefixCache::snapshot.
   void snapshot(CacheEventSink& sink) const;
-  /// Host memory each slot's origin takes (besides slot_bytes()): 40 bytes
+  /// Host memory each slot's origin takes (besides slot_bytes()): 32 bytes
   /// plus block_size token ids.
   std::size_t origin_bytes_per_slot() const noexcept;
 

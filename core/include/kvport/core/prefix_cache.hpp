@@ -42,8 +42,13 @@ struct PrefixCacheMemory {
   std::size_t entry_bytes = 0;  ///< per-block records: hash, cached/evictable flags
   std::size_t index_bytes = 0;  ///< the hash -> block index (an open-addressing table)
   std::size_t lru_bytes = 0;    ///< the LRU queue
-  /// The sum of the three.
-  std::size_t total() const noexcept { return entry_bytes + index_bytes + lru_bytes; }
+  /// The blocks' origins (parent, tokens), kept only once an event sink was
+  /// installed (PrefixCache::keep_block_origins); 0 before.
+  std::size_t origin_bytes = 0;
+  /// The sum of the four.
+  std::size_t total() const noexcept {
+    return entry_bytes + index_bytes + lru_bytes + origin_bytes;
+  }
 };
 
 /// The longest cached prefix lookup() found.
@@ -66,7 +71,7 @@ struct PrefixMatch {
 struct BlockOrigin {
   /// The hash of the block before (absent: a sequence's first block).
   std::optional<BlockHash> parent;
-  /// The block's tokens, block_size of them per block; empty: not known (the
+  /// The block's tokens, tokens_per_block() of them per block; empty: not known (the
   /// block is announced without tokens).
   std::span<const TokenId> tokens;
   /// The extra key the hash was chained with (0: none).
@@ -172,13 +177,13 @@ class PrefixCache {
   /// As above, with what the block holds (its parent and tokens), which the
   /// BlockStored event of an installed sink carries and block_origin() keeps.
   /// Also throws InvalidArgument when origin.tokens is neither empty nor
-  /// block_size() tokens long.
+  /// tokens_per_block() tokens long.
   bool insert(const BlockHash& hash, BlockId block, const BlockOrigin& origin,
               std::source_location where = std::source_location::current());
 
   /// Registers consecutive full blocks of one sequence at once: block i under
   /// hashes[i], with origin.parent before the first and origin.tokens (empty,
-  /// or block_size() per block) their tokens. Each block as insert() does,
+  /// or tokens_per_block() per block) their tokens. Each block as insert() does,
   /// except that one that cannot be registered (its hash or the block cached
   /// already, or its refcount at its limit) is skipped and the others go on.
   /// An installed sink gets one BlockStored per unbroken run of newly
@@ -255,12 +260,19 @@ class PrefixCache {
   void snapshot(CacheEventSink& sink) const;
 
   /// Keeps the origin (parent, tokens, extra key) of every block registered
-  /// from now on: block_size() token ids and 40 bytes per block of the
+  /// from now on: tokens_per_block() token ids and 32 bytes per block of the
   /// PagedKvCache, allocated once by the first call (set_event_sink calls it,
   /// and so does a HostTier's, whose events need the tokens of the blocks it
   /// is handed). Throws std::bad_alloc.
   void keep_block_origins();
   bool keeps_block_origins() const noexcept;
+  /// Tokens one registered block covers, as origins and events carry them:
+  /// block_size() unless set. A state group's prefix cache (block_size() 1:
+  /// one slot per state) covers a block of the hybrid cache's size
+  /// (HybridKvCache sets it). Throws InvalidArgument for 0, or for another
+  /// count once origins are kept.
+  void set_tokens_per_block(std::size_t tokens);
+  std::size_t tokens_per_block() const noexcept;
   /// The origin `block` was last registered with (its tokens a view into the
   /// cache's memory, valid until the block is registered again), or nullopt
   /// when origins are not kept or the block was never registered since. Kept
@@ -291,7 +303,8 @@ class PrefixCache {
   const PrefixCacheCounters& counters() const noexcept;
   /// The bookkeeping's memory. It is all allocated at construction and does
   /// not change afterwards: about 50 bytes per block of the PagedKvCache
-  /// (docs/performance.md has the breakdown), whether or not it is cached.
+  /// (docs/performance.md has the breakdown), whether or not it is cached;
+  /// plus, once an event sink was installed, the blocks' origins.
   PrefixCacheMemory memory_usage() const noexcept;
 
   /// PagedKvCache::check_invariants() plus: every evictable block is cached
