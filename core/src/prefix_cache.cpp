@@ -499,6 +499,18 @@ std::size_t PrefixCache::detach_lru(std::size_t max_blocks,
   return n;
 }
 
+bool PrefixCache::reset(std::source_location where) {
+  State& s = *state_;
+  if (s.index.size() != s.evictable) return false;
+  CacheEventSink* const sink = s.sink;
+  s.sink = nullptr;  // one cleared, not a removal per block
+  while (s.evictable != 0)
+    s.evict_one(where);
+  s.sink = sink;
+  if (sink != nullptr) sink->cleared(s.source);
+  return true;
+}
+
 void PrefixCache::set_tier(PrefixCacheTier* tier) noexcept {
   state_->tier = tier;
 }

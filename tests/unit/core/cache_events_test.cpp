@@ -330,6 +330,29 @@ TEST(PrefixCacheEvents, EvictionsAndDetachAreRemovalsAndDestructionClears) {
   EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
 }
 
+TEST(PrefixCacheEvents, ResetClearsOnlyWhenNoCachedBlockIsHeld) {
+  RecordingSink sink;  // outlives the cache
+  Device d;
+  d.pc.set_event_sink(&sink);
+  auto t = std::make_unique<BlockTable>(d.pc);
+  t->append_tokens(test::tokens(12, 1), d.cache.backend().default_stream());
+  const std::uint64_t events = sink.events();
+  EXPECT_FALSE(d.pc.reset()) << "a sequence holds cached blocks";
+  EXPECT_EQ(sink.events(), events);
+  EXPECT_EQ(d.pc.num_cached_blocks(), 3u);
+  t.reset();
+  EXPECT_TRUE(d.pc.reset());
+  EXPECT_EQ(sink.cleared_events, 1u);
+  EXPECT_EQ(sink.removed_events, 0u) << "one cleared, no removals";
+  EXPECT_EQ(d.pc.num_cached_blocks(), 0u);
+  EXPECT_EQ(d.cache.num_free_blocks(), d.cache.num_blocks());
+  EXPECT_TRUE(sink.hashes(kGpu).empty());
+  EXPECT_TRUE(d.pc.reset()) << "an empty cache resets";
+  EXPECT_EQ(sink.cleared_events, 2u);
+  EXPECT_TRUE(d.pc.check_invariants().ok);
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+}
+
 TEST(PrefixCacheEvents, InsertRunSkipsCachedBlocksAndSplitsTheRun) {
   RecordingSink sink;  // outlives the cache, whose destructor clears
   Device d;

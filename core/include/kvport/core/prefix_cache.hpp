@@ -225,6 +225,14 @@ class PrefixCache {
   std::size_t detach_lru(std::size_t max_blocks, std::vector<std::pair<BlockId, BlockHash>>& out,
                          std::source_location where = std::source_location::current());
 
+  /// Drops every cached block at once, as vLLM's reset_prefix_cache: only
+  /// when no sequence (and no tier's copy) holds a cached block, i.e. every
+  /// cached block is evictable; otherwise returns false and changes nothing.
+  /// The blocks go back to the free list (counted as evictions; a tier is not
+  /// told, its own blocks stay) and an installed sink gets one cleared
+  /// instead of a removal per block.
+  bool reset(std::source_location where = std::source_location::current());
+
   // ---- a lower tier -------------------------------------------------------------------
 
   /// Installs `tier` (nullptr: none) as the lower tier: see PrefixCacheTier.
