@@ -83,7 +83,7 @@ struct Slot {
 
 // What a slot's block was registered with on the device (its parent, tokens
 // and extra key): what the tier's BlockStored announces, and what an onload
-// registers the block with again. Its tokens are SlotOrigins' token array.
+// registers the block with again. Its tokens live in State::origin_tokens.
 struct SlotOrigin {
   BlockHash parent;
   std::uint64_t extra_key = 0;

@@ -149,7 +149,8 @@ struct HostTierCounters {
 /// on other streams that writes blocks must be ordered before it.
 ///
 /// Host memory: one pinned allocation (Backend::alloc_host) of
-/// num_host_blocks * slot_bytes(), made at construction.
+/// num_host_blocks * slot_bytes(), made at construction, and the slots'
+/// origins for events (origin_bytes_per_slot() each, ordinary memory).
 ///
 /// Not thread-safe (like PrefixCache). The PrefixCache must outlive the tier;
 /// the constructor installs the tier in it (PrefixCache::set_tier) and the
