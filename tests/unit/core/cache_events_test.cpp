@@ -430,6 +430,29 @@ TEST(PrefixCacheEvents, ErrorsChangeNothingAndAnnounceNothing) {
   d.pc.release_blocks(two);
 }
 
+TEST(PrefixCacheEvents, TokensPerBlockIsSetBeforeOriginsAreKept) {
+  Device d;
+  EXPECT_EQ(d.pc.tokens_per_block(), 4u);
+  test::expect_invalid_argument([&] { d.pc.set_tokens_per_block(0); }, "0 tokens");
+  d.pc.set_tokens_per_block(8);
+  d.pc.keep_block_origins();
+  test::expect_invalid_argument([&] { d.pc.set_tokens_per_block(4); }, "kept already");
+  d.pc.set_tokens_per_block(8);  // the same count: fine
+  EXPECT_EQ(d.pc.tokens_per_block(), 8u);
+  EXPECT_EQ(d.pc.memory_usage().origin_bytes, 8 * (32 + 8 * sizeof(TokenId)));
+  // A hybrid cache's state group: a slot per state, a block of tokens per checkpoint.
+  auto backend = test::host_backend();
+  HybridKvCacheConfig c;
+  c.block_size = 4;
+  c.layers = {LayerSpec::full_attention(1, 8, 8),
+              LayerSpec::recurrent_state({StateTensor{"s", {16}, StateDtype::f32}})};
+  const std::vector<std::size_t> blocks{4, 4};
+  HybridKvCache hybrid(c, blocks, *backend);
+  EXPECT_EQ(hybrid.prefix_cache(1).block_size(), 1u);
+  EXPECT_EQ(hybrid.prefix_cache(1).tokens_per_block(), 4u);
+  EXPECT_EQ(hybrid.prefix_cache(0).tokens_per_block(), 4u);
+}
+
 TEST(PrefixCacheEvents, SinkInstalledLateSnapshotGivesTheSetWithoutTokensForEarlierBlocks) {
   RecordingSink sink;  // outlives the cache
   Device d;
@@ -590,6 +613,32 @@ TEST(HostTierEvents, StoredOnlyOnceTheCopyCompletedWithTheDeviceOrigin) {
   w.tier.reset();
   EXPECT_EQ(w.sink.cleared_events, 1u) << "the tier's destructor clears the CPU";
   EXPECT_TRUE(w.sink.errors.empty()) << w.sink.errors.front();
+}
+
+TEST(HostTierEvents, ATierWithoutASinkAnnouncesNothingButKeepsTokensForTheDevice) {
+  RecordingSink sink;  // outlives the caches
+  FaultInjectingBackend fb(test::host_backend());
+  PagedKvCache cache(test::small_config(), 4, fb);
+  PrefixCache pc(cache);
+  HostTier tier(pc, tier_options(TierPolicy::write_back, TierInclusion::exclusive, 4));
+  pc.set_event_sink(&sink);  // the device only, installed after the tier
+  std::vector<BlockHash> h;
+  {
+    BlockTable t(pc);
+    t.append_tokens(test::tokens(8, 1), cache.backend().default_stream());
+    h = hash_full_blocks(t.tokens(), 4);
+  }
+  tier.offload(2);
+  tier.synchronize();
+  EXPECT_TRUE(tier.is_on_host(h[0]));
+  EXPECT_TRUE(sink.hashes(kCpu).empty()) << "no sink on the tier: no CPU events";
+  const PrefixMatch m = pc.lookup_hashes(h);
+  ASSERT_EQ(m.lower_tier_blocks, 2u);
+  EXPECT_EQ(sink.without_tokens, 0u) << "the onloaded blocks are announced with their tokens";
+  EXPECT_EQ(sink.hashes(kGpu), device_set(pc));
+  pc.release_blocks(m.blocks);
+  EXPECT_TRUE(sink.errors.empty()) << sink.errors.front();
+  pc.set_event_sink(nullptr);
 }
 
 TEST(HostTierEvents, AFailedWriteBackAnnouncesNothingOnTheHost) {
