@@ -222,6 +222,8 @@ void BlockTable::append_tokens(std::span<const TokenId> tokens, StreamView strea
 void BlockTable::register_full_blocks() noexcept {
   if (prefix_ == nullptr) return;
   const std::size_t full = tokens_.size() / block_size_;
+  const std::size_t first = hashes_.size();
+  if (first >= full) return;
   while (hashes_.size() < full) {
     const std::size_t i = hashes_.size();
     const std::optional<BlockHash> parent =
@@ -230,10 +232,18 @@ void BlockTable::register_full_blocks() noexcept {
         hash_block(parent, std::span<const TokenId>(tokens_).subspan(i * block_size_, block_size_),
                    extra_key_);
     hashes_.push_back(h);  // capacity reserved by append_tokens
-    try {
-      prefix_->insert(h, blocks_[i]);
-    } catch (...) {  // out of memory for the hash map: the block stays uncached
-    }
+  }
+  // One run: the blocks filled by this append, announced together.
+  BlockOrigin origin;
+  if (first > 0) origin.parent = hashes_[first - 1];
+  origin.tokens =
+      std::span<const TokenId>(tokens_).subspan(first * block_size_, (full - first) * block_size_);
+  origin.extra_key = extra_key_;
+  try {
+    (void)prefix_->insert_run(std::span<const BlockHash>(hashes_).subspan(first),
+                              std::span<const BlockId>(blocks_).subspan(first, full - first),
+                              origin);
+  } catch (...) {  // cannot happen (the run is valid); the blocks stay uncached
   }
 }
 

@@ -81,6 +81,18 @@ struct Slot {
   SlotState state = SlotState::free;
 };
 
+// What a slot's block was registered with on the device (its parent, tokens
+// and extra key): what the tier's BlockStored announces, and what an onload
+// registers the block with again. Its tokens live in State::origin_tokens.
+struct SlotOrigin {
+  BlockHash parent;
+  std::uint64_t extra_key = 0;
+  bool has_parent = false;
+  bool has_tokens = false;
+};
+
+static_assert(sizeof(SlotOrigin) == 32, "host_tier.hpp and docs/events.md say 32 bytes");
+
 // One device block in a write-back or write-through copy.
 struct Transfer {
   BlockId block;
@@ -119,7 +131,10 @@ struct HostTier::State {
         options(o),
         compute_stream(compute),
         slot_bytes(slot_bytes_for(*kv)),
+        block_size(p.tokens_per_block()),
         slots(o.num_host_blocks),
+        origins(o.num_host_blocks),
+        origin_tokens(o.num_host_blocks * p.tokens_per_block()),
         stream(backend->create_stream()),
         compute_done(backend->create_event()),
         copies_done(backend->create_event()) {
@@ -172,10 +187,58 @@ struct HostTier::State {
     lru_push_back(s);
   }
 
-  // Frees a filling or ready slot (drops its hash from the index).
+  // ---- events --------------------------------------------------------------------------
+  std::span<TokenId> tokens_of(SlotId s) noexcept {
+    return {origin_tokens.data() + std::size_t{s} * block_size, block_size};
+  }
+  std::span<const TokenId> tokens_of(SlotId s) const noexcept {
+    return {origin_tokens.data() + std::size_t{s} * block_size, block_size};
+  }
+
+  // Keeps what `block` (being copied into slot s) was registered with on the
+  // device, when the prefix cache keeps it.
+  void remember_origin(SlotId s, BlockId block) noexcept {
+    SlotOrigin& o = origins[s];
+    o = SlotOrigin{};
+    std::optional<BlockOrigin> from;
+    try {
+      from = prefix->block_origin(block);
+    } catch (...) {  // out of range: cannot happen for a block the tier holds
+    }
+    if (!from) return;
+    o.has_parent = from->parent.has_value();
+    o.parent = from->parent.value_or(BlockHash{});
+    o.extra_key = from->extra_key;
+    o.has_tokens = from->tokens.size() == block_size;
+    if (o.has_tokens) std::copy(from->tokens.begin(), from->tokens.end(), tokens_of(s).begin());
+  }
+
+  BlockOrigin origin_of(SlotId s) const noexcept {
+    const SlotOrigin& o = origins[s];
+    BlockOrigin origin;
+    if (o.has_parent) origin.parent = o.parent;
+    if (o.has_tokens) origin.tokens = tokens_of(s);
+    origin.extra_key = o.extra_key;
+    return origin;
+  }
+
+  void announce(CacheEventSink& to, SlotId s) const noexcept {
+    const BlockOrigin origin = origin_of(s);
+    BlockStoredView view;
+    view.hashes = {&slots[s].hash, 1};
+    view.parent = origin.parent;
+    view.tokens = origin.tokens;
+    view.block_size = static_cast<std::uint32_t>(block_size);
+    view.extra_key = origin.extra_key;
+    to.stored(source, view);
+  }
+
+  // Frees a filling or ready slot (drops its hash from the index). A ready
+  // slot was announced: its removal is.
   void free_slot(SlotId s) {
     Slot& slot = slots[s];
     if (slot.state == SlotState::ready) {
+      if (sink != nullptr) sink->removed(source, {&slot.hash, 1});
       lru_remove(s);
       --ready;
     } else if (slot.state == SlotState::filling) {
@@ -272,6 +335,7 @@ struct HostTier::State {
       --filling;
       ++ready;
       lru_push_back(t.slot);
+      if (sink != nullptr) announce(*sink, t.slot);  // visible from now on
       ++counters.offloads;
       counters.offload_bytes += slot_bytes;
       release_block(t.block);
@@ -483,6 +547,7 @@ struct HostTier::State {
       release_block(block);
       return;
     }
+    remember_origin(*slot, block);
     batch.push_back({block, *slot});
   }
 
@@ -531,7 +596,12 @@ struct HostTier::State {
   HostTierOptions options;
   StreamView compute_stream;
   std::size_t slot_bytes;
+  std::size_t block_size;
   std::vector<Slot> slots;
+  std::vector<SlotOrigin> origins;     // per slot
+  std::vector<TokenId> origin_tokens;  // block_size per slot
+  CacheEventSink* sink = nullptr;
+  EventSource source{Medium::cpu, std::nullopt, std::nullopt, std::nullopt};
   std::vector<SlotId> free_slots;
   absl::flat_hash_map<BlockHash, SlotId, BlockHashHasher> index;  // filling and ready slots
   SlotId lru_head = kNoSlot;
@@ -611,6 +681,7 @@ HostTier::~HostTier() {
   for (const auto& [block, hash] : s.write_queue)
     s.release_block(block);
   s.write_queue.clear();
+  if (s.sink != nullptr) s.sink->cleared(s.source);
 }
 
 // ---- the tier's hooks -----------------------------------------------------------------------
@@ -741,7 +812,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   for (const Transfer& t : onload) {
     const BlockHash hash = s.slots[t.slot].hash;
     try {
-      cache.insert(hash, t.block, where);
+      cache.insert(hash, t.block, s.origin_of(t.slot), where);
     } catch (const std::exception& e) {  // a refcount overflow: the block stays private
       log_error_nothrow("HostTier: registering onloaded block {} failed: {}", t.block, e.what());
     }
@@ -835,6 +906,51 @@ const HostTierCounters& HostTier::counters() const noexcept {
 }
 PrefixCache& HostTier::prefix_cache() const noexcept {
   return *state_->prefix;
+}
+
+// ---- events ---------------------------------------------------------------------------------
+
+void HostTier::set_event_sink(CacheEventSink* sink, EventSource source) {
+  State& s = *state_;
+  if (sink != nullptr) s.prefix->keep_block_origins();
+  s.sink = sink;
+  s.source = std::move(source);
+}
+
+CacheEventSink* HostTier::event_sink() const noexcept {
+  return state_->sink;
+}
+
+const EventSource& HostTier::event_source() const noexcept {
+  return state_->source;
+}
+
+void HostTier::snapshot(CacheEventSink& sink) const {
+  const State& s = *state_;
+  std::vector<bool> seen(s.slots.size(), false);
+  std::vector<SlotId> chain;
+  for (SlotId c = s.lru_head; c != kNoSlot; c = s.slots[c].next) {
+    if (seen[c]) continue;
+    // Parents that are ready on the host first, as PrefixCache::snapshot.
+    chain.clear();
+    for (SlotId x = c;;) {
+      seen[x] = true;
+      chain.push_back(x);
+      if (!s.origins[x].has_parent) break;
+      auto it = s.index.find(s.origins[x].parent);
+      if (it == s.index.end() || s.slots[it->second].state != SlotState::ready ||
+          seen[it->second]) {
+        break;
+      }
+      x = it->second;
+    }
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+      s.announce(sink, *it);
+  }
+}
+
+std::size_t HostTier::origin_bytes_per_slot() const noexcept {
+  return sizeof(SlotOrigin) + state_->block_size * sizeof(TokenId);
 }
 
 std::vector<BlockHash> HostTier::host_lru_order() const {

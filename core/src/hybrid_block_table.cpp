@@ -281,8 +281,16 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
       if (!fresh[g].empty()) grp.state = fresh[g].front();
       if (checkpoint[g]) {
         PrefixCache& prefix = cache_->prefix_cache(g);
+        // The checkpoint is the state after block k: announced as block k
+        // (its hash, parent and tokens), as vLLM announces a mamba group's
+        // cached blocks.
+        const std::size_t k = n / block_size_ - 1;
+        BlockOrigin origin;
+        if (k > 0) origin.parent = hashes_[k - 1];
+        origin.tokens = std::span<const TokenId>(tokens_).subspan(k * block_size_, block_size_);
+        origin.extra_key = extra_key_;
         try {
-          (void)prefix.insert(hashes_[n / block_size_ - 1], *checkpoint[g]);
+          (void)prefix.insert(hashes_[k], *checkpoint[g], origin);
           ++cache_->hit_counters().state_checkpoints;
         } catch (...) {  // out of memory for the index: no checkpoint
         }
@@ -312,6 +320,8 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
 
 void HybridBlockTable::register_full_blocks() noexcept {
   const std::size_t full = tokens_.size() / block_size_;
+  const std::size_t first = hashes_.size();
+  if (first >= full) return;
   while (hashes_.size() < full) {
     const std::size_t i = hashes_.size();
     const std::optional<BlockHash> parent =
@@ -320,13 +330,33 @@ void HybridBlockTable::register_full_blocks() noexcept {
         hash_block(parent, std::span<const TokenId>(tokens_).subspan(i * block_size_, block_size_),
                    extra_key_);
     hashes_.push_back(h);  // capacity reserved by append_tokens
-    for (std::size_t g = 0; g < groups_.size(); ++g) {
-      const Group& grp = groups_[g];
-      if (i >= grp.blocks.size() || grp.blocks[i] == kNullBlock) continue;
-      try {
-        (void)cache_->prefix_cache(g).insert(h, grp.blocks[i]);
-      } catch (...) {  // out of memory for the index: the block stays uncached
+  }
+  // Per group, each unbroken run of live blocks among the new full ones is
+  // registered (and announced) at once.
+  const std::span<const BlockHash> hashes(hashes_);
+  const std::span<const TokenId> tokens(tokens_);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const Group& grp = groups_[g];
+    const std::size_t end = std::min(full, grp.blocks.size());
+    for (std::size_t i = first; i < end;) {
+      if (grp.blocks[i] == kNullBlock) {
+        ++i;
+        continue;
       }
+      std::size_t j = i;
+      while (j < end && grp.blocks[j] != kNullBlock)
+        ++j;
+      BlockOrigin origin;
+      if (i > 0) origin.parent = hashes[i - 1];
+      origin.tokens = tokens.subspan(i * block_size_, (j - i) * block_size_);
+      origin.extra_key = extra_key_;
+      try {
+        (void)cache_->prefix_cache(g).insert_run(
+            hashes.subspan(i, j - i), std::span<const BlockId>(grp.blocks).subspan(i, j - i),
+            origin);
+      } catch (...) {  // cannot happen (the run is valid); the blocks stay uncached
+      }
+      i = j;
     }
   }
 }

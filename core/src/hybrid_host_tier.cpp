@@ -121,6 +121,16 @@ void HybridHostTier::synchronize() {
     if (t) t->synchronize();
 }
 
+void HybridHostTier::set_event_sink(CacheEventSink* sink) {
+  for (std::size_t g = 0; g < tiers_.size(); ++g)
+    if (tiers_[g]) tiers_[g]->set_event_sink(sink, cache_->group_event_source(g, Medium::cpu));
+}
+
+void HybridHostTier::snapshot(CacheEventSink& sink) const {
+  for (const auto& t : tiers_)
+    if (t) t->snapshot(sink);
+}
+
 HostTier* HybridHostTier::group_tier(std::size_t g) const {
   if (g >= tiers_.size()) {
     throw InvalidArgument(

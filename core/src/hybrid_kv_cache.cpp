@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <limits>
+#include <string>
 #include <utility>
 
 #include "group_reports.hpp"
@@ -52,6 +53,8 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
         group_pool_config(groups_[g], config_.block_size, config_.layout), blocks_per_group[g],
         backend, options));
     prefixes_.push_back(std::make_unique<PrefixCache>(*caches_.back()));
+    // A state slot stands for a block of tokens: its events carry them.
+    if (groups_[g].spec.has_state()) prefixes_.back()->set_tokens_per_block(config_.block_size);
   }
 }
 
@@ -95,6 +98,27 @@ std::size_t HybridKvCache::total_bytes() const noexcept {
   for (const auto& c : caches_)
     total += c->total_bytes();
   return total;
+}
+
+void HybridKvCache::set_event_sink(CacheEventSink* sink) {
+  for (std::size_t g = 0; g < prefixes_.size(); ++g)
+    prefixes_[g]->set_event_sink(sink, group_event_source(g, Medium::gpu));
+}
+
+EventSource HybridKvCache::group_event_source(std::size_t g, Medium medium) const {
+  const LayerSpec& spec = group(g).spec;
+  EventSource source;
+  source.medium = medium;
+  source.group_idx = static_cast<std::uint32_t>(g);
+  source.spec_kind = std::string(to_string(spec.kind));
+  if (spec.kind == LayerKind::sliding_window)
+    source.sliding_window = static_cast<std::uint32_t>(spec.window);
+  return source;
+}
+
+void HybridKvCache::snapshot(CacheEventSink& sink) const {
+  for (const auto& p : prefixes_)
+    p->snapshot(sink);
 }
 
 std::size_t HybridKvCache::blocks_in_use(std::size_t g) const {

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <exception>
 #include <limits>
 #include <utility>
 
@@ -46,6 +48,17 @@ struct IdEq {
 };
 
 using HashIndex = absl::flat_hash_set<BlockId, IdHash, IdEq>;
+
+// What a block was last registered with (PrefixCache::keep_block_origins).
+struct OriginRecord {
+  BlockHash parent;
+  std::uint64_t extra_key = 0;
+  bool registered = false;  // since origins are kept
+  bool has_parent = false;
+  bool has_tokens = false;
+};
+
+static_assert(sizeof(OriginRecord) == 32, "prefix_cache.hpp and docs/events.md say 32 bytes");
 
 // A slot of the LRU queue: live while entries[block] is linked with this gen.
 struct QueueSlot {
@@ -156,13 +169,100 @@ struct PrefixCache::State {
     index.erase(block);
     e.cached = false;
     ++counters.evictions;
+    if (sink != nullptr) note_removed(e.hash);
     return block;
+  }
+
+  // ---- events ------------------------------------------------------------------------
+  // Removals are gathered (evictions come in runs) and handed to the sink at
+  // the end of the operation that evicted, and before any stored event, so
+  // the sink sees them in the order they happened.
+  void note_removed(const BlockHash& hash) noexcept {
+    if (removed_count == removed.size()) flush_removed();
+    removed[removed_count++] = hash;
+  }
+  void flush_removed() noexcept {
+    if (removed_count == 0 || sink == nullptr) {
+      removed_count = 0;
+      return;
+    }
+    sink->removed(source, std::span<const BlockHash>(removed.data(), removed_count));
+    removed_count = 0;
+  }
+
+  void record_origin(BlockId block, const std::optional<BlockHash>& parent,
+                     std::span<const TokenId> tokens, std::uint64_t extra_key) noexcept {
+    OriginRecord& o = origins[block];
+    o.registered = true;
+    o.has_parent = parent.has_value();
+    o.parent = parent.value_or(BlockHash{});
+    o.extra_key = extra_key;
+    o.has_tokens = !tokens.empty();
+    if (o.has_tokens) std::copy(tokens.begin(), tokens.end(), origin_tokens_of(block).begin());
+  }
+  std::span<TokenId> origin_tokens_of(BlockId block) noexcept {
+    return {origin_tokens.data() + std::size_t{block} * origin_bs, origin_bs};
+  }
+  std::span<const TokenId> origin_tokens_of(BlockId block) const noexcept {
+    return {origin_tokens.data() + std::size_t{block} * origin_bs, origin_bs};
+  }
+
+  void emit_stored(std::span<const BlockHash> hashes, const std::optional<BlockHash>& parent,
+                   std::span<const TokenId> tokens, std::uint64_t extra_key) noexcept {
+    flush_removed();
+    BlockStoredView view;
+    view.hashes = hashes;
+    view.parent = parent;
+    view.tokens = tokens;
+    view.block_size = static_cast<std::uint32_t>(origin_bs);
+    view.extra_key = extra_key;
+    sink->stored(source, view);
+  }
+
+  // Registers `block` (in range, held) under `hash` with its origin; false
+  // when the block or the hash is cached already. Throws what inc_ref throws
+  // (a refcount at its limit), changing nothing.
+  bool register_block(PrefixCache& self, const BlockHash& hash, BlockId block,
+                      const std::optional<BlockHash>& parent, std::span<const TokenId> tokens,
+                      std::uint64_t extra_key, const std::source_location& where) {
+    Entry& e = entries[block];
+    if (e.cached) return false;
+    // The index hashes and compares a block by entries[block].hash, so the
+    // hash goes in first; an uncached block's hash is never read, so a failed
+    // insert leaves nothing behind.
+    e.hash = hash;
+    auto [it, inserted] = index.insert(block);
+    if (!inserted) return false;
+    try {
+      kv->inc_ref(block, where);
+    } catch (...) {
+      index.erase(it);
+      throw;
+    }
+    e.cached = true;
+    ++counters.inserts;
+    if (!origins.empty()) record_origin(block, parent, tokens, extra_key);
+    if (tier != nullptr) tier->on_insert(self, block, hash);
+    return true;
+  }
+
+  void check_held(BlockId block, const char* op) const {
+    check(block, op);
+    if (kv->ref_count(block) == 0) {
+      throw InvalidArgument(fmt::format(
+          "PrefixCache::{}: block {} is free (refcount 0); only a block a sequence holds can "
+          "be cached",
+          op, block));
+    }
   }
 
   void make_room(PrefixCache& self, const std::source_location& where) {
     if (kv->num_free_blocks() != 0) return;
     if (tier != nullptr) tier->on_free_list_empty(self, where);
-    if (kv->num_free_blocks() == 0 && evictable != 0) evict_one(where);
+    if (kv->num_free_blocks() == 0 && evictable != 0) {
+      evict_one(where);
+      flush_removed();
+    }
   }
 
   static constexpr std::size_t kMaxPushes = std::size_t{1} << 31;
@@ -176,12 +276,23 @@ struct PrefixCache::State {
   std::size_t pushes_since_compaction = 0;
   PrefixCacheCounters counters;
   PrefixCacheTier* tier = nullptr;
+  // Events: the sink (nullptr: none) and what it is told the source is; the
+  // removals not handed over yet; the blocks' origins once kept (empty
+  // before: one record and block_size tokens per block).
+  CacheEventSink* sink = nullptr;
+  EventSource source;
+  std::array<BlockHash, 64> removed{};
+  std::size_t removed_count = 0;
+  std::vector<OriginRecord> origins;
+  std::vector<TokenId> origin_tokens;
+  std::size_t origin_bs = kv->config().block_size;  // tokens a registered block covers
 };
 
 PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(cache)) {}
 
 PrefixCache::~PrefixCache() {
   State& s = *state_;
+  if (s.sink != nullptr) s.sink->cleared(s.source);
   for (std::size_t b = 0; b < s.entries.size(); ++b) {
     Entry& e = s.entries[b];
     if (!e.cached) continue;
@@ -263,32 +374,88 @@ std::optional<BlockId> PrefixCache::try_alloc_block(std::source_location where) 
 }
 
 bool PrefixCache::insert(const BlockHash& hash, BlockId block, std::source_location where) {
+  return insert(hash, block, BlockOrigin{}, where);
+}
+
+bool PrefixCache::insert(const BlockHash& hash, BlockId block, const BlockOrigin& origin,
+                         std::source_location where) {
   State& s = *state_;
-  s.check(block, "insert");
-  if (s.kv->ref_count(block) == 0) {
-    throw InvalidArgument(fmt::format(
-        "PrefixCache::insert: block {} is free (refcount 0); only a block a sequence holds can "
-        "be cached",
-        block));
+  s.check_held(block, "insert");
+  if (!origin.tokens.empty() && origin.tokens.size() != s.origin_bs) {
+    throw InvalidArgument(fmt::format("PrefixCache::insert: {} tokens for one block of {}",
+                                      origin.tokens.size(), s.origin_bs));
   }
-  Entry& e = s.entries[block];
-  if (e.cached) return false;
-  // The index hashes and compares a block by entries[block].hash, so the hash
-  // goes in first; an uncached block's hash is never read, so a failed insert
-  // leaves nothing behind.
-  e.hash = hash;
-  auto [it, inserted] = s.index.insert(block);
-  if (!inserted) return false;
-  try {
-    s.kv->inc_ref(block, where);
-  } catch (...) {
-    s.index.erase(it);
-    throw;
+  if (!s.register_block(*this, hash, block, origin.parent, origin.tokens, origin.extra_key,
+                        where)) {
+    return false;
   }
-  e.cached = true;
-  ++s.counters.inserts;
-  if (s.tier != nullptr) s.tier->on_insert(*this, block, hash);
+  if (s.sink != nullptr) s.emit_stored({&hash, 1}, origin.parent, origin.tokens, origin.extra_key);
   return true;
+}
+
+std::size_t PrefixCache::insert_run(std::span<const BlockHash> hashes,
+                                    std::span<const BlockId> blocks, const BlockOrigin& origin,
+                                    std::source_location where) {
+  State& s = *state_;
+  const std::size_t n = hashes.size();
+  const std::size_t bs = s.origin_bs;
+  if (blocks.size() != n) {
+    throw InvalidArgument(
+        fmt::format("PrefixCache::insert_run: {} blocks for {} hashes", blocks.size(), n));
+  }
+  if (!origin.tokens.empty() && origin.tokens.size() != n * bs) {
+    throw InvalidArgument(fmt::format("PrefixCache::insert_run: {} tokens for {} blocks of {}",
+                                      origin.tokens.size(), n, bs));
+  }
+  for (BlockId b : blocks)
+    s.check_held(b, "insert_run");
+  if (!s.origins.empty()) {
+    // The blocks' origin records are scattered over num_blocks of them: start
+    // fetching every one the run writes, so that the copies below overlap
+    // those misses instead of waiting on each.
+    for (BlockId b : blocks) {
+      __builtin_prefetch(&s.origins[b], 1);
+      __builtin_prefetch(s.origin_tokens.data() + std::size_t{b} * s.origin_bs, 1);
+    }
+  }
+  auto parent_of = [&](std::size_t i) {
+    return i == 0 ? origin.parent : std::optional<BlockHash>(hashes[i - 1]);
+  };
+  auto tokens_of = [&](std::size_t i, std::size_t count) {
+    return origin.tokens.empty() ? std::span<const TokenId>{}
+                                 : origin.tokens.subspan(i * bs, count * bs);
+  };
+  constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::size_t run = kNone;  // the first block of the run of registered blocks
+  auto flush = [&](std::size_t end) {
+    if (run != kNone && s.sink != nullptr) {
+      s.emit_stored(hashes.subspan(run, end - run), parent_of(run), tokens_of(run, end - run),
+                    origin.extra_key);
+    }
+    run = kNone;
+  };
+  std::size_t registered = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    bool ok = false;
+    try {
+      ok = s.register_block(*this, hashes[i], blocks[i], parent_of(i), tokens_of(i, 1),
+                            origin.extra_key, where);
+    } catch (const std::exception& e) {  // a refcount at its limit: the block stays uncached
+      try {
+        log::error(fmt::format("PrefixCache::insert_run: block {} not registered: {}", blocks[i],
+                               e.what()));
+      } catch (...) {
+      }
+    }
+    if (ok) {
+      ++registered;
+      if (run == kNone) run = i;
+    } else {
+      flush(i);
+    }
+  }
+  flush(n);
+  return registered;
 }
 
 void PrefixCache::release(BlockId block, std::source_location where) {
@@ -323,6 +490,7 @@ std::size_t PrefixCache::evict(std::size_t max_blocks, std::source_location wher
   std::size_t n = 0;
   for (; n < max_blocks && state_->evictable != 0; ++n)
     state_->evict_one(where);
+  state_->flush_removed();
   return n;
 }
 
@@ -336,7 +504,20 @@ std::size_t PrefixCache::detach_lru(std::size_t max_blocks,
     const BlockId block = s.detach_one();
     out.emplace_back(block, s.entries[block].hash);
   }
+  s.flush_removed();
   return n;
+}
+
+bool PrefixCache::reset(std::source_location where) {
+  State& s = *state_;
+  if (s.index.size() != s.evictable) return false;
+  CacheEventSink* const sink = s.sink;
+  s.sink = nullptr;  // one cleared, not a removal per block
+  while (s.evictable != 0)
+    s.evict_one(where);
+  s.sink = sink;
+  if (sink != nullptr) sink->cleared(s.source);
+  return true;
 }
 
 void PrefixCache::set_tier(PrefixCacheTier* tier) noexcept {
@@ -345,6 +526,96 @@ void PrefixCache::set_tier(PrefixCacheTier* tier) noexcept {
 
 PrefixCacheTier* PrefixCache::tier() const noexcept {
   return state_->tier;
+}
+
+// ---- events ---------------------------------------------------------------------------------
+
+void PrefixCache::set_event_sink(CacheEventSink* sink, EventSource source) {
+  State& s = *state_;
+  if (sink != nullptr) keep_block_origins();
+  s.sink = sink;
+  s.source = std::move(source);
+}
+
+CacheEventSink* PrefixCache::event_sink() const noexcept {
+  return state_->sink;
+}
+
+const EventSource& PrefixCache::event_source() const noexcept {
+  return state_->source;
+}
+
+void PrefixCache::keep_block_origins() {
+  State& s = *state_;
+  if (!s.origins.empty() || s.entries.empty()) return;
+  std::vector<TokenId> tokens(s.entries.size() * s.origin_bs);
+  s.origins.resize(s.entries.size());  // tokens first: nothing kept when either throws
+  s.origin_tokens = std::move(tokens);
+}
+
+void PrefixCache::set_tokens_per_block(std::size_t tokens) {
+  State& s = *state_;
+  if (tokens == 0) throw InvalidArgument("PrefixCache::set_tokens_per_block: 0 tokens");
+  if (!s.origins.empty() && tokens != s.origin_bs) {
+    throw InvalidArgument(fmt::format(
+        "PrefixCache::set_tokens_per_block: origins of {} tokens are kept already", s.origin_bs));
+  }
+  s.origin_bs = tokens;
+}
+
+std::size_t PrefixCache::tokens_per_block() const noexcept {
+  return state_->origin_bs;
+}
+
+bool PrefixCache::keeps_block_origins() const noexcept {
+  return !state_->origins.empty();
+}
+
+std::optional<BlockOrigin> PrefixCache::block_origin(BlockId block) const {
+  const State& s = *state_;
+  s.check(block, "block_origin");
+  if (s.origins.empty() || !s.origins[block].registered) return std::nullopt;
+  const OriginRecord& o = s.origins[block];
+  BlockOrigin origin;
+  if (o.has_parent) origin.parent = o.parent;
+  if (o.has_tokens) origin.tokens = s.origin_tokens_of(block);
+  origin.extra_key = o.extra_key;
+  return origin;
+}
+
+void PrefixCache::snapshot(CacheEventSink& sink) const {
+  const State& s = *state_;
+  const std::uint32_t bs = static_cast<std::uint32_t>(s.origin_bs);
+  std::vector<bool> seen(s.entries.size(), false);
+  std::vector<BlockId> chain;
+  auto announce = [&](BlockId b) {
+    const Entry& e = s.entries[b];
+    BlockStoredView view;
+    view.hashes = {&e.hash, 1};
+    view.block_size = bs;
+    if (const std::optional<BlockOrigin> o = block_origin(b)) {
+      view.parent = o->parent;
+      view.tokens = o->tokens;
+      view.extra_key = o->extra_key;
+    }
+    sink.stored(s.source, view);
+  };
+  for (BlockId b : s.index) {
+    if (seen[b]) continue;
+    // Up the chain while the parent is cached and not announced yet, then
+    // down again: every parent that is cached comes before its children.
+    chain.clear();
+    for (BlockId c = b;;) {
+      seen[c] = true;
+      chain.push_back(c);
+      if (s.origins.empty() || !s.origins[c].has_parent) break;
+      auto it = s.index.find(s.origins[c].parent);
+      if (it == s.index.end() || seen[*it]) break;
+      c = *it;
+    }
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+      announce(*it);
+  }
 }
 
 // ---- state ----------------------------------------------------------------------------------
@@ -417,6 +688,8 @@ PrefixCacheMemory PrefixCache::memory_usage() const noexcept {
   const std::size_t slots = s.index.capacity();
   m.index_bytes = slots == 0 ? 0 : slots * (1 + sizeof(BlockId)) + 16;
   m.lru_bytes = s.queue.capacity() * sizeof(QueueSlot);
+  m.origin_bytes =
+      s.origins.capacity() * sizeof(OriginRecord) + s.origin_tokens.capacity() * sizeof(TokenId);
   return m;
 }
 

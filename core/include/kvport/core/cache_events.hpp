@@ -61,6 +61,11 @@ struct BlockStoredView {
   std::span<const TokenId> tokens;
   std::uint32_t block_size = 0;
   std::optional<std::string_view> lora_name;
+  /// The extra key the blocks' hashes were chained with (BlockTable's
+  /// extra_key: an adapter or other id that changes the KV; 0 for none). The
+  /// hashes already include it; a router that rehashes `tokens` cannot see it,
+  /// so a publisher passes it on (vLLM's extra_keys) where it is not 0.
+  std::uint64_t extra_key = 0;
 };
 
 /// Receives a cache's events. Called on the cache's thread, inside its

@@ -149,7 +149,8 @@ struct HostTierCounters {
 /// on other streams that writes blocks must be ordered before it.
 ///
 /// Host memory: one pinned allocation (Backend::alloc_host) of
-/// num_host_blocks * slot_bytes(), made at construction.
+/// num_host_blocks * slot_bytes(), made at construction, and the slots'
+/// origins for events (origin_bytes_per_slot() each, ordinary memory).
 ///
 /// Not thread-safe (like PrefixCache). The PrefixCache must outlive the tier;
 /// the constructor installs the tier in it (PrefixCache::set_tier) and the
@@ -183,6 +184,36 @@ class HostTier final : public PrefixCacheTier {
   /// become free when the copy completes (poll / synchronize). Returns how
   /// many were evicted.
   std::size_t offload(std::size_t max_blocks);
+
+  // ---- events (cache_events.hpp) -----------------------------------------------------------
+
+  /// Installs `sink` (nullptr: none, the default) for the host's events,
+  /// announced as `source` (medium CPU; HybridHostTier sets the group): stored
+  /// when a slot's copy completed and it became visible to lookups (never
+  /// before: a copy that fails, is rolled back or is abandoned at its deadline
+  /// announces nothing), removed when a visible slot is dropped (reused for a
+  /// newer block, or given back after an exclusive onload: the block then
+  /// leaves the host, and the device's prefix cache announces it stored),
+  /// cleared by the destructor when a sink is still installed. Called inside
+  /// the tier's calls and the prefix cache's (on the cache's thread); the sink
+  /// must stay valid until it is uninstalled or the tier destroyed. Each slot
+  /// keeps the parent, tokens and extra key its block was registered with on
+  /// the device (origin_bytes_per_slot(), allocated at construction), taken
+  /// from PrefixCache::block_origin: installing a sink makes the prefix cache
+  /// keep origins (PrefixCache::keep_block_origins; std::bad_alloc when it
+  /// cannot), and a block that reached the host before is announced without
+  /// tokens. An onloaded block is registered on the device with its origin.
+  void set_event_sink(CacheEventSink* sink,
+                      EventSource source = {Medium::cpu, std::nullopt, std::nullopt, std::nullopt});
+  CacheEventSink* event_sink() const noexcept;
+  const EventSource& event_source() const noexcept;
+  /// The BlockStored events of every visible host block (one per block, a
+  /// block after its parent where the parent is visible too), with
+  /// event_source(); on the tier's thread, as PrefixCache::snapshot.
+  void snapshot(CacheEventSink& sink) const;
+  /// Host memory each slot's origin takes (besides slot_bytes()): 32 bytes
+  /// plus block_size token ids.
+  std::size_t origin_bytes_per_slot() const noexcept;
 
   // ---- state --------------------------------------------------------------------------
 

@@ -79,6 +79,14 @@ class HybridHostTier {
   /// HostTier::synchronize of every group's tier.
   void synchronize();
 
+  /// Installs `sink` (nullptr: none) in every group's tier
+  /// (HostTier::set_event_sink), each announced as
+  /// cache().group_event_source(g, Medium::cpu). Throws std::bad_alloc
+  /// (groups installed before stay installed).
+  void set_event_sink(CacheEventSink* sink);
+  /// HostTier::snapshot of every group's tier, group 0 first.
+  void snapshot(CacheEventSink& sink) const;
+
   std::size_t num_groups() const noexcept { return tiers_.size(); }
   /// Group g's tier, or nullptr when it has no slots. InvalidArgument out of
   /// range.

@@ -104,6 +104,22 @@ class HybridKvCache {
   std::size_t blocks_in_use(std::size_t g) const;
   Backend& backend() const noexcept { return *backend_; }
 
+  /// Installs `sink` (nullptr: none) in every group's prefix cache
+  /// (PrefixCache::set_event_sink), each announced as group_event_source(g,
+  /// Medium::gpu). A state group's cached checkpoints are announced as blocks
+  /// of kind "mamba": the checkpoint after block k as block k (its hash,
+  /// parent and tokens), as vLLM announces a mamba group's blocks. Throws
+  /// std::bad_alloc (groups installed before stay installed: install nullptr
+  /// to undo).
+  void set_event_sink(CacheEventSink* sink);
+  /// Group g's source on `medium`: group_idx g, kv_cache_spec_kind
+  /// to_string(kind) ("full_attention", "mla_attention", "sliding_window",
+  /// "chunked_local", "mamba"), sliding_window the window of a sliding-window
+  /// group (absent for the others). InvalidArgument out of range.
+  EventSource group_event_source(std::size_t g, Medium medium) const;
+  /// PrefixCache::snapshot of every group, group 0 first.
+  void snapshot(CacheEventSink& sink) const;
+
   const HybridHitCounters& hit_counters() const noexcept { return counters_; }
   HybridHitCounters& hit_counters() noexcept { return counters_; }
 

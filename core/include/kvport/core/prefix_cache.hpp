@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/cache_events.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 
 namespace kvport {
@@ -41,8 +42,13 @@ struct PrefixCacheMemory {
   std::size_t entry_bytes = 0;  ///< per-block records: hash, cached/evictable flags
   std::size_t index_bytes = 0;  ///< the hash -> block index (an open-addressing table)
   std::size_t lru_bytes = 0;    ///< the LRU queue
-  /// The sum of the three.
-  std::size_t total() const noexcept { return entry_bytes + index_bytes + lru_bytes; }
+  /// The blocks' origins (parent, tokens), kept only once an event sink was
+  /// installed (PrefixCache::keep_block_origins); 0 before.
+  std::size_t origin_bytes = 0;
+  /// The sum of the four.
+  std::size_t total() const noexcept {
+    return entry_bytes + index_bytes + lru_bytes + origin_bytes;
+  }
 };
 
 /// The longest cached prefix lookup() found.
@@ -57,6 +63,19 @@ struct PrefixMatch {
   /// Of `blocks`, how many (at the end) a lower tier (HostTier) copied in
   /// for this lookup; the others were cached on the device.
   std::size_t lower_tier_blocks = 0;
+};
+
+/// What a registered block holds beside its hash: what a BlockStored event
+/// announces (cache_events.hpp). For a run of blocks (PrefixCache::insert_run)
+/// `parent` is the block before the first and `tokens` covers every block.
+struct BlockOrigin {
+  /// The hash of the block before (absent: a sequence's first block).
+  std::optional<BlockHash> parent;
+  /// The block's tokens, tokens_per_block() of them per block; empty: not known (the
+  /// block is announced without tokens).
+  std::span<const TokenId> tokens;
+  /// The extra key the hash was chained with (0: none).
+  std::uint64_t extra_key = 0;
 };
 
 class PrefixCache;
@@ -155,6 +174,27 @@ class PrefixCache {
   bool insert(const BlockHash& hash, BlockId block,
               std::source_location where = std::source_location::current());
 
+  /// As above, with what the block holds (its parent and tokens), which the
+  /// BlockStored event of an installed sink carries and block_origin() keeps.
+  /// Also throws InvalidArgument when origin.tokens is neither empty nor
+  /// tokens_per_block() tokens long.
+  bool insert(const BlockHash& hash, BlockId block, const BlockOrigin& origin,
+              std::source_location where = std::source_location::current());
+
+  /// Registers consecutive full blocks of one sequence at once: block i under
+  /// hashes[i], with origin.parent before the first and origin.tokens (empty,
+  /// or tokens_per_block() per block) their tokens. Each block as insert() does,
+  /// except that one that cannot be registered (its hash or the block cached
+  /// already, or its refcount at its limit) is skipped and the others go on.
+  /// An installed sink gets one BlockStored per unbroken run of newly
+  /// registered blocks (vLLM publishes one per request and step). Returns how
+  /// many were registered. Throws InvalidArgument, before any change, for
+  /// spans of different lengths, tokens of the wrong length, or a block out
+  /// of range or free. Allocates nothing.
+  std::size_t insert_run(std::span<const BlockHash> hashes, std::span<const BlockId> blocks,
+                         const BlockOrigin& origin,
+                         std::source_location where = std::source_location::current());
+
   /// Gives back a sequence's reference. An uncached block is dec_ref'd (and
   /// freed at 0); a cached block whose last sequence reference goes joins the
   /// LRU tail (most recently used). A release of a cached block no sequence
@@ -185,12 +225,68 @@ class PrefixCache {
   std::size_t detach_lru(std::size_t max_blocks, std::vector<std::pair<BlockId, BlockHash>>& out,
                          std::source_location where = std::source_location::current());
 
+  /// Drops every cached block at once, as vLLM's reset_prefix_cache: only
+  /// when no sequence (and no tier's copy) holds a cached block, i.e. every
+  /// cached block is evictable; otherwise returns false and changes nothing.
+  /// The blocks go back to the free list (counted as evictions; a tier is not
+  /// told, its own blocks stay) and an installed sink gets one cleared
+  /// instead of a removal per block.
+  bool reset(std::source_location where = std::source_location::current());
+
   // ---- a lower tier -------------------------------------------------------------------
 
   /// Installs `tier` (nullptr: none) as the lower tier: see PrefixCacheTier.
   /// HostTier installs itself and removes itself in its destructor.
   void set_tier(PrefixCacheTier* tier) noexcept;
   PrefixCacheTier* tier() const noexcept;
+
+  // ---- events (cache_events.hpp) -------------------------------------------------------
+
+  /// Installs `sink` (nullptr: none, the default) for this cache's events,
+  /// announced as `source` (medium GPU; a group's index, kind and window for a
+  /// HybridKvCache's group): stored when blocks are registered (insert,
+  /// insert_run, a lower tier's onload), removed when they stop being cached
+  /// (an eviction at allocation, evict(), detach_lru(): a block handed to a
+  /// lower tier leaves this medium), cleared by the destructor when a sink is
+  /// still installed. Called inside those operations, on the cache's thread;
+  /// the sink must stay valid until it is uninstalled or the cache destroyed.
+  /// Without a sink nothing is recorded or called. The first sink makes the
+  /// cache keep every block's origin from then on (keep_block_origins): blocks
+  /// registered before are announced (by snapshot) without parent or tokens.
+  /// Throws std::bad_alloc when that memory cannot be had (nothing installed).
+  void set_event_sink(CacheEventSink* sink, EventSource source = {});
+  CacheEventSink* event_sink() const noexcept;
+  /// The source set with the sink (a default GPU source before).
+  const EventSource& event_source() const noexcept;
+
+  /// The BlockStored events that describe every block cached now, one per
+  /// block, a block after its parent where the parent is cached too, with
+  /// event_source(): a sink (a publisher's buffer) that starts late or lost
+  /// events gets the whole set. A snapshot is taken on the cache's thread,
+  /// like every call (the cache is not thread-safe); a publisher asks that
+  /// thread for it and hands the events over. O(num_blocks); allocates.
+  void snapshot(CacheEventSink& sink) const;
+
+  /// Keeps the origin (parent, tokens, extra key) of every block registered
+  /// from now on: tokens_per_block() token ids and 32 bytes per block of the
+  /// PagedKvCache, allocated once by the first call (set_event_sink calls it,
+  /// and so does a HostTier's, whose events need the tokens of the blocks it
+  /// is handed). Throws std::bad_alloc.
+  void keep_block_origins();
+  bool keeps_block_origins() const noexcept;
+  /// Tokens one registered block covers, as origins and events carry them:
+  /// block_size() unless set. A state group's prefix cache (block_size() 1:
+  /// one slot per state) covers a block of the hybrid cache's size
+  /// (HybridKvCache sets it). Throws InvalidArgument for 0, or for another
+  /// count once origins are kept.
+  void set_tokens_per_block(std::size_t tokens);
+  std::size_t tokens_per_block() const noexcept;
+  /// The origin `block` was last registered with (its tokens a view into the
+  /// cache's memory, valid until the block is registered again), or nullopt
+  /// when origins are not kept or the block was never registered since. Kept
+  /// after the block is evicted, so that a tier it was handed to by
+  /// detach_lru can read it. InvalidArgument out of range.
+  std::optional<BlockOrigin> block_origin(BlockId block) const;
 
   // ---- state ------------------------------------------------------------------------
 
@@ -215,7 +311,8 @@ class PrefixCache {
   const PrefixCacheCounters& counters() const noexcept;
   /// The bookkeeping's memory. It is all allocated at construction and does
   /// not change afterwards: about 50 bytes per block of the PagedKvCache
-  /// (docs/performance.md has the breakdown), whether or not it is cached.
+  /// (docs/performance.md has the breakdown), whether or not it is cached;
+  /// plus, once an event sink was installed, the blocks' origins.
   PrefixCacheMemory memory_usage() const noexcept;
 
   /// PagedKvCache::check_invariants() plus: every evictable block is cached
