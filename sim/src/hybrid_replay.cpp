@@ -315,6 +315,10 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
       throw InvalidArgument(fmt::format("--host-tier-blocks: {}", e.what()));
     }
   }
+  if (options.event_sink != nullptr) {
+    cache.set_event_sink(options.event_sink);
+    if (tier) tier->set_event_sink(options.event_sink);
+  }
   HybridReplayWorkload workload(requests, options, cache, tier.get(), usage, stream);
   HybridReplayResult result = workload.run();
   if (tier) {

@@ -365,6 +365,10 @@ ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOpti
           fmt::format("--host-tier-blocks {}: {}", options.host_tier_blocks, e.what()));
     }
   }
+  if (options.event_sink != nullptr) {
+    prefix.set_event_sink(options.event_sink);
+    if (tier) tier->set_event_sink(options.event_sink);
+  }
   ReplayWorkload replay(requests, options, prefix, tier.get(), stream);
   ReplayResult result = replay.run();
   result.model_block_bytes = model_block_bytes(options);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/cache_events.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 #include "kvport/sim/replay.hpp"
@@ -178,6 +179,52 @@ ReplayOptions cycling_options(std::size_t device, std::size_t host) {
   options.host_tier_blocks = host;
   options.check_every = 1;
   return options;
+}
+
+// Rebuilds each medium's cached set from a replay's events: what the prefix
+// cache and the tier announce must be what they hold.
+class SetSink final : public CacheEventSink {
+ public:
+  void stored(const EventSource& s, const BlockStoredView& b) noexcept override {
+    for (const BlockHash& h : b.hashes)
+      sets[static_cast<int>(s.medium)].insert(h.low);
+    tokens_seen += b.tokens.size();
+  }
+  void removed(const EventSource& s, std::span<const BlockHash> hashes) noexcept override {
+    for (const BlockHash& h : hashes)
+      if (sets[static_cast<int>(s.medium)].erase(h.low) == 0) ++unknown_removals;
+  }
+  void cleared(const EventSource& s) noexcept override {
+    // The end of the run: what each medium held just before.
+    at_clear[static_cast<int>(s.medium)] = sets[static_cast<int>(s.medium)].size();
+    sets[static_cast<int>(s.medium)].clear();
+    ++clears;
+  }
+  std::set<std::uint64_t> sets[3];
+  std::size_t at_clear[3] = {0, 0, 0};
+  std::size_t unknown_removals = 0;
+  std::size_t tokens_seen = 0;
+  std::size_t clears = 0;
+};
+
+TEST(sim_replay, EventsDescribeWhatTheCacheAndTheTierHold) {
+  const std::vector<TraceRequest> requests = cycling_requests(200, 40);
+  const auto backend = make_host_backend();
+  ReplayOptions options = cycling_options(32, 64);
+  const ReplayResult without = run_replay(requests, options, *backend);
+  SetSink sink;
+  options.event_sink = &sink;
+  const ReplayResult r = run_replay(requests, options, *backend);
+  ASSERT_TRUE(r.ok()) << r.invariants.to_string();
+  // Events change nothing the replay does.
+  EXPECT_EQ(r.hit_blocks, without.hit_blocks);
+  EXPECT_EQ(r.host_hit_blocks, without.host_hit_blocks);
+  EXPECT_EQ(sink.clears, 2u);  // the tier's, then the prefix cache's
+  EXPECT_EQ(sink.unknown_removals, 0u);
+  EXPECT_EQ(sink.at_clear[static_cast<int>(Medium::gpu)], r.cached_blocks_at_end);
+  EXPECT_EQ(sink.at_clear[static_cast<int>(Medium::cpu)], r.host_blocks_at_end);
+  EXPECT_GT(r.host_blocks_at_end, 0u);
+  EXPECT_GT(sink.tokens_seen, 0u);  // stored blocks carry their tokens
 }
 
 TEST(sim_replay, HostTierHitsWhatTheDeviceEvicted) {

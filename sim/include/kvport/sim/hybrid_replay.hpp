@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/cache_events.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/core/layer_spec.hpp"
@@ -51,6 +52,10 @@ struct HybridReplayOptions {
   std::size_t host_tier_blocks = 0;
   TierPolicy tier_policy = TierPolicy::write_back;
   TierInclusion tier_inclusion = TierInclusion::exclusive;
+  /// Receives the run's cache events (null: none): every group's, with its
+  /// group_idx, kind and window, on the device (GPU) and the host tier
+  /// (CPU). Must outlive run_hybrid_replay.
+  CacheEventSink* event_sink = nullptr;
   /// Throws InvalidArgument naming the option for a zero size or no layers.
   void validate() const;
 };

@@ -46,6 +46,7 @@
 #include <string>
 
 #include "kvport/core/block_table.hpp"
+#include "kvport/core/cache_events.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
@@ -89,6 +90,13 @@ struct ReplayOptions {
   /// Called after each request finishes (completed or rejected) with the
   /// number finished so far and the total. May be empty.
   std::function<void(std::size_t done, std::size_t total)> progress;
+
+  /// Receives the run's cache events (cache_events.hpp; null: none): the
+  /// prefix cache's (medium GPU) and the host tier's (medium CPU), installed
+  /// for the run and cleared at its end. Must outlive run_replay. A
+  /// publisher (events/publisher.hpp) here is what `kvport replay --events`
+  /// measures.
+  CacheEventSink* event_sink = nullptr;
 
   /// 2^22 blocks: the simulation keeps about 100 bytes of bookkeeping per
   /// block (refcount, free list, LRU entry, hash map entry).
