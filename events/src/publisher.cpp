@@ -185,7 +185,7 @@ struct Publisher::Impl {
     }
     pending_bytes += bytes;
     accepted.fetch_add(1, std::memory_order_relaxed);
-    const bool full = pending.size() >= opt.max_batch_events;
+    const bool full = pending.size() == opt.max_batch_events;  // wake once per batch
     lk.unlock();
     if (full) cv.notify_one();
   }
