@@ -143,6 +143,11 @@ struct Publisher::Impl {
   zmq::context_t ctx{1};
   zmq::socket_t pub{ctx, zmq::socket_type::pub};
   std::optional<zmq::socket_t> router;
+
+  bool surely_full() const noexcept {
+    return pending_count.load(std::memory_order_relaxed) >= opt.buffer_events;
+  }
+  void drop() noexcept { dropped.fetch_add(1, std::memory_order_relaxed); }
   std::string bound;
   std::string replay_bound;
 
@@ -151,6 +156,9 @@ struct Publisher::Impl {
   std::condition_variable cv;
   std::vector<CacheEvent> pending;
   std::size_t pending_bytes = 0;
+  // pending.size(), readable without the lock: a full buffer drops before
+  // the event is copied.
+  std::atomic<std::size_t> pending_count{0};
   std::chrono::steady_clock::time_point first_pending{};
   bool stop = false;
   bool flush_asked = false;
@@ -184,6 +192,7 @@ struct Publisher::Impl {
       return;
     }
     pending_bytes += bytes;
+    pending_count.store(pending.size(), std::memory_order_relaxed);
     accepted.fetch_add(1, std::memory_order_relaxed);
     const bool full = pending.size() == opt.max_batch_events;  // wake once per batch
     lk.unlock();
@@ -304,6 +313,7 @@ struct Publisher::Impl {
         if (due()) {
           taken.swap(pending);
           pending_bytes = 0;
+          pending_count.store(0, std::memory_order_relaxed);
           flush_asked = false;
         }
         stopping = stop;
@@ -377,6 +387,7 @@ Publisher::~Publisher() {
 }
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
+  if (impl_->surely_full()) return impl_->drop();
   try {
     BlockStored e;
     e.block_hashes.reserve(blocks.hashes.size());
@@ -398,6 +409,7 @@ void Publisher::stored(const EventSource& source, const BlockStoredView& blocks)
 }
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
+  if (impl_->surely_full()) return impl_->drop();
   try {
     BlockRemoved e;
     e.block_hashes.reserve(hashes.size());
@@ -413,6 +425,7 @@ void Publisher::removed(const EventSource& source, std::span<const BlockHash> ha
 }
 
 void Publisher::cleared(const EventSource& source) noexcept {
+  if (impl_->surely_full()) return impl_->drop();
   try {
     AllBlocksCleared e;
     e.medium.emplace(to_string(source.medium));
