@@ -1,0 +1,117 @@
+// A CacheEventSink that publishes a cache's events in vLLM's wire format over
+// ZeroMQ (wire.hpp), so that llm-d's and Dynamo's routers follow a kvport
+// cache unchanged. docs/events.md ("Publisher") describes threading,
+// dropping, replay and snapshot.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "kvport/core/cache_events.hpp"
+#include "kvport/events/wire.hpp"
+
+namespace kvport::events {
+
+/// What a Publisher binds and how it batches.
+struct PublisherOptions {
+  /// The PUB socket's endpoint, e.g. "tcp://127.0.0.1:5557"; port 0 (or
+  /// "*") binds an ephemeral port, reported by Publisher::endpoint().
+  std::string endpoint = "tcp://127.0.0.1:5557";
+  /// The first frame of every message (vLLM's default: empty).
+  std::string topic;
+  /// The batch's third element (nil when absent).
+  std::optional<std::int64_t> data_parallel_rank;
+  /// A batch is sent when this many events are buffered ...
+  std::size_t max_batch_events = 256;
+  /// ... or this long after the first of them arrived.
+  std::chrono::microseconds batch_interval{10'000};
+  /// The hot path's buffer: events accepted but not yet taken by the
+  /// publisher thread. Beyond either bound an event is dropped (counted).
+  std::size_t buffer_events = 65'536;
+  /// Bytes of hashes and tokens in the buffer (8 per hash, 4 per token).
+  std::size_t buffer_bytes = 64u << 20;
+  /// Map-tagged events (vLLM since mid-2026) or the older positional arrays.
+  EventForm form = EventForm::map;
+  /// ZMQ_SNDHWM of the PUB socket, in messages: past it a send is dropped
+  /// (counted as a send failure), never waited for.
+  int send_high_water_mark = 100'000;
+  /// The ROUTER socket for replay and snapshot requests; none when empty.
+  std::string replay_endpoint;
+  /// Batches the replay ring keeps (vLLM: 10,000).
+  std::size_t replay_ring_batches = 10'000;
+  /// How long the destructor waits for sends still queued in ZeroMQ.
+  std::chrono::milliseconds linger{1'000};
+};
+
+/// Counters, read with Publisher::stats() at any time.
+struct PublisherStats {
+  std::uint64_t events_accepted = 0;
+  std::uint64_t events_dropped = 0;  ///< buffer full (or out of memory)
+  std::uint64_t batches_sent = 0;
+  std::uint64_t send_failures = 0;  ///< batches ZeroMQ refused (high water mark)
+  std::uint64_t replay_requests = 0;
+  std::uint64_t snapshots = 0;
+  std::uint64_t bad_requests = 0;  ///< replay socket requests of neither form
+  std::uint64_t next_seq = 0;      ///< sequence the next batch will carry
+};
+
+/// The request frame that asks the replay socket for a snapshot (any other
+/// 8-byte frame is a replay start sequence).
+inline constexpr std::string_view snapshot_request = "kvport.snapshot";
+
+/// Publishes the events it is given. The sink calls (stored, removed,
+/// cleared) may come from one or several threads; each copies the event into
+/// a bounded buffer under a short lock and returns: they never block on the
+/// network, never throw, and drop (counted) when the buffer is full. A
+/// thread of its own batches, encodes, assigns sequence numbers (from 0, +1
+/// per batch, also for a batch whose send failed, so a subscriber sees the
+/// gap), sends three frames [topic, seq as 8 bytes big-endian, payload] on a
+/// PUB socket and answers the replay socket.
+///
+/// Replay (as vLLM): a DEALER or REQ client sends one frame, a start
+/// sequence as 8 bytes big-endian, and receives [seq, payload] for every
+/// kept batch with seq >= start, then [-1 as 8 bytes (all 0xff), ""]. A
+/// start older than the ring gets what is kept: the first seq returned is
+/// then later than asked (a miss). Snapshot (kvport): the frame
+/// "kvport.snapshot" gets [S, payload] then the terminator, where payload is
+/// one batch of BlockStored events (one per cached block, parents before
+/// children within a chain) holding exactly the blocks cached after every
+/// batch with seq < S. The publisher keeps that set itself, from the events
+/// it publishes (it never calls into the cache), when replay_endpoint is set.
+class Publisher final : public CacheEventSink {
+ public:
+  /// Binds the sockets and starts the thread. Throws InvalidArgument on a
+  /// bad option (an endpoint ZeroMQ refuses or cannot bind, zero buffer or
+  /// batch size, zero ring with a replay endpoint).
+  explicit Publisher(PublisherOptions options);
+  /// Stops the thread after publishing what is buffered, then waits up to
+  /// `linger` for ZeroMQ to send it.
+  ~Publisher() override;
+  Publisher(const Publisher&) = delete;
+  Publisher& operator=(const Publisher&) = delete;
+
+  void stored(const EventSource& source, const BlockStoredView& blocks) noexcept override;
+  void removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept override;
+  void cleared(const EventSource& source) noexcept override;
+
+  /// Waits until every event accepted before the call has been published
+  /// (sent or failed); false if that took longer than `timeout`.
+  bool flush(std::chrono::milliseconds timeout);
+
+  /// The PUB socket's bound endpoint (ZMQ_LAST_ENDPOINT: the real port).
+  const std::string& endpoint() const noexcept;
+  /// The replay socket's bound endpoint; empty without one.
+  const std::string& replay_endpoint() const noexcept;
+
+  PublisherStats stats() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvport::events

@@ -1,0 +1,397 @@
+// The publisher over tcp://127.0.0.1: frames and sequence numbers as vLLM
+// sends them, dropping when the buffer is full (never blocking), replay from
+// a sequence, a replay miss, and snapshots equal to the set the events build.
+#include "kvport/events/publisher.hpp"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+#include <tuple>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "kvport/platform/error.hpp"
+
+namespace kvport::events {
+namespace {
+
+using namespace std::chrono_literals;
+
+PublisherOptions local_options() {
+  PublisherOptions o;
+  o.endpoint = "tcp://127.0.0.1:0";
+  o.batch_interval = 2ms;
+  return o;
+}
+
+BlockHash bh(std::uint64_t low) {
+  return BlockHash{low, ~low};
+}
+
+BlockStoredView view(std::span<const BlockHash> hashes, std::optional<BlockHash> parent,
+                     std::span<const TokenId> tokens, std::uint32_t block_size) {
+  BlockStoredView v;
+  v.hashes = hashes;
+  v.parent = parent;
+  v.tokens = tokens;
+  v.block_size = block_size;
+  return v;
+}
+
+// A SUB socket connected to `endpoint`, ready once the publisher sees it
+// (ZeroMQ's slow joiner: wait until a probe batch arrives).
+struct Subscriber {
+  zmq::context_t ctx{1};
+  zmq::socket_t sub{ctx, zmq::socket_type::sub};
+  Subscriber(const std::string& endpoint, const std::string& topic) {
+    sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvtimeo, 2000);
+    sub.set(zmq::sockopt::subscribe, topic);
+    sub.connect(endpoint);
+  }
+  // One message; empty when nothing arrived within the timeout.
+  std::vector<zmq::message_t> recv() {
+    std::vector<zmq::message_t> frames;
+    (void)zmq::recv_multipart(sub, std::back_inserter(frames));
+    return frames;
+  }
+};
+
+std::string as_string(const zmq::message_t& m) {
+  return std::string(m.data<char>(), m.size());
+}
+std::uint64_t seq_of(const zmq::message_t& m) {
+  return decode_seq(std::as_bytes(std::span(m.data<char>(), m.size()))).value_or(~0ull - 1);
+}
+
+// Waits out the slow joiner: publishes "cleared" probes until one arrives.
+// Returns the next sequence expected after the probes.
+std::uint64_t join(Publisher& pub, Subscriber& s) {
+  s.sub.set(zmq::sockopt::rcvtimeo, 50);
+  for (int k = 0; k < 100; ++k) {
+    pub.cleared(EventSource{});
+    EXPECT_TRUE(pub.flush(2s));
+    auto frames = s.recv();
+    if (!frames.empty()) {
+      s.sub.set(zmq::sockopt::rcvtimeo, 2000);
+      // Drain probes still queued.
+      std::uint64_t next = seq_of(frames[1]) + 1;
+      while (next < pub.stats().next_seq) {
+        auto more = s.recv();
+        if (more.empty()) break;
+        next = seq_of(more[1]) + 1;
+      }
+      return next;
+    }
+  }
+  ADD_FAILURE() << "subscriber never joined";
+  return 0;
+}
+
+class PublisherForms : public ::testing::TestWithParam<EventForm> {};
+
+TEST_P(PublisherForms, ThreeFramesContiguousSequenceFromZero) {
+  PublisherOptions o = local_options();
+  o.topic = "kv@test";
+  o.form = GetParam();
+  o.max_batch_events = 3;
+  o.data_parallel_rank = 2;
+  Publisher pub(o);
+  ASSERT_TRUE(pub.endpoint().starts_with("tcp://127.0.0.1:"));
+  ASSERT_NE(pub.endpoint(), "tcp://127.0.0.1:0");
+  Subscriber s(pub.endpoint(), o.topic);
+  std::uint64_t expect_seq = join(pub, s);
+  ASSERT_GT(expect_seq, 0u);
+
+  const std::vector<BlockHash> hashes = {bh(11), bh(12)};
+  const std::vector<TokenId> tokens = {1, 2, 3, 4};
+  EventSource src{Medium::cpu, 1u, std::string("sliding_window"), 128u};
+  for (int k = 0; k < 10; ++k) {
+    pub.stored(src, BlockStoredView{hashes, bh(10), tokens, 2, std::string_view("lora")});
+  }
+  pub.removed(src, hashes);
+  ASSERT_TRUE(pub.flush(2s));
+
+  std::vector<CacheEvent> got;
+  while (got.size() < 11) {
+    auto frames = s.recv();
+    ASSERT_EQ(frames.size(), 3u);
+    EXPECT_EQ(as_string(frames[0]), o.topic);
+    ASSERT_EQ(frames[1].size(), 8u);
+    EXPECT_EQ(seq_of(frames[1]), expect_seq++);
+    const DecodeResult r = decode_batch(as_string(frames[2]));
+    ASSERT_TRUE(r.ok()) << r.error;
+    EXPECT_EQ(r.batch->data_parallel_rank, 2);
+    EXPECT_LE(r.batch->events.size(), 3u);
+    EXPECT_GT(r.batch->ts, 1.7e9);
+    for (auto& e : r.batch->events)
+      got.push_back(e);
+  }
+  BlockStored want;
+  want.block_hashes = {11, 12};
+  want.parent_block_hash = 10;
+  want.token_ids = tokens;
+  want.block_size = 2;
+  want.medium = "CPU";
+  want.lora_name = "lora";
+  want.group_idx = 1;
+  want.kv_cache_spec_kind = "sliding_window";
+  want.kv_cache_spec_sliding_window = 128;
+  for (int k = 0; k < 10; ++k)
+    EXPECT_EQ(std::get<BlockStored>(got[k]), want);
+  EXPECT_EQ(std::get<BlockRemoved>(got[10]), (BlockRemoved{{11, 12}, "CPU", 1u}));
+  const PublisherStats st = pub.stats();
+  EXPECT_EQ(st.events_dropped, 0u);
+  EXPECT_EQ(st.send_failures, 0u);
+  EXPECT_EQ(st.batches_sent, st.next_seq);
+}
+
+INSTANTIATE_TEST_SUITE_P(Both, PublisherForms,
+                         ::testing::Values(EventForm::map, EventForm::positional));
+
+TEST(Publisher, FullBufferDropsCountedWithoutBlocking) {
+  PublisherOptions o = local_options();
+  o.buffer_events = 4;
+  o.batch_interval = 10s;  // the thread takes nothing until flush or a full batch
+  o.max_batch_events = 1000;
+  Publisher pub(o);  // no subscriber at all
+  const std::vector<BlockHash> hashes = {bh(1)};
+  const std::vector<TokenId> tokens = {1};
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < 1000; ++k)
+    pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 1s);
+  PublisherStats st = pub.stats();
+  EXPECT_EQ(st.events_accepted, 4u);
+  EXPECT_EQ(st.events_dropped, 996u);
+  ASSERT_TRUE(pub.flush(2s));
+  st = pub.stats();
+  EXPECT_EQ(st.next_seq, 1u);  // one batch of the four
+  EXPECT_EQ(st.batches_sent + st.send_failures, 1u);
+}
+
+TEST(Publisher, ByteBoundDrops) {
+  PublisherOptions o = local_options();
+  o.buffer_bytes = 1000;
+  o.batch_interval = 10s;
+  o.max_batch_events = 1000;
+  Publisher pub(o);
+  const std::vector<BlockHash> hashes(100, bh(1));  // 64 + 800 bytes: one fits
+  const std::vector<TokenId> tokens(100, 7);
+  pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  EXPECT_EQ(pub.stats().events_accepted, 0u + (64 + 800 + 400 <= 1000));
+  EXPECT_GE(pub.stats().events_dropped, 1u);
+}
+
+TEST(Publisher, BadOptionsAreInvalidArgument) {
+  auto bad = [](auto tweak) {
+    PublisherOptions o = local_options();
+    tweak(o);
+    EXPECT_THROW(Publisher{o}, InvalidArgument);
+  };
+  bad([](PublisherOptions& o) { o.buffer_events = 0; });
+  bad([](PublisherOptions& o) { o.buffer_bytes = 0; });
+  bad([](PublisherOptions& o) { o.max_batch_events = 0; });
+  bad([](PublisherOptions& o) { o.endpoint = "nonsense"; });
+  bad([](PublisherOptions& o) { o.endpoint = ""; });
+  bad([](PublisherOptions& o) { o.endpoint = "tcp://127.0.0.1:notaport"; });
+  bad([](PublisherOptions& o) {
+    o.replay_endpoint = "tcp://127.0.0.1:0";
+    o.replay_ring_batches = 0;
+  });
+  bad([](PublisherOptions& o) { o.replay_endpoint = "bogus://x"; });
+  // A port already bound.
+  Publisher first(local_options());
+  PublisherOptions o = local_options();
+  o.endpoint = first.endpoint();
+  try {
+    Publisher second(o);
+    ADD_FAILURE() << "bound twice";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(first.endpoint()), std::string::npos) << e.what();
+  }
+}
+
+// A DEALER that asks the replay socket as vLLM's clients do ([ "", request ]).
+struct ReplayClient {
+  zmq::context_t ctx{1};
+  zmq::socket_t s{ctx, zmq::socket_type::dealer};
+  explicit ReplayClient(const std::string& endpoint) {
+    s.set(zmq::sockopt::linger, 0);
+    s.set(zmq::sockopt::rcvtimeo, 2000);
+    s.connect(endpoint);
+  }
+  // [(seq, payload)...] up to the terminator; fails the test without one.
+  std::vector<std::pair<std::uint64_t, std::string>> ask(std::string_view request) {
+    s.send(zmq::buffer(std::string_view()), zmq::send_flags::sndmore);
+    s.send(zmq::buffer(request), zmq::send_flags::none);
+    std::vector<std::pair<std::uint64_t, std::string>> out;
+    for (int k = 0; k < 100000; ++k) {
+      std::vector<zmq::message_t> f;
+      if (!zmq::recv_multipart(s, std::back_inserter(f))) {
+        ADD_FAILURE() << "no terminator";
+        return out;
+      }
+      EXPECT_EQ(f.size(), 3u);
+      if (f.size() != 3) return out;
+      EXPECT_EQ(f[0].size(), 0u);
+      const std::uint64_t seq = seq_of(f[1]);
+      if (seq == end_of_replay_seq) {
+        EXPECT_EQ(f[2].size(), 0u);
+        return out;
+      }
+      out.emplace_back(seq, as_string(f[2]));
+    }
+    return out;
+  }
+  std::vector<std::pair<std::uint64_t, std::string>> replay(std::uint64_t start) {
+    const auto f = encode_seq(start);
+    return ask(std::string_view(reinterpret_cast<const char*>(f.data()), f.size()));
+  }
+};
+
+TEST(Publisher, ReplayFromASequenceAndAMiss) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.replay_ring_batches = 5;
+  Publisher pub(o);
+  ASSERT_TRUE(pub.replay_endpoint().starts_with("tcp://127.0.0.1:"));
+  const std::vector<TokenId> tokens = {1};
+  for (std::uint64_t k = 0; k < 8; ++k) {
+    const std::vector<BlockHash> hashes = {bh(100 + k)};
+    pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  }
+  ASSERT_TRUE(pub.flush(2s));
+  ASSERT_EQ(pub.stats().next_seq, 8u);
+  ReplayClient c(pub.replay_endpoint());
+  auto got = c.replay(5);
+  ASSERT_EQ(got.size(), 3u);
+  for (std::size_t k = 0; k < got.size(); ++k) {
+    EXPECT_EQ(got[k].first, 5 + k);
+    const DecodeResult r = decode_batch(got[k].second);
+    ASSERT_TRUE(r.ok()) << r.error;
+    EXPECT_EQ(std::get<BlockStored>(r.batch->events.at(0)).block_hashes.at(0), 105 + k);
+  }
+  // Older than the ring (seq 3..7 kept): what is kept, starting later than asked.
+  got = c.replay(0);
+  ASSERT_EQ(got.size(), 5u);
+  EXPECT_EQ(got.front().first, 3u);
+  // Past the end: only the terminator.
+  EXPECT_TRUE(c.replay(100).empty());
+  // Neither form: the terminator, counted.
+  EXPECT_TRUE(c.ask("what?").empty());
+  const PublisherStats st = pub.stats();
+  EXPECT_EQ(st.replay_requests, 3u);
+  EXPECT_EQ(st.bad_requests, 1u);
+}
+
+using BlockTuple = std::tuple<std::string, std::optional<std::uint32_t>, std::uint64_t,
+                              std::optional<std::uint64_t>, std::vector<TokenId>>;
+
+// The set a consumer builds from events (the test's own model).
+void apply(std::set<BlockTuple>& set, const CacheEvent& ev) {
+  if (auto* s = std::get_if<BlockStored>(&ev)) {
+    for (std::size_t i = 0; i < s->block_hashes.size(); ++i) {
+      std::erase_if(set, [&](const BlockTuple& t) {
+        return std::get<0>(t) == s->medium && std::get<1>(t) == s->group_idx &&
+               std::get<2>(t) == s->block_hashes[i];
+      });
+      std::vector<TokenId> tok(s->token_ids.begin() + i * s->block_size,
+                               s->token_ids.begin() + (i + 1) * s->block_size);
+      set.emplace(s->medium, s->group_idx, s->block_hashes[i],
+                  i == 0 ? s->parent_block_hash : s->block_hashes[i - 1], tok);
+    }
+  } else if (auto* r = std::get_if<BlockRemoved>(&ev)) {
+    std::erase_if(set, [&](const BlockTuple& t) {
+      return std::get<0>(t) == r->medium && std::get<1>(t) == r->group_idx &&
+             std::find(r->block_hashes.begin(), r->block_hashes.end(), std::get<2>(t)) !=
+                 r->block_hashes.end();
+    });
+  } else if (auto* c = std::get_if<AllBlocksCleared>(&ev)) {
+    std::erase_if(set, [&](const BlockTuple& t) {
+      return (!c->medium || std::get<0>(t) == *c->medium) &&
+             (!c->group_idx || std::get<1>(t) == c->group_idx);
+    });
+  }
+}
+
+TEST(Publisher, SnapshotEqualsTheSetTheEventsBuild) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 7;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  ReplayClient c(pub.replay_endpoint());
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 200; ++round) {
+    const std::uint64_t base = rng() % 64;
+    const std::vector<BlockHash> hashes = {bh(base), bh(base + 1), bh(base + 2)};
+    const std::vector<TokenId> tokens = {TokenId(base), 1, 2, 3, 4, 5};
+    EventSource src{rng() % 2 ? Medium::gpu : Medium::cpu,
+                    rng() % 3 ? std::optional<std::uint32_t>(rng() % 2) : std::nullopt,
+                    std::nullopt, std::nullopt};
+    switch (rng() % 8) {
+      case 0:
+        pub.removed(src, std::span(hashes).first(1 + rng() % 3));
+        break;
+      case 1:
+        if (rng() % 4 == 0) pub.cleared(src);
+        break;
+      default:
+        pub.stored(src, view(hashes, bh(base + 999), tokens, 2));
+    }
+  }
+  ASSERT_TRUE(pub.flush(2s));
+  // The model: replay every batch (the ring holds them all) through apply().
+  std::set<BlockTuple> want;
+  const auto all = c.replay(0);
+  ASSERT_EQ(all.size(), pub.stats().next_seq);
+  for (const auto& [seq, payload] : all) {
+    const DecodeResult r = decode_batch(payload);
+    ASSERT_TRUE(r.ok()) << r.error;
+    for (const auto& e : r.batch->events)
+      apply(want, e);
+  }
+  const auto snap = c.ask(snapshot_request);
+  ASSERT_EQ(snap.size(), 1u);
+  EXPECT_EQ(snap[0].first, pub.stats().next_seq);  // valid after every batch before it
+  const DecodeResult r = decode_batch(snap[0].second);
+  ASSERT_TRUE(r.ok()) << r.error;
+  std::set<BlockTuple> got;
+  for (const auto& e : r.batch->events) {
+    const auto& s = std::get<BlockStored>(e);
+    ASSERT_EQ(s.block_hashes.size(), 1u);
+    got.emplace(s.medium, s.group_idx, s.block_hashes[0], s.parent_block_hash, s.token_ids);
+  }
+  EXPECT_EQ(got.size(), r.batch->events.size());
+  EXPECT_EQ(got, want);
+  EXPECT_FALSE(want.empty());
+  EXPECT_EQ(pub.stats().snapshots, 1u);
+}
+
+TEST(Publisher, DestructionFlushesWhatIsBuffered) {
+  PublisherOptions o = local_options();
+  o.batch_interval = 10s;
+  o.max_batch_events = 1000;
+  auto pub = std::make_unique<Publisher>(o);
+  Subscriber s(pub->endpoint(), "");
+  const std::uint64_t next = join(*pub, s);
+  const std::vector<BlockHash> hashes = {bh(1)};
+  const std::vector<TokenId> tokens = {1};
+  for (int k = 0; k < 5; ++k)
+    pub->stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  pub.reset();
+  auto frames = s.recv();
+  ASSERT_EQ(frames.size(), 3u);
+  EXPECT_EQ(seq_of(frames[1]), next);
+  const DecodeResult r = decode_batch(as_string(frames[2]));
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r.batch->events.size(), 5u);
+}
+
+}  // namespace
+}  // namespace kvport::events
