@@ -5,6 +5,8 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <span>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -154,7 +156,85 @@ struct Publisher::Impl {
   // The hot path's side.
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<CacheEvent> pending;
+  // The events accepted and not yet taken, flat: one record an event, its
+  // hashes and tokens in two arenas, its source interned. The publisher
+  // thread swaps the whole buffer for an empty one that keeps its capacity,
+  // so once the arenas have grown the hot path allocates nothing (the owning
+  // events are built on the publisher thread).
+  struct Record {
+    enum Kind : std::uint8_t { stored, removed, cleared } kind;
+    bool has_parent = false;
+    std::uint16_t source = 0;
+    std::uint32_t block_size = 0;
+    std::uint32_t hashes_at = 0, n_hashes = 0;
+    std::uint32_t tokens_at = 0, n_tokens = 0;
+    std::int32_t lora = -1;  // index into loras, -1: none
+    std::uint64_t parent = 0;
+  };
+  struct Buffer {
+    std::vector<Record> records;
+    std::vector<std::uint64_t> hashes;
+    std::vector<TokenId> tokens;
+    std::vector<EventSource> sources;
+    std::vector<std::string> loras;
+    void clear() noexcept {
+      records.clear();
+      hashes.clear();
+      tokens.clear();
+      sources.clear();
+      loras.clear();
+    }
+    std::uint16_t source_index(const EventSource& s) {
+      for (std::size_t i = sources.size(); i-- > 0;)
+        if (sources[i] == s) return static_cast<std::uint16_t>(i);
+      sources.push_back(s);
+      return static_cast<std::uint16_t>(sources.size() - 1);
+    }
+    // The owning events, in order.
+    std::vector<CacheEvent> to_events() const {
+      std::vector<CacheEvent> out;
+      out.reserve(records.size());
+      for (const Record& r : records) {
+        const EventSource& src = sources[r.source];
+        const auto hs = std::span<const std::uint64_t>(hashes).subspan(r.hashes_at, r.n_hashes);
+        switch (r.kind) {
+          case Record::stored: {
+            BlockStored e;
+            e.block_hashes.assign(hs.begin(), hs.end());
+            if (r.has_parent) e.parent_block_hash = r.parent;
+            const auto ts = std::span<const TokenId>(tokens).subspan(r.tokens_at, r.n_tokens);
+            e.token_ids.assign(ts.begin(), ts.end());
+            e.block_size = r.block_size;
+            e.medium = to_string(src.medium);
+            if (r.lora >= 0) e.lora_name = loras[static_cast<std::size_t>(r.lora)];
+            e.group_idx = src.group_idx;
+            e.kv_cache_spec_kind = src.spec_kind;
+            e.kv_cache_spec_sliding_window = src.sliding_window;
+            out.emplace_back(std::move(e));
+            break;
+          }
+          case Record::removed: {
+            BlockRemoved e;
+            e.block_hashes.assign(hs.begin(), hs.end());
+            e.medium = to_string(src.medium);
+            e.group_idx = src.group_idx;
+            out.emplace_back(std::move(e));
+            break;
+          }
+          case Record::cleared: {
+            AllBlocksCleared e;
+            e.medium.emplace(to_string(src.medium));
+            e.group_idx = src.group_idx;
+            out.emplace_back(std::move(e));
+            break;
+          }
+        }
+      }
+      return out;
+    }
+  };
+  Buffer pending;
+  Buffer spare;  // the publisher thread's, swapped with pending
   std::size_t pending_bytes = 0;
   // pending.size(), readable without the lock: a full buffer drops before
   // the event is copied.
@@ -176,25 +256,40 @@ struct Publisher::Impl {
   CachedSet cached;
   std::thread thread;
 
-  void push(CacheEvent&& ev, std::size_t bytes) noexcept {
+  // Appends one event under the lock: `fill` writes its record and arenas
+  // (it may throw std::bad_alloc while the arenas grow: the event is then
+  // dropped and the buffer left as it was).
+  template <class Fill>
+  void push(std::size_t bytes, Fill&& fill) noexcept {
     std::unique_lock lk(mu);
-    if (stop || pending.size() >= opt.buffer_events || pending_bytes + bytes > opt.buffer_bytes) {
+    if (stop || pending.records.size() >= opt.buffer_events ||
+        pending_bytes + bytes > opt.buffer_bytes) {
       lk.unlock();
       dropped.fetch_add(1, std::memory_order_relaxed);
       return;
     }
+    const std::size_t h = pending.hashes.size(), t = pending.tokens.size(),
+                      src = pending.sources.size(), l = pending.loras.size();
     try {
-      if (pending.empty()) first_pending = std::chrono::steady_clock::now();
-      pending.push_back(std::move(ev));
+      Record r{};
+      fill(r);
+      r.hashes_at = static_cast<std::uint32_t>(h);
+      r.tokens_at = static_cast<std::uint32_t>(t);
+      pending.records.push_back(r);
     } catch (...) {
+      pending.hashes.resize(h);
+      pending.tokens.resize(t);
+      pending.sources.resize(src, EventSource{});
+      pending.loras.resize(l);
       lk.unlock();
       dropped.fetch_add(1, std::memory_order_relaxed);
       return;
     }
+    if (pending.records.size() == 1) first_pending = std::chrono::steady_clock::now();
     pending_bytes += bytes;
-    pending_count.store(pending.size(), std::memory_order_relaxed);
+    pending_count.store(pending.records.size(), std::memory_order_relaxed);
     accepted.fetch_add(1, std::memory_order_relaxed);
-    const bool full = pending.size() == opt.max_batch_events;  // wake once per batch
+    const bool full = pending.records.size() == opt.max_batch_events;  // wake once per batch
     lk.unlock();
     if (full) cv.notify_one();
   }
@@ -300,23 +395,34 @@ struct Publisher::Impl {
         }
         serve_requests();
       }
-      std::vector<CacheEvent> taken;
       bool stopping = false;
+      bool took = false;
       {
         std::unique_lock lk(mu);
         auto due = [&] {
-          return stop || flush_asked || pending.size() >= opt.max_batch_events ||
-                 (!pending.empty() &&
+          return stop || flush_asked || pending.records.size() >= opt.max_batch_events ||
+                 (!pending.records.empty() &&
                   std::chrono::steady_clock::now() - first_pending >= opt.batch_interval);
         };
         if (!router && !due()) cv.wait_for(lk, slice, due);
         if (due()) {
-          taken.swap(pending);
+          std::swap(spare, pending);
+          took = true;
           pending_bytes = 0;
           pending_count.store(0, std::memory_order_relaxed);
           flush_asked = false;
         }
         stopping = stop;
+      }
+      std::vector<CacheEvent> taken;
+      if (took) {
+        try {
+          taken = spare.to_events();
+        } catch (...) {  // out of memory: these events are lost, counted
+          dropped.fetch_add(spare.records.size(), std::memory_order_relaxed);
+          accepted.fetch_sub(spare.records.size(), std::memory_order_relaxed);
+        }
+        spare.clear();  // keeps its capacity for the next swap
       }
       const std::size_t n = taken.size();
       for (std::size_t begin = 0; begin < n; begin += opt.max_batch_events) {
@@ -388,52 +494,46 @@ Publisher::~Publisher() {
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
   if (impl_->surely_full()) return impl_->drop();
-  try {
-    BlockStored e;
-    e.block_hashes.reserve(blocks.hashes.size());
+  const std::size_t bytes = event_overhead + 8 * blocks.hashes.size() + 4 * blocks.tokens.size();
+  impl_->push(bytes, [&](Impl::Record& r) {
+    Impl::Buffer& b = impl_->pending;
+    r.kind = Impl::Record::stored;
+    r.source = b.source_index(source);
     for (const BlockHash& h : blocks.hashes)
-      e.block_hashes.push_back(event_hash(h));
-    if (blocks.parent) e.parent_block_hash = event_hash(*blocks.parent);
-    e.token_ids.assign(blocks.tokens.begin(), blocks.tokens.end());
-    e.block_size = blocks.block_size;
-    e.medium = to_string(source.medium);
-    if (blocks.lora_name) e.lora_name.emplace(*blocks.lora_name);
-    e.group_idx = source.group_idx;
-    e.kv_cache_spec_kind = source.spec_kind;
-    e.kv_cache_spec_sliding_window = source.sliding_window;
-    const std::size_t bytes = event_overhead + 8 * e.block_hashes.size() + 4 * e.token_ids.size();
-    impl_->push(std::move(e), bytes);
-  } catch (...) {
-    impl_->dropped.fetch_add(1, std::memory_order_relaxed);
-  }
+      b.hashes.push_back(event_hash(h));
+    b.tokens.insert(b.tokens.end(), blocks.tokens.begin(), blocks.tokens.end());
+    r.n_hashes = static_cast<std::uint32_t>(blocks.hashes.size());
+    r.n_tokens = static_cast<std::uint32_t>(blocks.tokens.size());
+    r.block_size = blocks.block_size;
+    if (blocks.parent) {
+      r.has_parent = true;
+      r.parent = event_hash(*blocks.parent);
+    }
+    if (blocks.lora_name) {
+      b.loras.emplace_back(*blocks.lora_name);
+      r.lora = static_cast<std::int32_t>(b.loras.size() - 1);
+    }
+  });
 }
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
   if (impl_->surely_full()) return impl_->drop();
-  try {
-    BlockRemoved e;
-    e.block_hashes.reserve(hashes.size());
+  impl_->push(event_overhead + 8 * hashes.size(), [&](Impl::Record& r) {
+    Impl::Buffer& b = impl_->pending;
+    r.kind = Impl::Record::removed;
+    r.source = b.source_index(source);
     for (const BlockHash& h : hashes)
-      e.block_hashes.push_back(event_hash(h));
-    e.medium = to_string(source.medium);
-    e.group_idx = source.group_idx;
-    const std::size_t bytes = event_overhead + 8 * e.block_hashes.size();
-    impl_->push(std::move(e), bytes);
-  } catch (...) {
-    impl_->dropped.fetch_add(1, std::memory_order_relaxed);
-  }
+      b.hashes.push_back(event_hash(h));
+    r.n_hashes = static_cast<std::uint32_t>(hashes.size());
+  });
 }
 
 void Publisher::cleared(const EventSource& source) noexcept {
   if (impl_->surely_full()) return impl_->drop();
-  try {
-    AllBlocksCleared e;
-    e.medium.emplace(to_string(source.medium));
-    e.group_idx = source.group_idx;
-    impl_->push(std::move(e), event_overhead);
-  } catch (...) {
-    impl_->dropped.fetch_add(1, std::memory_order_relaxed);
-  }
+  impl_->push(event_overhead, [&](Impl::Record& r) {
+    r.kind = Impl::Record::cleared;
+    r.source = impl_->pending.source_index(source);
+  });
 }
 
 bool Publisher::flush(std::chrono::milliseconds timeout) {
