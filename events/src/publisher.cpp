@@ -32,7 +32,24 @@ std::string last_endpoint(zmq::socket_t& s) {
   return s.get(zmq::sockopt::last_endpoint);
 }
 
+// ZeroMQ takes a tcp port modulo 65536 (tcp://127.0.0.1:99999 binds 34463):
+// a port that is not a number in [0, 65535] (or "*") is refused here.
+void check_tcp_port(const std::string& endpoint, const char* what) {
+  if (endpoint.rfind("tcp://", 0) != 0) return;
+  const std::size_t colon = endpoint.rfind(':');
+  const std::string port = colon == std::string::npos ? "" : endpoint.substr(colon + 1);
+  if (port == "*") return;
+  const bool digits =
+      !port.empty() && port.size() <= 5 &&
+      std::all_of(port.begin(), port.end(), [](char c) { return c >= '0' && c <= '9'; });
+  if (!digits || std::stoul(port) > 65535) {
+    throw InvalidArgument(std::string("events publisher: the ") + what + " endpoint '" + endpoint +
+                          "' has no port in [0, 65535] (0: any free port)");
+  }
+}
+
 void bind_or_throw(zmq::socket_t& s, const std::string& endpoint, const char* what) {
+  check_tcp_port(endpoint, what);
   try {
     s.bind(zmq_endpoint(endpoint));
   } catch (const zmq::error_t& e) {

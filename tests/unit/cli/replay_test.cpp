@@ -94,6 +94,43 @@ TEST(cli_replay, JsonReportOnTheSmallTraceIsConsistent) {
   EXPECT_EQ(j["stopped_at_step"], 0u);
 }
 
+TEST(cli_replay, EventsArePublishedAndChangeNothingElse) {
+  const CliResult plain = replay(kSmallTrace, {"--capacity-blocks", "512", "--json"});
+  const CliResult r =
+      replay(kSmallTrace, {"--capacity-blocks", "512", "--json", "--events", "tcp://127.0.0.1:0",
+                           "--events-replay", "tcp://127.0.0.1:0"});
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  nlohmann::json j = r.json();
+  const nlohmann::json events = j.at("events");
+  EXPECT_THAT(events.at("endpoint").get<std::string>(), HasSubstr("tcp://127.0.0.1:"));
+  EXPECT_NE(events.at("endpoint").get<std::string>(), "tcp://127.0.0.1:0");  // the bound port
+  // Every registration and eviction, then the clear at the end: at least
+  // one stored event per cached block at the end.
+  EXPECT_GE(u(events, "accepted"), u(j, "cached_blocks_at_end"));
+  EXPECT_GT(u(events, "batches_sent"), 0u);
+  EXPECT_EQ(u(events, "dropped"), 0u);
+  j.erase("events");
+  EXPECT_EQ(without_timing(j), without_timing(plain.json()));
+}
+
+TEST(cli_replay, BadEventFlagsAreOneLineAndExit2) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"--events", "bogus://x"},
+           {"--events", "tcp://127.0.0.1:99999"},
+           {"--events-replay", "tcp://127.0.0.1:0"},
+           {"--events", "tcp://127.0.0.1:0", "--memory", "10GiB", "--model", "gpt-oss-120b"}}) {
+    std::vector<std::string> all{"replay", "--trace", kSmallTrace, "--capacity-blocks", "64"};
+    if (args.size() > 2) all.erase(all.begin() + 3, all.begin() + 5);  // --memory replaces it
+    all.insert(all.end(), args.begin(), args.end());
+    const CliResult r = run_cli(all);
+    EXPECT_EQ(r.code, 2) << args[0] << " " << args[1] << ": " << r.out;
+    EXPECT_THAT(r.err, HasSubstr("--events")) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.out, "");
+  }
+}
+
 TEST(cli_replay, SameTraceSameReport) {
   for (const char* capacity : {"4096", "700"}) {
     const CliResult a =

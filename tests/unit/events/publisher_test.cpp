@@ -199,6 +199,10 @@ TEST(Publisher, BadOptionsAreInvalidArgument) {
   bad([](PublisherOptions& o) { o.endpoint = "nonsense"; });
   bad([](PublisherOptions& o) { o.endpoint = ""; });
   bad([](PublisherOptions& o) { o.endpoint = "tcp://127.0.0.1:notaport"; });
+  // ZeroMQ itself would bind port 99999 modulo 65536.
+  bad([](PublisherOptions& o) { o.endpoint = "tcp://127.0.0.1:99999"; });
+  bad([](PublisherOptions& o) { o.replay_endpoint = "tcp://127.0.0.1:65536"; });
+  bad([](PublisherOptions& o) { o.endpoint = "tcp://127.0.0.1:-1"; });
   bad([](PublisherOptions& o) {
     o.replay_endpoint = "tcp://127.0.0.1:0";
     o.replay_ring_batches = 0;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -20,6 +21,7 @@
 #include "kvport/cli/flag_values.hpp"
 #include "kvport/cli/model_spec.hpp"
 #include "kvport/core/host_tier.hpp"
+#include "kvport/events/publisher.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
@@ -148,6 +150,11 @@ class ReplayCommand final : public Command {
         "Progress bar on stderr (default: when stderr is a terminal and the trace has at least "
         "1000 requests)";
     static const std::string no_progress_help = "No progress bar";
+    add(app, "--events", events_, "ENDPOINT",
+        "Publish the cache's KV events in vLLM's wire format on a ZeroMQ PUB socket bound to "
+        "ENDPOINT (e.g. tcp://127.0.0.1:5557; port 0: any free port, reported); docs/events.md");
+    add(app, "--events-replay", events_replay_, "ENDPOINT",
+        "With --events: also a ROUTER socket for replay and snapshot requests at ENDPOINT");
     progress_on_ = app.add_flag("--progress", progress_help);
     progress_off_ = app.add_flag("--no-progress", no_progress_help);
     app_ = &app;
@@ -191,6 +198,21 @@ class ReplayCommand final : public Command {
     }
     if (model_.given()) options.model = model_.value;
     options.validate();  // before reading a trace that may be large
+    if (events_replay_.given() && !events_.given())
+      throw InvalidArgument("--events-replay: needs --events");
+    // Bound before the trace is read, so that a bad endpoint is one line.
+    std::optional<events::Publisher> publisher;
+    if (events_.given()) {
+      events::PublisherOptions po;
+      po.endpoint = events_.value;
+      if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
+      try {
+        publisher.emplace(po);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(fmt::format("--events: {}", e.what()));
+      }
+      options.event_sink = &*publisher;
+    }
 
     const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
 
@@ -215,6 +237,11 @@ class ReplayCommand final : public Command {
       throw;
     }
     bar.finish();
+    if (publisher) {
+      (void)publisher->flush(std::chrono::seconds(10));
+      events_stats_ = publisher->stats();
+      events_endpoint_ = publisher->endpoint();
+    }
 
     if (json_) {
       print_json(out, options, result);
@@ -227,6 +254,11 @@ class ReplayCommand final : public Command {
  private:
   // --memory: the replay over the model's KV cache groups (group_replay.hpp).
   int execute_groups(std::ostream& out) const {
+    if (events_.given() || events_replay_.given()) {
+      throw InvalidArgument(
+          "--events: not with --memory yet (the group replay's events can be published through "
+          "the library, HybridReplayOptions::event_sink)");
+    }
     for (const auto& [flag, name] : {std::pair{&capacity_, "--capacity-blocks"},
                                      std::pair{&host_link_gbps_, "--host-link-gbps"},
                                      std::pair{&check_every_, "--check-every"}}) {
@@ -285,7 +317,8 @@ class ReplayCommand final : public Command {
   // the modeled block's size only for the replay without groups).
   void refuse_tier_flags_without_tier(bool with_model) const {
     for (const auto& [flag, name] :
-         {std::pair{&tier_policy_, "--tier-policy"}, std::pair{&tier_inclusion_, "--tier-inclusion"},
+         {std::pair{&tier_policy_, "--tier-policy"},
+          std::pair{&tier_inclusion_, "--tier-inclusion"},
           std::pair{&host_link_gbps_, "--host-link-gbps"}, std::pair{&model_, "--model"}}) {
       if (flag == &model_ && !with_model) continue;
       if (flag->given()) {
@@ -380,13 +413,13 @@ class ReplayCommand final : public Command {
           {"transfer time", fmt::format("{:.3f} s", r.modeled_transfer_s()),
            fmt::format("modeled: offload + onload bytes at {:g} GB/s", o.host_link_gbps)});
       const HostTierCounters& c = r.tier;
-      table.add_row({"host tier", fmt::format("{} blocks", r.host_blocks_at_end),
-                     fmt::format("on the host at the end; {} host evictions, {} already on host, "
-                                 "{} dropped, {} waits, {} onload shortfalls, {} aborted, {} "
-                                 "past the copy deadline",
-                                 c.host_evictions, c.already_on_host, c.dropped_offloads,
-                                 c.offload_waits, c.onload_shortfalls, c.aborted_transfers,
-                                 c.stalled_transfers)});
+      table.add_row(
+          {"host tier", fmt::format("{} blocks", r.host_blocks_at_end),
+           fmt::format("on the host at the end; {} host evictions, {} already on host, "
+                       "{} dropped, {} waits, {} onload shortfalls, {} aborted, {} "
+                       "past the copy deadline",
+                       c.host_evictions, c.already_on_host, c.dropped_offloads, c.offload_waits,
+                       c.onload_shortfalls, c.aborted_transfers, c.stalled_transfers)});
     }
     table.add_row({"evictions", std::to_string(r.evictions),
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
@@ -404,6 +437,13 @@ class ReplayCommand final : public Command {
     table.add_row({"throughput", fmt::format("{:.0f} req/s", r.requests_per_s()),
                    fmt::format("{:.0f} ops/s in {:.3f} s", r.operations_per_s(), r.wall_s)});
     table.print(out);
+    if (events_.given()) {
+      out << fmt::format(
+          "\nEvents      {} published on {} in {} batches, {} dropped (buffer full), {} sends "
+          "refused\n",
+          events_stats_.events_accepted, events_endpoint_, events_stats_.batches_sent,
+          events_stats_.events_dropped, events_stats_.send_failures);
+    }
     out << "\nInvariants  " << r.invariants.to_string() << '\n';
     if (r.stopped_at_step != 0) out << "Stopped     at step " << r.stopped_at_step << '\n';
     out << "Result      " << (r.ok() ? "OK" : "FAILED") << '\n';
@@ -471,6 +511,13 @@ class ReplayCommand final : public Command {
       const HostTierCounters& c = r.tier;
       j["tier_counters"] = tier_counters_json(c);
     }
+    if (events_.given()) {
+      j["events"] = {{"endpoint", events_endpoint_},
+                     {"accepted", events_stats_.events_accepted},
+                     {"dropped", events_stats_.events_dropped},
+                     {"batches_sent", events_stats_.batches_sent},
+                     {"send_failures", events_stats_.send_failures}};
+    }
     j["invariants_ok"] = r.invariants.ok;
     j["invariants"] = r.invariants.to_string();
     j["stopped_at_step"] = r.stopped_at_step;
@@ -480,7 +527,9 @@ class ReplayCommand final : public Command {
 
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
       check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_,
-      memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_;
+      memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_, events_, events_replay_;
+  events::PublisherStats events_stats_;
+  std::string events_endpoint_;
   bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;
   CLI::Option* progress_on_ = nullptr;
