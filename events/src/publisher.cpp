@@ -179,7 +179,7 @@ struct Publisher::Impl {
   // so once the arenas have grown the hot path allocates nothing (the owning
   // events are built on the publisher thread).
   struct Record {
-    enum Kind : std::uint8_t { stored, removed, cleared } kind;
+    enum class Kind : std::uint8_t { store, remove, clear } kind;
     bool has_parent = false;
     std::uint16_t source = 0;
     std::uint32_t block_size = 0;
@@ -215,7 +215,7 @@ struct Publisher::Impl {
         const EventSource& src = sources[r.source];
         const auto hs = std::span<const std::uint64_t>(hashes).subspan(r.hashes_at, r.n_hashes);
         switch (r.kind) {
-          case Record::stored: {
+          case Record::Kind::store: {
             BlockStored e;
             e.block_hashes.assign(hs.begin(), hs.end());
             if (r.has_parent) e.parent_block_hash = r.parent;
@@ -230,7 +230,7 @@ struct Publisher::Impl {
             out.emplace_back(std::move(e));
             break;
           }
-          case Record::removed: {
+          case Record::Kind::remove: {
             BlockRemoved e;
             e.block_hashes.assign(hs.begin(), hs.end());
             e.medium = to_string(src.medium);
@@ -238,7 +238,7 @@ struct Publisher::Impl {
             out.emplace_back(std::move(e));
             break;
           }
-          case Record::cleared: {
+          case Record::Kind::clear: {
             AllBlocksCleared e;
             e.medium.emplace(to_string(src.medium));
             e.group_idx = src.group_idx;
@@ -514,7 +514,7 @@ void Publisher::stored(const EventSource& source, const BlockStoredView& blocks)
   const std::size_t bytes = event_overhead + 8 * blocks.hashes.size() + 4 * blocks.tokens.size();
   impl_->push(bytes, [&](Impl::Record& r) {
     Impl::Buffer& b = impl_->pending;
-    r.kind = Impl::Record::stored;
+    r.kind = Impl::Record::Kind::store;
     r.source = b.source_index(source);
     for (const BlockHash& h : blocks.hashes)
       b.hashes.push_back(event_hash(h));
@@ -537,7 +537,7 @@ void Publisher::removed(const EventSource& source, std::span<const BlockHash> ha
   if (impl_->surely_full()) return impl_->drop();
   impl_->push(event_overhead + 8 * hashes.size(), [&](Impl::Record& r) {
     Impl::Buffer& b = impl_->pending;
-    r.kind = Impl::Record::removed;
+    r.kind = Impl::Record::Kind::remove;
     r.source = b.source_index(source);
     for (const BlockHash& h : hashes)
       b.hashes.push_back(event_hash(h));
@@ -548,7 +548,7 @@ void Publisher::removed(const EventSource& source, std::span<const BlockHash> ha
 void Publisher::cleared(const EventSource& source) noexcept {
   if (impl_->surely_full()) return impl_->drop();
   impl_->push(event_overhead, [&](Impl::Record& r) {
-    r.kind = Impl::Record::cleared;
+    r.kind = Impl::Record::Kind::clear;
     r.source = impl_->pending.source_index(source);
   });
 }
