@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer target (the `fuzz` preset: clang with
-# -fsanitize=fuzzer,address,undefined) and fuzzes the core for a bounded time.
+# Builds the libFuzzer targets (the `fuzz` preset: clang with
+# -fsanitize=fuzzer,address,undefined) and fuzzes the core for a bounded time,
+# then the KV event decoder for a quarter of it (at most 30 s).
 # Usage: scripts/fuzz.sh [seconds] [extra libFuzzer flags...]   (default 60 s)
 #
 # The run starts from the committed seed corpus (tests/fuzz/corpus), replays
@@ -38,5 +39,24 @@ if [ "$status" -ne 0 ]; then
   tail -n 40 "$log"
   echo "fuzz: FAILED (exit $status); the input is in $work/artifacts/" >&2
   exit "$status"
+fi
+
+# Then the KV event decoder (kvport_fuzz_events: decode, re-encode in both
+# forms, decode equal) for a quarter of the time, at most 30 s, from its own
+# committed corpus (tests/fuzz/corpus_events).
+events_seconds=$(( seconds / 4 < 30 ? seconds / 4 : 30 ))
+if [ "$events_seconds" -gt 0 ]; then
+  mkdir -p "$work/corpus_events"
+  elog="$work/last-run-events.log"
+  echo "fuzz: the event decoder, ${events_seconds} s"
+  build/fuzz/bin/kvport_fuzz_events "$work/corpus_events" tests/fuzz/corpus_events \
+    -max_total_time="$events_seconds" -timeout=10 -rss_limit_mb=2048 \
+    -artifact_prefix="$work/artifacts/" -print_final_stats=1 2>"$elog" || status=$?
+  grep -E "^(stat::number_of_executed_units|Done)" "$elog" || true
+  if [ "$status" -ne 0 ]; then
+    tail -n 40 "$elog"
+    echo "fuzz: the event decoder FAILED (exit $status); the input is in $work/artifacts/" >&2
+    exit "$status"
+  fi
 fi
 echo "fuzz: OK"
