@@ -27,6 +27,7 @@
 #include "kvport/core/cache_events.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "thread_clock.hpp"
 
 namespace kvport::bench {
 namespace {
@@ -100,19 +101,6 @@ struct Replay {
     }
   }
 };
-
-double thread_cpu_ns() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) * 1e9 + static_cast<double>(t.tv_nsec);
-}
-
-template <class F>
-double timed_ns(F&& f) {
-  const double start = thread_cpu_ns();
-  f();
-  return thread_cpu_ns() - start;
-}
 
 void BM_CacheEventsReplayLoop(benchmark::State& state) {
   const std::vector<std::vector<TokenId>> trace = make_trace();

@@ -15,10 +15,12 @@
 
 #include "kvport/core/block_hash.hpp"
 #include "kvport/events/publisher.hpp"
+#include "thread_clock.hpp"
 
 namespace {
 
 using namespace kvport;
+using kvport::bench::thread_cpu_ns;
 using Clock = std::chrono::steady_clock;
 
 class NoopSink final : public CacheEventSink {
@@ -38,7 +40,8 @@ struct Sample {
   std::vector<BlockHash> hashes;
   BlockStoredView view;
   explicit Sample(std::size_t blocks = 4) : tokens(blocks * 16) {
-    for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<TokenId>(i * 31);
+    for (std::size_t i = 0; i < tokens.size(); ++i)
+      tokens[i] = static_cast<TokenId>(i * 31);
     hashes = hash_full_blocks(tokens, 16);
     view.hashes = std::span(hashes).subspan(1);
     view.parent = hashes[0];
@@ -53,12 +56,6 @@ events::PublisherOptions bench_options() {
   o.buffer_events = 1 << 20;
   o.buffer_bytes = 1u << 30;
   return o;
-}
-
-double thread_cpu_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
 }
 
 // Hot path: ns per stored() for the publisher and for a no-op sink, in
@@ -76,7 +73,8 @@ void BM_EventsHotPathVsNoop(benchmark::State& state) {
     for (int k = 0; k < 2; ++k) {
       const double c0 = thread_cpu_ns();
       const auto t0 = Clock::now();
-      for (int i = 0; i < round; ++i) sinks[k]->stored(src, s.view);
+      for (int i = 0; i < round; ++i)
+        sinks[k]->stored(src, s.view);
       ns[k] += std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
       cpu_ns[k] += thread_cpu_ns() - c0;
     }
@@ -129,7 +127,8 @@ void BM_EventsPublishedEndToEnd(benchmark::State& state) {
   constexpr int per_iter = 10'000;
   std::int64_t events = 0;
   for (auto _ : state) {
-    for (int i = 0; i < per_iter; ++i) pub.stored(EventSource{}, s.view);
+    for (int i = 0; i < per_iter; ++i)
+      pub.stored(EventSource{}, s.view);
     pub.flush(std::chrono::seconds(10));
     events += per_iter;
   }
@@ -186,8 +185,8 @@ void BM_EventsSnapshot(benchmark::State& state) {
   state.counters["blocks"] = static_cast<double>(blocks);
   state.counters["payload_bytes"] = static_cast<double>(bytes);
   state.counters["time_per_block"] = benchmark::Counter(
-      static_cast<double>(blocks), benchmark::Counter::kIsIterationInvariantRate |
-                                       benchmark::Counter::kInvert);
+      static_cast<double>(blocks),
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
 }
 BENCHMARK(BM_EventsSnapshot)->Arg(4096)->Arg(65536)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -37,6 +37,7 @@
 #include "kvport/core/block_hash.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "thread_clock.hpp"
 
 namespace kvport::bench {
 namespace {
@@ -206,22 +207,6 @@ struct Setup {
     }
   }
 };
-
-double thread_cpu_ns() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) * 1e9 + static_cast<double>(t.tv_nsec);
-}
-
-// The thread's CPU time of f(), not wall time: on a machine shared with
-// builds, time spent descheduled would otherwise land on whichever of the two
-// implementations was running.
-template <class F>
-double timed_ns(F&& f) {
-  const double start = thread_cpu_ns();
-  f();
-  return thread_cpu_ns() - start;
-}
 
 void report(benchmark::State& state, double new_ns, double legacy_ns) {
   const double blocks =

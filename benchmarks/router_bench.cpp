@@ -57,6 +57,7 @@
 #include "kvport/router/router.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 #include "kvport/sim/trace_tokens.hpp"
+#include "thread_clock.hpp"
 
 #ifndef KVPORT_SOURCE_DIR
 #define KVPORT_SOURCE_DIR "."
@@ -248,9 +249,7 @@ double seconds(SteadyClock::duration d) {
 // This thread's CPU time: a decision's latency without the time the
 // scheduler gave the core to another process (the machine is shared).
 double thread_cpu_us() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) * 1e6 + static_cast<double>(t.tv_nsec) / 1e3;
+  return thread_cpu_ns() / 1e3;
 }
 
 double percentile(std::vector<double>& v, double p) {

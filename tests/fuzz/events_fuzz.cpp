@@ -11,8 +11,7 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace kvport::events;
-  const DecodeResult r =
-      decode_batch(std::span(reinterpret_cast<const std::byte*>(data), size), 1);
+  const DecodeResult r = decode_batch(std::span(reinterpret_cast<const std::byte*>(data), size), 1);
   if (r.ok() != r.error.empty()) std::abort();
   if (!r.ok()) return 0;
   for (EventForm form : {EventForm::map, EventForm::positional}) {
