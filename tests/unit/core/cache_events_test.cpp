@@ -742,16 +742,7 @@ TEST(HostTierEvents, RandomStreamsRebuildBothTiersExactly) {
 
 // ---- hybrid -------------------------------------------------------------------------------
 
-constexpr std::size_t kBs = 4;
-
-HybridKvCacheConfig hybrid_config() {
-  HybridKvCacheConfig c;
-  c.block_size = kBs;
-  c.layers = {LayerSpec::full_attention(1, 8, 8), LayerSpec::sliding_window(8, 1, 8, 8),
-              LayerSpec::recurrent_state({StateTensor{"s", {16}, StateDtype::f32}})};
-  c.state_checkpoint_interval = 1;
-  return c;
-}
+constexpr std::size_t kBs = test::kHybridBlockSize;
 
 SourceKey group_key(Medium m, std::uint32_t g) {
   return {m, g};
@@ -765,7 +756,7 @@ TEST(HybridEvents, EveryGroupIsAnnouncedWithItsIndexKindAndWindow) {
   auto backend = test::host_backend();
   const std::vector<std::size_t> blocks{12, 12, 8};
   RecordingSink sink;  // outlives the cache
-  HybridKvCache cache(hybrid_config(), blocks, *backend);
+  HybridKvCache cache(test::three_group_config(), blocks, *backend);
   cache.set_event_sink(&sink);
   EXPECT_EQ(cache.prefix_cache(0).event_source().spec_kind,
             std::optional<std::string>("full_attention"));
@@ -806,7 +797,7 @@ TEST(HybridEvents, RandomStreamsWithAHostTierRebuildEveryGroupExactly) {
     const std::vector<std::size_t> blocks{14, 14, 8};
     RecordingSink sink;
     {
-      HybridKvCache cache(hybrid_config(), blocks, *fb);
+      HybridKvCache cache(test::three_group_config(), blocks, *fb);
       HybridHostTierOptions o;
       o.slots_per_group = {10, 10, 6};
       o.offload_batch = 2;

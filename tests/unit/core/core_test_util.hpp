@@ -16,6 +16,7 @@
 
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
@@ -198,6 +199,21 @@ inline std::vector<BlockHash> seq_hashes(std::size_t k, std::size_t blocks = 2) 
 /// The pattern tag of block `i` of sequence `k` (write_pattern_block).
 inline std::size_t tag_of(std::size_t k, std::size_t i) {
   return 10 * k + i;
+}
+
+/// Tokens per block of three_group_config().
+inline constexpr std::size_t kHybridBlockSize = 4;
+
+/// A hybrid model of three KV cache groups at kHybridBlockSize tokens a
+/// block: group 0 full attention, group 1 a window of 8 tokens (2 blocks),
+/// group 2 a recurrent state, checkpointed at every block.
+inline HybridKvCacheConfig three_group_config() {
+  HybridKvCacheConfig c;
+  c.block_size = kHybridBlockSize;
+  c.layers = {LayerSpec::full_attention(1, 8, 8), LayerSpec::sliding_window(8, 1, 8, 8),
+              LayerSpec::recurrent_state({StateTensor{"s", {16}, StateDtype::f32}})};
+  c.state_checkpoint_interval = 1;
+  return c;
 }
 
 }  // namespace kvport::test

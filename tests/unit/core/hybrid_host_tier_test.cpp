@@ -23,17 +23,12 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr std::size_t kBs = 4;
+constexpr std::size_t kBs = test::kHybridBlockSize;
 
 // Group 0: full attention; group 1: a window of 8 tokens (2 blocks); group 2:
 // a recurrent state, checkpointed at every block.
 HybridKvCacheConfig config() {
-  HybridKvCacheConfig c;
-  c.block_size = kBs;
-  c.layers = {LayerSpec::full_attention(1, 8, 8), LayerSpec::sliding_window(8, 1, 8, 8),
-              LayerSpec::recurrent_state({StateTensor{"s", {16}, StateDtype::f32}})};
-  c.state_checkpoint_interval = 1;
-  return c;
+  return test::three_group_config();
 }
 
 // The content an engine would have written for the block (or state) at the
