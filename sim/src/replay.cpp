@@ -100,12 +100,23 @@ class ReplayWorkload final : public Workload {
         tier_(tier),
         stream_(stream),
         bs_(options.block_size),
-        state_(requests.size()) {}
+        state_(requests.size()),
+        feed_(options.feed) {
+    if (feed_ != nullptr) arrival_ms_.assign(requests.size(), 0.0);
+  }
 
   ReplayResult run() {
     const auto start = std::chrono::steady_clock::now();
-    result_.requests = requests_.size();
-    const double first_arrival = arrivals_.first_arrival_ms();
+    double first_arrival = arrivals_.first_arrival_ms();
+    if (feed_ != nullptr) {
+      // The clock starts at the first request handed over (or at the trace's
+      // first timestamp when the feed has nothing by then).
+      ReplayProgress progress;
+      progress.now_ms = first_arrival;
+      std::optional<double> first = feed_->wait_next(progress);
+      if (!first) feed_done_ = true;
+      first_arrival = first.value_or(first_arrival);
+    }
     last_finish_ = first_arrival;
 
     SchedulerOptions scheduling;
@@ -116,6 +127,7 @@ class ReplayWorkload final : public Workload {
     scheduling.retry_head_after_release = true;
     Scheduler scheduler(*this, scheduling);
     const SchedulerStats stats = scheduler.run();
+    result_.requests = feed_ != nullptr ? handed_ : requests_.size();
     result_.steps = stats.steps;
     result_.completed = stats.completed;
     result_.rejected = stats.rejected;
@@ -156,9 +168,35 @@ class ReplayWorkload final : public Workload {
     return std::move(result_);
   }
 
-  std::size_t num_requests() const override { return requests_.size(); }
+  std::size_t num_requests() const override {
+    // With a feed: those handed over, and one more while more may come.
+    return feed_ == nullptr ? requests_.size() : handed_ + (feed_done_ ? 0 : 1);
+  }
 
   void arrive(Scheduler& scheduler) override {
+    if (feed_ != nullptr) {
+      fed_.clear();
+      next_known_ = feed_->arrivals(progress(scheduler), fed_);
+      for (const ArrivalFeed::Arrival& a : fed_) {
+        if (a.index >= requests_.size() || state_[a.index].handed) {
+          throw InvalidArgument(
+              fmt::format("kvport replay: the feed handed over request {} {}", a.index,
+                          a.index >= requests_.size() ? "of no trace line" : "a second time"));
+        }
+        const TraceRequest& r = requests_[a.index];
+        state_[a.index].handed = true;
+        arrival_ms_[a.index] = a.arrival_ms;
+        ++handed_;
+        if (div_ceil(r.input_length + r.output_length, bs_) > options_.capacity_blocks) {
+          scheduler.reject();
+          finished(scheduler.now_ms());
+          feed_->finished(a.index, scheduler.now_ms(), true);
+          continue;
+        }
+        scheduler.enqueue(a.index);
+      }
+      return;
+    }
     arrivals_.arrive(
         scheduler,
         [&](const TraceRequest& r) {
@@ -167,7 +205,19 @@ class ReplayWorkload final : public Workload {
         [&](const TraceRequest& r) { finished(r.timestamp_ms); });
   }
 
-  void idle(Scheduler& scheduler) override { arrivals_.idle(scheduler); }
+  void idle(Scheduler& scheduler) override {
+    if (feed_ == nullptr) {
+      arrivals_.idle(scheduler);
+      return;
+    }
+    std::optional<double> next = next_known_;
+    if (!next) next = feed_->wait_next(progress(scheduler));
+    if (!next) {
+      feed_done_ = true;  // num_requests() now says every request is done
+      return;
+    }
+    scheduler.advance_to(std::max(scheduler.now_ms(), *next));
+  }
 
   bool reserve_token(RequestId id) override {
     return state_[id].table->blocks_needed(1) <= prefix_.num_available_blocks();
@@ -219,7 +269,9 @@ class ReplayWorkload final : public Workload {
       if (copied_last_block) ++result_.last_block_copies;
       result_.prompt_tokens += request.input_length;
       result_.hit_tokens += hit;
-      const double queued = scheduler.now_ms() - request.timestamp_ms;
+      const double arrived = feed_ != nullptr ? arrival_ms_[id] : request.timestamp_ms;
+      const double queued = scheduler.now_ms() - arrived;
+      if (feed_ != nullptr) feed_->admitted(id, hit, rest.size());
       queue_ms_sum_ += queued;
       result_.max_queue_ms = std::max(result_.max_queue_ms, queued);
     } else {
@@ -237,7 +289,10 @@ class ReplayWorkload final : public Workload {
     table.reset();
   }
 
-  void on_complete(RequestId /*id*/, double at_ms) override { finished(at_ms); }
+  void on_complete(RequestId id, double at_ms) override {
+    finished(at_ms);
+    if (feed_ != nullptr) feed_->finished(id, at_ms, false);
+  }
 
   bool end_step(const Scheduler& scheduler) override {
     if (tier_ != nullptr) {
@@ -269,6 +324,7 @@ class ReplayWorkload final : public Workload {
   struct RequestState {
     std::size_t generated = 0;
     bool admitted = false;            // admitted at least once
+    bool handed = false;              // handed over by the feed
     std::optional<BlockTable> table;  // while running
   };
 
@@ -288,6 +344,18 @@ class ReplayWorkload final : public Workload {
     while (on_device < hashes.size() && prefix_.find(hashes[on_device]))
       ++on_device;
     return div_ceil(context, bs_) - on_device <= prefix_.num_available_blocks();
+  }
+
+  ReplayProgress progress(const Scheduler& scheduler) const {
+    ReplayProgress p;
+    p.now_ms = scheduler.now_ms();
+    p.running = scheduler.running().size();
+    p.waiting = scheduler.num_waiting();
+    p.blocks_in_use = options_.capacity_blocks - prefix_.num_available_blocks();
+    p.cached_blocks = prefix_.num_cached_blocks();
+    p.completed = scheduler.stats().completed;
+    p.rejected = scheduler.stats().rejected;
+    return p;
   }
 
   std::uint64_t host_hits() const noexcept {
@@ -317,6 +385,12 @@ class ReplayWorkload final : public Workload {
   std::size_t bs_;
   std::vector<RequestState> state_;
   TraceArrivals arrivals_{requests_};
+  ArrivalFeed* feed_;               // nullptr: arrivals_ hands the trace over
+  std::vector<double> arrival_ms_;  // with a feed: when each request arrived
+  std::vector<ArrivalFeed::Arrival> fed_;
+  std::optional<double> next_known_;  // the feed's next later arrival
+  std::size_t handed_ = 0;            // requests the feed handed over
+  bool feed_done_ = false;            // the feed said no request will come
   double last_finish_ = 0.0;
   double queue_ms_sum_ = 0.0;
   std::size_t finished_ = 0;  // completed or rejected

@@ -27,12 +27,12 @@ void Scheduler::enqueue(RequestId id) {
 }
 
 SchedulerStats Scheduler::run() {
-  const std::size_t total = workload_.num_requests();
-  while (stats_.completed + stats_.rejected < total) {
+  // Read again every step: a workload fed as it runs learns its total late.
+  while (stats_.completed + stats_.rejected < workload_.num_requests()) {
     workload_.arrive(*this);
     if (idle()) {
       // The last arrivals may all have been rejected: then the run is over.
-      if (stats_.completed + stats_.rejected == total) break;
+      if (stats_.completed + stats_.rejected == workload_.num_requests()) break;
       workload_.idle(*this);
       continue;
     }

@@ -154,6 +154,120 @@ TEST(sim_replay, RunReplayOnGeneratedRequests) {
   EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
 }
 
+// Hands over the requests of `chosen` at their timestamps, at most `batch` a
+// call (so that later ones wait for a later step), and records the callbacks.
+class ListFeed final : public ArrivalFeed {
+ public:
+  ListFeed(const std::vector<TraceRequest>& requests, std::vector<std::size_t> chosen)
+      : requests_(requests), chosen_(std::move(chosen)) {}
+
+  std::optional<double> arrivals(const ReplayProgress& progress,
+                                 std::vector<Arrival>& out) override {
+    ++calls;
+    EXPECT_LE(progress.running + progress.waiting, requests_.size());
+    while (next_ < chosen_.size() && at(next_) <= progress.now_ms) {
+      out.push_back({chosen_[next_], at(next_)});
+      ++next_;
+    }
+    if (next_ == chosen_.size()) return std::nullopt;
+    return at(next_);
+  }
+  std::optional<double> wait_next(const ReplayProgress& /*progress*/) override {
+    ++waits;
+    if (next_ == chosen_.size()) return std::nullopt;
+    return at(next_);
+  }
+  void finished(std::size_t index, double /*at_ms*/, bool rejected) override {
+    (rejected ? rejected_ids : completed_ids).push_back(index);
+  }
+  void admitted(std::size_t index, std::size_t hit_tokens, std::size_t prefill_tokens) override {
+    admitted_ids.push_back(index);
+    hit_tokens_sum += hit_tokens;
+    EXPECT_EQ(hit_tokens + prefill_tokens, requests_[index].input_length);
+  }
+
+  std::size_t calls = 0;
+  std::size_t waits = 0;
+  std::vector<std::size_t> completed_ids, rejected_ids, admitted_ids;
+  std::size_t hit_tokens_sum = 0;
+
+ private:
+  // The timestamp of the i-th chosen request (0 for an index of no request).
+  double at(std::size_t i) const {
+    return chosen_[i] < requests_.size() ? requests_[chosen_[i]].timestamp_ms : 0.0;
+  }
+
+  const std::vector<TraceRequest>& requests_;
+  std::vector<std::size_t> chosen_;
+  std::size_t next_ = 0;
+};
+
+// A feed that hands over every other request runs exactly the replay of
+// those requests alone: a `kvport cluster` instance is the replay of what its
+// router sends it.
+TEST(sim_replay, FeedRunsTheRequestsItHandsOver) {
+  std::vector<TraceRequest> requests;
+  for (std::size_t i = 0; i < 60; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = static_cast<double>(i * 37);
+    r.input_length = 100 + 3 * i;
+    r.output_length = 5 + i % 4;
+    r.hash_ids = {i % 4, 10 + i % 2};
+    r.line = i + 1;
+    requests.push_back(r);
+  }
+  requests[10].input_length = 5000;  // more than the cache: rejected at arrival
+  std::vector<std::size_t> chosen;
+  std::vector<TraceRequest> alone;
+  for (std::size_t i = 0; i < requests.size(); i += 2) {
+    chosen.push_back(i);
+    alone.push_back(requests[i]);
+  }
+  ReplayOptions options;
+  options.capacity_blocks = 96;  // evicts
+  options.trace_block_tokens = 64;
+  options.concurrency = 4;
+  options.check_every = 1;
+  const auto backend = make_host_backend();
+  const ReplayResult expected = run_replay(alone, options, *backend);
+
+  ListFeed feed(requests, chosen);
+  options.feed = &feed;
+  const ReplayResult fed = run_replay(requests, options, *backend);
+  EXPECT_TRUE(fed.ok()) << fed.invariants.to_string();
+  EXPECT_EQ(fed.requests, chosen.size());
+  EXPECT_EQ(fed.completed, expected.completed);
+  EXPECT_EQ(fed.rejected, 1u);
+  EXPECT_EQ(fed.rejected, expected.rejected);
+  EXPECT_EQ(fed.steps, expected.steps);
+  EXPECT_EQ(fed.prompt_blocks, expected.prompt_blocks);
+  EXPECT_EQ(fed.hit_blocks, expected.hit_blocks);
+  EXPECT_GT(fed.hit_blocks, 0u);
+  EXPECT_EQ(fed.evictions, expected.evictions);
+  EXPECT_EQ(fed.preemptions, expected.preemptions);
+  EXPECT_DOUBLE_EQ(fed.simulated_ms, expected.simulated_ms);
+  EXPECT_EQ(feed.completed_ids.size(), fed.completed);
+  EXPECT_EQ(feed.rejected_ids, std::vector<std::size_t>{10});
+  EXPECT_EQ(feed.hit_tokens_sum, fed.hit_tokens);
+  EXPECT_GT(feed.waits, 0u);  // idle between arrivals
+
+  // A feed that hands nothing over: an empty run.
+  ListFeed none(requests, {});
+  options.feed = &none;
+  const ReplayResult empty = run_replay(requests, options, *backend);
+  EXPECT_EQ(empty.requests, 0u);
+  EXPECT_EQ(empty.steps, 0u);
+  EXPECT_TRUE(empty.ok());
+
+  // A feed that hands a request over twice, or one out of range: refused.
+  ListFeed twice(requests, {2, 2});
+  options.feed = &twice;
+  EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
+  ListFeed outside(requests, {0, 1000});
+  options.feed = &outside;
+  EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
+}
+
 // Requests cycling over `ids` distinct 4-block prefixes (64-token ids, 16-token
 // blocks), one at a time: an LRU device cache smaller than the cycle hits
 // nothing; a host tier that holds the cycle hits every prefix after the first

@@ -42,8 +42,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/cache_events.hpp"
@@ -53,6 +55,50 @@
 #include "kvport/sim/mooncake_trace.hpp"
 
 namespace kvport::sim {
+
+/// The state of a replay where a feed is asked for arrivals (ArrivalFeed).
+struct ReplayProgress {
+  double now_ms = 0.0;            ///< the simulated clock
+  std::size_t running = 0;        ///< requests running
+  std::size_t waiting = 0;        ///< requests queued
+  std::size_t blocks_in_use = 0;  ///< blocks neither free nor evictable
+  std::size_t cached_blocks = 0;  ///< blocks in the prefix cache
+  std::size_t completed = 0;      ///< requests completed so far
+  std::size_t rejected = 0;       ///< requests rejected at arrival so far
+};
+
+/// Where a replay's requests come from when they are not all known at the
+/// start: `kvport cluster` hands each engine instance the requests its
+/// router sends it, as the cluster's clock reaches them. Without a feed a
+/// replay runs every request of its trace at its timestamp. Called on the
+/// replay's thread; a call may block (waiting for the cluster).
+class ArrivalFeed {
+ public:
+  virtual ~ArrivalFeed() = default;
+  /// One request handed to the replay: its index in the replay's requests,
+  /// and when it arrives (its timestamp, or later: a request routed again).
+  struct Arrival {
+    std::size_t index = 0;
+    double arrival_ms = 0.0;
+  };
+  /// Called at the start of every step (and whenever the replay is idle):
+  /// appends to `out` every request arriving by `progress.now_ms` that was
+  /// not handed over yet, and returns the earliest arrival of those it knows
+  /// that come later (nullopt: none known yet). It may block until it knows
+  /// every arrival up to now_ms. An index out of range or handed over twice
+  /// makes the replay throw InvalidArgument.
+  virtual std::optional<double> arrivals(const ReplayProgress& progress,
+                                         std::vector<Arrival>& out) = 0;
+  /// Called when nothing runs, nothing waits and no later arrival is known:
+  /// blocks until one is (returns its time) or no request will come any more
+  /// (nullopt: the replay ends).
+  virtual std::optional<double> wait_next(const ReplayProgress& progress) = 0;
+  /// Request `index` completed (or was rejected: `rejected`) at `at_ms`.
+  virtual void finished(std::size_t index, double at_ms, bool rejected) = 0;
+  /// Request `index` was admitted for the first time: `hit_tokens` of its
+  /// prompt were cached, `prefill_tokens` computed.
+  virtual void admitted(std::size_t index, std::size_t hit_tokens, std::size_t prefill_tokens) = 0;
+};
 
 struct ReplayOptions {
   std::size_t capacity_blocks = 0;       ///< blocks of the KV cache, in [1, kMaxCapacityBlocks]
@@ -97,6 +143,13 @@ struct ReplayOptions {
   /// publisher (events/publisher.hpp) here is what `kvport replay --events`
   /// measures.
   CacheEventSink* event_sink = nullptr;
+
+  /// Hands the requests over as they arrive (null: every request of the
+  /// trace, at its timestamp). With a feed only the requests it hands over
+  /// run, each at most once, and the replay ends when the feed says no more
+  /// will come; ReplayResult::requests counts those handed over. Must
+  /// outlive run_replay.
+  ArrivalFeed* feed = nullptr;
 
   /// 2^22 blocks: the simulation keeps about 100 bytes of bookkeeping per
   /// block (refcount, free list, LRU entry, hash map entry).

@@ -87,7 +87,10 @@ class Workload {
  public:
   virtual ~Workload() = default;
 
-  /// Requests in the workload; the run ends when all completed or were rejected.
+  /// Requests in the workload; the run ends when all completed or were
+  /// rejected. Asked again every step, so that a workload whose requests are
+  /// handed to it as it runs (replay.hpp, ArrivalFeed) can count one more
+  /// while more may come.
   virtual std::size_t num_requests() const = 0;
   /// Step 1: enqueue (Scheduler::enqueue) or reject (Scheduler::reject) the
   /// requests that arrive by scheduler.now_ms().
