@@ -271,7 +271,7 @@ class ReplayWorkload final : public Workload {
       result_.hit_tokens += hit;
       const double arrived = feed_ != nullptr ? arrival_ms_[id] : request.timestamp_ms;
       const double queued = scheduler.now_ms() - arrived;
-      if (feed_ != nullptr) feed_->admitted(id, hit, rest.size());
+      if (feed_ != nullptr) feed_->admitted(id, hit_blocks, hit, rest.size());
       queue_ms_sum_ += queued;
       result_.max_queue_ms = std::max(result_.max_queue_ms, queued);
     } else {
@@ -355,6 +355,7 @@ class ReplayWorkload final : public Workload {
     p.cached_blocks = prefix_.num_cached_blocks();
     p.completed = scheduler.stats().completed;
     p.rejected = scheduler.stats().rejected;
+    p.prefix = &prefix_;
     return p;
   }
 

@@ -180,8 +180,10 @@ class ListFeed final : public ArrivalFeed {
   void finished(std::size_t index, double /*at_ms*/, bool rejected) override {
     (rejected ? rejected_ids : completed_ids).push_back(index);
   }
-  void admitted(std::size_t index, std::size_t hit_tokens, std::size_t prefill_tokens) override {
+  void admitted(std::size_t index, std::size_t hit_blocks, std::size_t hit_tokens,
+                std::size_t prefill_tokens) override {
     admitted_ids.push_back(index);
+    hit_blocks_sum += hit_blocks;
     hit_tokens_sum += hit_tokens;
     EXPECT_EQ(hit_tokens + prefill_tokens, requests_[index].input_length);
   }
@@ -190,6 +192,7 @@ class ListFeed final : public ArrivalFeed {
   std::size_t waits = 0;
   std::vector<std::size_t> completed_ids, rejected_ids, admitted_ids;
   std::size_t hit_tokens_sum = 0;
+  std::size_t hit_blocks_sum = 0;
 
  private:
   // The timestamp of the i-th chosen request (0 for an index of no request).
@@ -249,6 +252,7 @@ TEST(sim_replay, FeedRunsTheRequestsItHandsOver) {
   EXPECT_EQ(feed.completed_ids.size(), fed.completed);
   EXPECT_EQ(feed.rejected_ids, std::vector<std::size_t>{10});
   EXPECT_EQ(feed.hit_tokens_sum, fed.hit_tokens);
+  EXPECT_EQ(feed.hit_blocks_sum, fed.hit_blocks);
   EXPECT_GT(feed.waits, 0u);  // idle between arrivals
 
   // A feed that hands nothing over: an empty run.

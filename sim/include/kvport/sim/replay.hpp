@@ -51,6 +51,7 @@
 #include "kvport/core/cache_events.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 
@@ -65,6 +66,9 @@ struct ReplayProgress {
   std::size_t cached_blocks = 0;  ///< blocks in the prefix cache
   std::size_t completed = 0;      ///< requests completed so far
   std::size_t rejected = 0;       ///< requests rejected at arrival so far
+  /// The replay's prefix cache, as it is now (PrefixCache::snapshot gives
+  /// what it holds, e.g. to compare with what its events announced).
+  const PrefixCache* prefix = nullptr;
 };
 
 /// Where a replay's requests come from when they are not all known at the
@@ -95,9 +99,11 @@ class ArrivalFeed {
   virtual std::optional<double> wait_next(const ReplayProgress& progress) = 0;
   /// Request `index` completed (or was rejected: `rejected`) at `at_ms`.
   virtual void finished(std::size_t index, double at_ms, bool rejected) = 0;
-  /// Request `index` was admitted for the first time: `hit_tokens` of its
-  /// prompt were cached, `prefill_tokens` computed.
-  virtual void admitted(std::size_t index, std::size_t hit_tokens, std::size_t prefill_tokens) = 0;
+  /// Request `index` was admitted for the first time: `hit_blocks` blocks
+  /// (`hit_tokens` tokens) of its prompt were cached, `prefill_tokens`
+  /// computed.
+  virtual void admitted(std::size_t index, std::size_t hit_blocks, std::size_t hit_tokens,
+                        std::size_t prefill_tokens) = 0;
 };
 
 struct ReplayOptions {
