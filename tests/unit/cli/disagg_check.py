@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Runs `kvport disagg ... --json` once and checks its report.
+"""Runs `kvport disagg ... --json` (or `kvport cluster`) once and checks its report.
 
-Usage: disagg_check.py --kvport BIN [--timeout S] [--check EXPR]... [--expect-failure]
-                       [--exit CODE] -- ARGS...
+Usage: disagg_check.py --kvport BIN [--command disagg|cluster] [--timeout S]
+                       [--check EXPR]... [--expect-failure] [--exit CODE] -- ARGS...
 
 Every run is bounded (--timeout, default 120 s) and must leave no process
 behind: the run gets a unique KVPORT_DISAGG_TEST_TAG in its environment, and
@@ -12,7 +12,8 @@ over the report `r` (a dict), e.g. "r['leaked_blocks'] == 0". The default
 checks: the run says ok, every request completed, nothing leaked, no
 verification failure, no worker dead of a signal the run did not send;
 with --expect-failure only the last of them (the run is meant to fail: the
---check expressions say how). --exit: the expected exit code (default 0,
+--check expressions say how). With --command cluster the default checks are
+CLUSTER_CHECKS. --exit: the expected exit code (default 0,
 1 with --expect-failure).
 """
 import argparse
@@ -35,6 +36,19 @@ DEFAULT_CHECKS = [
     # shutdown's grace period.
     "all(w['exit']['signal'] == 0 or (w['exit']['signal'] == 9 and (w['end'] in ('killed', 'lost')"
     " or w['exit']['force_killed_at_shutdown'])) for w in r['workers'])",
+]
+
+
+# `kvport cluster`: every policy's run ended well, every request of the trace
+# finished on some instance, the router's index of every live instance equals
+# that instance's own cache at the end, and no event was dropped.
+CLUSTER_CHECKS = [
+    "r['ok'] is True",
+    "all(run['ok'] for run in r['runs'])",
+    "all(run['completed'] + run['rejected'] == r['requests'] for run in r['runs'])",
+    "all(sum(run['load_balance']['requests_routed']) >= r['requests'] for run in r['runs'])",
+    "all(all(e == 1 for e in run['index_exact']) for run in r['runs'])",
+    "all(run['events']['dropped'] == 0 for run in r['runs'])",
 ]
 
 
@@ -74,6 +88,7 @@ def reap_tagged(tag):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvport", required=True)
+    parser.add_argument("--command", default="disagg", choices=["disagg", "cluster"])
     parser.add_argument("--timeout", type=float, default=120)
     parser.add_argument("--check", action="append", default=[])
     parser.add_argument("--expect-failure", action="store_true")
@@ -84,7 +99,7 @@ def main():
 
     tag = uuid.uuid4().hex
     env = dict(os.environ, KVPORT_DISAGG_TEST_TAG=tag)
-    cmd = [opts.kvport, "disagg", *args, "--json"]
+    cmd = [opts.kvport, opts.command, *args, "--json"]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True)
@@ -111,19 +126,26 @@ def main():
     except ValueError:
         failures.append("stdout is not one JSON report")
     if report is not None:
-        defaults = DEFAULT_CHECKS[-1:] if opts.expect_failure else DEFAULT_CHECKS
+        checks = CLUSTER_CHECKS if opts.command == "cluster" else DEFAULT_CHECKS
+        defaults = [] if opts.expect_failure and opts.command == "cluster" else (
+            checks[-1:] if opts.expect_failure else checks)
         for expr in defaults + opts.check:
             try:
-                if not eval(expr, {}, {"r": report}):  # noqa: S307 - test-only expressions
+                if not eval(expr, {"r": report}):  # noqa: S307 - test-only expressions
                     failures.append(f"check failed: {expr}")
             except Exception as e:  # a missing field is a failed check
                 failures.append(f"check {expr!r} raised {e!r}")
 
     print(f"$ {' '.join(cmd)}  ({elapsed:.1f} s, exit {proc.returncode})")
     if report is not None:
-        summary = {k: report.get(k) for k in ("ok", "requests", "requests_completed", "transfers",
-                                              "requests_recomputed", "leaked_blocks",
-                                              "verification_failures", "ratio_vs_raw", "kill")}
+        keys = ("ok", "requests", "requests_completed", "transfers", "requests_recomputed",
+                "leaked_blocks", "verification_failures", "ratio_vs_raw", "kill")
+        if opts.command == "cluster":
+            keys = ("ok", "requests", "baseline")
+        summary = {k: report.get(k) for k in keys}
+        for run in report.get("runs", []):
+            print(json.dumps({k: run.get(k) for k in ("policy", "ok", "failure", "hit_blocks",
+                                                       "hit_blocks_vs_baseline", "kill")}))
         print(json.dumps(summary))
     if failures:
         sys.stdout.write(err.decode()[-4000:])

@@ -38,6 +38,9 @@ constexpr CommandInfo kCommands[] = {
     {"disagg",
      "Move KV blocks between prefill and decode processes over UCX: throughput, leases, kills",
      &make_disagg_command},
+    {"cluster",
+     "Route a trace over engine instances by their KV events: cluster hits, load balance, kills",
+     &make_cluster_command},
 };
 
 void print_error(std::ostream& err, std::string_view message) {

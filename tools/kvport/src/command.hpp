@@ -37,12 +37,14 @@ struct CommandInfo {
 /// `kvport conformance` (the backend conformance suite), `kvport bench`
 /// (the block-zeroing comparison of kvport::sim::ZeroingBench) and `kvport
 /// replay` (a Mooncake trace over the prefix cache, replay.hpp) and `kvport
-/// disagg` (prefill and decode processes moving blocks over UCX).
+/// disagg` (prefill and decode processes moving blocks over UCX) and `kvport
+/// cluster` (instances publishing KV events, routed by a router process).
 std::unique_ptr<Command> make_plan_command();
 std::unique_ptr<Command> make_demo_command();
 std::unique_ptr<Command> make_conformance_command();
 std::unique_ptr<Command> make_bench_command();
 std::unique_ptr<Command> make_replay_command();
 std::unique_ptr<Command> make_disagg_command();
+std::unique_ptr<Command> make_cluster_command();
 
 }  // namespace kvport::cli
