@@ -1,19 +1,21 @@
 # `cmake --install` produces a CMake package: find_package(kvport) gives
 # kvport::core, kvport::host, kvport::backends, kvport::platform,
-# kvport::transfer (block transfer over UCX) and kvport::events (cache events
-# in vLLM's wire format over ZeroMQ).
+# kvport::transfer (block transfer over UCX), kvport::events (cache events
+# in vLLM's wire format over ZeroMQ), kvport::router (the cache-aware router
+# index and policies) and kvport::router_subscriber (its ZeroMQ subscriber).
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(KVPORT_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/kvport)
 
-install(TARGETS kvport_platform kvport_core kvport_transfer kvport_events kvport_backends ${KVPORT_BACKEND_TARGETS}
+install(TARGETS kvport_platform kvport_core kvport_transfer kvport_events kvport_router
+                kvport_router_subscriber kvport_backends ${KVPORT_BACKEND_TARGETS}
         EXPORT kvportTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(DIRECTORY platform/include/ core/include/ transfer/include/ events/include/
-                  backends/host/include/
+                  router/include/ backends/host/include/
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 if(KVPORT_HAVE_CUDA)
   install(DIRECTORY backends/cuda/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
