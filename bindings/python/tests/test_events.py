@@ -249,7 +249,8 @@ def test_bad_options_raise_invalid_argument():
 
 def test_hybrid_cache_events_carry_the_groups(context):
     window = 8
-    layers = [kvport.LayerSpec.sliding_window(window, 2, 16), kvport.LayerSpec.full_attention(2, 16)]
+    layers = [kvport.LayerSpec.sliding_window(window, 2, 16),
+              kvport.LayerSpec.full_attention(2, 16)]
     with kvport.HybridKvCache(layers, [32, 32], block_size=4) as cache:
         assert not cache.events_enabled
         with pytest.raises(kvport.InvalidArgument):
@@ -266,15 +267,16 @@ def test_hybrid_cache_events_carry_the_groups(context):
                 t.append_tokens(range(4 * round, 4 * round + 4))
 
         join(cache, sub, store)
+        stored_tokens = [900, 901, 902, 903]
         with kvport.HybridBlockTable(cache) as t:
-            t.append_tokens(range(900, 904))
+            t.append_tokens(stored_tokens)
             assert cache.flush_events(2.0)
             groups = {}
             while len(groups) < 2:
                 message = receive(sub, 2000)
                 assert message is not None, "no KV event arrived"
                 for event in message[2][1]:
-                    if event["type"] == "BlockStored" and event["token_ids"] == [900, 901, 902, 903]:
+                    if event["type"] == "BlockStored" and event["token_ids"] == stored_tokens:
                         groups[event["group_idx"]] = event
         assert groups[0]["kv_cache_spec_kind"] == "sliding_window"
         assert groups[0]["kv_cache_spec_sliding_window"] == window
