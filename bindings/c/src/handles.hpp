@@ -23,6 +23,7 @@
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/events/publisher.hpp"
 #include "kvport/kvport.h"
 #include "kvport/platform/backend.hpp"
 
@@ -77,7 +78,15 @@ struct CacheObject final : Object {
 
 struct PrefixCacheObject final : Object {
   static constexpr Kind kKind = Kind::prefix_cache;
+  /// The prefix cache's event sink while events are enabled (events.cpp).
+  std::unique_ptr<events::Publisher> publisher;
   std::unique_ptr<PrefixCache> prefix;
+  /// The prefix cache first: its destructor announces a clear to the
+  /// publisher, which then sends what it buffered.
+  ~PrefixCacheObject() override {
+    prefix.reset();
+    publisher.reset();
+  }
 };
 
 struct BlockTableObject final : Object {
@@ -87,7 +96,15 @@ struct BlockTableObject final : Object {
 
 struct HybridCacheObject final : Object {
   static constexpr Kind kKind = Kind::hybrid_cache;
+  /// Every group's event sink while events are enabled (events.cpp).
+  std::unique_ptr<events::Publisher> publisher;
   std::unique_ptr<HybridKvCache> cache;
+  /// The cache first (its prefix caches announce their clears), then the
+  /// publisher.
+  ~HybridCacheObject() override {
+    cache.reset();
+    publisher.reset();
+  }
   /// Per group: its state tensors as C structs (names point into the
   /// cache's specs), for kvport_hybrid_cache_group_spec.
   std::vector<std::vector<kvport_state_tensor>> state_tensors;

@@ -1,6 +1,8 @@
 /* The C ABI from C: every function of kvport.h and every status code.
- * Dependency-free: CHECK macros, a failure count, exit status 1 on failure. */
+ * CHECK macros, a failure count, exit status 1 on failure; libzmq's C API
+ * subscribes to the KV events. */
 #include <kvport/kvport.h>
+#include <zmq.h>
 
 #include <stdint.h>
 #include <stdio.h>
@@ -1371,6 +1373,380 @@ static void test_hybrid_state_tables(kvport_backend* backend) {
 }
 
 /* Calls that reject null and destroyed handles, one per remaining function. */
+/* ---- KV cache events ---------------------------------------------------------------------- */
+
+/* A SUB socket on `endpoint` that receives everything, each receive bounded
+ * by `timeout_ms`. */
+static void* events_subscriber(void* zmq_context, const char* endpoint, int timeout_ms) {
+  void* sub = zmq_socket(zmq_context, ZMQ_SUB);
+  int linger = 0;
+  CHECK(sub != NULL);
+  CHECK(zmq_setsockopt(sub, ZMQ_SUBSCRIBE, "", 0) == 0);
+  CHECK(zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0);
+  CHECK(zmq_setsockopt(sub, ZMQ_LINGER, &linger, sizeof linger) == 0);
+  CHECK(zmq_connect(sub, endpoint) == 0);
+  return sub;
+}
+
+/* One published message: topic, 8-byte big-endian sequence, msgpack payload. */
+typedef struct events_message {
+  char topic[64];
+  size_t topic_size;
+  uint64_t seq;
+  unsigned char payload[4096];
+  size_t payload_size;
+} events_message;
+
+/* Receives one 3-frame message; 0 on a timeout (nothing received). */
+static int events_receive(void* sub, events_message* m) {
+  unsigned char seq[16];
+  int more = 0, n, i;
+  size_t more_size = sizeof more;
+  n = zmq_recv(sub, m->topic, sizeof m->topic, 0);
+  if (n < 0) return 0;
+  m->topic_size = (size_t)n;
+  CHECK(zmq_getsockopt(sub, ZMQ_RCVMORE, &more, &more_size) == 0 && more == 1);
+  n = zmq_recv(sub, seq, sizeof seq, 0);
+  CHECK(n == 8);
+  CHECK(zmq_getsockopt(sub, ZMQ_RCVMORE, &more, &more_size) == 0 && more == 1);
+  m->seq = 0;
+  for (i = 0; i < 8 && i < n; ++i)
+    m->seq = (m->seq << 8) | seq[i];
+  n = zmq_recv(sub, m->payload, sizeof m->payload, 0);
+  CHECK(n > 0 && (size_t)n <= sizeof m->payload);
+  m->payload_size = n > 0 ? (size_t)n : 0;
+  CHECK(zmq_getsockopt(sub, ZMQ_RCVMORE, &more, &more_size) == 0 && more == 0);
+  return 1;
+}
+
+/* Whether `part` (`size` bytes, NULs allowed) occurs in the payload. */
+static int payload_has(const events_message* m, const char* part, size_t size) {
+  size_t i;
+  for (i = 0; i + size <= m->payload_size; ++i)
+    if (memcmp(m->payload + i, part, size) == 0) return 1;
+  return 0;
+}
+#define PAYLOAD_HAS(m, literal) payload_has((m), (literal), sizeof(literal) - 1)
+
+/* events_receive, retried `tries` times (each bounded by the socket's
+ * timeout). */
+static int events_receive_within(void* sub, events_message* m, int tries) {
+  int i;
+  for (i = 0; i < tries; ++i)
+    if (events_receive(sub, m)) return 1;
+  return 0;
+}
+
+/* A PUB socket drops what it sends before a subscription arrives (ZeroMQ's
+ * slow joiner): stores one new block per round (a one-block table over
+ * `prefix`, tokens from `first`), flushes, and waits briefly for a message,
+ * until one arrives (at most 100 rounds). The rounds it took (blocks
+ * stored), 0 when no message came. */
+static int events_join(kvport_prefix_cache* prefix, void* sub, uint32_t first, events_message* m) {
+  kvport_block_table* table = NULL;
+  uint32_t tokens[4];
+  bool flushed = false;
+  int round;
+  for (round = 0; round < 100; ++round) {
+    fill_tokens(tokens, 4, first + 4u * (uint32_t)round);
+    OK(kvport_block_table_create_prefixed(prefix, 0, &table));
+    OK(kvport_block_table_append_tokens(table, tokens, 4, NULL));
+    OK(kvport_block_table_destroy(table));
+    OK(kvport_prefix_cache_flush_events(prefix, 2000, &flushed));
+    CHECK(flushed);
+    if (events_receive(sub, m)) return round + 1;
+  }
+  return 0;
+}
+
+static void test_events(kvport_backend* backend) {
+  kvport_config config = small_config(); /* block_size 4 */
+  kvport_cache *cache = NULL, *other_cache = NULL;
+  kvport_prefix_cache *prefix = NULL, *other = NULL;
+  kvport_block_table* table = NULL;
+  kvport_events_options options;
+  kvport_events_stats stats;
+  events_message m;
+  char endpoint[256], text[256];
+  size_t needed = 0, cached = 0;
+  uint32_t tokens[8];
+  uint64_t joined_seq;
+  int rounds;
+  bool flushed = false;
+  void* zmq_context = zmq_ctx_new();
+  void* sub;
+  /* The BlockStored of tokens 100..107, block size 4, in map form. */
+  static const char k_tokens[] = "\xa9token_ids\x98\x64\x65\x66\x67\x68\x69\x6a\x6b";
+
+  CHECK(zmq_context != NULL);
+  OK(kvport_cache_create(&config, 128, backend, &cache));
+  OK(kvport_prefix_cache_create(cache, &prefix));
+
+  /* Options. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_events_options_init(NULL));
+  OK(kvport_events_options_init(&options));
+  CHECK(strcmp(options.endpoint, "tcp://127.0.0.1:5557") == 0);
+  CHECK(options.topic == NULL && options.replay_endpoint == NULL);
+  CHECK(!options.has_data_parallel_rank && options.form == KVPORT_EVENT_FORM_MAP);
+  CHECK(options.max_batch_events == 0 && options.buffer_bytes == 0 && options.linger_ms == 0);
+
+  /* Not enabled yet. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_events_stats(prefix, &stats));
+  CHECK(contains(kvport_last_error(), "not enabled"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, text, sizeof text,
+                                             NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_flush_events(prefix, 10, &flushed));
+  OK(kvport_prefix_cache_disable_events(prefix)); /* nothing to disable */
+
+  /* Bad options change nothing. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, NULL));
+  options.endpoint = NULL;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  CHECK(contains(kvport_last_error(), "options.endpoint"));
+  options.endpoint = "";
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  options.endpoint = "not-an-endpoint";
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  CHECK(contains(kvport_last_error(), "not-an-endpoint"));
+  options.endpoint = "tcp://127.0.0.1:0";
+  options.form = 7;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  CHECK(contains(kvport_last_error(), "kvport_event_form"));
+  options.form = KVPORT_EVENT_FORM_MAP;
+  options.send_high_water_mark = -1;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  options.send_high_water_mark = 0;
+  options.replay_endpoint = "tcp://nowhere:";
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  options.replay_endpoint = "";
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_enable_events(NULL, &options));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_prefix_cache_enable_events((kvport_prefix_cache*)cache, &options));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_events_stats(prefix, &stats));
+
+  /* A block cached before events are enabled is announced when they are. */
+  fill_tokens(tokens, 4, 9000);
+  OK(kvport_block_table_create_prefixed(prefix, 0, &table));
+  OK(kvport_block_table_append_tokens(table, tokens, 4, NULL));
+  OK(kvport_block_table_destroy(table));
+
+  options.topic = "kv@pod-0@model";
+  options.has_data_parallel_rank = true;
+  options.data_parallel_rank = 3;
+  options.batch_interval_us = 1000;
+  OK(kvport_prefix_cache_enable_events(prefix, &options));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(prefix, &options));
+  CHECK(contains(kvport_last_error(), "enabled already"));
+  OK(kvport_prefix_cache_events_stats(prefix, &stats));
+  CHECK(stats.events_accepted == 1); /* the block cached before */
+
+  /* The bound endpoint: the real port, not 0. */
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, endpoint,
+                                         sizeof endpoint, &needed));
+  CHECK(strncmp(endpoint, "tcp://127.0.0.1:", 16) == 0 && strlen(endpoint) > 16);
+  CHECK(strcmp(endpoint, "tcp://127.0.0.1:0") != 0 && needed == strlen(endpoint) + 1);
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, NULL, 0, &needed));
+  CHECK(needed == strlen(endpoint) + 1);
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, text, 8, NULL));
+  CHECK(strcmp(text, "tcp://1") == 0);
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_REPLAY, text, sizeof text,
+                                         &needed));
+  CHECK(text[0] == '\0' && needed == 1);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_prefix_cache_events_endpoint(prefix, 2, text, sizeof text, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, NULL, 4, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_events_stats(prefix, NULL));
+
+  /* Another publisher on the same port: the bind fails, naming it. */
+  OK(kvport_cache_create(&config, 8, backend, &other_cache));
+  OK(kvport_prefix_cache_create(other_cache, &other));
+  options.endpoint = endpoint;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_enable_events(other, &options));
+  CHECK(contains(kvport_last_error(), endpoint));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_events_stats(other, &stats));
+  options.endpoint = "tcp://127.0.0.1:0";
+
+  /* Subscribe, join, then one table of two blocks: one BlockStored. */
+  sub = events_subscriber(zmq_context, endpoint, 100);
+  rounds = events_join(prefix, sub, 1000, &m);
+  CHECK(rounds > 0);
+  joined_seq = m.seq;
+  CHECK(m.topic_size == 14 && memcmp(m.topic, "kv@pod-0@model", 14) == 0);
+  fill_tokens(tokens, 8, 100);
+  OK(kvport_block_table_create_prefixed(prefix, 0, &table));
+  OK(kvport_block_table_append_tokens(table, tokens, 8, NULL));
+  OK(kvport_prefix_cache_flush_events(prefix, 2000, &flushed));
+  CHECK(flushed);
+  CHECK(events_receive(sub, &m));
+  CHECK(m.seq == joined_seq + 1);
+  CHECK(m.topic_size == 14 && memcmp(m.topic, "kv@pod-0@model", 14) == 0);
+  /* [ts (float64), [event], 3] with the event a map tagged "BlockStored". */
+  CHECK(m.payload_size > 10 && m.payload[0] == 0x93 && m.payload[1] == 0xcb);
+  CHECK(m.payload[10] == 0x91 && (m.payload[11] & 0xf0) == 0x80);
+  CHECK(m.payload[m.payload_size - 1] == 0x03);
+  CHECK(PAYLOAD_HAS(&m,
+                    "\xa4type\xab"
+                    "BlockStored"));
+  CHECK(PAYLOAD_HAS(&m,
+                    "\xac"
+                    "block_hashes\x92"));
+  CHECK(payload_has(&m, k_tokens, sizeof k_tokens - 1));
+  CHECK(PAYLOAD_HAS(&m,
+                    "\xaa"
+                    "block_size\x04"));
+  CHECK(PAYLOAD_HAS(&m, "\xa6medium\xa3GPU"));
+  CHECK(PAYLOAD_HAS(&m, "\xb1parent_block_hash\xc0"));
+  OK(kvport_prefix_cache_events_stats(prefix, &stats));
+  CHECK(stats.events_dropped == 0 && stats.send_failures == 0);
+  CHECK(stats.next_seq == m.seq + 1 && stats.batches_sent == stats.next_seq);
+  /* The block cached before, one a round, the table's two in one event. */
+  CHECK(stats.events_accepted == 1 + (uint64_t)rounds + 1);
+  CHECK(stats.replay_requests == 0 && stats.snapshots == 0 && stats.bad_requests == 0);
+  OK(kvport_prefix_cache_flush_events(prefix, 0, NULL));
+
+  /* Disable: a clear goes out, then the publisher is gone. */
+  OK(kvport_block_table_destroy(table));
+  OK(kvport_prefix_cache_disable_events(prefix));
+  CHECK(events_receive_within(sub, &m, 20));
+  CHECK(PAYLOAD_HAS(&m,
+                    "\xa4type\xb0"
+                    "AllBlocksCleared"));
+  CHECK(PAYLOAD_HAS(&m, "\xa6medium\xa3GPU"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_events_stats(prefix, &stats));
+  OK(kvport_prefix_cache_disable_events(prefix));
+  CHECK(zmq_close(sub) == 0);
+
+  /* Enabled again (positional form, a replay socket): the cached blocks are
+   * announced; destroying the prefix cache with events on is safe. */
+  OK(kvport_prefix_cache_num_cached_blocks(prefix, &cached));
+  options.form = KVPORT_EVENT_FORM_POSITIONAL;
+  options.replay_endpoint = "tcp://127.0.0.1:0";
+  options.has_data_parallel_rank = false;
+  OK(kvport_prefix_cache_enable_events(prefix, &options));
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_REPLAY, text, sizeof text,
+                                         NULL));
+  CHECK(strncmp(text, "tcp://127.0.0.1:", 16) == 0 && strcmp(text, "tcp://127.0.0.1:0") != 0);
+  OK(kvport_prefix_cache_events_endpoint(prefix, KVPORT_EVENTS_SOCKET_PUB, endpoint,
+                                         sizeof endpoint, NULL));
+  OK(kvport_prefix_cache_events_stats(prefix, &stats));
+  CHECK(cached > 2 && stats.events_accepted == cached);
+  sub = events_subscriber(zmq_context, endpoint, 100);
+  CHECK(events_join(prefix, sub, 5000, &m));
+  /* [ts, [["BlockStored", hashes, parent, tokens, 4, nil, "GPU", ...]], nil] */
+  CHECK(m.payload[0] == 0x93 && m.payload[m.payload_size - 1] == 0xc0);
+  CHECK(PAYLOAD_HAS(&m,
+                    "\x9c\xab"
+                    "BlockStored\x91"));
+  CHECK(PAYLOAD_HAS(&m, "\x04\xc0\xa3GPU"));
+  CHECK(!PAYLOAD_HAS(&m, "block_hashes"));
+  CHECK(zmq_close(sub) == 0);
+  OK(kvport_prefix_cache_destroy(prefix));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_events_stats(prefix, &stats));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_disable_events(prefix));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_events_endpoint(
+                                        prefix, KVPORT_EVENTS_SOCKET_PUB, text, sizeof text, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_flush_events(prefix, 10, NULL));
+  OK(kvport_prefix_cache_destroy(other));
+  OK(kvport_cache_destroy(other_cache));
+  OK(kvport_cache_destroy(cache));
+  CHECK(zmq_ctx_term(zmq_context) == 0);
+}
+
+static void test_hybrid_events(kvport_backend* backend) {
+  kvport_layer_spec layers[5];
+  size_t counts[3] = {16, 8, 16};
+  kvport_hybrid_cache* cache = NULL;
+  kvport_hybrid_block_table* table = NULL;
+  kvport_events_options options;
+  kvport_events_stats stats;
+  events_message m;
+  char endpoint[256];
+  uint32_t tokens[4];
+  size_t needed = 0;
+  bool flushed = false;
+  int round, received = 0;
+  void* zmq_context = zmq_ctx_new();
+  void* sub;
+
+  mamba_layers(layers); /* groups: full attention, state (mamba), MLA */
+  OK(kvport_hybrid_cache_create(backend, layers, 5, 4, 1, counts, 3, &cache));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_events_stats(cache, &stats));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_events_endpoint(cache, KVPORT_EVENTS_SOCKET_PUB, endpoint,
+                                             sizeof endpoint, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_flush_events(cache, 10, NULL));
+  OK(kvport_hybrid_cache_disable_events(cache));
+  OK(kvport_events_options_init(&options));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_enable_events(cache, NULL));
+  options.endpoint = "tcp://127.0.0.1:notaport";
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_enable_events(cache, &options));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_enable_events(NULL, &options));
+  options.endpoint = "tcp://127.0.0.1:0";
+  options.batch_interval_us = 1000;
+  OK(kvport_hybrid_cache_enable_events(cache, &options));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_enable_events(cache, &options));
+  OK(kvport_hybrid_cache_events_endpoint(cache, KVPORT_EVENTS_SOCKET_PUB, endpoint, sizeof endpoint,
+                                         &needed));
+  CHECK(strncmp(endpoint, "tcp://127.0.0.1:", 16) == 0 && needed == strlen(endpoint) + 1);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_events_endpoint(cache, -1, endpoint, sizeof endpoint, NULL));
+
+  /* Each round stores one block in every group; wait for group 0's. */
+  sub = events_subscriber(zmq_context, endpoint, 100);
+  for (round = 0; round < 100 && !received; ++round) {
+    fill_tokens(tokens, 4, 4u * (uint32_t)round);
+    OK(kvport_hybrid_block_table_create(cache, 0, &table));
+    OK(kvport_hybrid_block_table_append_tokens(table, tokens, 4, NULL));
+    OK(kvport_hybrid_block_table_destroy(table));
+    OK(kvport_hybrid_cache_flush_events(cache, 2000, &flushed));
+    CHECK(flushed);
+    while (events_receive(sub, &m)) {
+      if (PAYLOAD_HAS(&m,
+                      "\xa9group_idx\x00\xb2kv_cache_spec_kind\xae"
+                      "full_attention")) {
+        received = 1;
+        break;
+      }
+    }
+  }
+  CHECK(received);
+  CHECK(PAYLOAD_HAS(&m,
+                    "\xa4type\xab"
+                    "BlockStored"));
+  OK(kvport_hybrid_cache_events_stats(cache, &stats));
+  CHECK(stats.events_accepted >= (uint64_t)round && stats.events_dropped == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_events_stats(cache, NULL));
+
+  /* Disable: every group's clear goes out. */
+  OK(kvport_hybrid_cache_disable_events(cache));
+  received = 0;
+  while (events_receive_within(sub, &m, 20)) {
+    if (PAYLOAD_HAS(&m,
+                    "\xb0"
+                    "AllBlocksCleared")) {
+      received = 1;
+      break;
+    }
+  }
+  CHECK(received);
+  CHECK(PAYLOAD_HAS(&m, "\xa9group_idx\x02"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_events_stats(cache, &stats));
+  CHECK(zmq_close(sub) == 0);
+
+  /* Destroyed with events on. */
+  OK(kvport_hybrid_cache_enable_events(cache, &options));
+  OK(kvport_hybrid_cache_destroy(cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_events_stats(cache, &stats));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_disable_events(cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_flush_events(cache, 10, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_cache_events_endpoint(cache, KVPORT_EVENTS_SOCKET_PUB, endpoint,
+                                             sizeof endpoint, NULL));
+  CHECK(zmq_ctx_term(zmq_context) == 0);
+}
+
 static void test_invalid_handles(void) {
   size_t n = 0;
   uint32_t b = 0;
@@ -1501,6 +1877,8 @@ int main(void) {
   test_hybrid_cache(backend);
   test_hybrid_window_tables(backend);
   test_hybrid_state_tables(backend);
+  test_events(backend);
+  test_hybrid_events(backend);
   test_invalid_handles();
   OK(kvport_backend_destroy(backend));
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "convert.hpp"
+#include "events.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
@@ -58,10 +59,10 @@ void bind_prefix(py::module_& m) {
         return s.str();
       });
 
-  py::class_<PyPrefixCache>(m, "PrefixCache",
-                            "Automatic prefix caching with LRU eviction over a PagedKvCache. A "
-                            "context manager.")
-      .def(py::init<const PyCache&>(), py::arg("cache"))
+  py::class_<PyPrefixCache> prefix_cache(
+      m, "PrefixCache",
+      "Automatic prefix caching with LRU eviction over a PagedKvCache. A context manager.");
+  prefix_cache.def(py::init<const PyCache&>(), py::arg("cache"))
       .def("__enter__", [](const py::object& self) { return self; })
       .def("__exit__", [](PyPrefixCache& p, const py::args&) { p.close(); })
       .def("close", &PyPrefixCache::close)
@@ -115,6 +116,19 @@ void bind_prefix(py::module_& m) {
                              [](const PyPrefixCache& p) { return PyCache(p.state()->cache); })
       .def("check_invariants",
            [](const PyPrefixCache& p) { return p.prefix().check_invariants(); });
+  // KV events: medium "GPU", no group.
+  def_events<PyPrefixCache>(
+      prefix_cache,
+      [](const PyPrefixCache& self) {
+        PrefixState& state = *self.state();
+        kvport::PrefixCache& prefix = *state.prefix;
+        return EventsTarget{
+            &state.publisher,
+            [&prefix](CacheEventSink* sink) { prefix.set_event_sink(sink, prefix.event_source()); },
+            [&prefix](CacheEventSink& sink) { prefix.snapshot(sink); },
+            [&prefix](CacheEventSink& sink) { sink.cleared(prefix.event_source()); }};
+      },
+      "PrefixCache");
 
   // ---- BlockTable -----------------------------------------------------------------
   py::class_<PyBlockTable>(m, "BlockTable",

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "convert.hpp"
+#include "events.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
@@ -77,9 +78,16 @@ std::string spec_repr(const LayerSpec& s) {
 struct HybridState {
   std::unique_ptr<Backend> backend;
   int device = 0;
+  /// Every group's event sink while events are enabled (events.hpp).
+  std::shared_ptr<events::Publisher> publisher;
   std::unique_ptr<HybridKvCache> cache;  // destroyed first (see ~HybridState)
 
-  ~HybridState() { cache.reset(); }
+  // The cache (its prefix caches announce their clears), the publisher, then
+  // the backend.
+  ~HybridState() {
+    cache.reset();
+    publisher.reset();
+  }
   StreamView stream() const { return backend->default_stream(); }
   void sync() const { backend->synchronize(stream()); }
 };
@@ -560,9 +568,10 @@ void register_hybrid(py::module_& m) {
         return s.str();
       });
 
-  py::class_<PyHybridCache>(m, "HybridKvCache",
-                            "A model's KV cache as KV cache groups: one block pool and one "
-                            "prefix cache per group. A context manager.")
+  py::class_<PyHybridCache> hybrid_cache(m, "HybridKvCache",
+                                         "A model's KV cache as KV cache groups: one block pool "
+                                         "and one prefix cache per group. A context manager.");
+  hybrid_cache
       .def(py::init<const std::vector<py::object>&, const py::object&, std::optional<std::size_t>,
                     const std::string&, int, std::size_t, std::optional<bool>>(),
            py::arg("layers"), py::arg("blocks_per_group"), py::kw_only(),
@@ -651,6 +660,21 @@ void register_hybrid(py::module_& m) {
       .def("group_invariants",
            [](const PyHybridCache& c) { return c.cache().check_group_invariants(); })
       .def("synchronize", [](const PyHybridCache& c) { c.cache().synchronize(); });
+  // KV events: every group, with its group_idx and spec kind, medium "GPU".
+  def_events<PyHybridCache>(
+      hybrid_cache,
+      [](const PyHybridCache& self) {
+        HybridState& state = *self.state();
+        HybridKvCache& cache = *state.cache;
+        return EventsTarget{&state.publisher,
+                            [&cache](CacheEventSink* sink) { cache.set_event_sink(sink); },
+                            [&cache](CacheEventSink& sink) { cache.snapshot(sink); },
+                            [&cache](CacheEventSink& sink) {
+                              for (std::size_t g = 0; g < cache.num_groups(); ++g)
+                                sink.cleared(cache.group_event_source(g, Medium::gpu));
+                            }};
+      },
+      "HybridKvCache");
 
   // ---- HybridBlockTable -----------------------------------------------------------------
   py::class_<HybridBlockTable::GroupNeed>(m, "GroupNeed", "One group's need for an append.")

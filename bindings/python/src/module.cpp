@@ -6,8 +6,9 @@
 // errors.cpp (the exception types), bind_config.cpp (module functions,
 // KvCacheConfig, counters), pool_view.cpp (PoolView and DLPack),
 // bind_cache.cpp (PagedKvCache), bind_prefix.cpp (PrefixCache,
-// BlockTable), hybrid.cpp (layer specs, the planner, hybrid caches and
-// tables); convert.cpp holds the conversions they share and state.hpp the
+// BlockTable), bind_events.cpp (KV events: the methods in events.hpp, on
+// PrefixCache and HybridKvCache), hybrid.cpp (layer specs, the planner,
+// hybrid caches and tables); convert.cpp holds the conversions they share and state.hpp the
 // owned state and lifetimes. The DLPack deleter drops a shared_ptr and needs
 // no GIL, so a consumer may call it from any thread. Hybrid caches follow the
 // same rule with their own state.
@@ -22,6 +23,7 @@ PYBIND11_MODULE(_kvport, m) {
   kvport::python::bind_config(m);
   kvport::python::register_pool_view(m);
   kvport::python::bind_cache(m);
+  kvport::python::bind_events(m);
   kvport::python::bind_prefix(m);
   kvport::python::register_hybrid(m);
 }

@@ -25,6 +25,10 @@ void bind_cache(py::module_& m);
 /// PrefixMatch, PrefixCache, BlockTable (bind_prefix.cpp).
 void bind_prefix(py::module_& m);
 
+/// EventPublisherStats (bind_events.cpp; the events methods of PrefixCache
+/// and HybridKvCache are in events.hpp).
+void bind_events(py::module_& m);
+
 /// LayerSpec, StateTensor, KvCacheGroup, plan_kv_cache, HybridKvCache,
 /// HybridBlockTable (hybrid.cpp).
 void register_hybrid(py::module_& m);

@@ -22,6 +22,7 @@
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/events/publisher.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/registry.hpp"
 #include "pool_view.hpp"
@@ -52,9 +53,16 @@ inline ViewOwner view_owner(const std::shared_ptr<CacheState>& state) {
 
 struct PrefixState {
   std::shared_ptr<CacheState> cache;
+  /// The prefix cache's event sink while events are enabled (events.hpp).
+  std::shared_ptr<kvport::events::Publisher> publisher;
   std::unique_ptr<kvport::PrefixCache> prefix;
 
-  ~PrefixState() { prefix.reset(); }
+  // The prefix cache first (it announces a clear to the publisher, which
+  // then sends what it buffered), then the publisher, then the pools.
+  ~PrefixState() {
+    prefix.reset();
+    publisher.reset();
+  }
 };
 
 // Block-major layout: the one pool, each block's bytes of every layer (layer 0

@@ -954,6 +954,152 @@ KVPORT_API kvport_status kvport_hybrid_block_table_state_slot(
 KVPORT_API kvport_status
 kvport_hybrid_block_table_copy_on_writes(const kvport_hybrid_block_table* table, uint64_t* out);
 
+/* ---- KV cache events ---------------------------------------------------------------------- */
+
+/* A prefix cache or a hybrid cache can publish every change of the set of
+ * blocks it holds as vLLM's KV events (BlockStored, BlockRemoved,
+ * AllBlocksCleared) on a ZeroMQ PUB socket, in vLLM's wire format
+ * (kvport::events::Publisher; docs/events.md has the format and what each
+ * operation announces), so that llm-d's and Dynamo's cache-aware routers can
+ * follow it. The publisher belongs to the cache's handle: it is created by
+ * *_enable_events, destroyed by *_disable_events or with the handle, always
+ * after the cache has stopped calling it. Its sockets are served by a thread
+ * of its own; the cache's calls only copy each event into a bounded buffer
+ * (an event that does not fit is dropped and counted, never waited for). The
+ * calls below follow the cache's thread rule: one thread at a time. */
+
+/** The events' encoding (mirror kvport::events::EventForm). */
+typedef enum kvport_event_form {
+  /** Map-tagged events (vLLM since mid-2026; the default). */
+  KVPORT_EVENT_FORM_MAP = 0,
+  /** Positional arrays with the tag first (vLLM before mid-2026). */
+  KVPORT_EVENT_FORM_POSITIONAL = 1
+} kvport_event_form;
+
+/** Which socket of a publisher *_events_endpoint reports. */
+typedef enum kvport_events_socket {
+  /** The PUB socket the events go out on. */
+  KVPORT_EVENTS_SOCKET_PUB = 0,
+  /** The ROUTER socket for replay and snapshot requests ("" without one). */
+  KVPORT_EVENTS_SOCKET_REPLAY = 1
+} kvport_events_socket;
+
+/** How a publisher binds and batches (kvport::events::PublisherOptions).
+ *  Strings are read during the call only. Every numeric field left 0 takes
+ *  the publisher's default (in parentheses). */
+typedef struct kvport_events_options {
+  /** The PUB socket's endpoint; port 0 binds an ephemeral port
+   *  (*_events_endpoint reports it). Not null, not empty. */
+  const char* endpoint;
+  /** The first frame of every message; null or "" for none (vLLM's default). */
+  const char* topic;
+  /** The ROUTER socket for replay and snapshot requests; null or "" for none. */
+  const char* replay_endpoint;
+  /** Whether the batches carry data_parallel_rank (else nil). */
+  bool has_data_parallel_rank;
+  int64_t data_parallel_rank;
+  /** A kvport_event_form. */
+  int32_t form;
+  /** A batch is sent at this many events (256) ... */
+  size_t max_batch_events;
+  /** ... or this many microseconds after its first event (10,000). */
+  uint64_t batch_interval_us;
+  /** Events buffered before the publisher thread takes them (65,536) ... */
+  size_t buffer_events;
+  /** ... and their bytes, 8 per hash and 4 per token (64 MiB). */
+  size_t buffer_bytes;
+  /** ZMQ_SNDHWM in messages (100,000); negative is invalid. */
+  int32_t send_high_water_mark;
+  /** Batches the replay socket keeps (10,000). */
+  size_t replay_ring_batches;
+  /** How long destroying the publisher waits for queued sends, ms (1,000). */
+  uint32_t linger_ms;
+} kvport_events_options;
+
+/** Fills `options` with the defaults: endpoint "tcp://127.0.0.1:5557", no
+ *  topic, no replay socket, no data_parallel_rank, map form, every numeric
+ *  field 0 (the publisher's default). */
+KVPORT_API kvport_status kvport_events_options_init(kvport_events_options* options);
+
+/** A publisher's counters (kvport::events::PublisherStats). */
+typedef struct kvport_events_stats {
+  uint64_t events_accepted;
+  uint64_t events_dropped; /**< the buffer was full (or out of memory) */
+  uint64_t batches_sent;
+  uint64_t send_failures; /**< batches ZeroMQ refused (high water mark) */
+  uint64_t replay_requests;
+  uint64_t snapshots;
+  uint64_t bad_requests; /**< replay socket requests of neither form */
+  uint64_t next_seq;     /**< the sequence number of the next batch */
+} kvport_events_stats;
+
+/** Starts publishing the prefix cache's events (medium "GPU", no group):
+ *  binds the sockets, starts the publisher's thread, installs it as the
+ *  prefix cache's sink, then announces the blocks cached already as
+ *  BlockStored events (those registered before events were first enabled
+ *  on this prefix cache carry neither parent nor tokens). From the first
+ *  call on, the prefix cache keeps every registered block's parent and
+ *  tokens (32 bytes + block_size token ids per block, allocated once).
+ *  KVPORT_ERR_INVALID_ARGUMENT (nothing changed) for a null `options` or
+ *  endpoint, a form outside kvport_event_form, a negative high water mark,
+ *  an endpoint ZeroMQ cannot parse or bind (a port in use; the message names
+ *  it), or when events are enabled already (disable them first). */
+KVPORT_API kvport_status kvport_prefix_cache_enable_events(kvport_prefix_cache* prefix_cache,
+                                                           const kvport_events_options* options);
+
+/** Stops publishing: announces AllBlocksCleared (the stream stops following
+ *  the cache), uninstalls the sink, then destroys the publisher, which sends
+ *  what it buffered and waits up to linger_ms for ZeroMQ. KVPORT_OK, doing
+ *  nothing, when events are not enabled. kvport_prefix_cache_destroy with
+ *  events enabled does the same (the prefix cache's own destruction announces
+ *  the clear). */
+KVPORT_API kvport_status kvport_prefix_cache_disable_events(kvport_prefix_cache* prefix_cache);
+
+/** The publisher's counters. KVPORT_ERR_INVALID_ARGUMENT when events are
+ *  not enabled or `out` is null. */
+KVPORT_API kvport_status kvport_prefix_cache_events_stats(const kvport_prefix_cache* prefix_cache,
+                                                          kvport_events_stats* out);
+
+/** The bound endpoint of a publisher socket (a kvport_events_socket), as
+ *  ZeroMQ reports it (the real port for port 0): written to `text` (may be
+ *  null with text_size 0) truncated to text_size - 1 bytes and
+ *  NUL-terminated; *text_needed (may be null) gets its full length + 1.
+ *  KVPORT_ERR_INVALID_ARGUMENT when events are not enabled or for another
+ *  socket value. */
+KVPORT_API kvport_status
+kvport_prefix_cache_events_endpoint(const kvport_prefix_cache* prefix_cache, int32_t socket,
+                                    char* text, size_t text_size, size_t* text_needed);
+
+/** Waits until every event announced before the call has been published
+ *  (sent, or refused and counted), at most `timeout_ms`; *out_flushed (may
+ *  be null) tells whether it was. KVPORT_ERR_INVALID_ARGUMENT when events
+ *  are not enabled. */
+KVPORT_API kvport_status kvport_prefix_cache_flush_events(kvport_prefix_cache* prefix_cache,
+                                                          uint32_t timeout_ms, bool* out_flushed);
+
+/** As kvport_prefix_cache_enable_events, for every group of a hybrid cache:
+ *  one publisher, each group's events with its group_idx, kv_cache_spec_kind
+ *  ("full_attention", "mla_attention", "sliding_window", "chunked_local",
+ *  "mamba") and sliding window, medium "GPU". Same errors. */
+KVPORT_API kvport_status kvport_hybrid_cache_enable_events(kvport_hybrid_cache* cache,
+                                                           const kvport_events_options* options);
+
+/** As kvport_prefix_cache_disable_events (one AllBlocksCleared per group). */
+KVPORT_API kvport_status kvport_hybrid_cache_disable_events(kvport_hybrid_cache* cache);
+
+/** As kvport_prefix_cache_events_stats. */
+KVPORT_API kvport_status kvport_hybrid_cache_events_stats(const kvport_hybrid_cache* cache,
+                                                          kvport_events_stats* out);
+
+/** As kvport_prefix_cache_events_endpoint. */
+KVPORT_API kvport_status kvport_hybrid_cache_events_endpoint(const kvport_hybrid_cache* cache,
+                                                             int32_t socket, char* text,
+                                                             size_t text_size, size_t* text_needed);
+
+/** As kvport_prefix_cache_flush_events. */
+KVPORT_API kvport_status kvport_hybrid_cache_flush_events(kvport_hybrid_cache* cache,
+                                                          uint32_t timeout_ms, bool* out_flushed);
+
 /* ---- testing ------------------------------------------------------------------------------ */
 
 /** Queues work on `stream` (null: the backend's default stream) that fails

@@ -242,6 +242,47 @@ pub struct kvport_group_need {
     pub released: usize,
 }
 
+// ---- KV cache events ----------------------------------------------------------
+
+pub type kvport_event_form = c_int;
+pub const KVPORT_EVENT_FORM_MAP: kvport_event_form = 0;
+pub const KVPORT_EVENT_FORM_POSITIONAL: kvport_event_form = 1;
+
+pub type kvport_events_socket = c_int;
+pub const KVPORT_EVENTS_SOCKET_PUB: kvport_events_socket = 0;
+pub const KVPORT_EVENTS_SOCKET_REPLAY: kvport_events_socket = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_events_options {
+    pub endpoint: *const c_char,
+    pub topic: *const c_char,
+    pub replay_endpoint: *const c_char,
+    pub has_data_parallel_rank: bool,
+    pub data_parallel_rank: i64,
+    pub form: i32,
+    pub max_batch_events: usize,
+    pub batch_interval_us: u64,
+    pub buffer_events: usize,
+    pub buffer_bytes: usize,
+    pub send_high_water_mark: i32,
+    pub replay_ring_batches: usize,
+    pub linger_ms: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct kvport_events_stats {
+    pub events_accepted: u64,
+    pub events_dropped: u64,
+    pub batches_sent: u64,
+    pub send_failures: u64,
+    pub replay_requests: u64,
+    pub snapshots: u64,
+    pub bad_requests: u64,
+    pub next_seq: u64,
+}
+
 extern "C" {
     // errors and version
     pub fn kvport_status_name(status: i32) -> *const c_char;
@@ -727,6 +768,51 @@ extern "C" {
     pub fn kvport_hybrid_block_table_copy_on_writes(
         table: *const kvport_hybrid_block_table,
         out: *mut u64,
+    ) -> kvport_status;
+
+    // KV cache events
+    pub fn kvport_events_options_init(options: *mut kvport_events_options) -> kvport_status;
+    pub fn kvport_prefix_cache_enable_events(
+        prefix_cache: *mut kvport_prefix_cache,
+        options: *const kvport_events_options,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_disable_events(prefix_cache: *mut kvport_prefix_cache) -> kvport_status;
+    pub fn kvport_prefix_cache_events_stats(
+        prefix_cache: *const kvport_prefix_cache,
+        out: *mut kvport_events_stats,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_events_endpoint(
+        prefix_cache: *const kvport_prefix_cache,
+        socket: i32,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_prefix_cache_flush_events(
+        prefix_cache: *mut kvport_prefix_cache,
+        timeout_ms: u32,
+        out_flushed: *mut bool,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_enable_events(
+        cache: *mut kvport_hybrid_cache,
+        options: *const kvport_events_options,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_disable_events(cache: *mut kvport_hybrid_cache) -> kvport_status;
+    pub fn kvport_hybrid_cache_events_stats(
+        cache: *const kvport_hybrid_cache,
+        out: *mut kvport_events_stats,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_events_endpoint(
+        cache: *const kvport_hybrid_cache,
+        socket: i32,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_flush_events(
+        cache: *mut kvport_hybrid_cache,
+        timeout_ms: u32,
+        out_flushed: *mut bool,
     ) -> kvport_status;
 
     // testing

@@ -47,6 +47,7 @@ mod backend;
 mod cache;
 mod config;
 mod error;
+mod events;
 mod hybrid;
 mod layer_spec;
 mod prefix;
@@ -55,6 +56,7 @@ pub use backend::{Backend, DevicePtr, GpuBackend, Stream, DEFAULT_STREAM};
 pub use cache::{CacheCounters, InvariantReport, PagedKvCache};
 pub use config::{KvCacheConfig, KvCacheDtype, KvCacheLayout, RegionLayout};
 pub use error::KvError;
+pub use events::{EventForm, EventsOptions, EventsStats};
 pub use hybrid::{
     plan_kv_cache, GroupNeed, GroupPlan, GroupPool, HybridBlockTable, HybridHitCounters, HybridKvCache, KvCachePlan,
     LayerLocation, PlanRequest, NULL_BLOCK,
