@@ -189,9 +189,13 @@ struct Subscriber::Impl {
       ++stats.duplicates;
       return;
     }
-    switch (index.apply(inst.id, batch, now)) {
+    const std::uint64_t before = index.counters().batches_applied;
+    const ApplyResult result = index.apply(inst.id, batch, now);
+    // Held batches the index applies after this one count too.
+    const std::uint64_t applied = index.counters().batches_applied - before;
+    stats.applied += applied;
+    switch (result) {
       case ApplyResult::applied:
-        ++stats.applied;
         break;
       case ApplyResult::duplicate:
         ++stats.duplicates;
@@ -199,15 +203,13 @@ struct Subscriber::Impl {
       case ApplyResult::held:
         ++stats.held;
         break;
-      case ApplyResult::restarted: {
+      case ApplyResult::restarted:
         ++stats.restarts;
-        const auto last = index.status(inst.id).last_seq;
-        ++(last == batch.seq ? stats.applied : stats.held);
+        if (applied == 0) ++stats.held;
         inst.snapshot_floor.reset();
         // A request sent to the old stream: its answer would be of it.
         if (live) cancel_request(inst);
         break;
-      }
     }
   }
 
@@ -295,7 +297,9 @@ struct Subscriber::Impl {
       index.remove_instance(inst.id);
       index.add_instance(inst.id, now);
     } else {
+      const std::uint64_t before = index.counters().batches_applied;
       index.apply_snapshot(inst.id, *seq - 1, evs, now, ts);
+      stats.applied += index.counters().batches_applied - before;  // held ones that follow
     }
     inst.snapshot_floor.emplace(*seq, ts);
     inst.request.applied = true;

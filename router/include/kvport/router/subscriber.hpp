@@ -65,7 +65,8 @@ struct SubscriberStats {
   std::uint64_t malformed = 0;
   /// Events of an unknown type skipped inside batches that decoded.
   std::uint64_t unknown_events = 0;
-  /// Batches (live or replayed) the index applied in sequence.
+  /// Batches the index applied in sequence: live, replayed, and held ones
+  /// it applied once their gap closed (or after a snapshot).
   std::uint64_t applied = 0;
   /// Batches dropped as already applied or held (index duplicates, and the
   /// copies of batches a snapshot already contained).
