@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -354,7 +355,9 @@ struct Subscriber::Impl {
       }
     }
     std::size_t handled = 0;
-    if (!items.empty()) {
+    if (items.empty()) {
+      std::this_thread::sleep_for(wait);  // a caller's loop must not spin
+    } else {
       try {
         zmq::poll(items.data(), items.size(), wait);
       } catch (const zmq::error_t&) {  // EINTR: nothing received this time

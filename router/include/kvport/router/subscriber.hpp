@@ -120,8 +120,9 @@ class Subscriber {
   /// not added here.
   void remove_instance(InstanceId id);
 
-  /// Waits up to `timeout` (0: not at all) until a message is there on any
-  /// socket, then receives everything queued (at most 4,096 messages a
+  /// Waits up to `timeout` (0: not at all; less when a request's deadline
+  /// comes first; the whole `timeout` without instances) until a message is
+  /// there on any socket, then receives everything queued (at most 4,096 messages a
   /// socket), applies it, and acts on index.needs() for every instance:
   /// sends replay and snapshot requests, applies their answers, times them
   /// out. Calls index.expire(now) when expire_silent. Returns the messages
