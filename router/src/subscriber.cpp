@@ -243,7 +243,7 @@ struct Subscriber::Impl {
   }
 
   // The end of an answer.
-  void finish(Instance& inst, Clock::time_point now) {
+  void finish(Instance& inst) {
     const Request req = inst.request;
     inst.request = Request{};
     if (req.kind == Request::Kind::replay) {
@@ -260,7 +260,6 @@ struct Subscriber::Impl {
       // terminator alone): ask again no sooner than a timeout would have.
       inst.snapshot_not_before = req.deadline;
     }
-    (void)now;
   }
 
   void on_answer(Instance& inst, std::vector<zmq::message_t>& frames, Clock::time_point now) {
@@ -278,7 +277,7 @@ struct Subscriber::Impl {
     }
     if (inst.request.kind == Request::Kind::none) return;  // nothing asked: stray
     if (*seq == events::end_of_replay_seq) {
-      finish(inst, now);
+      finish(inst);
       return;
     }
     auto r = decode(f[1], *seq);

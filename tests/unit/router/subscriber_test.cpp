@@ -650,7 +650,7 @@ TEST(SubscriberApi, BadEndpointsAndIdsThrowAndAddNothing) {
   EXPECT_EQ(sub.poll(0ms), 0u);
 }
 
-TEST(SubscriberApi, PollWithoutInstancesWaitsNothingAndExpiresSilentOnes) {
+TEST(SubscriberApi, SilentInstanceExpiredByPoll) {
   IndexOptions io = index_options();
   io.instance_timeout = 20ms;
   RouterIndex index(io);
