@@ -589,6 +589,71 @@ TEST(SubscriberFake, MalformedReplayAnswersAreCountedAndTheMissAsksASnapshot) {
   EXPECT_EQ(sub.stats().replay_misses, 1u);
 }
 
+TEST(SubscriberFake, ExpiredInstanceBroughtBackByASnapshot) {
+  FakePublisher fake;
+  IndexOptions io = index_options();
+  io.instance_timeout = 150ms;
+  RouterIndex index(io);
+  Subscriber sub(index);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  fake.send(batch(1, {stored({11})}, 2.0));
+  ASSERT_TRUE(sub.wait_for(0, 2, 2s));
+  // Silent: poll's expire drops it; it needs a snapshot, which is asked.
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().snapshot_requests == 1; }));
+  EXPECT_FALSE(index.status(0).active);
+  EXPECT_TRUE(index.blocks_of(0).empty());
+  const auto req = fake.request();
+  ASSERT_TRUE(req);
+  EXPECT_EQ(req->body, std::string(events::snapshot_request));
+  fake.answer(*req, batch(2, {stored({1}), stored({11})}, 2.5));
+  fake.end(*req);
+  ASSERT_TRUE(sub.wait_for(0, 2, 2s));
+  EXPECT_TRUE(index.status(0).active);
+  EXPECT_EQ(index.blocks_of(0), gpu({1, 11}));
+  EXPECT_EQ(index.status(0).last_seq, 1u);  // the set after batch S - 1
+  fake.send(batch(2, {stored({12})}, 3.0));
+  ASSERT_TRUE(sub.wait_for(0, 3, 2s));
+  EXPECT_EQ(index.blocks_of(0), gpu({1, 11, 12}));
+}
+
+TEST(SubscriberFake, SnapshotOfAnEmptyStreamAndAPublisherWithoutSnapshots) {
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.request_timeout = 150ms;
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  fake.send(batch(2, {stored({12})}, 3.0));
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().replay_requests == 1; }));
+  auto req = fake.request();
+  ASSERT_TRUE(req);
+  fake.end(*req);  // an empty ring: a miss
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().snapshot_requests == 1; }));
+  req = fake.request();
+  ASSERT_TRUE(req);
+  // A publisher without snapshots (vLLM's) answers the terminator alone: asked
+  // again, but not before a request_timeout passed, and no timeout counted.
+  const auto t = Clock::now();
+  fake.end(*req);
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().snapshot_requests == 2; }));
+  EXPECT_GE(Clock::now() - t, 50ms);
+  EXPECT_EQ(sub.stats().request_timeouts, 0u);
+  req = fake.request();
+  ASSERT_TRUE(req);
+  // S = 0: nothing published (the stream restarted): from seq 0 again.
+  fake.answer(*req, batch(0, {}, 5.0));
+  fake.end(*req);
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().snapshots_applied == 1; }));
+  EXPECT_EQ(index.needs(0).kind, Need::Kind::nothing);
+  EXPECT_FALSE(index.status(0).last_seq);
+  EXPECT_TRUE(index.blocks_of(0).empty());
+  fake.send(batch(0, {stored({70})}, 6.0));
+  ASSERT_TRUE(sub.wait_for(0, 1, 2s));
+  EXPECT_EQ(index.blocks_of(0), gpu({70}));
+}
+
 // ---- instances and errors -----------------------------------------------------
 
 TEST(SubscriberApi, RemoveInstanceDisconnects) {
