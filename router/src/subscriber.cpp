@@ -70,6 +70,8 @@ struct Subscriber::Impl {
     std::uint64_t start = 0;                     // replay: the first seq asked for
     std::optional<std::uint64_t> last_returned;  // replay: the last seq answered
     bool applied = false;                        // snapshot: answered and applied
+    // When the last frame of the answer came (none yet: nullopt).
+    std::optional<Clock::time_point> last_frame;
   };
 
   struct Instance {
@@ -111,6 +113,7 @@ struct Subscriber::Impl {
   void open_dealer(Instance& inst) {
     inst.dealer.emplace(ctx, zmq::socket_type::dealer);
     inst.dealer->set(zmq::sockopt::linger, 0);
+    inst.dealer->set(zmq::sockopt::rcvhwm, 0);  // an answer is never dropped here
     connect_or_throw(*inst.dealer, inst.endpoints.replay, "replay");
     ++inst.dealer_generation;
   }
@@ -119,6 +122,9 @@ struct Subscriber::Impl {
   // a new socket, so no late frame is taken for the next request's.
   void cancel_request(Instance& inst) {
     inst.request = Request{};
+    reopen_dealer(inst);
+  }
+  void reopen_dealer(Instance& inst) {
     if (inst.dealer) {
       inst.dealer->close();
       open_dealer(inst);
@@ -157,12 +163,24 @@ struct Subscriber::Impl {
   // Deadlines first, then what the index needs.
   void act(Instance& inst, Clock::time_point now) {
     if (inst.request.kind != Request::Kind::none) {
-      if (now < inst.request.deadline) return;
-      ++stats.request_timeouts;
-      const bool replay = inst.request.kind == Request::Kind::replay;
-      cancel_request(inst);
-      if (replay && index.needs(inst.id).kind == Need::Kind::replay_from)
-        index.replay_failed(inst.id);
+      const auto& last = inst.request.last_frame;
+      if (last && now - *last >= opt.tail_timeout) {
+        // The answer began, then stopped without its terminator: the
+        // publisher dropped its tail (a ROUTER past its high water mark
+        // drops). Ended here, so that what is still missing is asked for
+        // again now, not after request_timeout.
+        ++stats.truncated_answers;
+        finish(inst);
+        reopen_dealer(inst);
+      } else if (now < inst.request.deadline) {
+        return;
+      } else {
+        ++stats.request_timeouts;
+        const bool replay = inst.request.kind == Request::Kind::replay;
+        cancel_request(inst);
+        if (replay && index.needs(inst.id).kind == Need::Kind::replay_from)
+          index.replay_failed(inst.id);
+      }
     }
     const Need need = index.needs(inst.id);
     if (need.kind == Need::Kind::nothing) {
@@ -280,6 +298,9 @@ struct Subscriber::Impl {
       finish(inst);
       return;
     }
+    // An answer still coming is not timed out.
+    inst.request.last_frame = now;
+    inst.request.deadline = std::max(inst.request.deadline, now + opt.request_timeout);
     auto r = decode(f[1], *seq);
     if (inst.request.kind == Request::Kind::replay) {
       ++stats.replayed_batches;
@@ -349,7 +370,10 @@ struct Subscriber::Impl {
         owners.emplace_back(&inst, true);
       }
       if (inst.request.kind != Request::Kind::none) {
-        const auto left = std::chrono::ceil<milliseconds>(inst.request.deadline - now);
+        Clock::time_point due = inst.request.deadline;
+        if (inst.request.last_frame)
+          due = std::min(due, *inst.request.last_frame + opt.tail_timeout);
+        const auto left = std::chrono::ceil<milliseconds>(due - now);
         wait = std::clamp(left, milliseconds(0), wait);
       }
     }

@@ -447,6 +447,41 @@ TEST(SubscriberFake, ReplayTimeoutAsksASnapshotWhichIsAskedAgain) {
   EXPECT_EQ(sub.stats().replayed_batches, 0u);
 }
 
+TEST(SubscriberFake, TruncatedAnswerResumedFromWhereItStopped) {
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.tail_timeout = 30ms;  // request_timeout stays 2 s: not waited for
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  fake.send(batch(5, {stored({15})}, 6.0));
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().replay_requests == 1; }));
+  auto req = fake.request();
+  ASSERT_TRUE(req);
+  EXPECT_EQ(req->body, seq_bytes(1));
+  // The answer stops after 2, without its terminator (a ROUTER past its
+  // high water mark drops the rest).
+  fake.answer(*req, batch(1, {stored({11})}, 2.0));
+  fake.answer(*req, batch(2, {stored({12})}, 3.0));
+  const auto t = Clock::now();
+  ASSERT_TRUE(poll_until(
+      sub, [&] { return sub.stats().replay_requests == 2; }, 1s));
+  EXPECT_LT(Clock::now() - t, 1s);
+  EXPECT_EQ(sub.stats().truncated_answers, 1u);
+  EXPECT_EQ(sub.stats().request_timeouts, 0u);
+  EXPECT_EQ(sub.stats().replay_misses, 0u);
+  req = fake.request();
+  ASSERT_TRUE(req);
+  EXPECT_EQ(req->body, seq_bytes(3));  // from where it stopped
+  fake.answer(*req, batch(3, {stored({13})}, 4.0));
+  fake.answer(*req, batch(4, {stored({14})}, 5.0));
+  fake.end(*req);
+  ASSERT_TRUE(sub.wait_for(0, 6, 2s));
+  EXPECT_EQ(index.blocks_of(0), gpu({1, 11, 12, 13, 14, 15}));
+  EXPECT_EQ(sub.stats().snapshot_requests, 0u);
+}
+
 TEST(SubscriberFake, TailLossAskedByWaitFor) {
   FakePublisher fake;
   RouterIndex index(index_options());

@@ -37,14 +37,16 @@ struct SubscriberOptions {
   /// SUB filter prefix: only messages whose first frame starts with it; ""
   /// takes all.
   std::string topic;
-  /// A replay or snapshot answer not complete by then (> 0): a replay turns
-  /// into a snapshot need (RouterIndex::replay_failed); a snapshot is asked
-  /// again. Either way the DEALER socket is replaced, so that a late answer
-  /// is never taken for the next request's.
+  /// A replay or snapshot answer not complete by then (> 0; each frame of
+  /// the answer starts it again): a replay turns into a snapshot need
+  /// (RouterIndex::replay_failed); a snapshot is asked again. Either way the
+  /// DEALER socket is replaced, so that a late answer is never taken for the
+  /// next request's.
   std::chrono::milliseconds request_timeout{2000};
   /// wait_for: when the batches it waits for have not all arrived this long
   /// (> 0) after the last progress, it asks the replay of the first missing
-  /// one itself (a loss at a stream's tail shows no gap).
+  /// one itself (a loss at a stream's tail shows no gap). Also: an answer
+  /// silent this long after a frame, without its terminator, has ended.
   std::chrono::milliseconds tail_timeout{100};
   /// poll() calls index.expire(now) (instance_timeout of the index).
   bool expire_silent = true;
@@ -88,6 +90,10 @@ struct SubscriberStats {
   std::uint64_t snapshots_applied = 0;
   /// Replay or snapshot answers not complete within request_timeout.
   std::uint64_t request_timeouts = 0;
+  /// Answers that began, then stopped for tail_timeout without their
+  /// terminator (the publisher's ROUTER dropped their tail at its high water
+  /// mark): ended there; what is still missing is asked for again at once.
+  std::uint64_t truncated_answers = 0;
   /// Needs (a gap, a snapshot) of instances without a replay endpoint, which
   /// nothing can close: counted once each time an instance's need changes.
   std::uint64_t unserviceable_needs = 0;
