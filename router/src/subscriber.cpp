@@ -7,6 +7,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -69,6 +70,8 @@ struct Subscriber::Impl {
     std::uint64_t start = 0;                     // replay: the first seq asked for
     std::optional<std::uint64_t> last_returned;  // replay: the last seq answered
     bool applied = false;                        // snapshot: answered and applied
+    // When the last frame of the answer came (none yet: nullopt).
+    std::optional<Clock::time_point> last_frame;
   };
 
   struct Instance {
@@ -110,6 +113,7 @@ struct Subscriber::Impl {
   void open_dealer(Instance& inst) {
     inst.dealer.emplace(ctx, zmq::socket_type::dealer);
     inst.dealer->set(zmq::sockopt::linger, 0);
+    inst.dealer->set(zmq::sockopt::rcvhwm, 0);  // an answer is never dropped here
     connect_or_throw(*inst.dealer, inst.endpoints.replay, "replay");
     ++inst.dealer_generation;
   }
@@ -118,6 +122,9 @@ struct Subscriber::Impl {
   // a new socket, so no late frame is taken for the next request's.
   void cancel_request(Instance& inst) {
     inst.request = Request{};
+    reopen_dealer(inst);
+  }
+  void reopen_dealer(Instance& inst) {
     if (inst.dealer) {
       inst.dealer->close();
       open_dealer(inst);
@@ -156,12 +163,24 @@ struct Subscriber::Impl {
   // Deadlines first, then what the index needs.
   void act(Instance& inst, Clock::time_point now) {
     if (inst.request.kind != Request::Kind::none) {
-      if (now < inst.request.deadline) return;
-      ++stats.request_timeouts;
-      const bool replay = inst.request.kind == Request::Kind::replay;
-      cancel_request(inst);
-      if (replay && index.needs(inst.id).kind == Need::Kind::replay_from)
-        index.replay_failed(inst.id);
+      const auto& last = inst.request.last_frame;
+      if (last && now - *last >= opt.tail_timeout) {
+        // The answer began, then stopped without its terminator: the
+        // publisher dropped its tail (a ROUTER past its high water mark
+        // drops). Ended here, so that what is still missing is asked for
+        // again now, not after request_timeout.
+        ++stats.truncated_answers;
+        finish(inst);
+        reopen_dealer(inst);
+      } else if (now < inst.request.deadline) {
+        return;
+      } else {
+        ++stats.request_timeouts;
+        const bool replay = inst.request.kind == Request::Kind::replay;
+        cancel_request(inst);
+        if (replay && index.needs(inst.id).kind == Need::Kind::replay_from)
+          index.replay_failed(inst.id);
+      }
     }
     const Need need = index.needs(inst.id);
     if (need.kind == Need::Kind::nothing) {
@@ -189,9 +208,13 @@ struct Subscriber::Impl {
       ++stats.duplicates;
       return;
     }
-    switch (index.apply(inst.id, batch, now)) {
+    const std::uint64_t before = index.counters().batches_applied;
+    const ApplyResult result = index.apply(inst.id, batch, now);
+    // Held batches the index applies after this one count too.
+    const std::uint64_t applied = index.counters().batches_applied - before;
+    stats.applied += applied;
+    switch (result) {
       case ApplyResult::applied:
-        ++stats.applied;
         break;
       case ApplyResult::duplicate:
         ++stats.duplicates;
@@ -199,15 +222,13 @@ struct Subscriber::Impl {
       case ApplyResult::held:
         ++stats.held;
         break;
-      case ApplyResult::restarted: {
+      case ApplyResult::restarted:
         ++stats.restarts;
-        const auto last = index.status(inst.id).last_seq;
-        ++(last == batch.seq ? stats.applied : stats.held);
+        if (applied == 0) ++stats.held;
         inst.snapshot_floor.reset();
         // A request sent to the old stream: its answer would be of it.
         if (live) cancel_request(inst);
         break;
-      }
     }
   }
 
@@ -240,7 +261,7 @@ struct Subscriber::Impl {
   }
 
   // The end of an answer.
-  void finish(Instance& inst, Clock::time_point now) {
+  void finish(Instance& inst) {
     const Request req = inst.request;
     inst.request = Request{};
     if (req.kind == Request::Kind::replay) {
@@ -257,7 +278,6 @@ struct Subscriber::Impl {
       // terminator alone): ask again no sooner than a timeout would have.
       inst.snapshot_not_before = req.deadline;
     }
-    (void)now;
   }
 
   void on_answer(Instance& inst, std::vector<zmq::message_t>& frames, Clock::time_point now) {
@@ -275,9 +295,12 @@ struct Subscriber::Impl {
     }
     if (inst.request.kind == Request::Kind::none) return;  // nothing asked: stray
     if (*seq == events::end_of_replay_seq) {
-      finish(inst, now);
+      finish(inst);
       return;
     }
+    // An answer still coming is not timed out.
+    inst.request.last_frame = now;
+    inst.request.deadline = std::max(inst.request.deadline, now + opt.request_timeout);
     auto r = decode(f[1], *seq);
     if (inst.request.kind == Request::Kind::replay) {
       ++stats.replayed_batches;
@@ -295,7 +318,9 @@ struct Subscriber::Impl {
       index.remove_instance(inst.id);
       index.add_instance(inst.id, now);
     } else {
+      const std::uint64_t before = index.counters().batches_applied;
       index.apply_snapshot(inst.id, *seq - 1, evs, now, ts);
+      stats.applied += index.counters().batches_applied - before;  // held ones that follow
     }
     inst.snapshot_floor.emplace(*seq, ts);
     inst.request.applied = true;
@@ -345,12 +370,17 @@ struct Subscriber::Impl {
         owners.emplace_back(&inst, true);
       }
       if (inst.request.kind != Request::Kind::none) {
-        const auto left = std::chrono::ceil<milliseconds>(inst.request.deadline - now);
+        Clock::time_point due = inst.request.deadline;
+        if (inst.request.last_frame)
+          due = std::min(due, *inst.request.last_frame + opt.tail_timeout);
+        const auto left = std::chrono::ceil<milliseconds>(due - now);
         wait = std::clamp(left, milliseconds(0), wait);
       }
     }
     std::size_t handled = 0;
-    if (!items.empty()) {
+    if (items.empty()) {
+      std::this_thread::sleep_for(wait);  // a caller's loop must not spin
+    } else {
       try {
         zmq::poll(items.data(), items.size(), wait);
       } catch (const zmq::error_t&) {  // EINTR: nothing received this time

@@ -37,14 +37,16 @@ struct SubscriberOptions {
   /// SUB filter prefix: only messages whose first frame starts with it; ""
   /// takes all.
   std::string topic;
-  /// A replay or snapshot answer not complete by then (> 0): a replay turns
-  /// into a snapshot need (RouterIndex::replay_failed); a snapshot is asked
-  /// again. Either way the DEALER socket is replaced, so that a late answer
-  /// is never taken for the next request's.
+  /// A replay or snapshot answer not complete by then (> 0; each frame of
+  /// the answer starts it again): a replay turns into a snapshot need
+  /// (RouterIndex::replay_failed); a snapshot is asked again. Either way the
+  /// DEALER socket is replaced, so that a late answer is never taken for the
+  /// next request's.
   std::chrono::milliseconds request_timeout{2000};
   /// wait_for: when the batches it waits for have not all arrived this long
   /// (> 0) after the last progress, it asks the replay of the first missing
-  /// one itself (a loss at a stream's tail shows no gap).
+  /// one itself (a loss at a stream's tail shows no gap). Also: an answer
+  /// silent this long after a frame, without its terminator, has ended.
   std::chrono::milliseconds tail_timeout{100};
   /// poll() calls index.expire(now) (instance_timeout of the index).
   bool expire_silent = true;
@@ -65,7 +67,8 @@ struct SubscriberStats {
   std::uint64_t malformed = 0;
   /// Events of an unknown type skipped inside batches that decoded.
   std::uint64_t unknown_events = 0;
-  /// Batches (live or replayed) the index applied in sequence.
+  /// Batches the index applied in sequence: live, replayed, and held ones
+  /// it applied once their gap closed (or after a snapshot).
   std::uint64_t applied = 0;
   /// Batches dropped as already applied or held (index duplicates, and the
   /// copies of batches a snapshot already contained).
@@ -87,6 +90,10 @@ struct SubscriberStats {
   std::uint64_t snapshots_applied = 0;
   /// Replay or snapshot answers not complete within request_timeout.
   std::uint64_t request_timeouts = 0;
+  /// Answers that began, then stopped for tail_timeout without their
+  /// terminator (the publisher's ROUTER dropped their tail at its high water
+  /// mark): ended there; what is still missing is asked for again at once.
+  std::uint64_t truncated_answers = 0;
   /// Needs (a gap, a snapshot) of instances without a replay endpoint, which
   /// nothing can close: counted once each time an instance's need changes.
   std::uint64_t unserviceable_needs = 0;
@@ -119,8 +126,9 @@ class Subscriber {
   /// not added here.
   void remove_instance(InstanceId id);
 
-  /// Waits up to `timeout` (0: not at all) until a message is there on any
-  /// socket, then receives everything queued (at most 4,096 messages a
+  /// Waits up to `timeout` (0: not at all; less when a request's deadline
+  /// comes first; the whole `timeout` without instances) until a message is
+  /// there on any socket, then receives everything queued (at most 4,096 messages a
   /// socket), applies it, and acts on index.needs() for every instance:
   /// sends replay and snapshot requests, applies their answers, times them
   /// out. Calls index.expire(now) when expire_silent. Returns the messages
