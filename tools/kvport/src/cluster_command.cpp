@@ -50,7 +50,10 @@ struct RunConfig {
   std::size_t trace_block_tokens = 512;
   std::size_t concurrency = 64;
   std::uint64_t step_ms = 10;
-  double overlap_weight = 1.0;
+  // prefix_aware's weight of the blocks to prefill against the blocks in use:
+  // Dynamo's default (1) lets the load of full instances decide (their blocks
+  // in use differ by more than a prompt's prefix), docs/performance.md.
+  double overlap_weight = 20.0;
   std::vector<std::string> policies;
   std::optional<std::uint32_t> kill;
   std::size_t kill_after = 1;
@@ -563,7 +566,7 @@ class ClusterCommand final : public Command {
     add_text_flag(app, "--policy", policy_, "NAME",
                   "prefix_aware, round_robin, least_loaded, or all (default: all, one run each)");
     add_text_flag(app, "--overlap-weight", overlap_weight_, "W",
-                  "prefix_aware's cost: W x blocks to prefill + blocks in use (default 1)");
+                  "prefix_aware's cost: W x blocks to prefill + blocks in use (default 20)");
     add_text_flag(app, "--kill", kill_, "I", "SIGKILL instance I (and start it again) ...");
     add_text_flag(app, "--after", after_, "N", "... once N requests were routed (default 1)");
     add_text_flag(app, "--timeout-s", timeout_s_, "S",
