@@ -41,7 +41,8 @@ DEFAULT_CHECKS = [
 
 # `kvport cluster`: every policy's run ended well, every request of the trace
 # finished on some instance, the router's index of every live instance equals
-# that instance's own cache at the end, and no event was dropped.
+# that instance's own cache at the end, no event was dropped, and the router
+# caught up with every instance's events in every round.
 CLUSTER_CHECKS = [
     "r['ok'] is True",
     "all(run['ok'] for run in r['runs'])",
@@ -49,6 +50,7 @@ CLUSTER_CHECKS = [
     "all(sum(run['load_balance']['requests_routed']) >= r['requests'] for run in r['runs'])",
     "all(all(e == 1 for e in run['index_exact']) for run in r['runs'])",
     "all(run['events']['dropped'] == 0 for run in r['runs'])",
+    "all(run['sync_failures'] == 0 for run in r['runs'])",
 ]
 
 
