@@ -36,6 +36,7 @@
 //       "done <json>".
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <iosfwd>
@@ -94,6 +95,15 @@ struct SetDigest {
   }
   friend bool operator==(const SetDigest&, const SetDigest&) = default;
 };
+
+/// The q-quantile (0 <= q <= 1) of `v` by rank (0 for an empty vector).
+inline double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  const std::size_t k =
+      std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())));
+  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
+  return v[k];
+}
 
 /// The first `max_requests` requests of the trace (0: all). Throws as
 /// sim::read_mooncake_trace.

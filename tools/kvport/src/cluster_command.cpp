@@ -70,14 +70,6 @@ struct RunFailure : Error {
   using Error::Error;
 };
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0.0;
-  const std::size_t k =
-      std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
-  return v[k];
-}
-
 // max / mean of non-negative values (1 when all are 0).
 double max_over_mean(const std::vector<double>& v) {
   if (v.empty()) return 1.0;

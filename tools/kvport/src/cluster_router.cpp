@@ -27,14 +27,6 @@ using json = nlohmann::json;
 
 namespace {
 
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0.0;
-  const std::size_t k =
-      std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())));
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end());
-  return v[k];
-}
-
 router::InstanceId parse_id(std::istringstream& in, const std::string& line) {
   long long id = -1;
   if (!(in >> id) || id < 0 || id >= static_cast<long long>(router::kMaxInstances)) {
