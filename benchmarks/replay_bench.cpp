@@ -144,6 +144,7 @@ void BM_ReplayEventsOnOff(benchmark::State& state) {
     events::PublisherOptions po;
     po.endpoint = "tcp://127.0.0.1:0";
     if (state.range(0) == 1) po.replay_endpoint = "tcp://127.0.0.1:0";
+    po.single_producer = true;  // as `kvport replay` sets it
     events::Publisher publisher(po);
     NullSink null_sink;
     options.event_sink =

@@ -206,6 +206,8 @@ class ReplayCommand final : public Command {
       events::PublisherOptions po;
       po.endpoint = events_.value;
       if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
+      // The replay's caches and tier emit on its one thread: no lock needed.
+      po.single_producer = true;
       try {
         publisher.emplace(po);
       } catch (const InvalidArgument& e) {
