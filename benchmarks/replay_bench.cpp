@@ -145,6 +145,7 @@ void BM_ReplayEventsOnOff(benchmark::State& state) {
     po.endpoint = "tcp://127.0.0.1:0";
     if (state.range(0) == 1) po.replay_endpoint = "tcp://127.0.0.1:0";
     po.single_producer = true;  // as `kvport replay` sets it
+    if (getenv("LAZY")) { po.batch_interval = std::chrono::seconds(10); po.max_batch_events = 1 << 20; po.buffer_events = 1 << 20; po.buffer_bytes = 1u << 30; }
     events::Publisher publisher(po);
     NullSink null_sink;
     options.event_sink =

@@ -203,12 +203,24 @@ struct BlockRecord {
   }
 };
 
+// The index maps a block to its record in a pool (small slots, so that the
+// index stays in cache); a removed block's record goes back to a free list
+// and is reused in place by the next stored one.
 class CachedSet {
  public:
   void stored(const EventSource& src, const EventRef& e) {
     const std::uint64_t where = where_of(src.medium, src.group_idx);
     for (std::size_t i = 0; i < e.hashes.size(); ++i) {
-      BlockRecord& rec = blocks_[BlockKey{where, e.hashes[i]}];
+      const auto [it, inserted] = index_.try_emplace(BlockKey{where, e.hashes[i]}, 0u);
+      if (inserted) {
+        try {
+          it->second = allocate();
+        } catch (...) {
+          index_.erase(it);
+          throw;
+        }
+      }
+      BlockRecord& rec = pool_[it->second];
       rec.ordinal = next_ordinal_++;
       rec.has_parent = i != 0 || e.h.has_parent;
       rec.parent = i == 0 ? e.h.parent : e.hashes[i - 1];
@@ -230,41 +242,47 @@ class CachedSet {
   }
   void removed(const EventSource& src, std::span<const std::uint64_t> hashes) {
     const std::uint64_t where = where_of(src.medium, src.group_idx);
-    for (std::uint64_t h : hashes)
-      blocks_.erase(BlockKey{where, h});
+    for (std::uint64_t h : hashes) {
+      const auto it = index_.find(BlockKey{where, h});
+      if (it == index_.end()) continue;
+      free_.push_back(it->second);  // reserved: see allocate()
+      index_.erase(it);
+    }
   }
   void cleared(const EventSource& src) {
     // A cleared event carries its source's medium, and its group when any.
     const std::optional<std::uint32_t> group = src.group_idx;
-    absl::erase_if(blocks_, [&](const auto& kv) {
-      return medium_of(kv.first.where) == src.medium &&
-             (!group || group_of(kv.first.where) == group);
+    absl::erase_if(index_, [&](const auto& kv) {
+      const bool hit =
+          medium_of(kv.first.where) == src.medium && (!group || group_of(kv.first.where) == group);
+      if (hit) free_.push_back(kv.second);
+      return hit;
     });
   }
 
   // The set as BlockStored events, oldest first.
   template <class SourceAt>
   std::vector<CacheEvent> as_events(SourceAt&& source_at) const {
-    std::vector<const std::pair<const BlockKey, BlockRecord>*> order;
-    order.reserve(blocks_.size());
-    for (const auto& kv : blocks_)
-      order.push_back(&kv);
+    std::vector<std::pair<const BlockKey*, const BlockRecord*>> order;
+    order.reserve(index_.size());
+    for (const auto& kv : index_)
+      order.emplace_back(&kv.first, &pool_[kv.second]);
     std::sort(order.begin(), order.end(),
-              [](auto* a, auto* b) { return a->second.ordinal < b->second.ordinal; });
+              [](const auto& a, const auto& b) { return a.second->ordinal < b.second->ordinal; });
     std::vector<CacheEvent> out;
     out.reserve(order.size());
-    for (const auto* kv : order) {
-      const BlockRecord& r = kv->second;
+    for (const auto& [key, rec] : order) {
+      const BlockRecord& r = *rec;
       const EventSource& src = source_at(r.source);
       BlockStored s;
-      s.block_hashes = {kv->first.hash};
+      s.block_hashes = {key->hash};
       if (r.has_parent) s.parent_block_hash = r.parent;
       const auto t = r.token_span();
       s.token_ids.assign(t.begin(), t.end());
       s.block_size = r.block_size;
-      s.medium = to_string(medium_of(kv->first.where));
+      s.medium = to_string(medium_of(key->where));
       s.lora_name = r.lora_name;
-      s.group_idx = group_of(kv->first.where);
+      s.group_idx = group_of(key->where);
       s.kv_cache_spec_kind = src.spec_kind;
       s.kv_cache_spec_sliding_window = src.sliding_window;
       out.emplace_back(std::move(s));
@@ -273,7 +291,22 @@ class CachedSet {
   }
 
  private:
-  absl::flat_hash_map<BlockKey, BlockRecord> blocks_;
+  // A free record, or a new one; free_ keeps room for every record, so that
+  // giving one back never allocates.
+  std::uint32_t allocate() {
+    if (!free_.empty()) {
+      const std::uint32_t r = free_.back();
+      free_.pop_back();
+      return r;
+    }
+    free_.reserve(pool_.size() + 1);
+    pool_.emplace_back();
+    return static_cast<std::uint32_t>(pool_.size() - 1);
+  }
+
+  absl::flat_hash_map<BlockKey, std::uint32_t> index_;
+  std::vector<BlockRecord> pool_;
+  std::vector<std::uint32_t> free_;
   std::uint64_t next_ordinal_ = 0;
 };
 
@@ -300,7 +333,10 @@ struct Publisher::Impl {
   std::optional<zmq::socket_t> router;
   std::string bound;
   std::string replay_bound;
-  int wake_fd = -1;  // eventfd: the publisher thread's wake-up
+  int wake_fd = -1;               // eventfd: the publisher thread's wake-up
+  std::uint64_t half_buffer = 1;  // max(1, buffer_events / 2)
+  // Every group of members below that one side writes starts a cache line
+  // of its own, so that the other side's reads do not miss on its writes.
 
   // ---- the producers' side (under producer_mu) ----
   // Only producers take it (the publisher thread never does), so it stays in
@@ -318,24 +354,11 @@ struct Publisher::Impl {
   // When the first event not yet taken arrived (steady clock, ns).
   std::atomic<std::int64_t> first_pending_ns{0};
 
-  // ---- the publisher thread's side ----
-  alignas(64) std::atomic<std::uint64_t> taken{0};  // events read by the thread
-  std::atomic<std::uint64_t> taken_bytes{0};        // their accounted bytes
-  // The thread is about to sleep (or sleeps): `sleeping` wakes on a full batch,
-  // `sleeping_busy` (events come faster than the thread wakes) only when the
-  // buffer is half full; flush and stop always wake it.
-  enum Waiting : std::uint8_t { awake, sleeping, sleeping_busy };
-  std::atomic<std::uint8_t> waiting{awake};
-  Chunk* head = nullptr;  // the chunk being read
-  std::size_t head_used = 0;
-  std::vector<const std::byte*> batch_events;  // one batch's, reused
-  std::string payload;
-
   // Interned sources, stable for the publisher's life: page p holds sources
   // [256 p, 256 p + 256); producers append, the thread reads those its events name.
   static constexpr std::size_t source_page = 256;
   static constexpr std::size_t max_sources = 65'536;
-  std::array<std::unique_ptr<EventSource[]>, max_sources / source_page> source_pages;
+  alignas(64) std::array<std::unique_ptr<EventSource[]>, max_sources / source_page> source_pages;
   const EventSource& source_at(std::size_t i) const noexcept {
     return source_pages[i / source_page][i % source_page];
   }
@@ -343,11 +366,25 @@ struct Publisher::Impl {
     return source_pages[i / source_page][i % source_page];
   }
 
-  // Chunks the thread has left, for the producers to reuse.
-  std::mutex free_mu;
-  std::vector<Chunk*> free_chunks;
+  // ---- written by the publisher thread, read by the producers ----
+  alignas(64) std::atomic<std::uint64_t> taken{0};  // events read by the thread
+  std::atomic<std::uint64_t> taken_bytes{0};        // their accounted bytes
+  // The thread is about to sleep (or sleeps): `sleeping` wakes on a full batch,
+  // `sleeping_busy` (events come faster than the thread wakes) only when the
+  // buffer is half full; flush and stop always wake it.
+  enum Waiting : std::uint8_t { awake, sleeping, sleeping_busy };
+  std::atomic<std::uint8_t> waiting{awake};
 
-  std::uint64_t half_buffer = 1;  // max(1, buffer_events / 2)
+  // ---- the publisher thread's own ----
+  alignas(64) Chunk* head = nullptr;  // the chunk being read
+  std::size_t head_used = 0;
+  std::vector<const std::byte*> batch_events;  // one batch's, reused
+  std::string payload;
+  std::deque<std::pair<std::uint64_t, std::string>> ring;
+  CachedSet cached;
+
+  std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
+      bad_requests{0}, next_seq{0};
   std::atomic<bool> stop_flag{false};
   std::atomic<bool> flush_asked{false};
 
@@ -356,12 +393,11 @@ struct Publisher::Impl {
   std::condition_variable flush_cv;
   std::uint64_t published = 0;
 
-  std::atomic<std::uint64_t> dropped{0}, lost{0}, sent{0}, send_failures{0}, replays{0},
-      snapshots{0}, bad_requests{0}, next_seq{0};
+  // Chunks the thread has left, for the producers to reuse.
+  alignas(64) std::mutex free_mu;
+  std::vector<Chunk*> free_chunks;
 
-  // The publisher thread's own state.
-  std::deque<std::pair<std::uint64_t, std::string>> ring;
-  CachedSet cached;
+  alignas(64) std::atomic<std::uint64_t> dropped{0};  // by the producers, mostly
   std::thread thread;
 
   ~Impl() {
