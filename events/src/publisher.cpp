@@ -109,7 +109,7 @@ constexpr std::size_t accounted_bytes(std::size_t hashes, std::size_t tokens) no
 constexpr std::size_t chunk_bytes = 256 << 10;
 constexpr std::size_t free_chunks_kept = 64;
 
-struct Chunk {
+struct alignas(64) Chunk {  // a line of its own: the producer reads it per event
   explicit Chunk(std::size_t cap)
       : capacity(cap), data(static_cast<std::byte*>(::operator new (cap, std::align_val_t{64}))) {}
   ~Chunk() { ::operator delete (data, std::align_val_t{64}); }
