@@ -439,9 +439,10 @@ struct Publisher::Impl {
     if (w == sleeping || (w == sleeping_busy && half)) signal();
   }
 
-  // The source's index, interned on first use; nullopt when the table is full
-  // (or out of memory). Under producer_mu.
-  std::optional<std::uint16_t> intern(const EventSource& s) noexcept {
+  // The source's index, interned on first use; -1 when the table is full (or
+  // out of memory). Under producer_mu. (An int, not an optional: returned
+  // through the stack, the optional's two bytes stalled the caller's load.)
+  int intern(const EventSource& s) noexcept {
     if (n_sources != 0 && source_at(last_source) == s) return last_source;
     for (std::size_t i = n_sources; i-- > 0;) {
       if (source_at(i) == s) {
@@ -449,13 +450,13 @@ struct Publisher::Impl {
         return last_source;
       }
     }
-    if (n_sources == max_sources) return std::nullopt;
+    if (n_sources == max_sources) return -1;
     try {
       auto& page = source_pages[n_sources / source_page];
       if (!page) page = std::make_unique<EventSource[]>(source_page);
       source_at(n_sources) = s;
     } catch (...) {
-      return std::nullopt;
+      return -1;
     }
     last_source = static_cast<std::uint16_t>(n_sources++);
     return last_source;
@@ -502,12 +503,12 @@ struct Publisher::Impl {
       unlock();
       return drop();
     }
-    const std::optional<std::uint16_t> src = intern(source);
-    if (!src) {
+    const int src = intern(source);
+    if (src < 0) {
       unlock();
       return drop();
     }
-    h.source = *src;
+    h.source = static_cast<std::uint16_t>(src);
     if (tail_used + raw + sizeof(EventHeader) > tail->capacity) {
       Chunk* c = nullptr;
       try {
@@ -529,7 +530,7 @@ struct Publisher::Impl {
     // before it to complete.
     prefetch_for_write(p + raw + 128);
     prefetch_for_write(p + raw + 192);
-    std::memcpy(p, &h, sizeof h);
+    ::new (static_cast<void*>(p)) EventHeader(h);  // field by field, no copy through memory
     write(p + sizeof h);
     tail_used += raw;
     produced_bytes += bytes;
