@@ -240,6 +240,10 @@ class CachedSet {
       }
     }
   }
+  // Asks for the index slot of a block an event names soon.
+  void prefetch(const EventSource& src, std::uint64_t hash) const {
+    index_.prefetch(BlockKey{where_of(src.medium, src.group_idx), hash});
+  }
   void removed(const EventSource& src, std::span<const std::uint64_t> hashes) {
     const std::uint64_t where = where_of(src.medium, src.group_idx);
     for (std::uint64_t h : hashes) {
@@ -571,8 +575,13 @@ struct Publisher::Impl {
   void publish_batch() {
     payload.clear();
     BatchWriter w(payload, opt.form, wall_seconds(), batch_events.size());
-    for (const std::byte* p : batch_events) {
-      const EventRef e = read_event(p);
+    constexpr std::size_t ahead = 8;  // the cached set's slots asked for this many events ahead
+    for (std::size_t i = 0; i < batch_events.size(); ++i) {
+      if (router && i + ahead < batch_events.size()) {
+        const EventRef next = read_event(batch_events[i + ahead]);
+        if (!next.hashes.empty()) cached.prefetch(source_at(next.h.source), next.hashes[0]);
+      }
+      const EventRef e = read_event(batch_events[i]);
       const EventSource& src = source_at(e.h.source);
       switch (e.h.kind) {
         case EventHeader::store: {
