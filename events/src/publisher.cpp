@@ -546,7 +546,9 @@ struct Publisher::Impl {
 
   // ---- the publisher thread ----
 
-  void send(std::uint64_t seq, std::string&& body) {
+  // Sends `body` (the reused payload buffer) and, with a replay socket, keeps
+  // an exact copy in the ring (the buffer itself grew past its size).
+  void send(std::uint64_t seq, const std::string& body) {
     const auto seq_frame = encode_seq(seq);
     bool ok = false;
     try {
@@ -564,7 +566,7 @@ struct Publisher::Impl {
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
     next_seq.store(seq + 1, std::memory_order_relaxed);
     if (router) {
-      ring.emplace_back(seq, std::move(body));
+      ring.emplace_back(seq, body);
       while (ring.size() > opt.replay_ring_batches)
         ring.pop_front();
     }
@@ -610,14 +612,7 @@ struct Publisher::Impl {
       }
     }
     w.finish(opt.data_parallel_rank);
-    std::string body;
-    if (router) {
-      body = std::move(payload);  // kept in the ring
-    } else {
-      body.swap(payload);  // payload keeps body's old capacity for the next batch
-    }
-    send(next_seq.load(std::memory_order_relaxed), std::move(body));
-    if (!router) payload.swap(body);
+    send(next_seq.load(std::memory_order_relaxed), payload);
   }
 
   // Reads `n` accepted events, publishing them in batches of at most

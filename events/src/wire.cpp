@@ -652,11 +652,14 @@ bool read_rank(Reader& r, std::optional<std::int64_t>& rank) {
 
 class Raw {
  public:
-  Raw(std::string& out, std::size_t bound) : out_(out), start_(out.size()) {
-    out_.resize(start_ + bound);
-    p_ = out_.data() + start_;
+  // Writes at `end` (out's bytes before it are the batch so far, those after
+  // it scratch), growing `out` geometrically, so that an event neither
+  // resizes nor zeroes anything once the string has grown.
+  Raw(std::string& out, std::size_t& end, std::size_t bound) : out_(out), end_(end) {
+    if (out_.size() < end_ + bound) out_.resize(std::max(end_ + bound, 2 * out_.size()));
+    p_ = out_.data() + end_;
   }
-  ~Raw() { out_.resize(static_cast<std::size_t>(p_ - out_.data())); }
+  ~Raw() { end_ = static_cast<std::size_t>(p_ - out_.data()); }
   Raw(const Raw&) = delete;
   Raw& operator=(const Raw&) = delete;
 
@@ -752,7 +755,7 @@ class Raw {
   }
 
   std::string& out_;
-  std::size_t start_;
+  std::size_t& end_;
   char* p_;
 };
 
@@ -768,6 +771,7 @@ BatchWriter::BatchWriter(std::string& out, EventForm form, double ts, std::size_
   pk.pack_array(3);
   pk.pack_double(ts);
   pk.pack_array(static_cast<std::uint32_t>(events));
+  end_ = out_.size();
 }
 
 void BatchWriter::stored(const StoredEventView& e) {
@@ -776,7 +780,7 @@ void BatchWriter::stored(const StoredEventView& e) {
                             Raw::max_uint * (e.block_hashes.size() + 5) + 5 * e.token_ids.size() +
                             Raw::max_str(e.medium) + Raw::max_str(e.lora_name) +
                             Raw::max_str(e.kv_cache_spec_kind);
-  Raw w(out_, bound);
+  Raw w(out_, end_, bound);
   if (map) {
     w.map(12);
     w.str("type");
@@ -815,7 +819,7 @@ void BatchWriter::stored(const StoredEventView& e) {
 void BatchWriter::removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
                           std::optional<std::uint32_t> group_idx) {
   const bool map = form_ == EventForm::map;
-  Raw w(out_,
+  Raw w(out_, end_,
         96 + Raw::max_header + Raw::max_uint * (block_hashes.size() + 1) + Raw::max_str(medium));
   if (map) {
     w.map(4);
@@ -836,7 +840,7 @@ void BatchWriter::removed(std::span<const std::uint64_t> block_hashes, std::stri
 
 void BatchWriter::cleared(std::optional<std::string_view> medium,
                           std::optional<std::uint32_t> group_idx) {
-  Raw w(out_, 96 + Raw::max_str(medium) + Raw::max_uint);
+  Raw w(out_, end_, 96 + Raw::max_str(medium) + Raw::max_uint);
   const bool scoped = medium || group_idx;
   if (form_ == EventForm::map) {
     w.map(1 + (medium ? 1 : 0) + (group_idx ? 1 : 0));
@@ -861,6 +865,7 @@ void BatchWriter::cleared(std::optional<std::string_view> medium,
 }
 
 void BatchWriter::finish(std::optional<std::int64_t> data_parallel_rank) {
+  out_.resize(end_);
   StringBuffer buf{out_};
   Packer pk(buf);
   if (data_parallel_rank) {

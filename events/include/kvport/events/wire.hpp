@@ -52,8 +52,9 @@ struct StoredEventView {
 /// exactly the bytes encode_batch writes for the same batch (a test checks
 /// it). The publisher's thread encodes with it. Construct with the number of
 /// events that follow, call one of stored/removed/cleared per event, then
-/// finish(); the bytes are appended to `out`. Throws only std::bad_alloc
-/// (`out` may then hold a partial batch).
+/// finish(); the bytes are appended to `out` (which holds scratch bytes past
+/// them until finish()). Throws only std::bad_alloc (`out` may then hold a
+/// partial batch).
 class BatchWriter {
  public:
   BatchWriter(std::string& out, EventForm form, double ts, std::size_t events);
@@ -67,6 +68,7 @@ class BatchWriter {
  private:
   std::string& out_;
   EventForm form_;
+  std::size_t end_ = 0;  // where the next event goes (out_ may be longer until finish)
 };
 
 /// What decode_batch returns: the batch, or why there is none.
