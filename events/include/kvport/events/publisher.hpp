@@ -71,9 +71,12 @@ inline constexpr std::string_view snapshot_request = "kvport.snapshot";
 
 /// Publishes the events it is given. The sink calls (stored, removed,
 /// cleared) may come from one or several threads; each copies the event into
-/// a bounded buffer under a short lock and returns: they never block on the
-/// network, never throw, and drop (counted) when the buffer is full. A
-/// thread of its own batches, encodes, assigns sequence numbers (from 0, +1
+/// a bounded buffer (a chain of chunks the publisher thread reads, published
+/// with one release store; a mutex among the producers only, none with
+/// single_producer) and returns: they never block on the network, never
+/// throw, and drop (counted) when the buffer is full. A thread of its own
+/// (woken per full batch, or polling every 100 us while events come fast)
+/// batches, encodes, assigns sequence numbers (from 0, +1
 /// per batch, also for a batch whose send failed, so a subscriber sees the
 /// gap), sends three frames [topic, seq as 8 bytes big-endian, payload] on a
 /// PUB socket and answers the replay socket.
