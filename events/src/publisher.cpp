@@ -694,15 +694,16 @@ struct Publisher::Impl {
           snap.events = cached.as_events(
               [this](std::size_t i) -> const EventSource& { return source_at(i); });
           const std::string snap_payload = encode_batch(snap, opt.form);
+          // Counted first: a client that has the answer sees it counted.
+          snapshots.fetch_add(1, std::memory_order_relaxed);
           reply(frames, encode_seq(snap.seq), snap_payload);
           reply(frames, end, "");
-          snapshots.fetch_add(1, std::memory_order_relaxed);
         } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
           for (const auto& [seq, kept] : ring) {
             if (seq >= *start) reply(frames, encode_seq(seq), kept);
           }
-          reply(frames, end, "");
           replays.fetch_add(1, std::memory_order_relaxed);
+          reply(frames, end, "");
         } else {
           bad_requests.fetch_add(1, std::memory_order_relaxed);
           reply(frames, end, "");
