@@ -548,7 +548,7 @@ struct Publisher::Impl {
 
   // Sends `body` (the reused payload buffer) and, with a replay socket, keeps
   // an exact copy in the ring (the buffer itself grew past its size).
-  void send(std::uint64_t seq, const std::string& body) {
+  void send(std::uint64_t seq, std::string_view body) {
     const auto seq_frame = encode_seq(seq);
     bool ok = false;
     try {
@@ -566,7 +566,7 @@ struct Publisher::Impl {
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
     next_seq.store(seq + 1, std::memory_order_relaxed);
     if (router) {
-      ring.emplace_back(seq, body);
+      ring.emplace_back(seq, std::string(body));
       while (ring.size() > opt.replay_ring_batches)
         ring.pop_front();
     }
@@ -575,8 +575,8 @@ struct Publisher::Impl {
   // Encodes (and, with a replay socket, applies to the cached set) the events
   // of batch_events as one batch and sends it.
   void publish_batch() {
-    payload.clear();
-    BatchWriter w(payload, opt.form, wall_seconds(), batch_events.size());
+    // Written from payload[0], never cleared: it is zeroed only where it grows.
+    BatchWriter w(payload, 0, opt.form, wall_seconds(), batch_events.size());
     constexpr std::size_t ahead = 8;  // the cached set's slots asked for this many events ahead
     for (std::size_t i = 0; i < batch_events.size(); ++i) {
       if (router && i + ahead < batch_events.size()) {
@@ -611,8 +611,7 @@ struct Publisher::Impl {
           break;
       }
     }
-    w.finish(opt.data_parallel_rank);
-    send(next_seq.load(std::memory_order_relaxed), payload);
+    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank));
   }
 
   // Reads `n` accepted events, publishing them in batches of at most

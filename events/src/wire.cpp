@@ -697,7 +697,35 @@ class Raw {
       be64(d);
     }
   }
+  // msgpack-cxx's pack_int64: the smallest of the signed and unsigned forms.
+  void sint(std::int64_t d) {
+    if (d < -(std::int64_t{1} << 5)) {
+      if (d < -(std::int64_t{1} << 15)) {
+        if (d < -(std::int64_t{1} << 31)) {
+          byte(0xd3);
+          be64(static_cast<std::uint64_t>(d));
+        } else {
+          byte(0xd2);
+          be32(static_cast<std::uint32_t>(d));
+        }
+      } else if (d < -(1 << 7)) {
+        byte(0xd1);
+        be16(static_cast<std::uint16_t>(d));
+      } else {
+        byte(0xd0);
+        byte(static_cast<unsigned>(d) & 0xff);
+      }
+    } else if (d < (1 << 7)) {
+      byte(static_cast<unsigned>(d) & 0xff);  // positive or negative fixint
+    } else {
+      uint(static_cast<std::uint64_t>(d));
+    }
+  }
   void nil() { byte(0xc0); }
+  void bytes(const char* p, std::size_t n) {
+    std::memcpy(p_, p, n);
+    p_ += n;
+  }
   template <class T>
   void opt_uint(const std::optional<T>& v) {
     if (v) {
@@ -765,13 +793,27 @@ constexpr std::size_t stored_keys_bytes = 256;
 }  // namespace
 
 BatchWriter::BatchWriter(std::string& out, EventForm form, double ts, std::size_t events)
-    : out_(out), form_(form) {
-  StringBuffer buf{out_};
-  Packer pk(buf);
-  pk.pack_array(3);
+    : BatchWriter(out, out.size(), form, ts, events) {}
+
+BatchWriter::BatchWriter(std::string& out, std::size_t at, EventForm form, double ts,
+                         std::size_t events)
+    : out_(out), form_(form), at_(at), end_(at) {
+  if (at_ > out_.size()) out_.resize(at_);
+  // The timestamp as msgpack-cxx packs a double (an integral one as an integer).
+  struct Fixed {
+    char data[16];
+    std::size_t size = 0;
+    void write(const char* p, std::size_t n) {
+      std::memcpy(data + size, p, n);
+      size += n;
+    }
+  } ts_bytes;
+  msgpack::packer<Fixed> pk(ts_bytes);
   pk.pack_double(ts);
-  pk.pack_array(static_cast<std::uint32_t>(events));
-  end_ = out_.size();
+  Raw w(out_, end_, 16);
+  w.array(3);
+  w.bytes(ts_bytes.data, ts_bytes.size);
+  w.array(events);
 }
 
 void BatchWriter::stored(const StoredEventView& e) {
@@ -865,14 +907,20 @@ void BatchWriter::cleared(std::optional<std::string_view> medium,
 }
 
 void BatchWriter::finish(std::optional<std::int64_t> data_parallel_rank) {
+  (void)finish_view(data_parallel_rank);
   out_.resize(end_);
-  StringBuffer buf{out_};
-  Packer pk(buf);
-  if (data_parallel_rank) {
-    pk.pack_int64(*data_parallel_rank);
-  } else {
-    pk.pack_nil();
+}
+
+std::string_view BatchWriter::finish_view(std::optional<std::int64_t> data_parallel_rank) {
+  {
+    Raw w(out_, end_, Raw::max_uint);
+    if (data_parallel_rank) {
+      w.sint(*data_parallel_rank);
+    } else {
+      w.nil();
+    }
   }
+  return std::string_view(out_.data() + at_, end_ - at_);
 }
 
 void encode_event(const CacheEvent& event, EventForm form, std::string& out) {

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <random>
 
 namespace kvport::events {
@@ -137,6 +138,48 @@ TEST_P(WireForms, BatchWriterWritesTheBytesOfEncodeBatch) {
       }
     }
     ASSERT_EQ(written(b, GetParam()), encode_batch(b, GetParam())) << "round " << round;
+  }
+  // One buffer reused for batch after batch (finish_view: nothing trimmed or
+  // zeroed), every rank size among them.
+  const std::int64_t ranks[] = {0,         -1,     -32,    -33,          -128,
+                                -129,      -32768, -32769, -(1ll << 31), -(1ll << 31) - 1,
+                                INT64_MIN, 127,    128,    65536,        INT64_MAX};
+  std::string buffer = "stale bytes that the batches overwrite";
+  for (std::size_t k = 0; k < std::size(ranks) * 2; ++k) {
+    EventBatch b = full_batch();
+    b.data_parallel_rank = ranks[k % std::size(ranks)];
+    if (k % 3 == 0) b.events.resize(1);  // shorter than the last: scratch left past it
+    BatchWriter w(buffer, 0, GetParam(), b.ts, b.events.size());
+    const std::string whole = written(b, GetParam());  // the appending writer, for its events
+    std::string_view view;
+    {
+      // The same events through the reused buffer.
+      for (const CacheEvent& ev : b.events) {
+        if (const auto* s = std::get_if<BlockStored>(&ev)) {
+          StoredEventView v;
+          v.block_hashes = s->block_hashes;
+          v.parent_block_hash = s->parent_block_hash;
+          v.token_ids = s->token_ids;
+          v.block_size = s->block_size;
+          v.medium = s->medium;
+          if (s->lora_name) v.lora_name = *s->lora_name;
+          v.group_idx = s->group_idx;
+          if (s->kv_cache_spec_kind) v.kv_cache_spec_kind = *s->kv_cache_spec_kind;
+          v.kv_cache_spec_sliding_window = s->kv_cache_spec_sliding_window;
+          w.stored(v);
+        } else if (const auto* r = std::get_if<BlockRemoved>(&ev)) {
+          w.removed(r->block_hashes, r->medium, r->group_idx);
+        } else {
+          const auto& c = std::get<AllBlocksCleared>(ev);
+          w.cleared(c.medium ? std::optional<std::string_view>(*c.medium) : std::nullopt,
+                    c.group_idx);
+        }
+      }
+      view = w.finish_view(b.data_parallel_rank);
+    }
+    EXPECT_EQ(view, encode_batch(b, GetParam())) << "rank " << ranks[k % std::size(ranks)];
+    EXPECT_EQ(whole, encode_batch(b, GetParam()));
+    EXPECT_EQ(view.data(), buffer.data());
   }
   // Arrays and a string of 65,536 elements (msgpack's 32-bit lengths).
   EventBatch big;

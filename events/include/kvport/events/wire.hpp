@@ -55,19 +55,28 @@ struct StoredEventView {
 /// finish(); the bytes are appended to `out` (which holds scratch bytes past
 /// them until finish()). Throws only std::bad_alloc (`out` may then hold a
 /// partial batch).
+///
+/// To reuse one buffer without zeroing it again for every batch: construct
+/// with `at` (the batch is written from out[at], whatever `out` holds past it
+/// is overwritten or left as scratch) and end with finish_view(), which leaves
+/// `out`'s size as it is and returns the batch's bytes.
 class BatchWriter {
  public:
   BatchWriter(std::string& out, EventForm form, double ts, std::size_t events);
+  BatchWriter(std::string& out, std::size_t at, EventForm form, double ts, std::size_t events);
   void stored(const StoredEventView& e);
   void removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
                std::optional<std::uint32_t> group_idx);
   void cleared(std::optional<std::string_view> medium, std::optional<std::uint32_t> group_idx);
   /// The batch's third element (nil when absent).
   void finish(std::optional<std::int64_t> data_parallel_rank);
+  /// finish() without trimming `out`: the batch is out[at, at + size).
+  std::string_view finish_view(std::optional<std::int64_t> data_parallel_rank);
 
  private:
   std::string& out_;
   EventForm form_;
+  std::size_t at_ = 0;   // where the batch starts
   std::size_t end_ = 0;  // where the next event goes (out_ may be longer until finish)
 };
 
