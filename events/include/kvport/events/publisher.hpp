@@ -25,7 +25,9 @@ struct PublisherOptions {
   std::string topic;
   /// The batch's third element (nil when absent).
   std::optional<std::int64_t> data_parallel_rank;
-  /// A batch is sent when this many events are buffered ...
+  /// A batch is sent when this many events are buffered (up to 100 us
+  /// later while events come faster than a batch per wake-up: the thread
+  /// then polls instead of being woken per batch) ...
   std::size_t max_batch_events = 256;
   /// ... or this long after the first of them arrived.
   std::chrono::microseconds batch_interval{10'000};
