@@ -2,6 +2,7 @@
 // second of host time on a generated Mooncake-like trace, from a cache so
 // small that decode preempts to one that keeps most shared prefixes.
 #include <benchmark/benchmark.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +14,7 @@
 #include "kvport/events/publisher.hpp"
 #include "kvport/sim/replay.hpp"
 #include "kvport/sim/split_mix.hpp"
+#include "thread_clock.hpp"
 
 namespace kvport::bench {
 namespace {
@@ -118,6 +120,19 @@ BENCHMARK(BM_ReplayMooncakeLike)
 // engine's thread pays: the hot path, and the publisher thread beside it on
 // the same cores), "(on+flush)/off" adds the wait until every event is
 // encoded and sent. Counters also: events accepted and dropped.
+double process_cpu_ns() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) * 1e9 + static_cast<double>(t.tv_nsec);
+}
+
+// Arg 2: a sink that does nothing, for what the caches alone pay to emit.
+struct NullSink final : CacheEventSink {
+  void stored(const EventSource&, const BlockStoredView&) noexcept override {}
+  void removed(const EventSource&, std::span<const BlockHash>) noexcept override {}
+  void cleared(const EventSource&) noexcept override {}
+};
+
 void BM_ReplayEventsOnOff(benchmark::State& state) {
   using Clock = std::chrono::steady_clock;
   sim::ReplayOptions options;
@@ -125,29 +140,42 @@ void BM_ReplayEventsOnOff(benchmark::State& state) {
   options.block_size = 16;
   options.concurrency = 64;
   const std::unique_ptr<Backend> backend = make_host_backend();
-  double off_s = 0, on_s = 0, flush_s = 0;
+  double off_s = 0, on_s = 0, flush_s = 0, off_cpu_ns = 0, on_cpu_ns = 0, others_cpu_ns = 0;
   events::PublisherStats stats;
   for (auto _ : state) {
     options.event_sink = nullptr;
     const auto t0 = Clock::now();
+    const double c0 = bench::thread_cpu_ns();
     const sim::ReplayResult off = sim::run_replay(trace(), options, *backend);
+    const double c1 = bench::thread_cpu_ns();
     const auto t1 = Clock::now();
     events::PublisherOptions po;
     po.endpoint = "tcp://127.0.0.1:0";
-    if (state.range(0) != 0) po.replay_endpoint = "tcp://127.0.0.1:0";
+    if (state.range(0) == 1) po.replay_endpoint = "tcp://127.0.0.1:0";
+    po.single_producer = true;  // as `kvport replay` sets it
     events::Publisher publisher(po);
-    options.event_sink = &publisher;
+    NullSink null_sink;
+    options.event_sink =
+        state.range(0) == 2 ? static_cast<CacheEventSink*>(&null_sink) : &publisher;
     const auto t2 = Clock::now();
+    const double c2 = bench::thread_cpu_ns();
+    const double p2 = process_cpu_ns();
     const sim::ReplayResult on = sim::run_replay(trace(), options, *backend);
+    const double c3 = bench::thread_cpu_ns();
     const auto t3 = Clock::now();
     const bool flushed = publisher.flush(std::chrono::seconds(30));
     const auto t4 = Clock::now();
+    const double p4 = process_cpu_ns();
+    const double c4 = bench::thread_cpu_ns();
     if (!flushed) state.SkipWithError("the publisher did not flush in 30 s");
     if (on.hit_blocks != off.hit_blocks || !on.ok())
       state.SkipWithError("events changed the replay");
     off_s += std::chrono::duration<double>(t1 - t0).count();
     on_s += std::chrono::duration<double>(t3 - t2).count();
     flush_s += std::chrono::duration<double>(t4 - t3).count();
+    off_cpu_ns += c1 - c0;
+    on_cpu_ns += c3 - c2;
+    others_cpu_ns += (p4 - p2) - (c4 - c2);
     stats = publisher.stats();
   }
   const auto n = static_cast<double>(state.iterations());
@@ -156,6 +184,12 @@ void BM_ReplayEventsOnOff(benchmark::State& state) {
   state.counters["flush_ms"] = flush_s / n * 1e3;
   state.counters["on/off"] = off_s > 0 ? on_s / off_s : 0;
   state.counters["(on+flush)/off"] = off_s > 0 ? (on_s + flush_s) / off_s : 0;
+  // The replay thread's own CPU time, on against off: what the hot path
+  // costs it, without the time it lost to the publisher thread or other load.
+  state.counters["cpu_on/off"] = off_cpu_ns > 0 ? on_cpu_ns / off_cpu_ns : 0;
+  // The publisher's own thread (and ZeroMQ's) over the same run and flush,
+  // against the replay alone: what it takes from the cores the replay runs on.
+  state.counters["thread_cpu/off"] = off_cpu_ns > 0 ? others_cpu_ns / off_cpu_ns : 0;
   state.counters["events"] = static_cast<double>(stats.events_accepted);
   state.counters["dropped"] = static_cast<double>(stats.events_dropped);
 }
@@ -163,6 +197,7 @@ BENCHMARK(BM_ReplayEventsOnOff)
     ->ArgName("replay_ring")
     ->Arg(0)
     ->Arg(1)
+    ->Arg(2)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -1,15 +1,25 @@
 #include "kvport/events/publisher.hpp"
 
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <mutex>
+#include <new>
 #include <span>
 #include <string>
+#include <system_error>
 #include <thread>
-#include <unordered_map>
 #include <vector>
+
+#include <absl/container/flat_hash_map.h>
 
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
@@ -58,97 +68,260 @@ void bind_or_throw(zmq::socket_t& s, const std::string& endpoint, const char* wh
   }
 }
 
-// The cached set, kept from the published events for snapshots.
+// ---- the hand-off: a chain of chunks, one writer, one reader ------------------------
+// The hot path appends each event (a header, its hashes, tokens and lora
+// name) to the last chunk and publishes it with one release store of the
+// accepted count; the publisher thread reads the events up to the count it
+// acquired, in order, and gives each chunk it has left behind back to a free
+// list. Producers exclude one another with a mutex that only they take (the
+// publisher thread never does), none with single_producer. The publisher
+// thread is woken by an eventfd only when a batch fills while it sleeps (or
+// half the buffer while it polls: see run()), and on flush and stop.
+
+struct EventHeader {
+  enum Kind : std::uint8_t { store, remove, clear, next_chunk };
+  std::uint8_t kind = store;
+  std::uint8_t has_parent = 0;
+  std::uint16_t source = 0;
+  std::uint32_t block_size = 0;
+  std::uint32_t n_hashes = 0;
+  std::uint32_t n_tokens = 0;
+  std::uint32_t lora_len = 0;  // lora_len - 1 bytes of name follow; 0: none
+  std::uint32_t unused = 0;
+  std::uint64_t parent = 0;
+};
+static_assert(sizeof(EventHeader) == 32);
+
+constexpr std::size_t round8(std::size_t n) noexcept {
+  return (n + 7) & ~std::size_t{7};
+}
+
+// Bytes an event takes in a chunk.
+constexpr std::size_t raw_size(std::size_t hashes, std::size_t tokens, std::size_t lora) noexcept {
+  return sizeof(EventHeader) + 8 * hashes + round8(4 * tokens) + round8(lora);
+}
+
+// Bytes an event counts against PublisherOptions::buffer_bytes.
+constexpr std::size_t accounted_bytes(std::size_t hashes, std::size_t tokens) noexcept {
+  return event_overhead + 8 * hashes + 4 * tokens;
+}
+
+constexpr std::size_t chunk_bytes = 256 << 10;
+constexpr std::size_t free_chunks_kept = 64;
+
+struct alignas(64) Chunk {  // a line of its own: the producer reads it per event
+  explicit Chunk(std::size_t cap)
+      : capacity(cap), data(static_cast<std::byte*>(::operator new (cap, std::align_val_t{64}))) {}
+  ~Chunk() { ::operator delete (data, std::align_val_t{64}); }
+  Chunk(const Chunk&) = delete;
+  Chunk& operator=(const Chunk&) = delete;
+  const std::size_t capacity;
+  std::byte* const data;
+  Chunk* next = nullptr;  // set by the producer when it moves on
+};
+
+// Asks for a cache line in a writable state (x86's PREFETCHW, a no-op on the
+// CPUs without it).
+void prefetch_for_write(const void* p) noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 1, 3);
+#endif
+}
+
+// One event read back from a chunk.
+struct EventRef {
+  EventHeader h;
+  std::span<const std::uint64_t> hashes;
+  std::span<const TokenId> tokens;
+  std::optional<std::string_view> lora;
+};
+
+EventRef read_event(const std::byte* p) noexcept {
+  EventRef e;
+  std::memcpy(&e.h, p, sizeof e.h);
+  p += sizeof(EventHeader);
+  e.hashes = {reinterpret_cast<const std::uint64_t*>(p), e.h.n_hashes};
+  p += 8 * std::size_t{e.h.n_hashes};
+  e.tokens = {reinterpret_cast<const TokenId*>(p), e.h.n_tokens};
+  p += round8(4 * std::size_t{e.h.n_tokens});
+  if (e.h.lora_len != 0)
+    e.lora = std::string_view(reinterpret_cast<const char*>(p), e.h.lora_len - 1);
+  return e;
+}
+
+// ---- the cached set, kept from the published events for snapshots --------------------
+// Keyed by where a block is (medium and group: the key a subscriber's set
+// has) and its hash; a block keeps its parent, tokens (up to 16 inline), lora
+// name and the source it was stored from (spec kind and window).
 struct BlockKey {
-  std::string medium;
-  std::optional<std::uint32_t> group;
+  std::uint64_t where = 0;  // medium << 40 | has_group << 32 | group
   std::uint64_t hash = 0;
   friend bool operator==(const BlockKey&, const BlockKey&) = default;
-};
-struct BlockKeyHash {
-  std::size_t operator()(const BlockKey& k) const noexcept {
-    return std::hash<std::uint64_t>{}(k.hash) ^ (std::hash<std::string>{}(k.medium) << 1) ^
-           (k.group ? *k.group + 0x9e3779b9u : 0u);
+  template <class H>
+  friend H AbslHashValue(H h, const BlockKey& k) {
+    return H::combine(std::move(h), k.where, k.hash);
   }
 };
-struct BlockRecord {
-  std::uint64_t ordinal = 0;  // when it was stored: snapshots keep that order
-  std::optional<std::uint64_t> parent;
-  std::vector<TokenId> tokens;
-  std::uint32_t block_size = 0;
-  std::optional<std::string> lora_name;
-  std::optional<std::string> spec_kind;
-  std::optional<std::uint32_t> window;
-};
+std::uint64_t where_of(Medium medium, std::optional<std::uint32_t> group) noexcept {
+  return std::uint64_t{static_cast<std::uint8_t>(medium)} << 40 |
+         (group ? std::uint64_t{1} << 32 | *group : 0);
+}
+Medium medium_of(std::uint64_t where) noexcept {
+  return static_cast<Medium>(where >> 40);
+}
+std::optional<std::uint32_t> group_of(std::uint64_t where) noexcept {
+  if ((where >> 32 & 1) == 0) return std::nullopt;
+  return static_cast<std::uint32_t>(where);
+}
 
-class CachedSet {
- public:
-  void apply(const CacheEvent& ev) {
-    if (const auto* s = std::get_if<BlockStored>(&ev)) {
-      for (std::size_t i = 0; i < s->block_hashes.size(); ++i) {
-        BlockRecord rec;
-        rec.ordinal = next_ordinal_++;
-        rec.parent = i == 0 ? s->parent_block_hash : std::optional(s->block_hashes[i - 1]);
-        const std::size_t begin = i * s->block_size;
-        if (begin < s->token_ids.size()) {
-          const std::size_t end = std::min(s->token_ids.size(), begin + s->block_size);
-          rec.tokens.assign(s->token_ids.begin() + static_cast<std::ptrdiff_t>(begin),
-                            s->token_ids.begin() + static_cast<std::ptrdiff_t>(end));
-        }
-        rec.block_size = s->block_size;
-        rec.lora_name = s->lora_name;
-        rec.spec_kind = s->kv_cache_spec_kind;
-        rec.window = s->kv_cache_spec_sliding_window;
-        blocks_.insert_or_assign(BlockKey{s->medium, s->group_idx, s->block_hashes[i]},
-                                 std::move(rec));
-      }
-    } else if (const auto* r = std::get_if<BlockRemoved>(&ev)) {
-      for (std::uint64_t h : r->block_hashes)
-        blocks_.erase(BlockKey{r->medium, r->group_idx, h});
-    } else if (const auto* c = std::get_if<AllBlocksCleared>(&ev)) {
-      if (!c->medium && !c->group_idx) {
-        blocks_.clear();
-        return;
-      }
-      std::erase_if(blocks_, [&](const auto& kv) {
-        return (!c->medium || kv.first.medium == *c->medium) &&
-               (!c->group_idx || kv.first.group == c->group_idx);
-      });
+struct BlockRecord {
+  static constexpr std::size_t inline_tokens = 16;
+  std::uint64_t ordinal = 0;  // when it was stored: snapshots keep that order
+  std::uint64_t parent = 0;
+  bool has_parent = false;
+  std::uint16_t source = 0;
+  std::uint32_t block_size = 0;
+  std::uint32_t n_tokens = 0;
+  std::array<TokenId, inline_tokens> tokens{};
+  std::vector<TokenId> more_tokens;  // all of them, when more than inline_tokens
+  std::optional<std::string> lora_name;
+
+  std::span<const TokenId> token_span() const noexcept {
+    if (n_tokens > inline_tokens) return more_tokens;
+    return std::span(tokens).first(n_tokens);
+  }
+  void set_tokens(std::span<const TokenId> t) {
+    n_tokens = static_cast<std::uint32_t>(t.size());
+    if (t.size() > inline_tokens) {
+      more_tokens.assign(t.begin(), t.end());
+    } else {
+      more_tokens.clear();
+      std::copy(t.begin(), t.end(), tokens.begin());
     }
   }
+};
 
-  std::vector<CacheEvent> as_events() const {
-    std::vector<const std::pair<const BlockKey, BlockRecord>*> order;
-    order.reserve(blocks_.size());
-    for (const auto& kv : blocks_)
-      order.push_back(&kv);
+// The index maps a block to its record in a pool (small slots, so that the
+// index stays in cache); a removed block's record goes back to a free list
+// and is reused in place by the next stored one.
+class CachedSet {
+ public:
+  void stored(const EventSource& src, const EventRef& e) {
+    const std::uint64_t where = where_of(src.medium, src.group_idx);
+    for (std::size_t i = 0; i < e.hashes.size(); ++i) {
+      const auto [it, inserted] = index_.try_emplace(BlockKey{where, e.hashes[i]}, 0u);
+      if (inserted) {
+        try {
+          it->second = allocate();
+        } catch (...) {
+          index_.erase(it);
+          throw;
+        }
+      }
+      BlockRecord& rec = pool_[it->second];
+      rec.ordinal = next_ordinal_++;
+      rec.has_parent = i != 0 || e.h.has_parent;
+      rec.parent = i == 0 ? e.h.parent : e.hashes[i - 1];
+      rec.source = e.h.source;
+      rec.block_size = e.h.block_size;
+      const std::size_t begin = i * e.h.block_size;
+      if (begin < e.tokens.size()) {
+        const std::size_t end = std::min(e.tokens.size(), begin + e.h.block_size);
+        rec.set_tokens(e.tokens.subspan(begin, end - begin));
+      } else {
+        rec.set_tokens({});
+      }
+      if (e.lora) {
+        rec.lora_name.emplace(*e.lora);
+      } else {
+        rec.lora_name.reset();
+      }
+    }
+  }
+  // Asks for the index slot of a block an event names soon.
+  void prefetch(const EventSource& src, std::uint64_t hash) const {
+    index_.prefetch(BlockKey{where_of(src.medium, src.group_idx), hash});
+  }
+  void removed(const EventSource& src, std::span<const std::uint64_t> hashes) {
+    const std::uint64_t where = where_of(src.medium, src.group_idx);
+    for (std::uint64_t h : hashes) {
+      const auto it = index_.find(BlockKey{where, h});
+      if (it == index_.end()) continue;
+      free_.push_back(it->second);  // reserved: see allocate()
+      index_.erase(it);
+    }
+  }
+  void cleared(const EventSource& src) {
+    // A cleared event carries its source's medium, and its group when any.
+    const std::optional<std::uint32_t> group = src.group_idx;
+    absl::erase_if(index_, [&](const auto& kv) {
+      const bool hit =
+          medium_of(kv.first.where) == src.medium && (!group || group_of(kv.first.where) == group);
+      if (hit) free_.push_back(kv.second);
+      return hit;
+    });
+  }
+
+  // The set as BlockStored events, oldest first.
+  template <class SourceAt>
+  std::vector<CacheEvent> as_events(SourceAt&& source_at) const {
+    std::vector<std::pair<const BlockKey*, const BlockRecord*>> order;
+    order.reserve(index_.size());
+    for (const auto& kv : index_)
+      order.emplace_back(&kv.first, &pool_[kv.second]);
     std::sort(order.begin(), order.end(),
-              [](auto* a, auto* b) { return a->second.ordinal < b->second.ordinal; });
+              [](const auto& a, const auto& b) { return a.second->ordinal < b.second->ordinal; });
     std::vector<CacheEvent> out;
     out.reserve(order.size());
-    for (const auto* kv : order) {
+    for (const auto& [key, rec] : order) {
+      const BlockRecord& r = *rec;
+      const EventSource& src = source_at(r.source);
       BlockStored s;
-      s.block_hashes = {kv->first.hash};
-      s.parent_block_hash = kv->second.parent;
-      s.token_ids = kv->second.tokens;
-      s.block_size = kv->second.block_size;
-      s.medium = kv->first.medium;
-      s.lora_name = kv->second.lora_name;
-      s.group_idx = kv->first.group;
-      s.kv_cache_spec_kind = kv->second.spec_kind;
-      s.kv_cache_spec_sliding_window = kv->second.window;
+      s.block_hashes = {key->hash};
+      if (r.has_parent) s.parent_block_hash = r.parent;
+      const auto t = r.token_span();
+      s.token_ids.assign(t.begin(), t.end());
+      s.block_size = r.block_size;
+      s.medium = to_string(medium_of(key->where));
+      s.lora_name = r.lora_name;
+      s.group_idx = group_of(key->where);
+      s.kv_cache_spec_kind = src.spec_kind;
+      s.kv_cache_spec_sliding_window = src.sliding_window;
       out.emplace_back(std::move(s));
     }
     return out;
   }
 
  private:
-  std::unordered_map<BlockKey, BlockRecord, BlockKeyHash> blocks_;
+  // A free record, or a new one; free_ keeps room for every record, so that
+  // giving one back never allocates.
+  std::uint32_t allocate() {
+    if (!free_.empty()) {
+      const std::uint32_t r = free_.back();
+      free_.pop_back();
+      return r;
+    }
+    free_.reserve(pool_.size() + 1);
+    pool_.emplace_back();
+    return static_cast<std::uint32_t>(pool_.size() - 1);
+  }
+
+  absl::flat_hash_map<BlockKey, std::uint32_t> index_;
+  std::vector<BlockRecord> pool_;
+  std::vector<std::uint32_t> free_;
   std::uint64_t next_ordinal_ = 0;
 };
 
 double wall_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::int64_t steady_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 zmq::const_buffer as_buffer(const std::array<std::byte, 8>& a) {
@@ -162,168 +335,221 @@ struct Publisher::Impl {
   zmq::context_t ctx{1};
   zmq::socket_t pub{ctx, zmq::socket_type::pub};
   std::optional<zmq::socket_t> router;
-
-  bool surely_full() const noexcept {
-    return pending_count.load(std::memory_order_relaxed) >= opt.buffer_events;
-  }
-  void drop() noexcept { dropped.fetch_add(1, std::memory_order_relaxed); }
   std::string bound;
   std::string replay_bound;
+  int wake_fd = -1;               // eventfd: the publisher thread's wake-up
+  std::uint64_t half_buffer = 1;  // max(1, buffer_events / 2)
+  // Every group of members below that one side writes starts a cache line
+  // of its own, so that the other side's reads do not miss on its writes.
 
-  // The hot path's side.
-  std::mutex mu;
-  std::condition_variable cv;
-  // The events accepted and not yet taken, flat: one record an event, its
-  // hashes and tokens in two arenas, its source interned. The publisher
-  // thread swaps the whole buffer for an empty one that keeps its capacity,
-  // so once the arenas have grown the hot path allocates nothing (the owning
-  // events are built on the publisher thread).
-  struct Record {
-    enum class Kind : std::uint8_t { store, remove, clear } kind;
-    bool has_parent = false;
-    std::uint16_t source = 0;
-    std::uint32_t block_size = 0;
-    std::uint32_t hashes_at = 0, n_hashes = 0;
-    std::uint32_t tokens_at = 0, n_tokens = 0;
-    std::int32_t lora = -1;  // index into loras, -1: none
-    std::uint64_t parent = 0;
-  };
-  struct Buffer {
-    std::vector<Record> records;
-    std::vector<std::uint64_t> hashes;
-    std::vector<TokenId> tokens;
-    std::vector<EventSource> sources;
-    std::vector<std::string> loras;
-    void clear() noexcept {
-      records.clear();
-      hashes.clear();
-      tokens.clear();
-      sources.clear();
-      loras.clear();
-    }
-    std::uint16_t source_index(const EventSource& s) {
-      for (std::size_t i = sources.size(); i-- > 0;)
-        if (sources[i] == s) return static_cast<std::uint16_t>(i);
-      sources.push_back(s);
-      return static_cast<std::uint16_t>(sources.size() - 1);
-    }
-    // The owning events, in order.
-    std::vector<CacheEvent> to_events() const {
-      std::vector<CacheEvent> out;
-      out.reserve(records.size());
-      for (const Record& r : records) {
-        const EventSource& src = sources[r.source];
-        const auto hs = std::span<const std::uint64_t>(hashes).subspan(r.hashes_at, r.n_hashes);
-        switch (r.kind) {
-          case Record::Kind::store: {
-            BlockStored e;
-            e.block_hashes.assign(hs.begin(), hs.end());
-            if (r.has_parent) e.parent_block_hash = r.parent;
-            const auto ts = std::span<const TokenId>(tokens).subspan(r.tokens_at, r.n_tokens);
-            e.token_ids.assign(ts.begin(), ts.end());
-            e.block_size = r.block_size;
-            e.medium = to_string(src.medium);
-            if (r.lora >= 0) e.lora_name = loras[static_cast<std::size_t>(r.lora)];
-            e.group_idx = src.group_idx;
-            e.kv_cache_spec_kind = src.spec_kind;
-            e.kv_cache_spec_sliding_window = src.sliding_window;
-            out.emplace_back(std::move(e));
-            break;
-          }
-          case Record::Kind::remove: {
-            BlockRemoved e;
-            e.block_hashes.assign(hs.begin(), hs.end());
-            e.medium = to_string(src.medium);
-            e.group_idx = src.group_idx;
-            out.emplace_back(std::move(e));
-            break;
-          }
-          case Record::Kind::clear: {
-            AllBlocksCleared e;
-            e.medium.emplace(to_string(src.medium));
-            e.group_idx = src.group_idx;
-            out.emplace_back(std::move(e));
-            break;
-          }
-        }
-      }
-      return out;
-    }
-  };
-  Buffer pending;
-  Buffer spare;  // the publisher thread's, swapped with pending
-  std::size_t pending_bytes = 0;
-  // pending.size(), readable without the lock: a full buffer drops before
-  // the event is copied.
-  std::atomic<std::size_t> pending_count{0};
-  std::chrono::steady_clock::time_point first_pending{};
+  // ---- the producers' side (under producer_mu) ----
+  // Only producers take it (the publisher thread never does), so it stays in
+  // the producing core's cache; single_producer skips it.
+  alignas(64) std::mutex producer_mu;
   bool stop = false;
-  bool flush_asked = false;
+  Chunk* tail = nullptr;  // the chunk being written
+  std::size_t tail_used = 0;
+  std::uint64_t produced = 0;  // == accepted, the producers' copy
+  std::uint64_t produced_bytes = 0;
+  std::uint16_t last_source = 0;
+  std::size_t n_sources = 0;
+  // Published with release: every event before it is readable.
+  std::atomic<std::uint64_t> accepted{0};
+  // When the first event not yet taken arrived (steady clock, ns).
+  std::atomic<std::int64_t> first_pending_ns{0};
+
+  // Interned sources, stable for the publisher's life: page p holds sources
+  // [256 p, 256 p + 256); producers append, the thread reads those its events name.
+  static constexpr std::size_t source_page = 256;
+  static constexpr std::size_t max_sources = 65'536;
+  alignas(64) std::array<std::unique_ptr<EventSource[]>, max_sources / source_page> source_pages;
+  const EventSource& source_at(std::size_t i) const noexcept {
+    return source_pages[i / source_page][i % source_page];
+  }
+  EventSource& source_at(std::size_t i) noexcept {
+    return source_pages[i / source_page][i % source_page];
+  }
+
+  // ---- written by the publisher thread, read by the producers ----
+  alignas(64) std::atomic<std::uint64_t> taken{0};  // events read by the thread
+  std::atomic<std::uint64_t> taken_bytes{0};        // their accounted bytes
+  // The thread is about to sleep (or sleeps): `sleeping` wakes on a full batch,
+  // `sleeping_busy` (events come faster than the thread wakes) only when the
+  // buffer is half full; flush and stop always wake it.
+  enum Waiting : std::uint8_t { awake, sleeping, sleeping_busy };
+  std::atomic<std::uint8_t> waiting{awake};
+
+  // ---- the publisher thread's own ----
+  alignas(64) Chunk* head = nullptr;  // the chunk being read
+  std::size_t head_used = 0;
+  std::vector<const std::byte*> batch_events;  // one batch's, reused
+  std::string payload;
+  std::deque<std::pair<std::uint64_t, std::string>> ring;
+  CachedSet cached;
+
+  std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
+      bad_requests{0}, next_seq{0};
+  std::atomic<bool> stop_flag{false};
+  std::atomic<bool> flush_asked{false};
 
   // Published (taken and sent or failed), for flush().
   std::mutex flush_mu;
   std::condition_variable flush_cv;
   std::uint64_t published = 0;
 
-  std::atomic<std::uint64_t> accepted{0}, dropped{0}, sent{0}, send_failures{0}, replays{0},
-      snapshots{0}, bad_requests{0}, next_seq{0};
+  // Chunks the thread has left, for the producers to reuse.
+  alignas(64) std::mutex free_mu;
+  std::vector<Chunk*> free_chunks;
 
-  // The publisher thread's own state.
-  std::deque<std::pair<std::uint64_t, std::string>> ring;
-  CachedSet cached;
+  alignas(64) std::atomic<std::uint64_t> dropped{0};  // by the producers, mostly
   std::thread thread;
 
-  // Appends one event under the lock: `fill` writes its record and arenas
-  // (it may throw std::bad_alloc while the arenas grow: the event is then
-  // dropped and the buffer left as it was).
-  template <class Fill>
-  void push(std::size_t bytes, Fill&& fill) noexcept {
-    std::unique_lock lk(mu);
-    if (stop || pending.records.size() >= opt.buffer_events ||
-        pending_bytes + bytes > opt.buffer_bytes) {
-      lk.unlock();
-      dropped.fetch_add(1, std::memory_order_relaxed);
-      return;
+  ~Impl() {
+    for (Chunk* c = head; c != nullptr;) {
+      Chunk* next = c->next;
+      delete c;
+      c = next;
     }
-    const std::size_t h = pending.hashes.size(), t = pending.tokens.size(),
-                      src = pending.sources.size(), l = pending.loras.size();
-    try {
-      Record r{};
-      fill(r);
-      r.hashes_at = static_cast<std::uint32_t>(h);
-      r.tokens_at = static_cast<std::uint32_t>(t);
-      pending.records.push_back(r);
-    } catch (...) {
-      pending.hashes.resize(h);
-      pending.tokens.resize(t);
-      pending.sources.resize(src, EventSource{});
-      pending.loras.resize(l);
-      lk.unlock();
-      dropped.fetch_add(1, std::memory_order_relaxed);
-      return;
-    }
-    if (pending.records.size() == 1) first_pending = std::chrono::steady_clock::now();
-    pending_bytes += bytes;
-    pending_count.store(pending.records.size(), std::memory_order_relaxed);
-    accepted.fetch_add(1, std::memory_order_relaxed);
-    const bool full = pending.records.size() == opt.max_batch_events;  // wake once per batch
-    lk.unlock();
-    if (full) cv.notify_one();
+    for (Chunk* c : free_chunks)
+      delete c;
+    if (wake_fd >= 0) ::close(wake_fd);
   }
 
-  void publish(std::vector<CacheEvent>&& events) {
-    EventBatch batch;
-    batch.ts = wall_seconds();
-    batch.data_parallel_rank = opt.data_parallel_rank;
-    batch.events = std::move(events);
-    batch.seq = next_seq.load(std::memory_order_relaxed);
-    if (router) {
-      for (const CacheEvent& e : batch.events)
-        cached.apply(e);
+  void drop() noexcept { dropped.fetch_add(1, std::memory_order_relaxed); }
+  bool surely_full() const noexcept {
+    return accepted.load(std::memory_order_relaxed) - taken.load(std::memory_order_relaxed) >=
+           opt.buffer_events;
+  }
+
+  void lock() noexcept {
+    if (!opt.single_producer) producer_mu.lock();  // else the caller serializes the calls
+  }
+  void unlock() noexcept {
+    if (!opt.single_producer) producer_mu.unlock();
+  }
+
+  void signal() noexcept {
+    const std::uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(wake_fd, &one, sizeof one);
+  }
+  // `pending` events wait: at a full batch or half a buffer, wake the thread
+  // if it sleeps for it (the fence pairs with the one after it sets
+  // `waiting`, so that either it sees the events or this sees it waiting).
+  void filled(std::uint64_t pending) noexcept {
+    const bool half = pending == half_buffer;
+    if (pending != opt.max_batch_events && !half) return;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const std::uint8_t w = waiting.load(std::memory_order_relaxed);
+    if (w == sleeping || (w == sleeping_busy && half)) signal();
+  }
+
+  // The source's index, interned on first use; -1 when the table is full (or
+  // out of memory). Under producer_mu. (An int, not an optional: returned
+  // through the stack, the optional's two bytes stalled the caller's load.)
+  int intern(const EventSource& s) noexcept {
+    if (n_sources != 0 && source_at(last_source) == s) return last_source;
+    for (std::size_t i = n_sources; i-- > 0;) {
+      if (source_at(i) == s) {
+        last_source = static_cast<std::uint16_t>(i);
+        return last_source;
+      }
     }
-    std::string payload;
-    encode_batch(batch, opt.form, payload);
-    const auto seq_frame = encode_seq(batch.seq);
+    if (n_sources == max_sources) return -1;
+    try {
+      auto& page = source_pages[n_sources / source_page];
+      if (!page) page = std::make_unique<EventSource[]>(source_page);
+      source_at(n_sources) = s;
+    } catch (...) {
+      return -1;
+    }
+    last_source = static_cast<std::uint16_t>(n_sources++);
+    return last_source;
+  }
+
+  // A chunk of at least `need` bytes: a free one or a new one. Throws
+  // std::bad_alloc.
+  Chunk* new_chunk(std::size_t need) {
+    if (need <= chunk_bytes) {
+      std::lock_guard lk(free_mu);
+      if (!free_chunks.empty()) {
+        Chunk* c = free_chunks.back();
+        free_chunks.pop_back();
+        c->next = nullptr;
+        return c;
+      }
+    }
+    return new Chunk(std::max(chunk_bytes, round8(need)));
+  }
+  void recycle(Chunk* c) noexcept {
+    if (c->capacity == chunk_bytes) {
+      std::lock_guard lk(free_mu);
+      if (free_chunks.size() < free_chunks_kept) {
+        try {
+          free_chunks.push_back(c);
+          return;
+        } catch (...) {
+        }
+      }
+    }
+    delete c;
+  }
+
+  // Appends one event: `write` fills its `raw` bytes after the header. Drops
+  // (counted) when stopped, full, out of sources or out of memory.
+  template <class Write>
+  void push(EventHeader h, std::size_t lora, const EventSource& source, Write&& write) noexcept {
+    const std::size_t raw = raw_size(h.n_hashes, h.n_tokens, lora);
+    const std::size_t bytes = accounted_bytes(h.n_hashes, h.n_tokens);
+    lock();
+    const std::uint64_t pending = produced - taken.load(std::memory_order_acquire);
+    if (stop || pending >= opt.buffer_events ||
+        produced_bytes - taken_bytes.load(std::memory_order_acquire) + bytes > opt.buffer_bytes) {
+      unlock();
+      return drop();
+    }
+    const int src = intern(source);
+    if (src < 0) {
+      unlock();
+      return drop();
+    }
+    h.source = static_cast<std::uint16_t>(src);
+    if (tail_used + raw + sizeof(EventHeader) > tail->capacity) {
+      Chunk* c = nullptr;
+      try {
+        c = new_chunk(raw + sizeof(EventHeader));
+      } catch (...) {
+        unlock();
+        return drop();
+      }
+      EventHeader end;
+      end.kind = EventHeader::next_chunk;
+      std::memcpy(tail->data + tail_used, &end, sizeof end);
+      tail->next = c;
+      tail = c;
+      tail_used = 0;
+    }
+    std::byte* p = tail->data + tail_used;
+    // Ask for the next lines ahead of the stores: the thread read them last
+    // (a recycled chunk), and the next lock's exchange waits for every store
+    // before it to complete.
+    prefetch_for_write(p + raw + 128);
+    prefetch_for_write(p + raw + 192);
+    ::new (static_cast<void*>(p)) EventHeader(h);  // field by field, no copy through memory
+    write(p + sizeof h);
+    tail_used += raw;
+    produced_bytes += bytes;
+    if (pending == 0) first_pending_ns.store(steady_ns(), std::memory_order_relaxed);
+    accepted.store(++produced, std::memory_order_release);
+    unlock();
+    filled(pending + 1);
+  }
+
+  // ---- the publisher thread ----
+
+  // Sends `body` (the reused payload buffer) and, with a replay socket, keeps
+  // an exact copy in the ring (the buffer itself grew past its size).
+  void send(std::uint64_t seq, std::string_view body) {
+    const auto seq_frame = encode_seq(seq);
     bool ok = false;
     try {
       ok = pub.send(zmq::buffer(opt.topic), zmq::send_flags::sndmore | zmq::send_flags::dontwait)
@@ -332,22 +558,108 @@ struct Publisher::Impl {
       // mark is checked at a message's start).
       if (ok) {
         pub.send(as_buffer(seq_frame), zmq::send_flags::sndmore);
-        pub.send(zmq::buffer(payload), zmq::send_flags::none);
+        pub.send(zmq::buffer(body), zmq::send_flags::none);
       }
     } catch (const zmq::error_t&) {
       ok = false;
     }
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
-    next_seq.store(batch.seq + 1, std::memory_order_relaxed);
+    next_seq.store(seq + 1, std::memory_order_relaxed);
     if (router) {
-      ring.emplace_back(batch.seq, std::move(payload));
+      ring.emplace_back(seq, std::string(body));
       while (ring.size() > opt.replay_ring_batches)
         ring.pop_front();
     }
   }
 
+  // Encodes (and, with a replay socket, applies to the cached set) the events
+  // of batch_events as one batch and sends it.
+  void publish_batch() {
+    // Written from payload[0], never cleared: it is zeroed only where it grows.
+    BatchWriter w(payload, 0, opt.form, wall_seconds(), batch_events.size());
+    constexpr std::size_t ahead = 8;  // the cached set's slots asked for this many events ahead
+    for (std::size_t i = 0; i < batch_events.size(); ++i) {
+      if (router && i + ahead < batch_events.size()) {
+        const EventRef next = read_event(batch_events[i + ahead]);
+        if (!next.hashes.empty()) cached.prefetch(source_at(next.h.source), next.hashes[0]);
+      }
+      const EventRef e = read_event(batch_events[i]);
+      const EventSource& src = source_at(e.h.source);
+      switch (e.h.kind) {
+        case EventHeader::store: {
+          StoredEventView v;
+          v.block_hashes = e.hashes;
+          if (e.h.has_parent) v.parent_block_hash = e.h.parent;
+          v.token_ids = e.tokens;
+          v.block_size = e.h.block_size;
+          v.medium = to_string(src.medium);
+          v.lora_name = e.lora;
+          v.group_idx = src.group_idx;
+          if (src.spec_kind) v.kv_cache_spec_kind = *src.spec_kind;
+          v.kv_cache_spec_sliding_window = src.sliding_window;
+          w.stored(v);
+          if (router) cached.stored(src, e);
+          break;
+        }
+        case EventHeader::remove:
+          w.removed(e.hashes, to_string(src.medium), src.group_idx);
+          if (router) cached.removed(src, e.hashes);
+          break;
+        default:
+          w.cleared(to_string(src.medium), src.group_idx);
+          if (router) cached.cleared(src);
+          break;
+      }
+    }
+    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank));
+  }
+
+  // Reads `n` accepted events, publishing them in batches of at most
+  // max_batch_events, and hands the chunks it leaves back.
+  void take(std::uint64_t n) {
+    std::uint64_t done = 0;
+    while (done < n) {
+      const std::size_t k =
+          static_cast<std::size_t>(std::min<std::uint64_t>(n - done, opt.max_batch_events));
+      Chunk* const first = head;
+      std::uint64_t bytes = 0;
+      batch_events.clear();
+      for (std::size_t i = 0; i < k; ++i) {
+        EventHeader h;
+        std::memcpy(&h, head->data + head_used, sizeof h);
+        if (h.kind == EventHeader::next_chunk) {
+          head = head->next;
+          head_used = 0;
+          std::memcpy(&h, head->data, sizeof h);
+        }
+        batch_events.push_back(head->data + head_used);  // reserved: never throws
+        const std::size_t lora = h.lora_len == 0 ? 0 : h.lora_len - 1;
+        head_used += raw_size(h.n_hashes, h.n_tokens, lora);
+        bytes += accounted_bytes(h.n_hashes, h.n_tokens);
+      }
+      try {
+        publish_batch();
+      } catch (...) {  // out of memory: these events are lost, counted
+        dropped.fetch_add(k, std::memory_order_relaxed);
+        lost.fetch_add(k, std::memory_order_relaxed);
+      }
+      for (Chunk* c = first; c != head;) {
+        Chunk* next = c->next;
+        recycle(c);
+        c = next;
+      }
+      done += k;
+      taken_bytes.store(taken_bytes.load(std::memory_order_relaxed) + bytes,
+                        std::memory_order_release);
+      taken.store(taken.load(std::memory_order_relaxed) + k, std::memory_order_release);
+    }
+    std::lock_guard lk(flush_mu);
+    published += n;
+    flush_cv.notify_all();
+  }
+
   void reply(const std::vector<zmq::message_t>& request, std::span<const std::byte> seq,
-             std::string_view payload) {
+             std::string_view body) {
     // Echo the routing prefix: [identity] or [identity, ""] (REQ, or a
     // DEALER that sends the empty delimiter as vLLM's clients do).
     for (std::size_t k = 0; k + 1 < request.size(); ++k) {
@@ -356,7 +668,7 @@ struct Publisher::Impl {
     }
     router->send(zmq::buffer(seq.data(), seq.size()),
                  zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-    router->send(zmq::buffer(payload), zmq::send_flags::dontwait);
+    router->send(zmq::buffer(body), zmq::send_flags::dontwait);
   }
 
   void serve_requests() {
@@ -378,17 +690,19 @@ struct Publisher::Impl {
           snap.seq = next_seq.load(std::memory_order_relaxed);
           snap.ts = wall_seconds();
           snap.data_parallel_rank = opt.data_parallel_rank;
-          snap.events = cached.as_events();
-          const std::string payload = encode_batch(snap, opt.form);
-          reply(frames, encode_seq(snap.seq), payload);
-          reply(frames, end, "");
+          snap.events = cached.as_events(
+              [this](std::size_t i) -> const EventSource& { return source_at(i); });
+          const std::string snap_payload = encode_batch(snap, opt.form);
+          // Counted first: a client that has the answer sees it counted.
           snapshots.fetch_add(1, std::memory_order_relaxed);
-        } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
-          for (const auto& [seq, payload] : ring) {
-            if (seq >= *start) reply(frames, encode_seq(seq), payload);
-          }
+          reply(frames, encode_seq(snap.seq), snap_payload);
           reply(frames, end, "");
+        } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
+          for (const auto& [seq, kept] : ring) {
+            if (seq >= *start) reply(frames, encode_seq(seq), kept);
+          }
           replays.fetch_add(1, std::memory_order_relaxed);
+          reply(frames, end, "");
         } else {
           bad_requests.fetch_add(1, std::memory_order_relaxed);
           reply(frames, end, "");
@@ -399,64 +713,73 @@ struct Publisher::Impl {
     }
   }
 
+  // Events accepted and not yet taken.
+  std::uint64_t pending() const noexcept {
+    return accepted.load(std::memory_order_acquire) - taken.load(std::memory_order_relaxed);
+  }
+  bool interval_passed(std::int64_t now_ns) const noexcept {
+    return now_ns - first_pending_ns.load(std::memory_order_relaxed) >=
+           std::chrono::duration_cast<std::chrono::nanoseconds>(opt.batch_interval).count();
+  }
+
   void run() {
+    pthread_setname_np(pthread_self(), "kvport-events");
     const auto slice =
         std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(opt.batch_interval),
                    std::chrono::milliseconds(1), std::chrono::milliseconds(10));
+    const auto interval_ns =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(opt.batch_interval).count();
+    // Busy: the last take was of a full batch or more, so events come faster
+    // than a wake-up per batch is worth; the thread then polls every
+    // millisecond instead of being woken per batch (the producers then wake it
+    // only at half a buffer), which spares them a system call per batch.
+    constexpr std::chrono::microseconds busy_sleep{100};
+    const bool may_be_busy = opt.batch_interval >= 2 * busy_sleep;
+    bool busy = false;
     while (true) {
-      if (router) {
-        zmq::pollitem_t item{router->handle(), 0, ZMQ_POLLIN, 0};
+      // Sleep until a batch fills (busy: a millisecond passes or half the
+      // buffer fills), the interval of the first pending event passes, a
+      // flush or stop asks, a replay request arrives, or a slice passes.
+      waiting.store(busy ? sleeping_busy : sleeping, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      std::uint64_t n = pending();
+      const bool asked =
+          flush_asked.load(std::memory_order_relaxed) || stop_flag.load(std::memory_order_relaxed);
+      bool woken = false;
+      if (busy && !asked && n < half_buffer) {
+        // A short sleep, not woken per batch (flush and stop wait for it).
+        std::this_thread::sleep_for(busy_sleep);
+      } else if (!asked && n < opt.max_batch_events && !(n > 0 && interval_passed(steady_ns()))) {
+        std::int64_t timeout_ms = slice.count();
+        if (n > 0) {
+          const std::int64_t left =
+              first_pending_ns.load(std::memory_order_relaxed) + interval_ns - steady_ns();
+          timeout_ms = std::clamp<std::int64_t>((left + 999'999) / 1'000'000, 0, timeout_ms);
+        }
+        zmq::pollitem_t items[2] = {{nullptr, wake_fd, ZMQ_POLLIN, 0},
+                                    {router ? router->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
         try {
-          zmq::poll(&item, 1, slice);
+          zmq::poll(items, router ? 2 : 1, std::chrono::milliseconds(timeout_ms));
         } catch (const zmq::error_t&) {
         }
-        serve_requests();
+        woken = (items[0].revents & ZMQ_POLLIN) != 0;
       }
-      bool stopping = false;
-      bool took = false;
-      {
-        std::unique_lock lk(mu);
-        auto due = [&] {
-          return stop || flush_asked || pending.records.size() >= opt.max_batch_events ||
-                 (!pending.records.empty() &&
-                  std::chrono::steady_clock::now() - first_pending >= opt.batch_interval);
-        };
-        if (!router && !due()) cv.wait_for(lk, slice, due);
-        if (due()) {
-          std::swap(spare, pending);
-          took = true;
-          pending_bytes = 0;
-          pending_count.store(0, std::memory_order_relaxed);
-          flush_asked = false;
-        }
-        stopping = stop;
+      waiting.store(awake, std::memory_order_relaxed);
+      if (woken) {
+        std::uint64_t wakes = 0;
+        [[maybe_unused]] const ssize_t r = ::read(wake_fd, &wakes, sizeof wakes);
       }
-      std::vector<CacheEvent> taken;
-      if (took) {
-        try {
-          taken = spare.to_events();
-        } catch (...) {  // out of memory: these events are lost, counted
-          dropped.fetch_add(spare.records.size(), std::memory_order_relaxed);
-          accepted.fetch_sub(spare.records.size(), std::memory_order_relaxed);
-        }
-        spare.clear();  // keeps its capacity for the next swap
-      }
-      const std::size_t n = taken.size();
-      for (std::size_t begin = 0; begin < n; begin += opt.max_batch_events) {
-        const std::size_t end = std::min(n, begin + opt.max_batch_events);
-        std::vector<CacheEvent> chunk;
-        if (begin == 0 && end == n) {
-          chunk = std::move(taken);
-        } else {
-          chunk.assign(std::make_move_iterator(taken.begin() + static_cast<std::ptrdiff_t>(begin)),
-                       std::make_move_iterator(taken.begin() + static_cast<std::ptrdiff_t>(end)));
-        }
-        publish(std::move(chunk));
-      }
-      if (n > 0) {
-        std::lock_guard lk(flush_mu);
-        published += n;
-        flush_cv.notify_all();
+      if (router) serve_requests();
+
+      const bool stopping = stop_flag.load(std::memory_order_acquire);
+      const bool flushing = flush_asked.exchange(false, std::memory_order_acq_rel);
+      n = pending();
+      if (n > 0 &&
+          (stopping || flushing || n >= opt.max_batch_events || interval_passed(steady_ns()))) {
+        take(n);
+        busy = may_be_busy && n >= opt.max_batch_events;
+      } else if (n == 0) {
+        busy = false;
       }
       if (stopping) {
         if (router) serve_requests();
@@ -494,74 +817,83 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     bind_or_throw(*m.router, m.opt.replay_endpoint, "replay");
     m.replay_bound = last_endpoint(*m.router);
   }
+  m.wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (m.wake_fd < 0) throw std::system_error(errno, std::generic_category(), "eventfd");
+  m.batch_events.reserve(m.opt.max_batch_events);
+  m.half_buffer = std::max<std::uint64_t>(1, m.opt.buffer_events / 2);
+  m.tail = m.head = new Chunk(chunk_bytes);
   m.thread = std::thread([&m] { m.run(); });
 }
 
 Publisher::~Publisher() {
-  {
-    std::lock_guard lk(impl_->mu);
-    impl_->stop = true;
-  }
-  impl_->cv.notify_one();
-  if (impl_->thread.joinable()) impl_->thread.join();
-  impl_->pub.close();
-  if (impl_->router) impl_->router->close();
-  impl_->ctx.close();  // waits up to `linger` for queued messages
+  Impl& m = *impl_;
+  m.lock();
+  m.stop = true;  // no producer accepts from here on
+  m.unlock();
+  m.stop_flag.store(true, std::memory_order_release);
+  m.signal();
+  if (m.thread.joinable()) m.thread.join();
+  m.pub.close();
+  if (m.router) m.router->close();
+  m.ctx.close();  // waits up to `linger` for queued messages
 }
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
-  if (impl_->surely_full()) return impl_->drop();
-  const std::size_t bytes = event_overhead + 8 * blocks.hashes.size() + 4 * blocks.tokens.size();
-  impl_->push(bytes, [&](Impl::Record& r) {
-    Impl::Buffer& b = impl_->pending;
-    r.kind = Impl::Record::Kind::store;
-    r.source = b.source_index(source);
-    for (const BlockHash& h : blocks.hashes)
-      b.hashes.push_back(event_hash(h));
-    b.tokens.insert(b.tokens.end(), blocks.tokens.begin(), blocks.tokens.end());
-    r.n_hashes = static_cast<std::uint32_t>(blocks.hashes.size());
-    r.n_tokens = static_cast<std::uint32_t>(blocks.tokens.size());
-    r.block_size = blocks.block_size;
-    if (blocks.parent) {
-      r.has_parent = true;
-      r.parent = event_hash(*blocks.parent);
+  Impl& m = *impl_;
+  if (m.surely_full()) return m.drop();
+  EventHeader h;
+  h.kind = EventHeader::store;
+  h.block_size = blocks.block_size;
+  h.n_hashes = static_cast<std::uint32_t>(blocks.hashes.size());
+  h.n_tokens = static_cast<std::uint32_t>(blocks.tokens.size());
+  if (blocks.parent) {
+    h.has_parent = 1;
+    h.parent = event_hash(*blocks.parent);
+  }
+  const std::size_t lora = blocks.lora_name ? blocks.lora_name->size() : 0;
+  if (blocks.lora_name) h.lora_len = static_cast<std::uint32_t>(lora + 1);
+  m.push(h, lora, source, [&](std::byte* p) {
+    for (const BlockHash& bh : blocks.hashes) {
+      const std::uint64_t v = event_hash(bh);
+      std::memcpy(p, &v, 8);
+      p += 8;
     }
-    if (blocks.lora_name) {
-      b.loras.emplace_back(*blocks.lora_name);
-      r.lora = static_cast<std::int32_t>(b.loras.size() - 1);
-    }
+    if (!blocks.tokens.empty()) std::memcpy(p, blocks.tokens.data(), 4 * blocks.tokens.size());
+    p += round8(4 * blocks.tokens.size());
+    if (lora != 0) std::memcpy(p, blocks.lora_name->data(), lora);
   });
 }
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
-  if (impl_->surely_full()) return impl_->drop();
-  impl_->push(event_overhead + 8 * hashes.size(), [&](Impl::Record& r) {
-    Impl::Buffer& b = impl_->pending;
-    r.kind = Impl::Record::Kind::remove;
-    r.source = b.source_index(source);
-    for (const BlockHash& h : hashes)
-      b.hashes.push_back(event_hash(h));
-    r.n_hashes = static_cast<std::uint32_t>(hashes.size());
+  Impl& m = *impl_;
+  if (m.surely_full()) return m.drop();
+  EventHeader h;
+  h.kind = EventHeader::remove;
+  h.n_hashes = static_cast<std::uint32_t>(hashes.size());
+  m.push(h, 0, source, [&](std::byte* p) {
+    for (const BlockHash& bh : hashes) {
+      const std::uint64_t v = event_hash(bh);
+      std::memcpy(p, &v, 8);
+      p += 8;
+    }
   });
 }
 
 void Publisher::cleared(const EventSource& source) noexcept {
-  if (impl_->surely_full()) return impl_->drop();
-  impl_->push(event_overhead, [&](Impl::Record& r) {
-    r.kind = Impl::Record::Kind::clear;
-    r.source = impl_->pending.source_index(source);
-  });
+  Impl& m = *impl_;
+  if (m.surely_full()) return m.drop();
+  EventHeader h;
+  h.kind = EventHeader::clear;
+  m.push(h, 0, source, [](std::byte*) {});
 }
 
 bool Publisher::flush(std::chrono::milliseconds timeout) {
-  const std::uint64_t target = impl_->accepted.load();
-  {
-    std::lock_guard lk(impl_->mu);
-    impl_->flush_asked = true;
-  }
-  impl_->cv.notify_one();
-  std::unique_lock lk(impl_->flush_mu);
-  return impl_->flush_cv.wait_for(lk, timeout, [&] { return impl_->published >= target; });
+  Impl& m = *impl_;
+  const std::uint64_t target = m.accepted.load(std::memory_order_acquire);
+  m.flush_asked.store(true, std::memory_order_seq_cst);
+  m.signal();
+  std::unique_lock lk(m.flush_mu);
+  return m.flush_cv.wait_for(lk, timeout, [&] { return m.published >= target; });
 }
 
 const std::string& Publisher::endpoint() const noexcept {
@@ -574,7 +906,7 @@ const std::string& Publisher::replay_endpoint() const noexcept {
 PublisherStats Publisher::stats() const noexcept {
   const Impl& m = *impl_;
   PublisherStats s;
-  s.events_accepted = m.accepted.load();
+  s.events_accepted = m.accepted.load() - m.lost.load();
   s.events_dropped = m.dropped.load();
   s.batches_sent = m.sent.load();
   s.send_failures = m.send_failures.load();

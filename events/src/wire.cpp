@@ -645,7 +645,283 @@ bool read_rank(Reader& r, std::optional<std::int64_t>& rank) {
   return true;
 }
 
+// ---- the direct writer (BatchWriter) -------------------------------------------
+// Writes through a raw pointer into space reserved once per event (an upper
+// bound, trimmed after), in the smallest encodings msgpack-cxx's packer
+// chooses, so that its bytes equal pack_event's.
+
+class Raw {
+ public:
+  // Writes at `end` (out's bytes before it are the batch so far, those after
+  // it scratch), growing `out` geometrically, so that an event neither
+  // resizes nor zeroes anything once the string has grown.
+  Raw(std::string& out, std::size_t& end, std::size_t bound) : out_(out), end_(end) {
+    if (out_.size() < end_ + bound) out_.resize(std::max(end_ + bound, 2 * out_.size()));
+    p_ = out_.data() + end_;
+  }
+  ~Raw() { end_ = static_cast<std::size_t>(p_ - out_.data()); }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+
+  void byte(unsigned b) { *p_++ = static_cast<char>(b); }
+  void be16(std::uint16_t v) {
+    byte(v >> 8);
+    byte(v & 0xff);
+  }
+  void be32(std::uint32_t v) {
+    v = __builtin_bswap32(v);
+    std::memcpy(p_, &v, 4);
+    p_ += 4;
+  }
+  void be64(std::uint64_t v) {
+    v = __builtin_bswap64(v);
+    std::memcpy(p_, &v, 8);
+    p_ += 8;
+  }
+  void uint(std::uint64_t d) {
+    if (d < (1u << 8)) {
+      if (d < (1u << 7)) {
+        byte(static_cast<unsigned>(d));
+      } else {
+        byte(0xcc);
+        byte(static_cast<unsigned>(d));
+      }
+    } else if (d < (1u << 16)) {
+      byte(0xcd);
+      be16(static_cast<std::uint16_t>(d));
+    } else if (d < (std::uint64_t{1} << 32)) {
+      byte(0xce);
+      be32(static_cast<std::uint32_t>(d));
+    } else {
+      byte(0xcf);
+      be64(d);
+    }
+  }
+  // msgpack-cxx's pack_int64: the smallest of the signed and unsigned forms.
+  void sint(std::int64_t d) {
+    if (d < -(std::int64_t{1} << 5)) {
+      if (d < -(std::int64_t{1} << 15)) {
+        if (d < -(std::int64_t{1} << 31)) {
+          byte(0xd3);
+          be64(static_cast<std::uint64_t>(d));
+        } else {
+          byte(0xd2);
+          be32(static_cast<std::uint32_t>(d));
+        }
+      } else if (d < -(1 << 7)) {
+        byte(0xd1);
+        be16(static_cast<std::uint16_t>(d));
+      } else {
+        byte(0xd0);
+        byte(static_cast<unsigned>(d) & 0xff);
+      }
+    } else if (d < (1 << 7)) {
+      byte(static_cast<unsigned>(d) & 0xff);  // positive or negative fixint
+    } else {
+      uint(static_cast<std::uint64_t>(d));
+    }
+  }
+  void nil() { byte(0xc0); }
+  void bytes(const char* p, std::size_t n) {
+    std::memcpy(p_, p, n);
+    p_ += n;
+  }
+  template <class T>
+  void opt_uint(const std::optional<T>& v) {
+    if (v) {
+      uint(*v);
+    } else {
+      nil();
+    }
+  }
+  void str(std::string_view s) {
+    const std::size_t l = s.size();
+    if (l < 32) {
+      byte(0xa0u | static_cast<unsigned>(l));
+    } else if (l < 256) {
+      byte(0xd9);
+      byte(static_cast<unsigned>(l));
+    } else if (l < 65536) {
+      byte(0xda);
+      be16(static_cast<std::uint16_t>(l));
+    } else {
+      byte(0xdb);
+      be32(static_cast<std::uint32_t>(l));
+    }
+    std::memcpy(p_, s.data(), l);
+    p_ += l;
+  }
+  void opt_str(const std::optional<std::string_view>& s) {
+    if (s) {
+      str(*s);
+    } else {
+      nil();
+    }
+  }
+  void array(std::size_t n) { header(n, 0x90, 0xdc, 0xdd); }
+  void map(std::size_t n) { header(n, 0x80, 0xde, 0xdf); }
+
+  // Bytes an element may take at most.
+  static constexpr std::size_t max_uint = 9;
+  static constexpr std::size_t max_header = 5;
+  static std::size_t max_str(std::string_view s) { return 5 + s.size(); }
+  static std::size_t max_str(const std::optional<std::string_view>& s) {
+    return s ? max_str(*s) : 1;
+  }
+
+ private:
+  void header(std::size_t n, unsigned fix, unsigned b16, unsigned b32) {
+    if (n < 16) {
+      byte(fix | static_cast<unsigned>(n));
+    } else if (n < 65536) {
+      byte(b16);
+      be16(static_cast<std::uint16_t>(n));
+    } else {
+      byte(b32);
+      be32(static_cast<std::uint32_t>(n));
+    }
+  }
+
+  std::string& out_;
+  std::size_t& end_;
+  char* p_;
+};
+
+// The map form's keys and the event names, with every key's length.
+constexpr std::size_t stored_keys_bytes = 256;
+
 }  // namespace
+
+BatchWriter::BatchWriter(std::string& out, EventForm form, double ts, std::size_t events)
+    : BatchWriter(out, out.size(), form, ts, events) {}
+
+BatchWriter::BatchWriter(std::string& out, std::size_t at, EventForm form, double ts,
+                         std::size_t events)
+    : out_(out), form_(form), at_(at), end_(at) {
+  if (at_ > out_.size()) out_.resize(at_);
+  // The timestamp as msgpack-cxx packs a double (an integral one as an integer).
+  struct Fixed {
+    char data[16];
+    std::size_t size = 0;
+    void write(const char* p, std::size_t n) {
+      std::memcpy(data + size, p, n);
+      size += n;
+    }
+  } ts_bytes;
+  msgpack::packer<Fixed> pk(ts_bytes);
+  pk.pack_double(ts);
+  Raw w(out_, end_, 16);
+  w.array(3);
+  w.bytes(ts_bytes.data, ts_bytes.size);
+  w.array(events);
+}
+
+void BatchWriter::stored(const StoredEventView& e) {
+  const bool map = form_ == EventForm::map;
+  const std::size_t bound = stored_keys_bytes + Raw::max_header * 3 +
+                            Raw::max_uint * (e.block_hashes.size() + 5) + 5 * e.token_ids.size() +
+                            Raw::max_str(e.medium) + Raw::max_str(e.lora_name) +
+                            Raw::max_str(e.kv_cache_spec_kind);
+  Raw w(out_, end_, bound);
+  if (map) {
+    w.map(12);
+    w.str("type");
+  } else {
+    w.array(12);
+  }
+  w.str("BlockStored");
+  if (map) w.str("block_hashes");
+  w.array(e.block_hashes.size());
+  for (std::uint64_t h : e.block_hashes)
+    w.uint(h);
+  if (map) w.str("parent_block_hash");
+  w.opt_uint(e.parent_block_hash);
+  if (map) w.str("token_ids");
+  w.array(e.token_ids.size());
+  for (TokenId t : e.token_ids)
+    w.uint(t);
+  if (map) w.str("block_size");
+  w.uint(e.block_size);
+  if (map) w.str("lora_id");
+  w.nil();
+  if (map) w.str("medium");
+  w.str(e.medium);
+  if (map) w.str("lora_name");
+  w.opt_str(e.lora_name);
+  if (map) w.str("extra_keys");
+  w.nil();
+  if (map) w.str("group_idx");
+  w.opt_uint(e.group_idx);
+  if (map) w.str("kv_cache_spec_kind");
+  w.opt_str(e.kv_cache_spec_kind);
+  if (map) w.str("kv_cache_spec_sliding_window");
+  w.opt_uint(e.kv_cache_spec_sliding_window);
+}
+
+void BatchWriter::removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
+                          std::optional<std::uint32_t> group_idx) {
+  const bool map = form_ == EventForm::map;
+  Raw w(out_, end_,
+        96 + Raw::max_header + Raw::max_uint * (block_hashes.size() + 1) + Raw::max_str(medium));
+  if (map) {
+    w.map(4);
+    w.str("type");
+  } else {
+    w.array(4);
+  }
+  w.str("BlockRemoved");
+  if (map) w.str("block_hashes");
+  w.array(block_hashes.size());
+  for (std::uint64_t h : block_hashes)
+    w.uint(h);
+  if (map) w.str("medium");
+  w.str(medium);
+  if (map) w.str("group_idx");
+  w.opt_uint(group_idx);
+}
+
+void BatchWriter::cleared(std::optional<std::string_view> medium,
+                          std::optional<std::uint32_t> group_idx) {
+  Raw w(out_, end_, 96 + Raw::max_str(medium) + Raw::max_uint);
+  const bool scoped = medium || group_idx;
+  if (form_ == EventForm::map) {
+    w.map(1 + (medium ? 1 : 0) + (group_idx ? 1 : 0));
+    w.str("type");
+    w.str("AllBlocksCleared");
+    if (medium) {
+      w.str("medium");
+      w.str(*medium);
+    }
+    if (group_idx) {
+      w.str("group_idx");
+      w.uint(*group_idx);
+    }
+  } else {
+    w.array(scoped ? 3 : 1);
+    w.str("AllBlocksCleared");
+    if (scoped) {
+      w.opt_str(medium);
+      w.opt_uint(group_idx);
+    }
+  }
+}
+
+void BatchWriter::finish(std::optional<std::int64_t> data_parallel_rank) {
+  (void)finish_view(data_parallel_rank);
+  out_.resize(end_);
+}
+
+std::string_view BatchWriter::finish_view(std::optional<std::int64_t> data_parallel_rank) {
+  {
+    Raw w(out_, end_, Raw::max_uint);
+    if (data_parallel_rank) {
+      w.sint(*data_parallel_rank);
+    } else {
+      w.nil();
+    }
+  }
+  return std::string_view(out_.data() + at_, end_ - at_);
+}
 
 void encode_event(const CacheEvent& event, EventForm form, std::string& out) {
   StringBuffer buf{out};

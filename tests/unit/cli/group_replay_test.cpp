@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 
 #include "cli_test_util.hpp"
@@ -47,6 +48,46 @@ TEST(cli_group_replay, GptOssGroupsBesideAllFull) {
   EXPECT_GT(g.at("peak_running").get<std::size_t>(), f.at("peak_running").get<std::size_t>());
   EXPECT_GT(j.at("concurrency_ratio").get<double>(), 1.0);
   EXPECT_TRUE(j.at("ok").get<bool>());
+}
+
+// The report's "groups" and "all_full" without their wall time.
+nlohmann::json without_timing(nlohmann::json j) {
+  for (const char* run : {"groups", "all_full"})
+    j.at(run).erase("wall_s");
+  return j;
+}
+
+TEST(cli_group_replay, EventsArePublishedAndChangeNothingElse) {
+  const std::initializer_list<std::string> base = {
+      "--memory", "2GiB", "--model", "gpt-oss-120b", "--host-tier-blocks", "20000", "--json"};
+  const CliResult plain = group_replay(base);
+  std::vector<std::string> args{"replay", "--trace", kSmallTrace};
+  args.insert(args.end(), base);
+  for (const char* a : {"--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0"})
+    args.emplace_back(a);
+  const CliResult r = run_cli(args);
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  ASSERT_EQ(r.code, 0) << r.err << r.out;
+  nlohmann::json j = r.json();
+  const nlohmann::json events = j.at("events");
+  EXPECT_THAT(events.at("endpoint").get<std::string>(), HasSubstr("tcp://127.0.0.1:"));
+  EXPECT_NE(events.at("endpoint").get<std::string>(), "tcp://127.0.0.1:0");  // the bound port
+  // At least one event per batch, and a cleared per group and medium at the end.
+  EXPECT_GE(events.at("accepted").get<std::uint64_t>(),
+            events.at("batches_sent").get<std::uint64_t>());
+  EXPECT_GE(events.at("accepted").get<std::uint64_t>(), 4u);
+  EXPECT_GT(events.at("batches_sent").get<std::uint64_t>(), 0u);
+  EXPECT_EQ(events.at("dropped").get<std::uint64_t>(), 0u);
+  j.erase("events");
+  EXPECT_EQ(without_timing(j), without_timing(plain.json()));
+  // The text report says so too.
+  args.pop_back();
+  args.pop_back();
+  args.erase(std::find(args.begin(), args.end(), "--json"));
+  const CliResult text = run_cli(args);
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("Events        "));
+  EXPECT_THAT(text.out, HasSubstr(" published on tcp://127.0.0.1:"));
 }
 
 TEST(cli_group_replay, TextReportAndAMambaHybridFromItsConfig) {

@@ -119,7 +119,8 @@ TEST(cli_replay, BadEventFlagsAreOneLineAndExit2) {
            {"--events", "bogus://x"},
            {"--events", "tcp://127.0.0.1:99999"},
            {"--events-replay", "tcp://127.0.0.1:0"},
-           {"--events", "tcp://127.0.0.1:0", "--memory", "10GiB", "--model", "gpt-oss-120b"}}) {
+           {"--events-replay", "tcp://127.0.0.1:0", "--memory", "10GiB", "--model", "gpt-oss-120b"},
+           {"--events", "bogus://x", "--memory", "10GiB", "--model", "gpt-oss-120b"}}) {
     std::vector<std::string> all{"replay", "--trace", kSmallTrace, "--capacity-blocks", "64"};
     if (args.size() > 2) all.erase(all.begin() + 3, all.begin() + 5);  // --memory replaces it
     all.insert(all.end(), args.begin(), args.end());

@@ -377,6 +377,77 @@ TEST(Publisher, SnapshotEqualsTheSetTheEventsBuild) {
   EXPECT_EQ(pub.stats().snapshots, 1u);
 }
 
+// Several threads at once (the default: the hot path's spinlock), and one
+// with single_producer: every event arrives, each thread's in its order,
+// across many chunks, with one event larger than a chunk among them.
+void every_event_in_order(int threads, bool single_producer) {
+  PublisherOptions o = local_options();
+  o.single_producer = single_producer;
+  o.buffer_events = 1 << 20;
+  o.buffer_bytes = 1u << 30;
+  Publisher pub(o);
+  Subscriber s(pub.endpoint(), "");
+  std::uint64_t next = join(pub, s);
+  constexpr std::uint64_t per_thread = 6000;
+  const std::vector<TokenId> tokens(16, 3);
+  const std::vector<TokenId> huge_tokens(100'000, 9);  // 400 kB: more than a chunk
+  std::vector<std::thread> producers;
+  for (int t = 0; t < threads; ++t) {
+    producers.emplace_back([&, t] {
+      for (std::uint64_t k = 0; k < per_thread; ++k) {
+        const std::vector<BlockHash> hashes = {bh(std::uint64_t(t) << 32 | k)};
+        if (k == per_thread / 2 && t == 0) {
+          pub.stored(EventSource{}, view(hashes, std::nullopt, huge_tokens, 100'000));
+        } else if (k % 3 == 0) {
+          pub.removed(EventSource{Medium::cpu, 1u, std::nullopt, std::nullopt}, hashes);
+        } else {
+          pub.stored(EventSource{}, view(hashes, bh(7), tokens, 16));
+        }
+      }
+    });
+  }
+  for (auto& p : producers)
+    p.join();
+  ASSERT_TRUE(pub.flush(10s));
+  EXPECT_EQ(pub.stats().events_accepted, per_thread * threads + next);  // the probes too
+  std::vector<std::uint64_t> seen(threads, 0);
+  std::uint64_t events = 0;
+  while (events < per_thread * threads) {
+    auto frames = s.recv();
+    ASSERT_EQ(frames.size(), 3u) << "after " << events << " events";
+    EXPECT_EQ(seq_of(frames[1]), next++);
+    const DecodeResult r = decode_batch(as_string(frames[2]));
+    ASSERT_TRUE(r.ok()) << r.error;
+    for (const CacheEvent& e : r.batch->events) {
+      std::uint64_t h = 0;
+      if (const auto* st = std::get_if<BlockStored>(&e)) {
+        h = st->block_hashes.at(0);
+        const bool huge = st->token_ids.size() == huge_tokens.size();
+        EXPECT_EQ(st->token_ids, huge ? huge_tokens : tokens);
+        EXPECT_EQ(st->parent_block_hash, huge ? std::nullopt : std::optional<std::uint64_t>(7));
+      } else {
+        const auto& rm = std::get<BlockRemoved>(e);
+        h = rm.block_hashes.at(0);
+        EXPECT_EQ(rm.medium, "CPU");
+        EXPECT_EQ(rm.group_idx, 1u);
+      }
+      const std::uint64_t t = h >> 32, k = h & 0xffffffffu;
+      ASSERT_LT(t, std::uint64_t(threads));
+      EXPECT_EQ(k, seen[t]++) << "thread " << t;
+      ++events;
+    }
+  }
+  EXPECT_EQ(pub.stats().events_dropped, 0u);
+}
+
+TEST(Publisher, ConcurrentProducersEveryEventInOrder) {
+  every_event_in_order(4, false);
+}
+
+TEST(Publisher, SingleProducerEveryEventInOrder) {
+  every_event_in_order(1, true);
+}
+
 TEST(Publisher, DestructionFlushesWhatIsBuffered) {
   PublisherOptions o = local_options();
   o.batch_interval = 10s;

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <random>
 
 namespace kvport::events {
@@ -56,6 +57,138 @@ TEST_P(WireForms, NilRankAndEmptyEvents) {
   const DecodeResult r = decode_batch(encode_batch(b, GetParam()));
   ASSERT_TRUE(r.ok()) << r.error;
   EXPECT_EQ(*r.batch, b);
+}
+
+// BatchWriter writes what encode_batch writes, byte for byte.
+std::string written(const EventBatch& b, EventForm form) {
+  std::string out = "prefix";  // appended to, not replaced
+  BatchWriter w(out, form, b.ts, b.events.size());
+  for (const CacheEvent& ev : b.events) {
+    if (const auto* s = std::get_if<BlockStored>(&ev)) {
+      StoredEventView v;
+      v.block_hashes = s->block_hashes;
+      v.parent_block_hash = s->parent_block_hash;
+      v.token_ids = s->token_ids;
+      v.block_size = s->block_size;
+      v.medium = s->medium;
+      if (s->lora_name) v.lora_name = *s->lora_name;
+      v.group_idx = s->group_idx;
+      if (s->kv_cache_spec_kind) v.kv_cache_spec_kind = *s->kv_cache_spec_kind;
+      v.kv_cache_spec_sliding_window = s->kv_cache_spec_sliding_window;
+      w.stored(v);
+    } else if (const auto* r = std::get_if<BlockRemoved>(&ev)) {
+      w.removed(r->block_hashes, r->medium, r->group_idx);
+    } else {
+      const auto& c = std::get<AllBlocksCleared>(ev);
+      w.cleared(c.medium ? std::optional<std::string_view>(*c.medium) : std::nullopt, c.group_idx);
+    }
+  }
+  w.finish(b.data_parallel_rank);
+  return out.substr(6);
+}
+
+TEST_P(WireForms, BatchWriterWritesTheBytesOfEncodeBatch) {
+  EXPECT_EQ(written(full_batch(), GetParam()), encode_batch(full_batch(), GetParam()));
+  // Every integer and length at and around msgpack's size boundaries.
+  const std::uint64_t edges[] = {0,          1,         127,   128,         255,
+                                 256,        65535,     65536, 0xffffffffu, 0x100000000ull,
+                                 ~0ull >> 1, ~0ull - 1, ~0ull, 31,          32};
+  std::mt19937_64 rng(11);
+  auto pick = [&] { return rng() % 3 ? edges[rng() % std::size(edges)] : rng(); };
+  for (int round = 0; round < 300; ++round) {
+    EventBatch b;
+    b.ts = static_cast<double>(rng() % 100000) / 7.0;
+    if (rng() % 2) b.data_parallel_rank = static_cast<std::int64_t>(pick()) - 40;
+    const std::size_t n = rng() % 3 == 0 ? 16 + rng() % 4 : rng() % 6;
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t len = rng() % 4 == 0 ? edges[rng() % 3 + 1] / 4 + rng() % 40 : rng() % 20;
+      const std::string text(rng() % 4 == 0 ? 30 + rng() % 300 : rng() % 8, 'x');
+      switch (rng() % 4) {
+        case 0: {
+          BlockRemoved r;
+          for (std::size_t i = 0; i < len; ++i)
+            r.block_hashes.push_back(pick());
+          r.medium = text;
+          if (rng() % 2) r.group_idx = static_cast<std::uint32_t>(pick());
+          b.events.emplace_back(r);
+          break;
+        }
+        case 1: {
+          AllBlocksCleared c;
+          if (rng() % 2) c.medium = text;
+          if (rng() % 2) c.group_idx = static_cast<std::uint32_t>(pick());
+          b.events.emplace_back(c);
+          break;
+        }
+        default: {
+          BlockStored s;
+          for (std::size_t i = 0; i < len; ++i)
+            s.block_hashes.push_back(pick());
+          if (rng() % 2) s.parent_block_hash = pick();
+          for (std::size_t i = 0; i < len * 3; ++i)
+            s.token_ids.push_back(static_cast<TokenId>(pick()));
+          s.block_size = static_cast<std::uint32_t>(pick());
+          s.medium = text;
+          if (rng() % 2) s.lora_name = text + "l";
+          if (rng() % 2) s.group_idx = static_cast<std::uint32_t>(pick());
+          if (rng() % 2) s.kv_cache_spec_kind = std::string(rng() % 40, 'k');
+          if (rng() % 2) s.kv_cache_spec_sliding_window = static_cast<std::uint32_t>(pick());
+          b.events.emplace_back(s);
+        }
+      }
+    }
+    ASSERT_EQ(written(b, GetParam()), encode_batch(b, GetParam())) << "round " << round;
+  }
+  // One buffer reused for batch after batch (finish_view: nothing trimmed or
+  // zeroed), every rank size among them.
+  const std::int64_t ranks[] = {0,         -1,     -32,    -33,          -128,
+                                -129,      -32768, -32769, -(1ll << 31), -(1ll << 31) - 1,
+                                INT64_MIN, 127,    128,    65536,        INT64_MAX};
+  std::string buffer = "stale bytes that the batches overwrite";
+  for (std::size_t k = 0; k < std::size(ranks) * 2; ++k) {
+    EventBatch b = full_batch();
+    b.data_parallel_rank = ranks[k % std::size(ranks)];
+    if (k % 3 == 0) b.events.resize(1);  // shorter than the last: scratch left past it
+    BatchWriter w(buffer, 0, GetParam(), b.ts, b.events.size());
+    const std::string whole = written(b, GetParam());  // the appending writer, for its events
+    std::string_view view;
+    {
+      // The same events through the reused buffer.
+      for (const CacheEvent& ev : b.events) {
+        if (const auto* s = std::get_if<BlockStored>(&ev)) {
+          StoredEventView v;
+          v.block_hashes = s->block_hashes;
+          v.parent_block_hash = s->parent_block_hash;
+          v.token_ids = s->token_ids;
+          v.block_size = s->block_size;
+          v.medium = s->medium;
+          if (s->lora_name) v.lora_name = *s->lora_name;
+          v.group_idx = s->group_idx;
+          if (s->kv_cache_spec_kind) v.kv_cache_spec_kind = *s->kv_cache_spec_kind;
+          v.kv_cache_spec_sliding_window = s->kv_cache_spec_sliding_window;
+          w.stored(v);
+        } else if (const auto* r = std::get_if<BlockRemoved>(&ev)) {
+          w.removed(r->block_hashes, r->medium, r->group_idx);
+        } else {
+          const auto& c = std::get<AllBlocksCleared>(ev);
+          w.cleared(c.medium ? std::optional<std::string_view>(*c.medium) : std::nullopt,
+                    c.group_idx);
+        }
+      }
+      view = w.finish_view(b.data_parallel_rank);
+    }
+    EXPECT_EQ(view, encode_batch(b, GetParam())) << "rank " << ranks[k % std::size(ranks)];
+    EXPECT_EQ(whole, encode_batch(b, GetParam()));
+    EXPECT_EQ(view.data(), buffer.data());
+  }
+  // Arrays and a string of 65,536 elements (msgpack's 32-bit lengths).
+  EventBatch big;
+  BlockStored s;
+  s.block_hashes.assign(65536, 300);
+  s.token_ids.assign(70000, 70000);
+  s.lora_name = std::string(65536, 'a');
+  big.events.emplace_back(s);
+  EXPECT_EQ(written(big, GetParam()), encode_batch(big, GetParam()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Both, WireForms, ::testing::Values(EventForm::map, EventForm::positional));

@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <map>
+#include <set>
+#include <tuple>
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
@@ -158,6 +161,67 @@ TEST(HybridReplay, AHostTierBringsEveryGroupBack) {
       EXPECT_EQ(g.tier_counters.aborted_transfers, 0u);
     }
   }
+}
+
+// Every event a sink receives, by where it came from.
+struct SourceRecorder final : CacheEventSink {
+  std::map<std::tuple<Medium, std::optional<std::uint32_t>, std::optional<std::string>,
+                      std::optional<std::uint32_t>>,
+           std::size_t>
+      stored_by_source;
+  std::size_t removed_events = 0, cleared_events = 0;
+  void stored(const EventSource& s, const BlockStoredView&) noexcept override {
+    ++stored_by_source[{s.medium, s.group_idx, s.spec_kind, s.sliding_window}];
+  }
+  void removed(const EventSource&, std::span<const BlockHash>) noexcept override {
+    ++removed_events;
+  }
+  void cleared(const EventSource&) noexcept override { ++cleared_events; }
+};
+
+TEST(HybridReplay, EventsNameEveryGroupOnTheDeviceAndTheHost) {
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
+  const std::vector<TraceRequest> trace = return_after_churn_trace();
+  HybridReplayOptions o;
+  o.layers = gpt_oss_120b();
+  o.max_context_tokens = 17 * 512 + 16;
+  // Room for about two requests on the device: blocks go to the host tier.
+  const KvCachePlan plan = plan_kv_cache(group_layers(o.layers, 16), 16, [&] {
+    KvCachePlanRequest want;
+    want.budget_bytes = std::size_t{1} << 40;
+    want.max_context_tokens = o.max_context_tokens;
+    want.step_tokens = 512;
+    return want;
+  }());
+  o.budget_bytes = 2 * plan.peak_bytes_per_request + plan.peak_bytes_per_request / 2;
+  o.host_tier_blocks = 16 * 17 * 512 / 16;
+  const HybridReplayResult bare = replay_hybrid(trace, o, *backend);
+  SourceRecorder sink;
+  o.event_sink = &sink;
+  const HybridReplayResult with = replay_hybrid(trace, o, *backend);
+  EXPECT_EQ(with.hit_tokens, bare.hit_tokens);
+  EXPECT_EQ(with.completed, bare.completed);
+  EXPECT_TRUE(with.invariants.ok) << with.invariants.to_string();
+  std::set<std::pair<Medium, std::uint32_t>> seen;
+  for (const auto& [source, n] : sink.stored_by_source) {
+    const auto& [medium, group, kind, window] = source;
+    ASSERT_TRUE(group.has_value());
+    ASSERT_TRUE(kind.has_value());
+    EXPECT_TRUE(*kind == "sliding_window" || *kind == "full_attention") << *kind;
+    EXPECT_EQ(window.has_value(), *kind == "sliding_window");
+    if (window) {
+      EXPECT_EQ(*window, 128u);
+    }
+    seen.emplace(medium, *group);
+  }
+  // Both groups stored on the device and on the host; the cleared events of
+  // every cache and tier at the end.
+  EXPECT_TRUE(seen.contains({Medium::gpu, 0}));
+  EXPECT_TRUE(seen.contains({Medium::gpu, 1}));
+  EXPECT_TRUE(seen.contains({Medium::cpu, 0}));
+  EXPECT_TRUE(seen.contains({Medium::cpu, 1}));
+  EXPECT_GT(with.host_hit_tokens, 0u);
+  EXPECT_GT(sink.cleared_events, 0u);
 }
 
 TEST(HybridReplay, OptionsAreValidated) {

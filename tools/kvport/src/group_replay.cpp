@@ -125,6 +125,7 @@ void run_group_replay(GroupReplayRun& run) {
   run.groups = sim::replay_hybrid(requests, run.options, *backend);
   sim::HybridReplayOptions all_full = run.options;
   all_full.layers = sim::as_all_full_attention(run.options.layers);
+  all_full.event_sink = nullptr;  // the comparison is not the model's cache
   run.all_full = sim::replay_hybrid(requests, all_full, *backend);
 }
 
@@ -182,6 +183,13 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
     out << fmt::format("\nConcurrency   {:.2f}x all-full's peak\n",
                        static_cast<double>(g.peak_running) / static_cast<double>(f.peak_running));
   }
+  if (run.events) {
+    const events::PublisherStats& e = run.events->stats;
+    out << fmt::format(
+        "Events        {} published on {} in {} batches, {} dropped (buffer full), {} sends "
+        "refused\n",
+        e.events_accepted, run.events->endpoint, e.batches_sent, e.events_dropped, e.send_failures);
+  }
   out << "Invariants    groups " << g.invariants.to_string() << "; all-full "
       << f.invariants.to_string() << '\n';
   out << "Result        " << (g.invariants.ok && f.invariants.ok ? "OK" : "FAILED") << '\n';
@@ -215,6 +223,14 @@ void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
                                ? 0.0
                                : static_cast<double>(run.groups.peak_running) /
                                      static_cast<double>(run.all_full.peak_running);
+  if (run.events) {
+    const events::PublisherStats& e = run.events->stats;
+    j["events"] = {{"endpoint", run.events->endpoint},
+                   {"accepted", e.events_accepted},
+                   {"dropped", e.events_dropped},
+                   {"batches_sent", e.batches_sent},
+                   {"send_failures", e.send_failures}};
+  }
   j["ok"] = run.groups.invariants.ok && run.all_full.invariants.ok;
   out << j.dump(2) << '\n';
 }

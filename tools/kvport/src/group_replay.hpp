@@ -3,12 +3,14 @@
 // same memory, as a report or one JSON object.
 #pragma once
 
+#include <optional>
 #include <ostream>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "kvport/core/host_tier.hpp"
+#include "kvport/events/publisher.hpp"
 #include "kvport/sim/hybrid_replay.hpp"
 
 namespace kvport::cli {
@@ -21,13 +23,21 @@ struct GroupReplayRun {
   sim::HybridReplayOptions options;
   sim::HybridReplayResult groups;    ///< over the model's groups
   sim::HybridReplayResult all_full;  ///< every window/chunked layer as full attention
+  /// With --events: where the groups' replay published its events and the
+  /// publisher's counters after its flush (the all-full replay publishes none).
+  struct Events {
+    std::string endpoint;
+    events::PublisherStats stats;
+  };
+  std::optional<Events> events;
 };
 
 /// A host tier's counters as the replay reports them ("tier_counters").
 nlohmann::ordered_json tier_counters_json(const HostTierCounters& counters);
 
 /// Runs both replays of `run.options` over the trace at `run.trace` (the
-/// options' layers are the model's) on a host backend and fills the results.
+/// options' layers are the model's) on a host backend and fills the results;
+/// the options' event_sink receives the groups' replay's events only.
 /// Throws what the trace reader and replay_hybrid throw.
 void run_group_replay(GroupReplayRun& run);
 

@@ -198,21 +198,10 @@ class ReplayCommand final : public Command {
     }
     if (model_.given()) options.model = model_.value;
     options.validate();  // before reading a trace that may be large
-    if (events_replay_.given() && !events_.given())
-      throw InvalidArgument("--events-replay: needs --events");
     // Bound before the trace is read, so that a bad endpoint is one line.
     std::optional<events::Publisher> publisher;
-    if (events_.given()) {
-      events::PublisherOptions po;
-      po.endpoint = events_.value;
-      if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
-      try {
-        publisher.emplace(po);
-      } catch (const InvalidArgument& e) {
-        throw InvalidArgument(fmt::format("--events: {}", e.what()));
-      }
-      options.event_sink = &*publisher;
-    }
+    bind_events(publisher);
+    if (publisher) options.event_sink = &*publisher;
 
     const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
 
@@ -253,12 +242,24 @@ class ReplayCommand final : public Command {
 
  private:
   // --memory: the replay over the model's KV cache groups (group_replay.hpp).
-  int execute_groups(std::ostream& out) const {
-    if (events_.given() || events_replay_.given()) {
-      throw InvalidArgument(
-          "--events: not with --memory yet (the group replay's events can be published through "
-          "the library, HybridReplayOptions::event_sink)");
+  // --events (and --events-replay): the publisher, bound; none without.
+  void bind_events(std::optional<events::Publisher>& publisher) const {
+    if (events_replay_.given() && !events_.given())
+      throw InvalidArgument("--events-replay: needs --events");
+    if (!events_.given()) return;
+    events::PublisherOptions po;
+    po.endpoint = events_.value;
+    if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
+    // The replay's caches and tiers emit on its one thread: no lock needed.
+    po.single_producer = true;
+    try {
+      publisher.emplace(po);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("--events: {}", e.what()));
     }
+  }
+
+  int execute_groups(std::ostream& out) const {
     for (const auto& [flag, name] : {std::pair{&capacity_, "--capacity-blocks"},
                                      std::pair{&host_link_gbps_, "--host-link-gbps"},
                                      std::pair{&check_every_, "--check-every"}}) {
@@ -304,7 +305,14 @@ class ReplayCommand final : public Command {
                                                                  spec.head_dim_v));
     }
     o.validate();
+    std::optional<events::Publisher> publisher;
+    bind_events(publisher);
+    if (publisher) o.event_sink = &*publisher;
     run_group_replay(run);
+    if (publisher) {
+      (void)publisher->flush(std::chrono::seconds(10));
+      run.events = GroupReplayRun::Events{publisher->endpoint(), publisher->stats()};
+    }
     if (json_) {
       print_group_replay_json(out, run);
     } else {

@@ -34,6 +34,52 @@ std::string encode_batch(const EventBatch& batch, EventForm form = EventForm::ma
 /// Appends one event's encoding (as it appears in a batch's event list).
 void encode_event(const CacheEvent& event, EventForm form, std::string& out);
 
+/// One BlockStored as views (what the publisher's thread has: hashes already
+/// as the 64-bit event hashes, its source's fields as strings).
+struct StoredEventView {
+  std::span<const std::uint64_t> block_hashes;
+  std::optional<std::uint64_t> parent_block_hash;
+  std::span<const TokenId> token_ids;
+  std::uint32_t block_size = 0;
+  std::string_view medium = "GPU";
+  std::optional<std::string_view> lora_name;
+  std::optional<std::uint32_t> group_idx;
+  std::optional<std::string_view> kv_cache_spec_kind;
+  std::optional<std::uint32_t> kv_cache_spec_sliding_window;
+};
+
+/// Writes one batch event by event from views, without the owning events:
+/// exactly the bytes encode_batch writes for the same batch (a test checks
+/// it). The publisher's thread encodes with it. Construct with the number of
+/// events that follow, call one of stored/removed/cleared per event, then
+/// finish(); the bytes are appended to `out` (which holds scratch bytes past
+/// them until finish()). Throws only std::bad_alloc (`out` may then hold a
+/// partial batch).
+///
+/// To reuse one buffer without zeroing it again for every batch: construct
+/// with `at` (the batch is written from out[at], whatever `out` holds past it
+/// is overwritten or left as scratch) and end with finish_view(), which leaves
+/// `out`'s size as it is and returns the batch's bytes.
+class BatchWriter {
+ public:
+  BatchWriter(std::string& out, EventForm form, double ts, std::size_t events);
+  BatchWriter(std::string& out, std::size_t at, EventForm form, double ts, std::size_t events);
+  void stored(const StoredEventView& e);
+  void removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
+               std::optional<std::uint32_t> group_idx);
+  void cleared(std::optional<std::string_view> medium, std::optional<std::uint32_t> group_idx);
+  /// The batch's third element (nil when absent).
+  void finish(std::optional<std::int64_t> data_parallel_rank);
+  /// finish() without trimming `out`: the batch is out[at, at + size).
+  std::string_view finish_view(std::optional<std::int64_t> data_parallel_rank);
+
+ private:
+  std::string& out_;
+  EventForm form_;
+  std::size_t at_ = 0;   // where the batch starts
+  std::size_t end_ = 0;  // where the next event goes (out_ may be longer until finish)
+};
+
 /// What decode_batch returns: the batch, or why there is none.
 struct DecodeResult {
   /// Set when the payload decoded; its `seq` is the `seq` passed in.
