@@ -400,3 +400,61 @@ TEST_F(Gpusim, RegisteredPoolsAreRecheckedOnlyAfterAFree) {
 
 }  // namespace
 }  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// ---- an engine's own vendor stream -------------------------------------------------
+
+class GpusimWrap : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    testing::gpusim_set_current_device(0);
+    testing::gpusim_reset_stats();
+  }
+};
+
+TEST_F(GpusimWrap, AnEnginesStreamIsWrappedUsedAndNeverDestroyed) {
+  // The stream comes from the runtime directly, as cudaStreamCreate in an
+  // engine: no backend made it. Work the engine queues on it and work kvport
+  // queues through the wrap land on the same vendor stream, and neither the
+  // wrap's release nor the backend's destruction destroys it.
+  void* engine_stream = testing::gpusim_create_native_stream(0);
+  std::vector<std::uint8_t> back(4096);
+  {
+    auto backend = make_gpusim_backend(64 * kMiB);
+    const DevicePtr p = backend->alloc(4096);
+    WrappedStream wrapped = backend->wrap_stream(engine_stream);
+    EXPECT_EQ(wrapped.vendor_handle(), engine_stream);
+    ASSERT_TRUE(testing::gpusim_memset_native(engine_stream, p.get(), 0x42, 4096));
+    backend->copy_d2h(back.data(), p, 4096, wrapped);
+    EXPECT_EQ(back, std::vector<std::uint8_t>(4096, 0x42));
+    const std::uint64_t destroyed = gpusim_stats().streams_destroyed;
+    wrapped.release();
+    EXPECT_EQ(gpusim_stats().streams_destroyed, destroyed);
+    backend->free(p);
+    testing::gpusim_reset_stats();
+    backend.reset();
+    // The backend destroyed its own default stream only.
+    EXPECT_EQ(gpusim_stats().streams_destroyed, 1u);
+  }
+  // The engine's stream still works.
+  auto backend = make_gpusim_backend(64 * kMiB);
+  const DevicePtr p = backend->alloc(64);
+  EXPECT_TRUE(testing::gpusim_memset_native(engine_stream, p.get(), 0x01, 64));
+  backend->free(p);
+  testing::gpusim_destroy_native_stream(engine_stream);
+}
+
+TEST_F(GpusimWrap, AWrappedStreamOfALostDeviceIsRefused) {
+  void* engine_stream = testing::gpusim_create_native_stream(0);
+  auto backend = make_gpusim_backend(64 * kMiB);
+  backend->inject_async_fault(backend->default_stream());
+  EXPECT_THROW(backend->synchronize(backend->default_stream()), DeviceLost);
+  EXPECT_THROW((void)backend->wrap_stream(engine_stream), DeviceLost);
+  backend.reset();
+  testing::gpusim_destroy_native_stream(engine_stream);
+}
+
+}  // namespace
+}  // namespace kvport
