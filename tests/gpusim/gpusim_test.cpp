@@ -13,7 +13,9 @@
 
 #include "gpu_backend.hpp"
 #include "gpusim_backend.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/testing/support.hpp"
@@ -455,6 +457,103 @@ TEST_F(GpusimWrap, AWrappedStreamOfALostDeviceIsRefused) {
   backend.reset();
   testing::gpusim_destroy_native_stream(engine_stream);
 }
+
+}  // namespace
+}  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// ---- a cache over the engine's device memory -------------------------------------
+
+KvCacheConfig sim_config(KvCacheLayout layout) {
+  KvCacheConfig c;
+  c.num_layers = 3;
+  c.block_size = 4;
+  c.num_kv_heads = 2;
+  c.head_dim_k = 8;
+  c.head_dim_v = 8;
+  c.dtype = KvCacheDtype::bf16;
+  c.layout = layout;
+  return c;
+}
+
+class GpusimAdopted : public ::testing::TestWithParam<KvCacheLayout> {
+ protected:
+  void SetUp() override { testing::gpusim_set_current_device(0); }
+};
+
+TEST_P(GpusimAdopted, SameOperationsSameBytesAsAnOwnedCache) {
+  // The engine's memory is simulated device memory another context
+  // allocated; the GPU backend's code (range checks against the adopted
+  // ranges, the device pool table, batched kernels) runs over it as over its
+  // own pools, and the bytes match an owned cache's after the same work.
+  auto engine = make_gpusim_backend(64 * kMiB);
+  auto backend = make_gpusim_backend(64 * kMiB);
+  const KvCacheConfig config = sim_config(GetParam());
+  constexpr std::size_t kBlocks = 40;  // past the by-value limits: staged uploads too
+  std::vector<DevicePtr> memory;
+  std::vector<AdoptedPool> pools;
+  for (std::size_t bytes : PagedKvCache::adopted_pool_bytes(config, kBlocks)) {
+    memory.push_back(engine->alloc(bytes));
+    pools.push_back({memory.back(), bytes});
+  }
+  {
+    PagedKvCache owned(config, kBlocks, *backend, PagedKvCacheOptions{false});
+    PagedKvCache adopted(config, kBlocks, *backend, pools, PagedKvCacheOptions{false});
+    EXPECT_TRUE(adopted.adopted());
+    Stream s = backend->create_stream();
+    std::vector<BlockId> all(kBlocks);
+    for (std::size_t i = 0; i < kBlocks; ++i)
+      all[i] = static_cast<BlockId>(i);
+    for (PagedKvCache* c : {&owned, &adopted}) {
+      c->poison_blocks(all, s);
+      std::vector<BlockId> some;
+      for (BlockId b = 0; b < kBlocks; b += 3)
+        some.push_back(b);
+      c->zero_blocks(some, s);
+      for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+        Bytes k(c->k_block_bytes(layer)), v(c->v_block_bytes(layer));
+        for (std::size_t i = 0; i < k.size(); ++i)
+          k[i] = static_cast<std::uint8_t>(i * 7 + layer);
+        for (std::size_t i = 0; i < v.size(); ++i)
+          v[i] = static_cast<std::uint8_t>(i * 5 + layer);
+        c->write_block(layer, 4, k, v, s);
+      }
+      std::vector<BlockCopy> copies;
+      for (BlockId b = 0; b < 17; ++b)
+        copies.push_back({4, static_cast<BlockId>(20 + b)});
+      c->copy_blocks(copies, s);
+      c->synchronize();
+    }
+    for (BlockId b = 0; b < kBlocks; ++b) {
+      for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+        const auto o = owned.read_block(layer, b, s);
+        const auto a = adopted.read_block(layer, b, s);
+        ASSERT_EQ(o.k, a.k) << "block " << b << " layer " << layer;
+        ASSERT_EQ(o.v, a.v) << "block " << b << " layer " << layer;
+      }
+    }
+    // The bytes are in the engine's memory.
+    Bytes first(1);
+    engine->copy_d2h(first.data(), adopted.k_cache_ptr(0, 1), 1, engine->default_stream());
+    EXPECT_EQ(first[0], 0xFF);
+    // A prefix cache and a host tier build over the adopted pools (their
+    // round trips over adopted pools run on the host backend:
+    // host_tier_test's "adopted" cases).
+    PrefixCache pc(adopted);
+    HostTierOptions options;
+    options.num_host_blocks = 4;
+    HostTier tier(pc, options, s);
+    EXPECT_EQ(tier.slot_bytes(), config.bytes_per_block());
+  }
+  // Never freed: the engine frees its own memory, once.
+  for (DevicePtr p : memory)
+    EXPECT_TRUE(engine->free(p));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpusimAdopted,
+                         ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major));
 
 }  // namespace
 }  // namespace kvport

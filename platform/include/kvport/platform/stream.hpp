@@ -88,9 +88,11 @@ class Stream {
 /// (or release()) only forgets the registration: it never destroys the
 /// vendor stream and never waits for its work; views of it turn stale
 /// (stream_alive false; other calls throw InvalidArgument). The vendor stream
-/// must outlive the registration and the work kvport queued on it; it must
-/// not outlive the backend's use of it (a GPU stream destroyed while kvport
-/// still holds the wrap is undefined behaviour in the vendor runtime).
+/// must outlive the registration and the work kvport queued on it (a GPU
+/// stream destroyed while kvport still holds the wrap is undefined behaviour
+/// in the vendor runtime). A PagedKvCache skips a released wrap when its
+/// destructor waits for the streams it used: synchronize the cache (or the
+/// stream) before releasing a wrap it queued work on.
 class WrappedStream {
  public:
   WrappedStream() noexcept = default;
