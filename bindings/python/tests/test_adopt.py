@@ -201,3 +201,26 @@ def test_use_stream_runs_on_the_engines_stream():
         with pytest.raises(kvport.InvalidArgument, match="null handle"):
             c.use_stream(0)
         c.zero_blocks([b])  # still on the default stream after the failures
+
+
+class InterfaceOnly:
+    """An array-like with only __array_interface__ (no __dlpack__)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+def test_array_interface_objects_are_adopted_and_kept_alive():
+    config = make_config()
+    arrays = engine_pools(config, 4)
+    wrapped = [InterfaceOnly(a) for a in arrays]
+    with kvport.PagedKvCache.adopt(config, 4, wrapped) as c:
+        b = c.alloc_block()
+        c.poison_blocks([b])
+        assert (arrays[1][b] == 0xFF).all()
+    read_only = [InterfaceOnly(a) for a in engine_pools(config, 4)]
+    read_only[2].__array_interface__ = dict(read_only[2].__array_interface__,
+                                            data=(read_only[2].__array_interface__["data"][0], True))
+    with pytest.raises(kvport.InvalidArgument, match=r"pool 2 \(layer 1 K\): the array is read-only"):
+        kvport.PagedKvCache.adopt(config, 4, read_only)
