@@ -1129,8 +1129,8 @@ KVPORT_API kvport_status kvport_stream_release(kvport_stream* stream);
  *  cudaStream_t / hipStream_t to launch the engine's kernels on, or the host
  *  backend's queue handle. KVPORT_ERR_INVALID_ARGUMENT for a stream of
  *  another backend. */
-KVPORT_API kvport_status kvport_stream_vendor_handle(kvport_backend* backend,
-                                                     kvport_stream* stream, void** out);
+KVPORT_API kvport_status kvport_stream_vendor_handle(kvport_backend* backend, kvport_stream* stream,
+                                                     void** out);
 
 /** One pool of the engine's memory: `bytes` bytes at `base` (a tensor's data
  *  pointer and size in bytes). */
@@ -1158,8 +1158,8 @@ KVPORT_API kvport_status kvport_cache_adopted_pool_bytes(const kvport_config* co
  *  a null base, a misaligned base, too few bytes, pools that overlap each
  *  other or memory the backend already manages (its own or another cache's
  *  pools); as kvport_cache_create for a bad config or num_blocks. */
-KVPORT_API kvport_status kvport_cache_create_adopted(const kvport_config* config,
-                                                     size_t num_blocks, kvport_backend* backend,
+KVPORT_API kvport_status kvport_cache_create_adopted(const kvport_config* config, size_t num_blocks,
+                                                     kvport_backend* backend,
                                                      const kvport_pool* pools, size_t num_pools,
                                                      kvport_cache** out);
 
