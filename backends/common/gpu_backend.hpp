@@ -99,8 +99,9 @@ class GpuBackend final : public Backend {
       release_buffers(*s);
       KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(s->done));
     }
-    for (const auto& [handle, stream] : streams_)
-      KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(stream));
+    for (const auto& [handle, stream] : streams_) {
+      if (!stream.wrapped) KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(stream.native));
+    }
     for (void* event : events_)
       KVPORT_GPU_CHECK_NOTHROW(Api::event_destroy(as_event(event)));
     KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(default_stream_));
@@ -239,7 +240,7 @@ class GpuBackend final : public Backend {
     if (it == streams_.end()) {
       throw InvalidArgument(fmt::format("{}: stream {} is not a live stream", Api::name, handle));
     }
-    return {it->second, reinterpret_cast<std::uintptr_t>(handle)};
+    return {it->second.native, reinterpret_cast<std::uintptr_t>(handle)};
   }
 
   Stream_t stream_of(void* native) const { return stream_ref(native).native; }
@@ -439,12 +440,12 @@ class GpuBackend final : public Backend {
     KVPORT_GPU_CHECK(Api::stream_create(&s, Api::stream_non_blocking));
     std::lock_guard lock(handles_mutex_);
     void* handle = stream_handle(++last_stream_serial_);
-    streams_.emplace(handle, s);
+    streams_.emplace(handle, StreamEntry{s, false});
     return handle;
   }
 
   void do_destroy_stream(void* handle) noexcept override {
-    Stream_t s{};
+    StreamEntry s{};
     {
       std::lock_guard lock(handles_mutex_);
       const auto it = streams_.find(handle);
@@ -452,12 +453,40 @@ class GpuBackend final : public Backend {
       s = it->second;
       streams_.erase(it);
     }
+    // A wrapped stream is the engine's: forgetting the serial is all.
+    if (s.wrapped) return;
     const DeviceScope scope(*this, DeviceScope::unchecked);
     // Work still queued completes first; the runtime releases the stream then.
-    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(s));
+    KVPORT_GPU_CHECK_NOTHROW(Api::stream_destroy(s.native));
   }
 
   void* do_default_stream() override { return stream_handle(kDefaultStreamSerial); }
+
+  // An engine's stream gets a serial like kvport's own, so every call finds
+  // it through stream_ref; nothing is asked of the runtime (a stream of
+  // another device fails at its first use, as any call with it would).
+  void* do_wrap_stream(void* vendor) override {
+    if (vendor == nullptr && !Api::wraps_null_stream) {
+      throw InvalidArgument(fmt::format(
+          "{}: wrap_stream: a null stream handle, and this runtime has no null default stream",
+          Api::name));
+    }
+    if (lost_.load(std::memory_order_acquire)) throw_lost();
+    std::lock_guard lock(handles_mutex_);
+    void* handle = stream_handle(++last_stream_serial_);
+    streams_.emplace(handle, StreamEntry{static_cast<Stream_t>(vendor), true});
+    return handle;
+  }
+
+  void* do_vendor_stream(void* handle) const override {
+    return static_cast<void*>(stream_ref(handle).native);
+  }
+
+  void do_adopt_memory(DevicePtr base, std::size_t bytes) override {
+    tracker_.add_adopted(base, bytes);
+  }
+
+  void do_release_adopted(DevicePtr base) noexcept override { (void)tracker_.remove_adopted(base); }
 
   // Host-side only (no vendor call): a lost device still knows its handles,
   // so a caller can skip dead streams and hear DeviceLost from live ones.
@@ -785,7 +814,12 @@ class GpuBackend final : public Backend {
   Stream_t default_stream_{};
 
   mutable std::mutex handles_mutex_;
-  std::unordered_map<void*, Stream_t> streams_;  // handle (serial) -> vendor stream
+  // A stream kvport created, or an engine's it only wrapped (never destroyed).
+  struct StreamEntry {
+    Stream_t native{};
+    bool wrapped = false;
+  };
+  std::unordered_map<void*, StreamEntry> streams_;  // handle (serial) -> vendor stream
   std::uintptr_t last_stream_serial_ = kDefaultStreamSerial;
   std::unordered_set<void*> events_;
 

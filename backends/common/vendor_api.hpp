@@ -50,6 +50,9 @@ concept VendorApi = requires(typename A::Status status, typename A::Stream strea
   { A::stream_non_blocking } -> std::convertible_to<unsigned>;
   { A::event_disable_timing } -> std::convertible_to<unsigned>;
   { A::event_default } -> std::convertible_to<unsigned>;
+  /// Whether a null stream handle is the runtime's legacy default stream
+  /// (CUDA, HIP), which Backend::wrap_stream then accepts.
+  { A::wraps_null_stream } -> std::convertible_to<bool>;
 
   // ---- devices and memory
   { A::get_device_count(int_out) } -> std::same_as<typename A::Status>;

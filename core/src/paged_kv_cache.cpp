@@ -103,6 +103,112 @@ std::string InvariantReport::to_string() const {
 PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                            PagedKvCacheOptions options)
     : config_(std::move(config)), num_blocks_(num_blocks), backend_(&backend), trace_(0, false) {
+  build({}, options);
+}
+
+PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
+                           std::span<const AdoptedPool> pools, PagedKvCacheOptions options)
+    : config_(std::move(config)), num_blocks_(num_blocks), backend_(&backend), trace_(0, false) {
+  if (pools.empty()) {
+    throw InvalidArgument("PagedKvCache: adopting constructor given no pools");
+  }
+  build(pools, options);
+}
+
+namespace {
+
+// "pool 3 (layer 1 V)" / "pool 0 (block-major)".
+std::string pool_name(const KvCacheConfig& config, std::size_t index) {
+  if (config.layout == KvCacheLayout::block_major)
+    return fmt::format("pool {} (block-major)", index);
+  const std::size_t per_layer = config.has_v() ? 2 : 1;
+  return fmt::format("pool {} (layer {} {})", index, index / per_layer,
+                     index % per_layer == 0 ? "K" : "V");
+}
+
+}  // namespace
+
+std::vector<std::size_t> PagedKvCache::adopted_pool_bytes(const KvCacheConfig& config,
+                                                          std::size_t num_blocks) {
+  config.validate();
+  std::vector<std::size_t> out;
+  if (config.layout == KvCacheLayout::block_major) {
+    out.push_back(checked_pool_bytes(num_blocks, config.bytes_per_block(), "total"));
+    return out;
+  }
+  for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+    out.push_back(checked_pool_bytes(num_blocks, config.k_block_bytes(layer), "K"));
+    if (config.has_v())
+      out.push_back(checked_pool_bytes(num_blocks, config.v_block_bytes(layer), "V"));
+  }
+  return out;
+}
+
+// Checks the engine's pools against the geometry and registers each with the
+// backend (adopted_, in memory_pools() order). Throws before registering any
+// when a check fails; a backend refusal midway leaves the registrations made
+// so far in adopted_, for release_pools.
+void PagedKvCache::adopt_pools(std::span<const AdoptedPool> pools) {
+  const std::vector<std::size_t> need = adopted_pool_bytes(config_, num_blocks_);
+  if (pools.size() != need.size()) {
+    throw InvalidArgument(fmt::format(
+        "PagedKvCache: {} pools given, the config needs {} ({})", pools.size(), need.size(),
+        config_.layout == KvCacheLayout::block_major
+            ? std::string("block-major: one pool")
+            : fmt::format("layer-major: {} per layer x {} layers",
+                          config_.has_v() ? "K and V" : "K", config_.num_layers)));
+  }
+  struct Span {
+    std::uintptr_t begin, end;
+    std::size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(pools.size());
+  for (std::size_t i = 0; i < pools.size(); ++i) {
+    const AdoptedPool& p = pools[i];
+    if (p.base.is_null()) {
+      throw InvalidArgument(
+          fmt::format("PagedKvCache: {}: null base pointer", pool_name(config_, i)));
+    }
+    if (p.base.address() % kAdoptedPoolAlignment != 0) {
+      throw InvalidArgument(
+          fmt::format("PagedKvCache: {}: base {:#x} is misaligned (needs {}-byte alignment)",
+                      pool_name(config_, i), p.base.address(), kAdoptedPoolAlignment));
+    }
+    if (p.bytes < need[i]) {
+      throw InvalidArgument(
+          fmt::format("PagedKvCache: {}: {} bytes are too small: {} blocks need {} bytes",
+                      pool_name(config_, i), p.bytes, num_blocks_, need[i]));
+    }
+    if (need[i] > UINTPTR_MAX - p.base.address()) {
+      throw InvalidArgument(fmt::format("PagedKvCache: {}: [{:#x}, +{}) wraps the address space",
+                                        pool_name(config_, i), p.base.address(), need[i]));
+    }
+    spans.push_back({p.base.address(), p.base.address() + need[i], i});
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (std::size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].begin < spans[i - 1].end) {
+      const std::size_t a = std::min(spans[i - 1].index, spans[i].index);
+      const std::size_t b = std::max(spans[i - 1].index, spans[i].index);
+      throw InvalidArgument(fmt::format("PagedKvCache: {} and {} overlap", pool_name(config_, a),
+                                        pool_name(config_, b)));
+    }
+  }
+  adopted_.reserve(pools.size());
+  for (std::size_t i = 0; i < pools.size(); ++i) {
+    try {
+      adopted_.push_back(backend_->adopt_memory(pools[i].base, need[i]));
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(fmt::format("PagedKvCache: {}: {}", pool_name(config_, i), e.what()));
+    }
+  }
+}
+
+void PagedKvCache::build(std::span<const AdoptedPool> adopt, const PagedKvCacheOptions& options) {
+  Backend& backend = *backend_;
+  const std::size_t num_blocks = num_blocks_;
   config_.validate();
   if (num_blocks == 0) throw InvalidArgument("PagedKvCache: num_blocks must be > 0");
   if (num_blocks > kMaxCacheBlocks) {
@@ -116,6 +222,15 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
   pools_.reserve(2 * config_.num_layers);
   memory_pools_.reserve(2 * config_.num_layers);
   try {
+    if (!adopt.empty()) adopt_pools(adopt);
+    // The next pool in memory_pools() order: the engine's, or a new allocation.
+    std::size_t next_adopted = 0;
+    auto next_pool = [&](std::size_t bytes) {
+      if (!adopted_.empty()) return adopted_[next_adopted++].ptr();
+      DevicePtr p = backend.alloc(bytes);
+      allocations_.push_back(p);
+      return p;
+    };
     // pools_[2 * layer + part]. A K-only layer's V entry stays empty: pool()
     // refuses it before anyone sees it.
     auto add_layer = [&](std::size_t layer, DevicePtr k_base, DevicePtr v_base,
@@ -134,20 +249,17 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
       allocations_.reserve(2 * config_.num_layers);
       for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
         DevicePtr k_pool =
-            backend.alloc(checked_pool_bytes(num_blocks, config_.k_block_bytes(layer), "K"));
-        allocations_.push_back(k_pool);
+            next_pool(checked_pool_bytes(num_blocks, config_.k_block_bytes(layer), "K"));
         DevicePtr v_pool;  // K-only layers have no V pool
         if (has_v) {
-          v_pool = backend.alloc(checked_pool_bytes(num_blocks, config_.v_block_bytes(layer), "V"));
-          allocations_.push_back(v_pool);
+          v_pool = next_pool(checked_pool_bytes(num_blocks, config_.v_block_bytes(layer), "V"));
         }
         add_layer(layer, k_pool, v_pool, 0);
         memory_pools_.push_back(pools_[2 * layer]);
         if (has_v) memory_pools_.push_back(pools_[2 * layer + 1]);
       }
     } else {
-      DevicePtr base = backend.alloc(total_bytes_);
-      allocations_.push_back(base);
+      DevicePtr base = next_pool(total_bytes_);
       std::size_t offset = 0;
       for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
         const std::size_t k = config_.k_block_bytes(layer);
@@ -180,18 +292,19 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend
   }
 
   const double gib = static_cast<double>(total_bytes_) / (1024.0 * 1024.0 * 1024.0);
+  const char* adopted_note = adopted_.empty() ? "" : ", the engine's pools";
   if (const std::size_t hp = config_.num_override_layers(); hp > 0) {
     log::info(fmt::format(
         "KV cache on {}: {} blocks x {} layers ({} high-precision) = {:.2f} GiB total (mixed "
-        "dtype, {})",
-        backend.name(), num_blocks, config_.num_layers, hp, gib,
-        kvport::to_string(config_.layout)));
+        "dtype, {}{})",
+        backend.name(), num_blocks, config_.num_layers, hp, gib, kvport::to_string(config_.layout),
+        adopted_note));
   } else {
-    log::info(
-        fmt::format("KV cache on {}: {} blocks x {} layers x {} bytes/block = {:.2f} GiB total "
-                    "({}, {})",
-                    backend.name(), num_blocks, config_.num_layers, per_block / config_.num_layers,
-                    gib, kvport::to_string(config_.dtype), kvport::to_string(config_.layout)));
+    log::info(fmt::format(
+        "KV cache on {}: {} blocks x {} layers x {} bytes/block = {:.2f} GiB total "
+        "({}, {}{})",
+        backend.name(), num_blocks, config_.num_layers, per_block / config_.num_layers, gib,
+        kvport::to_string(config_.dtype), kvport::to_string(config_.layout), adopted_note));
   }
 }
 
@@ -266,6 +379,7 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       num_blocks_(other.num_blocks_),
       backend_(other.backend_),
       allocations_(std::exchange(other.allocations_, {})),
+      adopted_(std::exchange(other.adopted_, {})),
       pools_(std::move(other.pools_)),
       memory_pools_(std::move(other.memory_pools_)),
       total_bytes_(other.total_bytes_),
@@ -290,6 +404,7 @@ void PagedKvCache::release_pools() noexcept {
   for (auto it = allocations_.rbegin(); it != allocations_.rend(); ++it)
     backend_->free(*it);
   allocations_.clear();
+  adopted_.clear();  // forgets the engine's pools; never frees them
 }
 
 std::size_t PagedKvCache::pool_allocation_bytes(const KvCacheConfig& config,

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <iterator>
+
 #include "kvport/platform/error.hpp"
 
 namespace kvport {
@@ -24,17 +26,54 @@ std::uint64_t AllocationTracker::add(DevicePtr base, std::size_t bytes) {
 std::optional<std::size_t> AllocationTracker::remove(DevicePtr base) noexcept {
   std::unique_lock lock(mutex_);
   auto it = live_.find(base.address());
-  if (it == live_.end()) return std::nullopt;
+  if (it == live_.end() || it->second.adopted) return std::nullopt;
+  live_bytes_ -= it->second.bytes;
+  return erase_locked(it);
+}
+
+std::size_t AllocationTracker::erase_locked(
+    std::map<std::uintptr_t, Allocation>::iterator it) noexcept {
+  const std::uintptr_t base = it->first;
   const std::size_t bytes = it->second.bytes;
-  live_bytes_ -= bytes;
   live_.erase(it);
   try {
     if (freed_.size() == kFreedHistory) freed_.pop_front();
-    freed_.emplace_back(base.address(), bytes);
+    freed_.emplace_back(base, bytes);
   } catch (...) {  // the history only improves messages
   }
   ++generation_;
   return bytes;
+}
+
+std::uint64_t AllocationTracker::add_adopted(DevicePtr base, std::size_t bytes) {
+  std::unique_lock lock(mutex_);
+  const std::uintptr_t a = base.address();
+  // The first entry that ends past `a` is the only one that can overlap
+  // unless it starts past the end: entries never overlap each other.
+  auto it = live_.upper_bound(a);
+  if (it != live_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second.bytes > a) it = prev;
+  }
+  if (it != live_.end() && it->first < a + bytes) {
+    throw InvalidArgument(fmt::format("{}: adopt_memory: [{:#x}, +{}) overlaps {} [{:#x}, +{})",
+                                      backend_, a, bytes,
+                                      it->second.adopted ? "an adopted range" : "a live allocation",
+                                      it->first, it->second.bytes));
+  }
+  const std::uint64_t serial = ++next_serial_;
+  live_.emplace(a, Allocation{bytes, serial, true});
+  ++adopted_count_;
+  return serial;
+}
+
+bool AllocationTracker::remove_adopted(DevicePtr base) noexcept {
+  std::unique_lock lock(mutex_);
+  auto it = live_.find(base.address());
+  if (it == live_.end() || !it->second.adopted) return false;
+  --adopted_count_;
+  erase_locked(it);
+  return true;
 }
 
 void AllocationTracker::check(DevicePtr p, std::size_t bytes, const char* op) const {
@@ -89,7 +128,12 @@ void AllocationTracker::recheck_locked(const Use& use) const {
 
 std::size_t AllocationTracker::live_count() const {
   std::shared_lock lock(mutex_);
-  return live_.size();
+  return live_.size() - adopted_count_;
+}
+
+std::size_t AllocationTracker::adopted_count() const {
+  std::shared_lock lock(mutex_);
+  return adopted_count_;
 }
 
 std::size_t AllocationTracker::live_bytes() const {
@@ -101,8 +145,9 @@ std::vector<std::pair<std::uintptr_t, std::size_t>> AllocationTracker::live() co
   std::shared_lock lock(mutex_);
   std::vector<std::pair<std::uintptr_t, std::size_t>> out;
   out.reserve(live_.size());
-  for (const auto& [base, a] : live_)
-    out.emplace_back(base, a.bytes);
+  for (const auto& [base, a] : live_) {
+    if (!a.adopted) out.emplace_back(base, a.bytes);
+  }
   return out;
 }
 

@@ -157,6 +157,39 @@ StreamView Backend::default_stream() {
   return StreamView(this, do_default_stream());
 }
 
+WrappedStream Backend::wrap_stream(void* vendor_stream) {
+  return WrappedStream(this, do_wrap_stream(vendor_stream));
+}
+
+void* Backend::vendor_stream(StreamView stream) const {
+  return do_vendor_stream(check_stream(stream, "vendor_stream"));
+}
+
+void* Backend::do_wrap_stream(void*) {
+  throw InvalidArgument(
+      fmt::format("{}: wrap_stream: this backend cannot wrap a stream it did not create", name_));
+}
+
+void* Backend::do_vendor_stream(void*) const {
+  throw InvalidArgument(
+      fmt::format("{}: vendor_stream: this backend has no vendor stream handles", name_));
+}
+
+AdoptedMemory Backend::adopt_memory(DevicePtr base, std::size_t bytes) {
+  require_device_ptr(name_, "adopt_memory", "base", base);
+  if (bytes == 0) throw InvalidArgument(fmt::format("{}: adopt_memory: size must be > 0", name_));
+  range_end(name_, "adopt_memory", base, bytes);
+  do_adopt_memory(base, bytes);
+  return AdoptedMemory(this, base, bytes);
+}
+
+void Backend::do_adopt_memory(DevicePtr, std::size_t) {
+  throw InvalidArgument(
+      fmt::format("{}: adopt_memory: this backend cannot adopt memory it did not allocate", name_));
+}
+
+void Backend::do_release_adopted(DevicePtr) noexcept {}
+
 bool Backend::stream_alive(StreamView stream) const noexcept {
   // A moved-from view has no backend; a view of another backend names a
   // handle this one never gave out (and may share its number).
@@ -456,6 +489,43 @@ StreamView Stream::view() const noexcept {
 void Stream::synchronize() const {
   if (backend_ == nullptr) throw InvalidArgument("Stream::synchronize on a moved-from stream");
   backend_->synchronize(view());
+}
+
+void* StreamView::vendor_handle() const {
+  if (backend_ == nullptr) {
+    throw InvalidArgument(
+        "StreamView::vendor_handle: a view of no backend (moved-from or released)");
+  }
+  return backend_->vendor_stream(*this);
+}
+
+WrappedStream& WrappedStream::operator=(WrappedStream&& other) noexcept {
+  if (this != &other) {
+    release();
+    backend_ = std::exchange(other.backend_, nullptr);
+    native_ = std::exchange(other.native_, nullptr);
+  }
+  return *this;
+}
+
+WrappedStream::~WrappedStream() {
+  release();
+}
+
+void WrappedStream::release() noexcept {
+  // The backend's do_destroy_stream knows the handle is a wrap: it forgets it
+  // and leaves the vendor stream alone.
+  if (backend_ != nullptr && native_ != nullptr) backend_->do_destroy_stream(native_);
+  backend_ = nullptr;
+  native_ = nullptr;
+}
+
+StreamView WrappedStream::view() const noexcept {
+  return StreamView(backend_, native_);
+}
+
+AdoptedMemory::~AdoptedMemory() {
+  if (backend_ != nullptr && !ptr_.is_null()) backend_->do_release_adopted(ptr_);
 }
 
 Event& Event::operator=(Event&& other) noexcept {

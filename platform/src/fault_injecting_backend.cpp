@@ -82,9 +82,11 @@ std::string_view to_string(FaultKind kind) noexcept {
 // errors waiting for its next synchronize (guarded by the decorator's mutex).
 struct FaultInjectingBackend::FaultStream {
   explicit FaultStream(Stream stream) : owned(std::move(stream)), inner(owned->view()) {}
+  explicit FaultStream(WrappedStream stream) : wrapped(std::move(stream)), inner(wrapped.view()) {}
   explicit FaultStream(StreamView view) : inner(view) {}
 
-  std::optional<Stream> owned;  // empty for the default stream
+  std::optional<Stream> owned;  // empty for the default stream and a wrap
+  WrappedStream wrapped;        // the inner backend's wrap of an engine's stream
   StreamView inner;
   std::deque<std::exception_ptr> pending;
 };
@@ -374,6 +376,11 @@ void FaultInjectingBackend::do_destroy_stream(void* native) noexcept {
     doomed = std::move(it->second);
     streams_.erase(it);
   }
+  // A wrap is the engine's stream: forgetting it must not wait for its work.
+  if (doomed->wrapped) {
+    log_pending(*doomed, "wrapped stream released");
+    return;
+  }
   // Destroying the inner stream would wait for its work and drop its error:
   // synchronize first, so that the error joins the pending ones and is logged.
   drain(*doomed);
@@ -382,6 +389,37 @@ void FaultInjectingBackend::do_destroy_stream(void* native) noexcept {
 
 void* FaultInjectingBackend::do_default_stream() {
   return stream_handle(kDefaultStreamId);
+}
+
+// Wraps and vendor handles are the inner backend's; never faulted (no device work).
+void* FaultInjectingBackend::do_wrap_stream(void* vendor) {
+  auto stream = std::make_shared<FaultStream>(inner_->wrap_stream(vendor));
+  std::lock_guard lock(mutex_);
+  void* handle = stream_handle(++last_stream_id_);
+  streams_.emplace(handle, std::move(stream));
+  return handle;
+}
+
+void* FaultInjectingBackend::do_vendor_stream(void* native) const {
+  return inner_->vendor_stream(stream_of(native, "vendor_stream")->inner);
+}
+
+void FaultInjectingBackend::do_adopt_memory(DevicePtr base, std::size_t bytes) {
+  AdoptedMemory adopted = inner_->adopt_memory(base, bytes);
+  std::lock_guard lock(mutex_);
+  adopted_.emplace(base.address(), std::move(adopted));
+}
+
+void FaultInjectingBackend::do_release_adopted(DevicePtr base) noexcept {
+  AdoptedMemory doomed;
+  {
+    std::lock_guard lock(mutex_);
+    auto it = adopted_.find(base.address());
+    if (it == adopted_.end()) return;
+    doomed = std::move(it->second);
+    adopted_.erase(it);
+  }
+  // `doomed` forgets the inner registration here, outside the lock.
 }
 
 void FaultInjectingBackend::do_synchronize(void* native) {

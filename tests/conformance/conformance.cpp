@@ -8,6 +8,8 @@
 //                         contract details, PagedKvCache end to end
 //   contract_test.cpp     use after free at call time, destroyed streams,
 //                         moved-from handles, DeviceBuffer frees, call counts
+//   engine_seams_test.cpp an engine's own streams (wrap_stream) and memory
+//                         (adopt_memory)
 //   scale_test.cpp        offsets beyond 4 GiB, > 2^20 regions, 100 000 block
 //                         ids, large misaligned batched copies, a 1 GiB fill
 //   streams_test.cpp      staging under load, events across streams, never

@@ -115,6 +115,8 @@ struct ApiSim {
   static constexpr unsigned stream_non_blocking = 1;
   static constexpr unsigned event_disable_timing = 2;
   static constexpr unsigned event_default = 0;
+  // A null SimStream is not a stream: wrap_stream refuses it (tested).
+  static constexpr bool wraps_null_stream = false;
 
   static const char* error_string(Status s) {
     switch (s) {
@@ -228,6 +230,7 @@ struct ApiSim {
     for (SimEvent* e : s.events) {
       if (e->stream == st) e->stream = nullptr;
     }
+    ++s.stats.streams_destroyed;
     delete st;
     return set_error(lost);
   }
@@ -483,6 +486,29 @@ void gpusim_fail_next_host_alloc(int code) {
   Sim& s = sim();
   std::lock_guard lock(s.mutex);
   s.fail_host_alloc = static_cast<Status>(code);
+}
+
+void* gpusim_create_native_stream(int device) {
+  const int previous = current_device;
+  current_device = device;
+  SimStream* st = nullptr;
+  const Status status = ApiSim::stream_create(&st, ApiSim::stream_non_blocking);
+  current_device = previous;
+  if (status != ok)
+    throw BackendError("gpusim", "stream_create", status, ApiSim::error_string(status));
+  return st;
+}
+
+void gpusim_destroy_native_stream(void* stream) {
+  (void)ApiSim::stream_destroy(static_cast<SimStream*>(stream));
+}
+
+bool gpusim_memset_native(void* stream, void* ptr, std::uint8_t value, std::size_t bytes) {
+  const int previous = current_device;
+  current_device = static_cast<SimStream*>(stream)->device;
+  const Status status = ApiSim::memset_async(ptr, value, bytes, static_cast<SimStream*>(stream));
+  current_device = previous;
+  return status == ok;
 }
 
 void gpusim_hold_completion(bool held) {

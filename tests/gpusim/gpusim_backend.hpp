@@ -46,6 +46,7 @@ struct GpusimStats {
   std::uint64_t batch_copies = 0;        ///< memcpy_batch_async calls (any number of regions)
   std::uint64_t blocking_waits = 0;      ///< event_synchronize on an event still in flight
   std::uint64_t wrong_device_calls = 0;  ///< calls rejected: another device was current
+  std::uint64_t streams_destroyed = 0;   ///< stream_destroy calls
 };
 GpusimStats gpusim_stats();
 void gpusim_reset_stats();
@@ -66,6 +67,18 @@ void gpusim_leave_stale_error();
 void gpusim_fail_next_launch(int code);
 void gpusim_fail_next_malloc(int code);
 void gpusim_fail_next_host_alloc(int code);
+
+/// A simulated vendor stream made outside any backend, as an engine makes its
+/// own (cudaStreamCreate), on `device`; destroy it with
+/// gpusim_destroy_native_stream. For Backend::wrap_stream tests. Throws
+/// BackendError on a lost device.
+void* gpusim_create_native_stream(int device = 0);
+void gpusim_destroy_native_stream(void* stream);
+
+/// The engine's own work on its stream: a memset queued directly on the
+/// simulated runtime (cudaMemsetAsync), not through a backend. False when the
+/// runtime refused it.
+bool gpusim_memset_native(void* stream, void* ptr, std::uint8_t value, std::size_t bytes);
 
 /// While held, events recorded stay in flight: event_query answers not-ready
 /// and event_synchronize counts a blocking wait (then completes the event).

@@ -13,7 +13,9 @@
 
 #include "gpu_backend.hpp"
 #include "gpusim_backend.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/testing/support.hpp"
@@ -397,6 +399,161 @@ TEST_F(Gpusim, RegisteredPoolsAreRecheckedOnlyAfterAFree) {
     EXPECT_THROW(b->fill_blocks_async(set, ids, 0, b->default_stream()), InvalidArgument);
   }
 }
+
+}  // namespace
+}  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// ---- an engine's own vendor stream -------------------------------------------------
+
+class GpusimWrap : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    testing::gpusim_set_current_device(0);
+    testing::gpusim_reset_stats();
+  }
+};
+
+TEST_F(GpusimWrap, AnEnginesStreamIsWrappedUsedAndNeverDestroyed) {
+  // The stream comes from the runtime directly, as cudaStreamCreate in an
+  // engine: no backend made it. Work the engine queues on it and work kvport
+  // queues through the wrap land on the same vendor stream, and neither the
+  // wrap's release nor the backend's destruction destroys it.
+  void* engine_stream = testing::gpusim_create_native_stream(0);
+  std::vector<std::uint8_t> back(4096);
+  {
+    auto backend = make_gpusim_backend(64 * kMiB);
+    const DevicePtr p = backend->alloc(4096);
+    WrappedStream wrapped = backend->wrap_stream(engine_stream);
+    EXPECT_EQ(wrapped.vendor_handle(), engine_stream);
+    ASSERT_TRUE(testing::gpusim_memset_native(engine_stream, p.get(), 0x42, 4096));
+    backend->copy_d2h(back.data(), p, 4096, wrapped);
+    EXPECT_EQ(back, std::vector<std::uint8_t>(4096, 0x42));
+    const std::uint64_t destroyed = gpusim_stats().streams_destroyed;
+    wrapped.release();
+    EXPECT_EQ(gpusim_stats().streams_destroyed, destroyed);
+    backend->free(p);
+    testing::gpusim_reset_stats();
+    backend.reset();
+    // The backend destroyed its own default stream only.
+    EXPECT_EQ(gpusim_stats().streams_destroyed, 1u);
+  }
+  // The engine's stream still works.
+  auto backend = make_gpusim_backend(64 * kMiB);
+  const DevicePtr p = backend->alloc(64);
+  EXPECT_TRUE(testing::gpusim_memset_native(engine_stream, p.get(), 0x01, 64));
+  backend->free(p);
+  testing::gpusim_destroy_native_stream(engine_stream);
+}
+
+TEST_F(GpusimWrap, AWrappedStreamOfALostDeviceIsRefused) {
+  void* engine_stream = testing::gpusim_create_native_stream(0);
+  auto backend = make_gpusim_backend(64 * kMiB);
+  backend->inject_async_fault(backend->default_stream());
+  EXPECT_THROW(backend->synchronize(backend->default_stream()), DeviceLost);
+  EXPECT_THROW((void)backend->wrap_stream(engine_stream), DeviceLost);
+  backend.reset();
+  testing::gpusim_destroy_native_stream(engine_stream);
+}
+
+}  // namespace
+}  // namespace kvport
+
+namespace kvport {
+namespace {
+
+// ---- a cache over the engine's device memory -------------------------------------
+
+KvCacheConfig sim_config(KvCacheLayout layout) {
+  KvCacheConfig c;
+  c.num_layers = 3;
+  c.block_size = 4;
+  c.num_kv_heads = 2;
+  c.head_dim_k = 8;
+  c.head_dim_v = 8;
+  c.dtype = KvCacheDtype::bf16;
+  c.layout = layout;
+  return c;
+}
+
+class GpusimAdopted : public ::testing::TestWithParam<KvCacheLayout> {
+ protected:
+  void SetUp() override { testing::gpusim_set_current_device(0); }
+};
+
+TEST_P(GpusimAdopted, SameOperationsSameBytesAsAnOwnedCache) {
+  // The engine's memory is simulated device memory another context
+  // allocated; the GPU backend's code (range checks against the adopted
+  // ranges, the device pool table, batched kernels) runs over it as over its
+  // own pools, and the bytes match an owned cache's after the same work.
+  auto engine = make_gpusim_backend(64 * kMiB);
+  auto backend = make_gpusim_backend(64 * kMiB);
+  const KvCacheConfig config = sim_config(GetParam());
+  constexpr std::size_t kBlocks = 40;  // past the by-value limits: staged uploads too
+  std::vector<DevicePtr> memory;
+  std::vector<AdoptedPool> pools;
+  for (std::size_t bytes : PagedKvCache::adopted_pool_bytes(config, kBlocks)) {
+    memory.push_back(engine->alloc(bytes));
+    pools.push_back({memory.back(), bytes});
+  }
+  {
+    PagedKvCache owned(config, kBlocks, *backend, PagedKvCacheOptions{false});
+    PagedKvCache adopted(config, kBlocks, *backend, pools, PagedKvCacheOptions{false});
+    EXPECT_TRUE(adopted.adopted());
+    Stream s = backend->create_stream();
+    std::vector<BlockId> all(kBlocks);
+    for (std::size_t i = 0; i < kBlocks; ++i)
+      all[i] = static_cast<BlockId>(i);
+    for (PagedKvCache* c : {&owned, &adopted}) {
+      c->poison_blocks(all, s);
+      std::vector<BlockId> some;
+      for (BlockId b = 0; b < kBlocks; b += 3)
+        some.push_back(b);
+      c->zero_blocks(some, s);
+      for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+        Bytes k(c->k_block_bytes(layer)), v(c->v_block_bytes(layer));
+        for (std::size_t i = 0; i < k.size(); ++i)
+          k[i] = static_cast<std::uint8_t>(i * 7 + layer);
+        for (std::size_t i = 0; i < v.size(); ++i)
+          v[i] = static_cast<std::uint8_t>(i * 5 + layer);
+        c->write_block(layer, 4, k, v, s);
+      }
+      std::vector<BlockCopy> copies;
+      for (BlockId b = 0; b < 17; ++b)
+        copies.push_back({4, static_cast<BlockId>(20 + b)});
+      c->copy_blocks(copies, s);
+      c->synchronize();
+    }
+    for (BlockId b = 0; b < kBlocks; ++b) {
+      for (std::size_t layer = 0; layer < config.num_layers; ++layer) {
+        const auto o = owned.read_block(layer, b, s);
+        const auto a = adopted.read_block(layer, b, s);
+        ASSERT_EQ(o.k, a.k) << "block " << b << " layer " << layer;
+        ASSERT_EQ(o.v, a.v) << "block " << b << " layer " << layer;
+      }
+    }
+    // The bytes are in the engine's memory.
+    Bytes first(1);
+    engine->copy_d2h(first.data(), adopted.k_cache_ptr(0, 1), 1, engine->default_stream());
+    EXPECT_EQ(first[0], 0xFF);
+    // A prefix cache and a host tier build over the adopted pools (their
+    // round trips over adopted pools run on the host backend:
+    // host_tier_test's "adopted" cases).
+    PrefixCache pc(adopted);
+    HostTierOptions options;
+    options.num_host_blocks = 4;
+    HostTier tier(pc, options, s);
+    EXPECT_EQ(tier.slot_bytes(), config.bytes_per_block());
+  }
+  // Never freed: the engine frees its own memory, once.
+  for (DevicePtr p : memory)
+    EXPECT_TRUE(engine->free(p));
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpusimAdopted,
+                         ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major));
 
 }  // namespace
 }  // namespace kvport

@@ -22,6 +22,7 @@ struct ApiCuda {
   static constexpr unsigned stream_non_blocking = cudaStreamNonBlocking;
   static constexpr unsigned event_disable_timing = cudaEventDisableTiming;
   static constexpr unsigned event_default = cudaEventDefault;
+  static constexpr bool wraps_null_stream = true;
 
   static const char* error_string(Status s) { return cudaGetErrorString(s); }
   // Drops a non-sticky error so that it does not resurface at the next call;

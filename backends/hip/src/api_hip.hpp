@@ -23,6 +23,7 @@ struct ApiHip {
   static constexpr unsigned stream_non_blocking = hipStreamNonBlocking;
   static constexpr unsigned event_disable_timing = hipEventDisableTiming;
   static constexpr unsigned event_default = hipEventDefault;
+  static constexpr bool wraps_null_stream = true;
 
   static const char* error_string(Status s) { return hipGetErrorString(s); }
   // Drops a non-sticky error so that it does not resurface at the next call;

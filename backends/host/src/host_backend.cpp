@@ -253,6 +253,43 @@ class HostBackend final : public Backend {
 
   void* do_default_stream() override { return handle(kDefaultStreamId); }
 
+  // The host backend's "vendor stream" is a worker's queue (a HostStream);
+  // its address is the handle vendor_stream gives out and wrap_stream takes
+  // back. A wrap is a second serial naming the same queue: destroying it
+  // drops one reference, never the queue of a stream still alive.
+  void* do_wrap_stream(void* vendor) override {
+    if (vendor == nullptr) {
+      throw InvalidArgument(
+          "host: wrap_stream: a null handle; the host backend has no vendor default stream "
+          "(wrap vendor_stream(default_stream()) to share the backend's own)");
+    }
+    std::lock_guard lock(handles_mutex_);
+    for (const auto& [native, stream] : streams_) {
+      if (stream.get() != vendor) continue;
+      void* wrapped = handle(++last_stream_id_);
+      streams_.emplace(wrapped, stream);
+      return wrapped;
+    }
+    throw InvalidArgument(fmt::format(
+        "host: wrap_stream: {} is not the queue of a live stream of this backend (the host "
+        "backend has no vendor streams: it wraps only what vendor_stream gave out)",
+        vendor));
+  }
+
+  void* do_vendor_stream(void* native) const override {
+    return stream_of(native, "vendor_stream").get();
+  }
+
+  void do_adopt_memory(DevicePtr base, std::size_t bytes) override {
+    tracker_.add_adopted(base, bytes);
+  }
+
+  void do_release_adopted(DevicePtr base) noexcept override {
+    // Waits for operations running on the range (they hold the read lock);
+    // queued ones will find it gone and fail, as after a free.
+    (void)tracker_.remove_adopted(base);
+  }
+
   bool do_stream_alive(void* native) const noexcept override {
     std::lock_guard lock(handles_mutex_);
     return streams_.contains(native);  // the default stream is in it until destruction

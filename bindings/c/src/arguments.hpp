@@ -87,8 +87,12 @@ inline StreamView stream_for(Backend& backend, kvport_stream* stream) {
   if (object.backend != &backend) {
     throw InvalidArgument("the stream belongs to another backend than the cache's");
   }
-  return object.stream.view();
+  return object.view();
 }
+
+/// The C++ config of a kvport_config (kvport_c.cpp's one conversion):
+/// InvalidArgument for a null config or a bad field.
+KvCacheConfig config_from_c(const kvport_config* config);
 
 inline std::int32_t prefix_hit_mode_value(PrefixHitMode mode) {
   return mode == PrefixHitMode::full ? std::int32_t{KVPORT_PREFIX_HIT_FULL}

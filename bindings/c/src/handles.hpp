@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "kvport/core/block_table.hpp"
@@ -63,8 +64,15 @@ struct BackendObject final : Object {
 struct StreamObject final : Object {
   static constexpr Kind kKind = Kind::stream;
   explicit StreamObject(Stream s) : stream(std::move(s)) {}
-  Stream stream;
+  /// A registration of an engine's stream (kvport_stream_wrap).
+  explicit StreamObject(WrappedStream w) : wrapped(std::move(w)) {}
+  /// The stream kvport created, or none for a wrap.
+  std::optional<Stream> stream;
+  /// The engine's stream, registered; never destroyed by kvport.
+  WrappedStream wrapped;
   Backend* backend = nullptr;
+
+  StreamView view() const noexcept { return stream ? stream->view() : wrapped.view(); }
 };
 
 struct CacheObject final : Object {

@@ -204,7 +204,10 @@ kvport_status kvport_stream_destroy(kvport_stream* stream) {
 }
 
 kvport_status kvport_stream_synchronize(kvport_stream* stream) {
-  return guard([&] { get<StreamObject>(stream).stream.synchronize(); });
+  return guard([&] {
+    const StreamObject& object = get<StreamObject>(stream);
+    object.backend->synchronize(object.view());
+  });
 }
 
 // ---- configuration --------------------------------------------------------------------
@@ -857,3 +860,11 @@ kvport_status kvport_testing_fail_with(int32_t status) {
 }
 
 }  // extern "C"
+
+namespace kvport::capi {
+
+KvCacheConfig config_from_c(const kvport_config* config) {
+  return to_config(config);
+}
+
+}  // namespace kvport::capi

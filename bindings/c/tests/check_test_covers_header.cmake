@@ -1,8 +1,14 @@
 # ctest driver: fails when a function declared in kvport.h is never called by
 # the C test program (a new function must come with its test).
-#   cmake -DHEADER=kvport.h -DTEST_SOURCE=kvport_c_test.c -P check_test_covers_header.cmake
+#   cmake -DHEADER=kvport.h -DTEST_SOURCE=kvport_c_test.c [-DEXTRA_TEST_SOURCE=other_test.c]
+#         -P check_test_covers_header.cmake
+# (EXTRA_TEST_SOURCE: a second C test program whose calls count too.)
 file(READ ${HEADER} header)
 file(READ ${TEST_SOURCE} test)
+if(DEFINED EXTRA_TEST_SOURCE)
+  file(READ ${EXTRA_TEST_SOURCE} extra)
+  string(APPEND test "${extra}")
+endif()
 string(REGEX MATCHALL "KVPORT_API[^;(]*[ *\n](kvport_[a-z0-9_]+)\\(" decls "${header}")
 set(count 0)
 set(missing "")

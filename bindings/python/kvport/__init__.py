@@ -44,6 +44,7 @@ from ._kvport import (  # noqa: F401
     dtypes,
     group_layers,
     plan_kv_cache,
+    stream_handle,
 )
 
 __version__ = "0.1.0"
@@ -81,4 +82,5 @@ __all__ = [
     "dtypes",
     "group_layers",
     "plan_kv_cache",
+    "stream_handle",
 ]

@@ -5,7 +5,8 @@
 // One entry calling the parts, each in a source of its own (parts.hpp):
 // errors.cpp (the exception types), bind_config.cpp (module functions,
 // KvCacheConfig, counters), pool_view.cpp (PoolView and DLPack),
-// bind_cache.cpp (PagedKvCache), bind_prefix.cpp (PrefixCache,
+// bind_cache.cpp (PagedKvCache), bind_adopt.cpp (the engine's memory and
+// streams), bind_prefix.cpp (PrefixCache,
 // BlockTable), bind_events.cpp (KV events: the methods in events.hpp, on
 // PrefixCache and HybridKvCache), hybrid.cpp (layer specs, the planner,
 // hybrid caches and tables); convert.cpp holds the conversions they share and state.hpp the
@@ -23,6 +24,7 @@ PYBIND11_MODULE(_kvport, m) {
   kvport::python::bind_config(m);
   kvport::python::register_pool_view(m);
   kvport::python::bind_cache(m);
+  kvport::python::bind_adopt(m);
   kvport::python::bind_events(m);
   kvport::python::bind_prefix(m);
   kvport::python::register_hybrid(m);

@@ -22,6 +22,10 @@ void register_exceptions(py::module_& m);
 void bind_config(py::module_& m);
 /// PagedKvCache (bind_cache.cpp).
 void bind_cache(py::module_& m);
+/// PagedKvCache.adopt / adopted_pool_bytes / adopted, use_stream /
+/// stream_handle, and kvport.stream_handle: the engine's memory and streams
+/// (bind_adopt.cpp; after bind_cache).
+void bind_adopt(py::module_& m);
 /// PrefixMatch, PrefixCache, BlockTable (bind_prefix.cpp).
 void bind_prefix(py::module_& m);
 

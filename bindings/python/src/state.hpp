@@ -41,10 +41,18 @@ struct CacheState {
   kvport::Backend* backend = nullptr;
   kvport::PagedKvCache* cache = nullptr;
   int device = 0;
+  /// The engine's stream the cache's work goes to (PagedKvCache.use_stream;
+  /// bind_adopt.cpp); empty: the backend's default stream.
+  kvport::WrappedStream engine_stream;
+  /// The engine's tensors an adopted cache's pools are (bind_adopt.cpp):
+  /// released after the cache, with the GIL taken.
+  std::shared_ptr<void> engine_memory;
 
   ~CacheState() { owned_cache.reset(); }
   bool borrowed() const noexcept { return lender != nullptr; }
-  kvport::StreamView stream() const { return backend->default_stream(); }
+  kvport::StreamView stream() const {
+    return engine_stream ? engine_stream.view() : backend->default_stream();
+  }
 };
 
 inline ViewOwner view_owner(const std::shared_ptr<CacheState>& state) {

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -214,6 +215,45 @@ inline HybridKvCacheConfig three_group_config() {
               LayerSpec::recurrent_state({StateTensor{"s", {16}, StateDtype::f32}})};
   c.state_checkpoint_interval = 1;
   return c;
+}
+
+/// Memory an engine allocated for a cache's pools (host memory, as NumPy
+/// arrays or CPU tensors of an engine on the host backend), for the adopting
+/// PagedKvCache constructor. Freed at destruction: declare it before the
+/// caches that adopt it.
+class EngineMemory {
+ public:
+  EngineMemory() = default;
+  EngineMemory(const EngineMemory&) = delete;
+  EngineMemory& operator=(const EngineMemory&) = delete;
+
+  /// One new buffer per pool of `config` with `num_blocks` blocks, of exactly
+  /// PagedKvCache::adopted_pool_bytes, 256-byte aligned.
+  std::vector<AdoptedPool> pools_for(const KvCacheConfig& config, std::size_t num_blocks) {
+    std::vector<AdoptedPool> pools;
+    for (std::size_t bytes : PagedKvCache::adopted_pool_bytes(config, num_blocks)) {
+      void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+      if (p == nullptr) throw std::bad_alloc();
+      buffers_.emplace_back(p);
+      pools.push_back(AdoptedPool{DevicePtr::from(p), bytes});
+    }
+    return pools;
+  }
+
+ private:
+  struct Free {
+    void operator()(void* p) const noexcept { std::free(p); }
+  };
+  std::vector<std::unique_ptr<void, Free>> buffers_;
+};
+
+/// A cache over pools `backend` allocates (engine == nullptr) or over the
+/// engine's memory (adopted): the same operations must behave the same.
+inline PagedKvCache make_cache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
+                               EngineMemory* engine, PagedKvCacheOptions options = {}) {
+  if (engine == nullptr) return PagedKvCache(std::move(config), num_blocks, backend, options);
+  const std::vector<AdoptedPool> pools = engine->pools_for(config, num_blocks);
+  return PagedKvCache(std::move(config), num_blocks, backend, pools, options);
 }
 
 }  // namespace kvport::test

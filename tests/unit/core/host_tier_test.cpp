@@ -30,7 +30,8 @@ using test::tokens;
 struct Param {
   KvCacheLayout layout;
   TierPolicy policy;
-  bool k_only = false;  // head_dim_v 0: no V pools
+  bool k_only = false;   // head_dim_v 0: no V pools
+  bool adopted = false;  // the cache's pools are the engine's memory
 };
 
 KvCacheConfig config_of(const Param& p) {
@@ -43,7 +44,9 @@ class HostTierTest : public ::testing::TestWithParam<Param> {
  protected:
   std::unique_ptr<Backend> backend = host_backend();
   Stream stream = backend->create_stream();
-  PagedKvCache cache{config_of(GetParam()), 4, *backend};
+  test::EngineMemory engine;  // the pools, when adopted; outlives the cache
+  PagedKvCache cache =
+      test::make_cache(config_of(GetParam()), 4, *backend, GetParam().adopted ? &engine : nullptr);
   PrefixCache pc{cache};
 
   HostTierOptions options(std::size_t host_blocks,
@@ -219,12 +222,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Param{KvCacheLayout::layer_major, TierPolicy::write_back, true},
                       Param{KvCacheLayout::block_major, TierPolicy::write_back, true},
                       Param{KvCacheLayout::layer_major, TierPolicy::write_through, true},
-                      Param{KvCacheLayout::block_major, TierPolicy::write_through, true}),
+                      Param{KvCacheLayout::block_major, TierPolicy::write_through, true},
+                      // The same over the engine's memory (adopted pools).
+                      Param{KvCacheLayout::layer_major, TierPolicy::write_back, false, true},
+                      Param{KvCacheLayout::block_major, TierPolicy::write_back, false, true},
+                      Param{KvCacheLayout::layer_major, TierPolicy::write_through, false, true},
+                      Param{KvCacheLayout::block_major, TierPolicy::write_through, true, true}),
     [](const ::testing::TestParamInfo<Param>& p) {
       return std::string(p.param.layout == KvCacheLayout::layer_major ? "layer_major"
                                                                       : "block_major") +
              "_" + (p.param.policy == TierPolicy::write_back ? "write_back" : "write_through") +
-             (p.param.k_only ? "_k_only" : "");
+             (p.param.k_only ? "_k_only" : "") + (p.param.adopted ? "_adopted" : "");
     });
 
 // An engine registers a block when its tokens are appended, before the

@@ -753,10 +753,23 @@ struct LayoutParam {
   std::vector<std::size_t> k_bytes;  // per layer, by hand
   std::vector<std::size_t> v_bytes;
   std::size_t bytes_per_block;
+  bool adopted = false;  // the pools are the engine's (the adopting constructor)
 };
 
 void PrintTo(const LayoutParam& p, std::ostream* os) {
-  *os << p.name;
+  *os << p.name << (p.adopted ? "Adopted" : "");
+}
+
+// Every layout twice: over pools the backend allocated, and over the
+// engine's memory. The same operations must give the same bytes.
+std::vector<LayoutParam> owned_and_adopted(std::vector<LayoutParam> params) {
+  const std::size_t n = params.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    LayoutParam adopted = params[i];
+    adopted.adopted = true;
+    params.push_back(std::move(adopted));
+  }
+  return params;
 }
 
 std::vector<LayoutParam> layout_params(std::optional<KvCacheLayout> only = std::nullopt) {
@@ -790,7 +803,9 @@ class PagedKvCacheLayoutTest : public ::testing::TestWithParam<LayoutParam> {
  protected:
   static constexpr std::size_t kBlocks = 8;
 
-  PagedKvCacheLayoutTest() : cache_(GetParam().config, kBlocks, *backend_, no_trace()) {}
+  PagedKvCacheLayoutTest()
+      : cache_(test::make_cache(GetParam().config, kBlocks, *backend_,
+                                GetParam().adopted ? &engine_ : nullptr, no_trace())) {}
 
   bool block_major() const { return GetParam().config.layout == KvCacheLayout::block_major; }
 
@@ -826,6 +841,7 @@ class PagedKvCacheLayoutTest : public ::testing::TestWithParam<LayoutParam> {
 
   std::unique_ptr<Backend> backend_ = test::host_backend();
   Stream stream_ = backend_->create_stream();
+  test::EngineMemory engine_;  // the pools, when adopted; outlives cache_
   PagedKvCache cache_;
 };
 
@@ -1109,17 +1125,28 @@ TEST_P(PagedKvCacheLayoutTest, ReadBlockSizesFollowTheLayerDtype) {
 
 TEST_P(PagedKvCacheLayoutTest, DestructionReturnsAllMemory) {
   const std::size_t capacity = backend_->mem_info().total_bytes;
+  EXPECT_EQ(cache_.adopted(), GetParam().adopted);
+  if (GetParam().adopted) {
+    // The engine's pools take nothing from the backend, and outlive the cache.
+    EXPECT_EQ(backend_->mem_info().free_bytes, capacity);
+    const DevicePtr pool = cache_.memory_pools()[0].base;
+    { PagedKvCache moved(std::move(cache_)); }
+    EXPECT_EQ(backend_->mem_info().free_bytes, capacity);
+    static_cast<std::uint8_t*>(pool.get())[0] = 0x5A;  // still the engine's, still valid
+    EXPECT_THROW(backend_->memset_async(pool, 0, 1, stream_), InvalidArgument);  // forgotten
+    return;
+  }
   EXPECT_LT(backend_->mem_info().free_bytes, capacity);
   { PagedKvCache moved(std::move(cache_)); }
   EXPECT_EQ(backend_->mem_info().free_bytes, capacity);
 }
 
 std::string layout_name(const ::testing::TestParamInfo<LayoutParam>& param_info) {
-  return param_info.param.name;
+  return std::string(param_info.param.name) + (param_info.param.adopted ? "Adopted" : "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Layouts, PagedKvCacheLayoutTest, ::testing::ValuesIn(layout_params()),
-                         layout_name);
+INSTANTIATE_TEST_SUITE_P(Layouts, PagedKvCacheLayoutTest,
+                         ::testing::ValuesIn(owned_and_adopted(layout_params())), layout_name);
 INSTANTIATE_TEST_SUITE_P(Layouts, LayerMajorLayoutTest,
                          ::testing::ValuesIn(layout_params(KvCacheLayout::layer_major)),
                          layout_name);

@@ -12,6 +12,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -40,11 +41,14 @@ std::vector<TokenId> tokens(std::size_t n, TokenId first = 100) {
     EXPECT_TRUE(r_.ok) << r_.to_string();               \
   } while (0)
 
-class PrefixCacheTest : public ::testing::Test {
+// Parameter: whether the cache's pools are the engine's memory (adopted).
+class PrefixCacheTest : public ::testing::TestWithParam<bool> {
  protected:
   std::unique_ptr<Backend> backend = host_backend();
   Stream stream = backend->create_stream();
-  PagedKvCache cache{small_config(), 8, *backend};
+  test::EngineMemory engine;  // the pools, when adopted; outlives the cache
+  PagedKvCache cache =
+      test::make_cache(small_config(), 8, *backend, GetParam() ? &engine : nullptr);
   PrefixCache pc{cache};
 
   // A sequence of `n` tokens starting at `first`, appended through a table.
@@ -104,7 +108,7 @@ TEST(BlockHash, IsXxh3OfTheDocumentedMessage) {
   EXPECT_EQ(root.to_string(), "4b9e1a54fe62e2216332e9587f26353a");
 }
 
-TEST_F(PrefixCacheTest, FullBlocksAreCachedAndHitAcrossSequences) {
+TEST_P(PrefixCacheTest, FullBlocksAreCachedAndHitAcrossSequences) {
   BlockTable a = sequence(10);  // 2 full blocks + 2 tokens
   EXPECT_THAT(a.blocks(), ElementsAre(0u, 1u, 2u));
   EXPECT_EQ(pc.num_cached_blocks(), 2u);
@@ -133,7 +137,7 @@ TEST_F(PrefixCacheTest, FullBlocksAreCachedAndHitAcrossSequences) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, LookupStopsAtTheFirstMissAndCountsTheRest) {
+TEST_P(PrefixCacheTest, LookupStopsAtTheFirstMissAndCountsTheRest) {
   BlockTable a = sequence(8);
   std::vector<TokenId> prompt = tokens(16);
   prompt[5] = 1;  // second block differs
@@ -147,7 +151,7 @@ TEST_F(PrefixCacheTest, LookupStopsAtTheFirstMissAndCountsTheRest) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, ReleasedCachedBlocksStayResidentInLruOrderTailFirst) {
+TEST_P(PrefixCacheTest, ReleasedCachedBlocksStayResidentInLruOrderTailFirst) {
   BlockTable a = sequence(12);  // blocks 0 1 2, all full and cached
   a.release();
   EXPECT_EQ(pc.num_evictable_blocks(), 3u);
@@ -173,7 +177,7 @@ TEST_F(PrefixCacheTest, ReleasedCachedBlocksStayResidentInLruOrderTailFirst) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmpty) {
+TEST_P(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmpty) {
   BlockTable a = sequence(12);
   a.release();  // 3 evictable, 5 free
   std::vector<BlockId> got;
@@ -201,7 +205,7 @@ TEST_F(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmpty) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, AnEvictedBlockIsNeverHandedOutWhileReferenced) {
+TEST_P(PrefixCacheTest, AnEvictedBlockIsNeverHandedOutWhileReferenced) {
   BlockTable a = sequence(8);  // 0 1 cached, held by a
   BlockTable b = sequence(8);  // hits 0 1
   b.release();                 // 0 1 still held by a: not evictable
@@ -218,7 +222,7 @@ TEST_F(PrefixCacheTest, AnEvictedBlockIsNeverHandedOutWhileReferenced) {
   pc.release_blocks(rest);
 }
 
-TEST_F(PrefixCacheTest, InsertRules) {
+TEST_P(PrefixCacheTest, InsertRules) {
   const BlockId b = pc.alloc_block();
   const BlockHash h = hash_block(std::nullopt, tokens(4));
   EXPECT_TRUE(pc.insert(h, b));
@@ -238,7 +242,7 @@ TEST_F(PrefixCacheTest, InsertRules) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, DoubleReleaseOfACachedBlockIsIgnored) {
+TEST_P(PrefixCacheTest, DoubleReleaseOfACachedBlockIsIgnored) {
   const BlockId b = pc.alloc_block();
   ASSERT_TRUE(pc.insert(hash_block(std::nullopt, tokens(4)), b));
   pc.release(b);
@@ -254,7 +258,7 @@ TEST_F(PrefixCacheTest, DoubleReleaseOfACachedBlockIsIgnored) {
   EXPECT_EQ(cache.ref_count(b), 1u) << "validated before any release";
 }
 
-TEST_F(PrefixCacheTest, ReleasingAroundThePrefixCacheIsReported) {
+TEST_P(PrefixCacheTest, ReleasingAroundThePrefixCacheIsReported) {
   BlockTable a = sequence(4);
   const BlockId b = a.blocks()[0];
   cache.dec_ref(b);  // bypasses the prefix cache: b is left off the LRU list
@@ -265,7 +269,7 @@ TEST_F(PrefixCacheTest, ReleasingAroundThePrefixCacheIsReported) {
   EXPECT_INVARIANTS(pc);
 }
 
-TEST_F(PrefixCacheTest, EvictAndDestructionReturnEveryBlock) {
+TEST_P(PrefixCacheTest, EvictAndDestructionReturnEveryBlock) {
   {
     PrefixCache local(cache);
     BlockTable a(local);
@@ -286,7 +290,7 @@ TEST_F(PrefixCacheTest, EvictAndDestructionReturnEveryBlock) {
   EXPECT_TRUE(cache.check_invariants().ok);
 }
 
-TEST_F(PrefixCacheTest, OutOfRangeQueriesThrow) {
+TEST_P(PrefixCacheTest, OutOfRangeQueriesThrow) {
   EXPECT_THROW(pc.is_cached(8), InvalidArgument);
   EXPECT_THROW(pc.hash_of(8), InvalidArgument);
   EXPECT_THROW(pc.is_evictable(8), InvalidArgument);
@@ -446,6 +450,11 @@ TEST(PrefixCacheMemoryUsage, IsFixedAtConstructionAndSmallPerBlock) {
   EXPECT_EQ(after.lru_bytes, before.lru_bytes);
   EXPECT_INVARIANTS(pc);
 }
+
+INSTANTIATE_TEST_SUITE_P(Pools, PrefixCacheTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return std::string(p.param ? "adopted" : "owned");
+                         });
 
 }  // namespace
 }  // namespace kvport

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvport/platform/allocation_tracker.hpp"
 #include "kvport/platform/block_pool.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/device_ptr.hpp"
@@ -476,6 +477,59 @@ TEST(Registry, DefaultBackendWithUnknownEnvironmentThrows) {
   ScopedEnv env("KVPORT_BACKEND", "nope");
   const std::string msg = message_of<InvalidArgument>([] { default_backend(); });
   EXPECT_THAT(msg, AllOf(HasSubstr("KVPORT_BACKEND"), HasSubstr("'nope'"), HasSubstr("host")));
+}
+
+// ---- AllocationTracker: adopted ranges ----------------------------------------------
+
+TEST(AllocationTracker, AnAdoptedRangeIsCheckedButNeverFreedNorListed) {
+  AllocationTracker t("test");
+  const DevicePtr own(0x10000), engine(0x20000);
+  t.add(own, 256);
+  t.add_adopted(engine, 1024);
+  EXPECT_NO_THROW(t.check(engine.offset(1000), 24, "op"));
+  EXPECT_THROW(t.check(engine.offset(1000), 25, "op"), InvalidArgument);  // out of bounds
+  EXPECT_FALSE(t.remove(engine).has_value());  // not the backend's to free
+  EXPECT_EQ(t.live_count(), 1u);
+  EXPECT_EQ(t.live_bytes(), 256u);
+  EXPECT_EQ(t.adopted_count(), 1u);
+  ASSERT_EQ(t.live().size(), 1u);
+  EXPECT_EQ(t.live()[0].first, own.address());
+  EXPECT_FALSE(t.remove_adopted(own));  // an allocation is not an adopted range
+  EXPECT_EQ(t.live_count(), 1u);
+}
+
+TEST(AllocationTracker, ReleasingAnAdoptedRangeIsAUseAfterFreeForQueuedWork) {
+  AllocationTracker t("test");
+  const DevicePtr engine(0x20000);
+  const std::uint64_t serial = t.add_adopted(engine, 1024);
+  const std::uint64_t generation = t.generation_locked();
+  EXPECT_TRUE(t.remove_adopted(engine));
+  EXPECT_FALSE(t.remove_adopted(engine));
+  EXPECT_NE(t.generation_locked(), generation);
+  EXPECT_EQ(t.adopted_count(), 0u);
+  EXPECT_THAT(kvport::testing::message_of<InvalidArgument>([&] {
+                t.recheck_locked({engine, 16, "fill", serial});
+              }),
+              HasSubstr("use after free"));
+  EXPECT_THAT(kvport::testing::message_of<InvalidArgument>([&] { t.check(engine, 16, "fill"); }),
+              HasSubstr("use after free"));
+}
+
+TEST(AllocationTracker, AdoptedRangesMayNotOverlapAnything) {
+  AllocationTracker t("test");
+  t.add(DevicePtr(0x10000), 256);
+  t.add_adopted(DevicePtr(0x20000), 1024);
+  using kvport::testing::message_of;
+  EXPECT_THAT(message_of<InvalidArgument>([&] { t.add_adopted(DevicePtr(0x100ff), 2); }),
+              HasSubstr("overlaps a live allocation [0x10000, +256)"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { t.add_adopted(DevicePtr(0x1ff00), 0x101); }),
+              HasSubstr("overlaps an adopted range [0x20000, +1024)"));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { t.add_adopted(DevicePtr(0x203ff), 1); }),
+              HasSubstr("overlaps an adopted range"));
+  // Ranges that only touch are fine.
+  EXPECT_NO_THROW(t.add_adopted(DevicePtr(0x10100), 0x100));
+  EXPECT_NO_THROW(t.add_adopted(DevicePtr(0x20400), 16));
+  EXPECT_EQ(t.adopted_count(), 3u);
 }
 
 }  // namespace

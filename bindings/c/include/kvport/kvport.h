@@ -1100,6 +1100,72 @@ KVPORT_API kvport_status kvport_hybrid_cache_events_endpoint(const kvport_hybrid
 KVPORT_API kvport_status kvport_hybrid_cache_flush_events(kvport_hybrid_cache* cache,
                                                           uint32_t timeout_ms, bool* out_flushed);
 
+/* ---- an engine's streams and memory --------------------------------------------------- */
+
+/* An engine keeps its own streams and KV tensors; kvport runs on them and
+ * manages the blocks in them (docs/backends.md, "The engine's streams and
+ * memory"). */
+
+/** Registers a stream the engine created as a kvport_stream of `backend`,
+ *  accepted by every call that takes a kvport_stream*: work queued through it
+ *  is queued on that very stream, ordered with the engine's own work on it.
+ *  `vendor_stream` is a cudaStream_t / hipStream_t of the backend's device
+ *  (NULL: the runtime's legacy default stream, PyTorch's default stream); on
+ *  the host backend, which has no vendor streams, the handle
+ *  kvport_stream_vendor_handle gave for one of its own streams.
+ *  KVPORT_ERR_INVALID_ARGUMENT for a handle the backend cannot wrap (the
+ *  message says why). The stream must outlive the registration; end it with
+ *  kvport_stream_release (kvport_stream_destroy on a wrap does the same). */
+KVPORT_API kvport_status kvport_stream_wrap(kvport_backend* backend, void* vendor_stream,
+                                            kvport_stream** out);
+
+/** Ends a registration made by kvport_stream_wrap: never destroys the
+ *  engine's stream and never waits for it (synchronize first when kvport's
+ *  work on it must be finished). KVPORT_ERR_INVALID_ARGUMENT for a stream
+ *  kvport created (kvport_stream_destroy destroys those). */
+KVPORT_API kvport_status kvport_stream_release(kvport_stream* stream);
+
+/** The vendor handle of `stream` (null: `backend`'s default stream): the
+ *  cudaStream_t / hipStream_t to launch the engine's kernels on, or the host
+ *  backend's queue handle. KVPORT_ERR_INVALID_ARGUMENT for a stream of
+ *  another backend. */
+KVPORT_API kvport_status kvport_stream_vendor_handle(kvport_backend* backend, kvport_stream* stream,
+                                                     void** out);
+
+/** One pool of the engine's memory: `bytes` bytes at `base` (a tensor's data
+ *  pointer and size in bytes). */
+typedef struct kvport_pool {
+  void* base;
+  size_t bytes;
+} kvport_pool;
+
+/** How many pools a cache of `config` with `num_blocks` blocks adopts
+ *  (`*out_count`: 2 per layer in layer-major layout, 1 per layer for K-only
+ *  layers, 1 in block-major) and the bytes each needs, in the order
+ *  kvport_cache_create_adopted takes them (layer 0 K, layer 0 V, layer 1 K,
+ *  ...). `out_bytes` may be null when `capacity` is 0, to ask the count;
+ *  KVPORT_ERR_INVALID_ARGUMENT when `capacity` is smaller than the count or
+ *  the config is bad. */
+KVPORT_API kvport_status kvport_cache_adopted_pool_bytes(const kvport_config* config,
+                                                         size_t num_blocks, size_t* out_bytes,
+                                                         size_t capacity, size_t* out_count);
+
+/** A cache over the engine's memory: `num_pools` pools in the order of
+ *  kvport_cache_adopted_pool_bytes, each at least that many bytes and
+ *  16-byte aligned. kvport manages the blocks in them as in its own pools and
+ *  never frees them; they must stay valid until kvport_cache_destroy
+ *  returns. KVPORT_ERR_INVALID_ARGUMENT, naming the pool, for a wrong count,
+ *  a null base, a misaligned base, too few bytes, pools that overlap each
+ *  other or memory the backend already manages (its own or another cache's
+ *  pools); as kvport_cache_create for a bad config or num_blocks. */
+KVPORT_API kvport_status kvport_cache_create_adopted(const kvport_config* config, size_t num_blocks,
+                                                     kvport_backend* backend,
+                                                     const kvport_pool* pools, size_t num_pools,
+                                                     kvport_cache** out);
+
+/** Whether the cache's pools are the engine's (kvport_cache_create_adopted). */
+KVPORT_API kvport_status kvport_cache_is_adopted(const kvport_cache* cache, bool* out);
+
 /* ---- testing ------------------------------------------------------------------------------ */
 
 /** Queues work on `stream` (null: the backend's default stream) that fails

@@ -124,6 +124,18 @@ impl GpuBackend for Backend {
 /// The default stream of a backend, as a `stream: u64` argument.
 pub const DEFAULT_STREAM: u64 = 0;
 
+impl Backend {
+    /// The vendor handle of the backend's default stream (`cudaStream_t`; the
+    /// host backend's queue).
+    pub fn default_stream_vendor_handle(&self) -> Result<*mut c_void, KvError> {
+        let mut out = ptr::null_mut();
+        check(unsafe {
+            ffi::kvport_stream_vendor_handle(self.raw(), ptr::null_mut(), &mut out)
+        })?;
+        Ok(out)
+    }
+}
+
 /// An independent in-order work queue on a backend. Methods that take the
 /// reference's `stream: u64` take [`Stream::as_raw`] (or [`DEFAULT_STREAM`],
 /// 0); a value that is no live stream is `KvError::InvalidHandle`, a stream
@@ -132,6 +144,9 @@ pub const DEFAULT_STREAM: u64 = 0;
 pub struct Stream {
     raw: *mut ffi::kvport_stream,
     _backend: Backend,
+    /// A registration of an engine's stream (Stream::wrap): dropping it
+    /// never destroys the stream.
+    wrapped: bool,
 }
 
 // SAFETY: a stream is a token in a thread-safe table; its worker (host) or
@@ -142,7 +157,33 @@ impl Stream {
     pub fn new(backend: &Backend) -> Result<Stream, KvError> {
         let mut raw = ptr::null_mut();
         check(unsafe { ffi::kvport_stream_create(backend.raw(), &mut raw) })?;
-        Ok(Stream { raw, _backend: backend.clone() })
+        Ok(Stream { raw, _backend: backend.clone(), wrapped: false })
+    }
+
+    /// The engine's own stream as a kvport stream: `vendor_stream` is a
+    /// `cudaStream_t` / `hipStream_t` of the backend's device (null: the
+    /// runtime's legacy default stream); on the host backend, the handle
+    /// [`Stream::vendor_handle`] gave for one of its streams. Work queued
+    /// through it is ordered with the engine's own on that stream. Dropping
+    /// the value ends the registration; it never destroys the stream, which
+    /// must outlive it. `InvalidArgument` for a handle the backend cannot wrap.
+    pub fn wrap(backend: &Backend, vendor_stream: *mut c_void) -> Result<Stream, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_stream_wrap(backend.raw(), vendor_stream, &mut raw) })?;
+        Ok(Stream { raw, _backend: backend.clone(), wrapped: true })
+    }
+
+    /// The vendor handle of this stream (`cudaStream_t`; the host backend's
+    /// queue), to launch the engine's kernels on it.
+    pub fn vendor_handle(&self) -> Result<*mut c_void, KvError> {
+        let mut out = ptr::null_mut();
+        check(unsafe { ffi::kvport_stream_vendor_handle(self._backend.raw(), self.raw, &mut out) })?;
+        Ok(out)
+    }
+
+    /// Whether this is a wrap of an engine's stream ([`Stream::wrap`]).
+    pub fn is_wrapped(&self) -> bool {
+        self.wrapped
     }
 
     /// Waits for the work queued on this stream; `KvError::Backend` for an
@@ -159,8 +200,13 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // Waits for the queued work, then destroys.
-        unsafe { ffi::kvport_stream_destroy(self.raw) };
+        if self.wrapped {
+            // Forgets the registration: the engine's stream is its own.
+            unsafe { ffi::kvport_stream_release(self.raw) };
+        } else {
+            // Waits for the queued work, then destroys.
+            unsafe { ffi::kvport_stream_destroy(self.raw) };
+        }
     }
 }
 

@@ -121,6 +121,69 @@ impl PagedKvCache {
         Ok(PagedKvCache { raw, backend, config, num_blocks, lent: false })
     }
 
+    /// Bytes each pool of [`PagedKvCache::adopt`] must hold, in its order
+    /// (layer 0 K, layer 0 V, layer 1 K, ...; one pool in block-major layout).
+    pub fn adopted_pool_bytes(config: &KvCacheConfig, num_blocks: usize) -> Result<Vec<usize>, KvError> {
+        config.with_c(|c| {
+            let mut count = 0usize;
+            check(unsafe {
+                ffi::kvport_cache_adopted_pool_bytes(c, num_blocks, ptr::null_mut(), 0, &mut count)
+            })?;
+            let mut bytes = vec![0usize; count];
+            check(unsafe {
+                ffi::kvport_cache_adopted_pool_bytes(
+                    c,
+                    num_blocks,
+                    bytes.as_mut_ptr(),
+                    bytes.len(),
+                    &mut count,
+                )
+            })?;
+            Ok(bytes)
+        })
+    }
+
+    /// A cache over the engine's memory: `pools` as (base, bytes) in the
+    /// order of [`PagedKvCache::adopted_pool_bytes`], each at least that many
+    /// bytes and 16-byte aligned, device memory of `gpu`'s device (host
+    /// memory on the host backend). kvport manages the blocks in them and
+    /// never frees them.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and not be used as another cache's pools,
+    /// until the cache is dropped (kvport reads and writes it meanwhile).
+    /// `InvalidArgument`, naming the pool, for a wrong count, a null or
+    /// misaligned base, too few bytes or pools that overlap.
+    pub unsafe fn adopt(
+        config: KvCacheConfig,
+        num_blocks: usize,
+        gpu: &dyn GpuBackend,
+        pools: &[(*mut c_void, usize)],
+    ) -> Result<Self, KvError> {
+        let backend = gpu.kvport_backend().clone();
+        let c_pools: Vec<ffi::kvport_pool> =
+            pools.iter().map(|&(base, bytes)| ffi::kvport_pool { base, bytes }).collect();
+        let mut raw = ptr::null_mut();
+        config.with_c(|c| {
+            check(ffi::kvport_cache_create_adopted(
+                c,
+                num_blocks,
+                backend.raw(),
+                c_pools.as_ptr(),
+                c_pools.len(),
+                &mut raw,
+            ))
+        })?;
+        Ok(PagedKvCache { raw, backend, config, num_blocks, lent: false })
+    }
+
+    /// Whether the pools are the engine's ([`PagedKvCache::adopt`]).
+    pub fn is_adopted(&self) -> bool {
+        let mut out = false;
+        expect_ok(unsafe { ffi::kvport_cache_is_adopted(self.raw, &mut out) }, "kvport_cache_is_adopted");
+        out
+    }
+
     /// A cache over a handle lent by a hybrid cache (its group pool): the
     /// config and block count read back; dropping it leaves the handle to the
     /// hybrid cache. The caller keeps it from outliving the hybrid cache.

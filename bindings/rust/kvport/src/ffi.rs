@@ -86,6 +86,14 @@ pub struct kvport_config {
     pub num_layer_dtypes: usize,
 }
 
+/// One pool of the engine's memory (kvport_cache_create_adopted).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_pool {
+    pub base: *mut c_void,
+    pub bytes: usize,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct kvport_region_layout {
@@ -814,6 +822,35 @@ extern "C" {
         timeout_ms: u32,
         out_flushed: *mut bool,
     ) -> kvport_status;
+
+    // an engine's streams and memory
+    pub fn kvport_stream_wrap(
+        backend: *mut kvport_backend,
+        vendor_stream: *mut c_void,
+        out: *mut *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_stream_release(stream: *mut kvport_stream) -> kvport_status;
+    pub fn kvport_stream_vendor_handle(
+        backend: *mut kvport_backend,
+        stream: *mut kvport_stream,
+        out: *mut *mut c_void,
+    ) -> kvport_status;
+    pub fn kvport_cache_adopted_pool_bytes(
+        config: *const kvport_config,
+        num_blocks: usize,
+        out_bytes: *mut usize,
+        capacity: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_cache_create_adopted(
+        config: *const kvport_config,
+        num_blocks: usize,
+        backend: *mut kvport_backend,
+        pools: *const kvport_pool,
+        num_pools: usize,
+        out: *mut *mut kvport_cache,
+    ) -> kvport_status;
+    pub fn kvport_cache_is_adopted(cache: *const kvport_cache, out: *mut bool) -> kvport_status;
 
     // testing
     pub fn kvport_testing_inject_async_fault(

@@ -64,6 +64,19 @@ struct BlockCopy {
   BlockId dst = 0;
 };
 
+/// One pool of memory the engine allocated, for the adopting constructor:
+/// `bytes` bytes at `base` (a tensor's data pointer and nbytes).
+struct AdoptedPool {
+  DevicePtr base;
+  std::size_t bytes = 0;
+};
+
+/// Alignment an adopted pool's base needs: the 16-byte vector accesses of
+/// kvport's kernels and of attention kernels. Every PyTorch / CuPy / NumPy
+/// allocation qualifies (they align to 64 bytes or more), and so does a slice
+/// of one at any block boundary whose region size is a multiple of 16.
+inline constexpr std::size_t kAdoptedPoolAlignment = 16;
+
 struct PagedKvCacheOptions {
   /// Per-block refcount history. Unset: `KVPORT_KV_TRACE` decides.
   std::optional<bool> trace;
@@ -103,6 +116,37 @@ class PagedKvCache {
   /// are unspecified until zeroed.
   PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                PagedKvCacheOptions options = {});
+
+  /// A cache over pools the engine allocated (its own tensors): kvport
+  /// manages the blocks in them (refcounts, free list, prefix cache, block
+  /// tables, zero/poison, copies, host tier, transfer, all unchanged) and
+  /// never frees them. `pools` come in memory_pools() order: layer-major,
+  /// layer 0's K, layer 0's V, layer 1's K, ... (K only for K-only layers);
+  /// block-major, one pool holding every block's whole image.
+  /// adopted_pool_bytes() says how many bytes each needs. Each pool's first
+  /// adopted_pool_bytes()[i] bytes are registered with the backend
+  /// (Backend::adopt_memory) for the cache's lifetime; bytes past them are
+  /// not used. Throws InvalidArgument, naming the pool ("pool 3 (layer 1
+  /// V)"), for a wrong number of pools, a null base, a base not aligned to
+  /// kAdoptedPoolAlignment, fewer bytes than the geometry needs, two pools
+  /// that overlap, or memory the backend cannot adopt (overlapping one of its
+  /// allocations or another cache's pools); and as the allocating
+  /// constructor for a bad config or num_blocks. The memory must stay valid
+  /// until the cache is destroyed (and its queued work done: the destructor
+  /// waits for it as for owned pools).
+  PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
+               std::span<const AdoptedPool> pools, PagedKvCacheOptions options = {});
+
+  /// Bytes each pool of the adopting constructor must hold for `num_blocks`
+  /// blocks of `config`, in memory_pools() order (num_blocks x the region
+  /// size in layer-major layout; num_blocks x bytes_per_block() in
+  /// block-major). Throws InvalidArgument for an invalid config or a size
+  /// that overflows.
+  static std::vector<std::size_t> adopted_pool_bytes(const KvCacheConfig& config,
+                                                     std::size_t num_blocks);
+
+  /// Whether the pools are the engine's (the adopting constructor).
+  bool adopted() const noexcept { return !adopted_.empty(); }
   /// Synchronizes every stream in queued_streams() (see the class comment;
   /// blocks until the queued work is done), then frees the pools. Never
   /// throws.
@@ -312,6 +356,8 @@ class PagedKvCache {
   bool ignore_release(BlockId block, BlockOp op, const std::source_location& where);
   void fill_blocks(std::span<const BlockId> blocks, std::uint8_t value, StreamView stream,
                    const char* op);
+  void build(std::span<const AdoptedPool> adopt, const PagedKvCacheOptions& options);
+  void adopt_pools(std::span<const AdoptedPool> pools);
   void release_pools() noexcept;
   bool prepare_to_note(StreamView stream);
   void note_stream(StreamView stream, bool is_new) noexcept;
@@ -321,6 +367,7 @@ class PagedKvCache {
   std::size_t num_blocks_ = 0;
   Backend* backend_ = nullptr;
   std::vector<DevicePtr> allocations_;
+  std::vector<AdoptedMemory> adopted_;   // the engine's pools, when adopted (never freed)
   std::vector<BlockPool> pools_;         // [2 * layer + part]; V left empty for K-only layers
   std::vector<BlockPool> memory_pools_;  // see memory_pools()
   std::size_t total_bytes_ = 0;

@@ -38,8 +38,21 @@ class AllocationTracker {
 
   /// Forgets the allocation that starts at `base` and returns its size;
   /// nullopt (and no change) when `base` is not the start of a live
-  /// allocation. Waits for every read lock. Never throws.
+  /// allocation (an adopted range is not one: its memory is not the
+  /// backend's to free). Waits for every read lock. Never throws.
   std::optional<std::size_t> remove(DevicePtr base) noexcept;
+
+  /// Records memory the backend did not allocate (Backend::adopt_memory):
+  /// checked like an allocation, never returned by remove() or live(), so a
+  /// backend neither frees it on request nor at its destruction. Throws
+  /// InvalidArgument when [base, base + bytes) overlaps a live allocation or
+  /// another adopted range (the message names both).
+  std::uint64_t add_adopted(DevicePtr base, std::size_t bytes);
+
+  /// Forgets the adopted range that starts at `base`; false (and no change)
+  /// when there is none. Work checked against it before fails its recheck as
+  /// a use after free. Never throws.
+  bool remove_adopted(DevicePtr base) noexcept;
 
   /// Throws InvalidArgument unless [p, p + bytes) lies inside ONE live
   /// allocation. The message names the backend and `op` and says "bad
@@ -63,23 +76,32 @@ class AllocationTracker {
   /// as the check, or a remove in between goes unnoticed.
   std::uint64_t generation_locked() const noexcept { return generation_; }
 
+  /// Live allocations (adopted ranges not counted).
   std::size_t live_count() const;
-  /// Requested bytes of all live allocations.
+  /// Requested bytes of all live allocations (adopted ranges not counted).
   std::size_t live_bytes() const;
-  /// A snapshot of (base address, requested bytes) of every live allocation.
+  /// Adopted ranges now registered.
+  std::size_t adopted_count() const;
+  /// A snapshot of (base address, requested bytes) of every live allocation
+  /// (adopted ranges left out: nobody here may free them).
   std::vector<std::pair<std::uintptr_t, std::size_t>> live() const;
 
  private:
   struct Allocation {
     std::size_t bytes;
     std::uint64_t serial;
+    bool adopted = false;
   };
+
+  // Forgets the entry at `base`; the caller checked it exists. Under the lock.
+  std::size_t erase_locked(std::map<std::uintptr_t, Allocation>::iterator it) noexcept;
 
   std::string backend_;
   mutable std::shared_mutex mutex_;
   std::map<std::uintptr_t, Allocation> live_;
   std::deque<std::pair<std::uintptr_t, std::size_t>> freed_;
   std::size_t live_bytes_ = 0;
+  std::size_t adopted_count_ = 0;
   std::uint64_t next_serial_ = 0;
   std::uint64_t generation_ = 0;
 };

@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "kvport/platform/adopted_memory.hpp"
 #include "kvport/platform/block_pool.hpp"
 #include "kvport/platform/device_buffer.hpp"
 #include "kvport/platform/device_ptr.hpp"
@@ -125,6 +126,19 @@ class Backend {
   /// that returns true. Never throws.
   bool free(DevicePtr ptr) noexcept;
 
+  /// Registers `bytes` (> 0) at `base`, memory the caller allocated (an
+  /// engine's KV tensors), so that this backend's calls accept ranges inside
+  /// it (AdoptedMemory). kvport never frees it. The memory must be what
+  /// alloc() would return on this backend: device memory of the backend's
+  /// device on CUDA/HIP (not checked: the vendor reports a wrong pointer at
+  /// the first copy or kernel), host memory a CPU may read on the host
+  /// backend. Cost: one insertion into the backend's allocation map. Throws
+  /// InvalidArgument for a null base, 0 bytes, a range that wraps the address
+  /// space, or one that overlaps a live allocation or another adopted range of
+  /// this backend (two caches cannot adopt the same bytes); InvalidArgument
+  /// too on a backend that cannot adopt memory (a test decorator).
+  AdoptedMemory adopt_memory(DevicePtr base, std::size_t bytes);
+
   // ---- pinned host memory ---------------------------------------------------
 
   /// Allocates `bytes` (> 0) of page-locked host memory, aligned to
@@ -152,6 +166,33 @@ class Backend {
 
   /// The backend's own stream, alive as long as the backend.
   StreamView default_stream();
+
+  /// Registers a stream kvport did not create (an engine's), so that every
+  /// call that takes a StreamView accepts it: memsets, fills, copies, events,
+  /// synchronize, PagedKvCache's device work, the host tier, the transfer
+  /// agent. Work queued through the view is queued on that very stream,
+  /// ordered with the engine's own work on it. The registration gets a handle
+  /// of its own (a serial, as kvport's streams) and ends with the returned
+  /// WrappedStream; it never destroys the stream.
+  ///   CUDA / HIP: a cudaStream_t / hipStream_t of the backend's device
+  ///     (not checked: the runtime rejects a stream of another device at its
+  ///     first use). nullptr is the vendor's legacy default stream (PyTorch's
+  ///     default stream reports 0).
+  ///   host: the host backend has no vendor streams; it wraps the handle
+  ///     vendor_stream() gave for one of its own streams (the queue of a
+  ///     worker thread): an engine on the host backend shares a queue with
+  ///     kvport that way. Anything else is InvalidArgument.
+  /// Wrapping the same vendor stream twice gives two registrations (views
+  /// that compare unequal) of one stream. Throws InvalidArgument for a handle
+  /// the backend cannot wrap, with the reason.
+  WrappedStream wrap_stream(void* vendor_stream);
+
+  /// The vendor's handle of `stream` (StreamView::vendor_handle): the
+  /// cudaStream_t / hipStream_t behind kvport's serial on the GPU backends
+  /// (the legacy default stream is nullptr), the queue's address on the host
+  /// backend. Throws InvalidArgument for a view of another backend, a
+  /// destroyed stream or a released wrap.
+  void* vendor_stream(StreamView stream) const;
 
   /// Whether `stream` names a live stream of this backend: the default stream
   /// always; a stream from create_stream until its Stream is destroyed. False
@@ -279,6 +320,8 @@ class Backend {
 
  private:
   friend class Stream;
+  friend class WrappedStream;
+  friend class AdoptedMemory;
   friend class Event;
   friend class BlockPoolSet;
 
@@ -293,6 +336,19 @@ class Backend {
   virtual void* do_create_stream() = 0;
   virtual void do_destroy_stream(void* native) noexcept = 0;
   virtual void* do_default_stream() = 0;
+  /// Registers a vendor stream; returns its handle. Default: InvalidArgument
+  /// (the backend cannot wrap). Destroying the handle goes through
+  /// do_destroy_stream, which must then forget it without destroying the
+  /// vendor stream.
+  virtual void* do_wrap_stream(void* vendor_stream);
+  /// The vendor handle behind `native`; InvalidArgument for a stale handle.
+  /// Default: InvalidArgument.
+  virtual void* do_vendor_stream(void* native) const;
+  /// Registers adopted memory (checked: non-null, > 0 bytes, no wrap).
+  /// Default: InvalidArgument.
+  virtual void do_adopt_memory(DevicePtr base, std::size_t bytes);
+  /// Forgets an adopted range by its base; never frees it.
+  virtual void do_release_adopted(DevicePtr base) noexcept;
   /// `native` is a handle this backend gave out (or a stale one); true while
   /// it is the default stream or a stream not yet destroyed.
   virtual bool do_stream_alive(void* native) const noexcept = 0;

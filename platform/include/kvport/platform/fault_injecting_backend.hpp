@@ -87,6 +87,8 @@ inline constexpr long kInjectedFaultCode = -1000;
 /// - Streams, events and block pool sets are the decorator's own handles, each
 ///   wrapping one of the inner backend's; the inner backend only ever sees its
 ///   own handles. A stale StreamView (destroyed stream) is an InvalidArgument.
+///   wrap_stream, vendor_stream and adopt_memory forward to the inner backend
+///   (never faulted); releasing a wrap never waits for the engine's stream.
 /// - A call that an injected fault replaces never reaches the inner backend,
 ///   so the inner backend's own checks (ranges against live allocations) do
 ///   not run for it.
@@ -200,6 +202,10 @@ class FaultInjectingBackend final : public Backend {
   void do_destroy_stream(void* native) noexcept override;
   void* do_default_stream() override;
   bool do_stream_alive(void* native) const noexcept override;
+  void* do_wrap_stream(void* vendor_stream) override;
+  void* do_vendor_stream(void* native) const override;
+  void do_adopt_memory(DevicePtr base, std::size_t bytes) override;
+  void do_release_adopted(DevicePtr base) noexcept override;
   void do_synchronize(void* stream) override;
   void* do_create_event() override;
   void* do_create_timing_event() override;
@@ -237,6 +243,8 @@ class FaultInjectingBackend final : public Backend {
   // destroyed stream is rejected instead of reaching a reused address.
   std::unordered_map<void*, std::shared_ptr<FaultStream>> streams_;
   std::uintptr_t last_stream_id_ = 0;
+  // The inner backend's registrations of adopted memory, by base address.
+  std::unordered_map<std::uintptr_t, AdoptedMemory> adopted_;
 };
 
 }  // namespace kvport
