@@ -1,4 +1,4 @@
-// The host tier's copies (issue 12): offload (device -> host) and onload
+// The host tier's copies: offload (device -> host) and onload
 // (host -> device) of a batch of scattered blocks between a PagedKvCache and
 // page-first host slots, the way HostTier copies them, against the limit in
 // the same run.

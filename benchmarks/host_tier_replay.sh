@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's host-tier target on one Mooncake-format trace, in one run:
+# The host tier's target on one Mooncake-format trace, in one run:
 #   device-only 262,144 blocks (the reference)
 #   device 65,536 + host 196,608, write-back, exclusive
 #   device 65,536 + host 196,608, write-back, inclusive
@@ -8,7 +8,7 @@
 # and prints, for each, the hit blocks, the device / host split, the hit rate,
 # the ratio to the reference's hit blocks (target >= 0.95 with write-back),
 # the offloaded / onloaded blocks and the modeled GB and seconds, as a
-# Markdown table (docs/performance.md, "Host tier: replay (issue 12)").
+# Markdown table (docs/performance.md, "Host tier: replay").
 #
 # Usage: benchmarks/host_tier_replay.sh [options]
 #   --bin PATH         kvport (default: build/host/bin/kvport of this checkout)

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The host tier's target for hybrid models (issue 21): for each model, on one
+# The host tier's target for hybrid models: for each model, on one
 # Mooncake-format trace, in one run:
 #   device-only, 4x the memory                     (the reference)
 #   device 1x + host tier of 3x, write-back, exclusive
 #   device-only, 1x
 # where 1x is 65,536 blocks of the model's attention layers
-# (sim::model_block_bytes: 65,536 + 196,608 against 262,144, as issue 12's
-# measurement of a model without groups). Prints, for each, the hit tokens
+# (sim::model_block_bytes: 65,536 + 196,608 against 262,144, as the host
+# tier's measurement of a model without groups). Prints, for each, the hit tokens
 # over the KV cache groups, the share that used the host, and the ratio to the
 # reference (target >= 0.95), as a Markdown table (docs/performance.md).
 #

@@ -63,7 +63,7 @@ echo "load before: $(uptime)"
 # One run: prints "<wall s> <CPU s (user + sys)> <the replay's own wall_s> <fingerprint> ...".
 # CPU time is the steadier figure on a shared machine: wall time also counts
 # the time the process waited for a core.
-# A binary that has --full-prefix-hits (issue 11's engine-safe default hits a
+# A binary that has --full-prefix-hits (the engine-safe default hits a
 # fully cached prompt's last token again) runs with it, so that both simulate
 # the old semantics and their results can be compared.
 run_one() {

@@ -1,4 +1,4 @@
-// Block transfer over UCX (issue 14): one Agent::post of a list of blocks
+// Block transfer over UCX: one Agent::post of a list of blocks
 // read from (Transfer/read) or written to (Transfer/write) a peer agent,
 // against the raw UCX figure of the same bytes and the memory limit, in the
 // same iterations. Blocks: llama-3-8b (full attention, 2 MiB each) and

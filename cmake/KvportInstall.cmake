@@ -1,22 +1,40 @@
-# `cmake --install` produces a CMake package: find_package(kvport) gives
-# kvport::core, kvport::host, kvport::backends, kvport::platform,
-# kvport::transfer (block transfer over UCX), kvport::events (cache events
-# in vLLM's wire format over ZeroMQ), kvport::router (the cache-aware router
-# index and policies) and kvport::router_subscriber (its ZeroMQ subscriber).
+# `cmake --install` produces a CMake package with components:
+#   core (always): kvport::core, kvport::platform, kvport::host,
+#     kvport::backends (and kvport::cuda / kvport::hip when built),
+#     kvport::router (the cache-aware router index and policies) and
+#     kvport::c (the C ABI, when built); no UCX, no ZeroMQ.
+#   transfer: kvport::transfer (block transfer over UCX), when built
+#     (KVPORT_WITH_TRANSFER); its consumers need UCX (pkg-config ucx).
+#   events: kvport::events (cache events in vLLM's wire format over ZeroMQ)
+#     and kvport::router_subscriber (the router's ZeroMQ subscriber); their
+#     consumers need libzmq (pkg-config libzmq).
+# find_package(kvport) loads core and every optional component whose
+# dependencies it finds; find_package(kvport COMPONENTS transfer) fails, with
+# the reason, when the transfer component cannot be loaded.
+# (kvportConfig.cmake.in; docs/bindings.md shows a consumer.)
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(KVPORT_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/kvport)
 
-install(TARGETS kvport_platform kvport_core kvport_transfer kvport_events kvport_router
-                kvport_router_subscriber kvport_backends ${KVPORT_BACKEND_TARGETS}
+install(TARGETS kvport_platform kvport_core kvport_router kvport_backends ${KVPORT_BACKEND_TARGETS}
         EXPORT kvportTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(DIRECTORY platform/include/ core/include/ transfer/include/ events/include/
-                  router/include/ backends/host/include/
+install(TARGETS kvport_events kvport_router_subscriber
+        EXPORT kvportEventsTargets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(DIRECTORY platform/include/ core/include/ events/include/ router/include/
+                  backends/host/include/
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+if(KVPORT_HAVE_TRANSFER)
+  install(TARGETS kvport_transfer
+          EXPORT kvportTransferTargets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(DIRECTORY transfer/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(EXPORT kvportTransferTargets NAMESPACE kvport:: DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
+endif()
 if(KVPORT_HAVE_CUDA)
   install(DIRECTORY backends/cuda/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endif()
@@ -24,6 +42,7 @@ if(KVPORT_HAVE_HIP)
   install(DIRECTORY backends/hip/include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 endif()
 install(EXPORT kvportTargets NAMESPACE kvport:: DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
+install(EXPORT kvportEventsTargets NAMESPACE kvport:: DESTINATION ${KVPORT_INSTALL_CMAKEDIR})
 
 configure_package_config_file(cmake/kvportConfig.cmake.in
   ${PROJECT_BINARY_DIR}/kvportConfig.cmake

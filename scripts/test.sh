@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the host preset and runs the whole test suite through ctest.
+# Builds the host preset and runs the whole test suite through ctest; exits
+# with ctest's status.
 # Usage: scripts/test.sh [preset]   (host by default; asan, tsan, and with
 # the CUDA toolkit installed, cuda and ci work too)
 set -euo pipefail
@@ -12,14 +13,22 @@ case "$preset" in
 esac
 cmake --preset "$preset"
 cmake --build --preset "$preset"
-status=0
-ctest --preset "$preset" || status=$?
-# ctest lists skipped tests (exit code 77) without their reason: print the
-# reason lines they wrote ("SKIP: ..." / "SKIPPED: ..."), e.g. the PyTorch
-# tests on a machine without python3-torch.
-log="build/$preset/Testing/Temporary/LastTest.log"
-if [ -f "$log" ] && grep -qE '^SKIP(PED)?: ' "$log"; then
-  echo "Skipped tests, with their reasons:"
-  grep -hE '^SKIP(PED)?: ' "$log" | sort -u | sed 's/^/  /'
+# ctest's own listing pads every name with dots to the longest one: it goes
+# to build/<preset>/ctest-output.log, and ctest_report.py prints what is worth
+# reading (tests that did not pass as they finish, progress, a summary per
+# label, each failure's output in full, the reasons for skips). The exit
+# status is ctest's.
+dir="$PWD/build/$preset"
+tests_json="$dir/ctest-tests.json"
+ctest --preset "$preset" --show-only=json-v1 >"$tests_json" 2>/dev/null || echo '{}' >"$tests_json"
+set +e
+ctest --preset "$preset" --output-junit "$dir/ctest-junit.xml" 2>&1 |
+  python3 scripts/ctest_report.py --junit "$dir/ctest-junit.xml" --tests "$tests_json" \
+    --log "$dir/ctest-output.log"
+statuses=("${PIPESTATUS[@]}")
+set -e
+status=${statuses[0]}
+if [ "${statuses[1]}" != 0 ]; then
+  echo "scripts/ctest_report.py failed (${statuses[1]}); ctest's output: $dir/ctest-output.log"
 fi
 exit "$status"

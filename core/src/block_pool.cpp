@@ -14,8 +14,8 @@ std::string_view to_string(KvPart part) noexcept {
 
 DeviceRegion BlockPool::region(BlockId block) const {
   if (block >= num_blocks) {
-    throw InvalidArgument(fmt::format("BlockPool::region: block {} out of range (num_blocks = {})",
-                                      block, num_blocks));
+    throw OutOfRange(fmt::format("BlockPool::region: block {} out of range (num_blocks = {})",
+                                 block, num_blocks));
   }
   std::size_t offset = 0;
   if (__builtin_mul_overflow(std::size_t{block}, stride, &offset)) {

@@ -14,8 +14,8 @@ void check_ids(std::span<const BlockPool> pools, std::span<const BlockId> blocks
   for (const BlockPool& pool : pools) {
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       if (blocks[i] >= pool.num_blocks) {
-        throw InvalidArgument(fmt::format("{}: block {} (entry {}) out of range (num_blocks = {})",
-                                          op, blocks[i], i, pool.num_blocks));
+        throw OutOfRange(fmt::format("{}: block {} (entry {}) out of range (num_blocks = {})", op,
+                                     blocks[i], i, pool.num_blocks));
       }
     }
   }

@@ -133,7 +133,7 @@ void HybridHostTier::snapshot(CacheEventSink& sink) const {
 
 HostTier* HybridHostTier::group_tier(std::size_t g) const {
   if (g >= tiers_.size()) {
-    throw InvalidArgument(
+    throw OutOfRange(
         fmt::format("HybridHostTier: group {} out of range ({} groups)", g, tiers_.size()));
   }
   return tiers_[g].get();

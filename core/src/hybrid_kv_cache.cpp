@@ -68,7 +68,7 @@ HybridKvCache::~HybridKvCache() {
 
 const KvCacheGroup& HybridKvCache::group(std::size_t g) const {
   if (g >= groups_.size()) {
-    throw InvalidArgument(
+    throw OutOfRange(
         fmt::format("HybridKvCache: group {} out of range ({} groups)", g, groups_.size()));
   }
   return groups_[g];
@@ -86,7 +86,7 @@ PrefixCache& HybridKvCache::prefix_cache(std::size_t g) const {
 
 std::optional<LayerLocation> HybridKvCache::locate(std::size_t layer) const {
   if (layer >= locations_.size()) {
-    throw InvalidArgument(
+    throw OutOfRange(
         fmt::format("HybridKvCache: layer {} out of range ({} layers)", layer, locations_.size()));
   }
   if (locations_[layer].group == kNoGroup) return std::nullopt;

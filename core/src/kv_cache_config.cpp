@@ -34,7 +34,7 @@ void KvCacheConfig::validate() const {
 
 KvCacheDtype KvCacheConfig::dtype_for_layer(std::size_t layer) const {
   if (layer >= num_layers) {
-    throw InvalidArgument(
+    throw OutOfRange(
         fmt::format("KvCacheConfig: layer {} out of range (num_layers = {})", layer, num_layers));
   }
   if (layer_dtypes.empty()) return dtype;

@@ -332,7 +332,7 @@ std::size_t LayerSpec::state_bytes() const {
 
 std::size_t LayerSpec::state_offset(std::size_t i) const {
   if (kind != LayerKind::state || i >= state.size()) {
-    throw InvalidArgument(
+    throw OutOfRange(
         fmt::format("LayerSpec::state_offset: no state tensor {} ({} tensors)", i, state.size()));
   }
   std::size_t offset = 0;

@@ -436,8 +436,8 @@ std::size_t PagedKvCache::compute_num_blocks(const KvCacheConfig& config,
 // ---- checks -------------------------------------------------------------------------
 
 void PagedKvCache::throw_block_out_of_range(BlockId block, const char* op) const {
-  throw InvalidArgument(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
-                                    block, num_blocks_));
+  throw OutOfRange(fmt::format("PagedKvCache::{}: block {} out of range (num_blocks = {})", op,
+                               block, num_blocks_));
 }
 
 void PagedKvCache::check_has_v(const char* op) const {
@@ -449,8 +449,8 @@ void PagedKvCache::check_has_v(const char* op) const {
 
 void PagedKvCache::check_layer(std::size_t layer, const char* op) const {
   if (layer >= pools_.size() / 2) {
-    throw InvalidArgument(fmt::format("PagedKvCache::{}: layer {} out of range (num_layers = {})",
-                                      op, layer, pools_.size() / 2));
+    throw OutOfRange(fmt::format("PagedKvCache::{}: layer {} out of range (num_layers = {})", op,
+                                 layer, pools_.size() / 2));
   }
 }
 

@@ -97,8 +97,8 @@ struct PrefixCache::State {
 
   void check(BlockId block, const char* op) const {
     if (block >= entries.size()) {
-      throw InvalidArgument(fmt::format("PrefixCache::{}: block {} out of range (num_blocks = {})",
-                                        op, block, entries.size()));
+      throw OutOfRange(fmt::format("PrefixCache::{}: block {} out of range (num_blocks = {})", op,
+                                   block, entries.size()));
     }
   }
 

@@ -414,8 +414,8 @@ void Backend::fill_blocks_async(const BlockPoolSet& pools, std::span<const std::
   }
   for (std::uint32_t id : block_ids) {
     if (id >= pools.num_blocks_) {
-      throw InvalidArgument(fmt::format("{}: fill_blocks_async: block {} out of range ({} blocks)",
-                                        name_, id, pools.num_blocks_));
+      throw OutOfRange(fmt::format("{}: fill_blocks_async: block {} out of range ({} blocks)",
+                                   name_, id, pools.num_blocks_));
     }
   }
   if (block_ids.empty()) return;

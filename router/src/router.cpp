@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "kvport/core/cache_events.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 
 namespace kvport::router {
@@ -188,7 +189,7 @@ void Router::decide(const Request& request, Decision& out) {
     }
   }
 
-  const double request_blocks = static_cast<double>((request.tokens.size() + bs - 1) / bs);
+  const double request_blocks = static_cast<double>(div_ceil(request.tokens.size(), bs));
   out.instance.reset();
   out.scores.clear();
   out.request_blocks = static_cast<std::uint32_t>(full);

@@ -1,8 +1,11 @@
 # ctest driver: install the build tree into a scratch prefix, then configure,
-# build and run the consumer project against it. When the C ABI is installed,
+# build and run the consumer projects against it: core_consumer (the core
+# only, without UCX and ZeroMQ) and consumer (events, and transfer when
+# HAVE_TRANSFER is true). When the C ABI is installed,
 # also build and run its C consumer through find_package (kvport::c) and
 # through pkg-config (kvport.pc).
 #   cmake -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DC_COMPILER=cc]
+#         [-DHAVE_TRANSFER=ON|OFF]
 #         -P check_install.cmake
 foreach(var BUILD_DIR SOURCE_DIR WORK_DIR)
   if(NOT DEFINED ${var})
@@ -21,8 +24,39 @@ function(run)
 endfunction()
 
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+
+# The core alone, on a machine without UCX and ZeroMQ: a pkg-config that
+# finds neither (its search path an empty folder). Asked for as
+# COMPONENTS core and as a plain find_package(kvport); asking for transfer
+# there fails the configure and says why.
+set(no_pkgs ${WORK_DIR}/no-pkgconfig)
+file(MAKE_DIRECTORY ${no_pkgs})
+set(no_pkgs_env ${CMAKE_COMMAND} -E env PKG_CONFIG_LIBDIR=${no_pkgs} PKG_CONFIG_PATH=)
+foreach(components "core" "")
+  set(dir ${WORK_DIR}/core-build-${components})
+  run(${no_pkgs_env} ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install/core_consumer -B ${dir}
+      -G Ninja -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release
+      "-DKVPORT_COMPONENTS=${components}")
+  run(${CMAKE_COMMAND} --build ${dir})
+  run(${dir}/core_consumer)
+endforeach()
+execute_process(COMMAND ${no_pkgs_env} ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install/core_consumer
+                        -B ${WORK_DIR}/core-build-transfer -G Ninja -DCMAKE_PREFIX_PATH=${prefix}
+                        "-DKVPORT_COMPONENTS=core;transfer"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT err MATCHES "transfer: ")
+  message(FATAL_ERROR "find_package(kvport COMPONENTS transfer) without UCX: expected a failure "
+                      "naming the component, got ${rc}:\n${out}\n${err}")
+endif()
+string(REGEX MATCH "kvport: required components not available:[^\n]*" why "${err}")
+message(STATUS "without UCX, COMPONENTS transfer fails: ${why}")
+
+# Every component built, with UCX and ZeroMQ found.
+if(NOT DEFINED HAVE_TRANSFER)
+  set(HAVE_TRANSFER ON)
+endif()
 run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/install/consumer -B ${WORK_DIR}/build -G Ninja
-    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
+    -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release -DWITH_TRANSFER=${HAVE_TRANSFER})
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
 

@@ -1,5 +1,6 @@
-# The dependency direction of ARCHITECTURE.md, checked from the sources:
-#   tools -> sim -> core -> platform <- backends;  benchmarks -> sim/core.
+# The dependency direction of docs/architecture.md, checked from the sources:
+#   tools -> {sim, transfer, events, router} -> core -> platform <- backends;
+#   benchmarks -> sim/core.
 # Fails (listing every offending include or link) when
 #   - a file outside tools/ (and the CLI's own tests) includes kvport/cli/;
 #   - sim/ includes a backend or tools header (kvport/backends/, kvport/cli/);

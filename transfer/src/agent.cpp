@@ -590,13 +590,13 @@ TransferId Agent::post(PeerId peer_id, Direction direction, std::span<const Bloc
     if (s.cache.ref_count(b) == 0)
       throw InvalidArgument(fmt::format("post: local block {} is free", b));
   }
-  std::vector<CopyRegion> plan = plan_block_regions(layout_, s.wire_pools, local_blocks,
+  std::vector<TransferRegion> plan = plan_block_regions(layout_, s.wire_pools, local_blocks,
                                                     p.hello.layout, p.hello.pools, remote_blocks);
   std::vector<RmaOp> ops;
   std::vector<std::uint64_t> keys;
   ops.reserve(plan.size());
   keys.reserve(plan.size());
-  for (const CopyRegion& r : plan) {
+  for (const TransferRegion& r : plan) {
     keys.push_back(s.remote_region(p, r.remote, r.bytes).key);
     ops.push_back({r.local, r.remote, r.bytes});
   }

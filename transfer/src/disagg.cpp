@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "wire_codec.hpp"
@@ -212,7 +213,7 @@ void PrefillNode::offer(std::uint64_t request_id, std::uint32_t group,
                       blocks.size(), extent.first_block));
     }
   } else {
-    const std::size_t total = (tokens.size() + bs - 1) / bs;
+    const std::size_t total = div_ceil(tokens.size(), bs);
     if (extent.first_block >= total || blocks.size() != total - extent.first_block) {
       throw InvalidArgument(
           fmt::format("offer: {} blocks from block {} for {} tokens (block size {})", blocks.size(),
@@ -425,7 +426,7 @@ struct DecodeNode::State {
       return;
     }
     const std::size_t bs = cache.block_size();
-    const std::size_t total = (offer.tokens.size() + bs - 1) / bs;
+    const std::size_t total = div_ceil(offer.tokens.size(), bs);
     const bool shape_ok = offer.extent.state
                               ? n.blocks.size() == 1
                               : offer.extent.first_block < total &&

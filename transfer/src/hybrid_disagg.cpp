@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 
@@ -55,7 +56,7 @@ LeaseExtent lease_extent(const KvCacheGroup& group, std::size_t block_size,
   if (num_tokens == 0) throw InvalidArgument("lease_extent: no tokens");
   if (block_size == 0) throw InvalidArgument("lease_extent: block_size must be > 0");
   if (group.spec.has_state()) return LeaseExtent{0, true};
-  const std::size_t total = (num_tokens + block_size - 1) / block_size;
+  const std::size_t total = div_ceil(num_tokens, block_size);
   const std::size_t at = (num_tokens / block_size) * block_size;
   // At least the last block moves (a lease is never empty).
   const std::size_t first =
@@ -221,8 +222,7 @@ bool HybridPrefillNode::offer(std::uint64_t request_id, std::uint32_t tp_group,
     extents[g] = lease_extent(s.cache.group(g), s.cache.block_size(), tokens.size());
     const std::size_t want =
         extents[g].state ? 1
-                         : (tokens.size() + s.cache.block_size() - 1) / s.cache.block_size() -
-                               extents[g].first_block;
+                         : div_ceil(tokens.size(), s.cache.block_size()) - extents[g].first_block;
     if (blocks[g].size() != want) {
       throw InvalidArgument(fmt::format("offer: {}: {} blocks, the extent needs {}",
                                         group_name(s.cache, g), blocks[g].size(), want));

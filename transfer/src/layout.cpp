@@ -575,9 +575,9 @@ struct Slice {
 
 // Appends `r`, merged into the previous region when it continues it on both
 // sides.
-void emit(std::vector<CopyRegion>& out, CopyRegion r) {
+void emit(std::vector<TransferRegion>& out, TransferRegion r) {
   if (!out.empty()) {
-    CopyRegion& last = out.back();
+    TransferRegion& last = out.back();
     if (last.local + last.bytes == r.local && last.remote + last.bytes == r.remote) {
       last.bytes += r.bytes;
       return;
@@ -588,7 +588,7 @@ void emit(std::vector<CopyRegion>& out, CopyRegion r) {
 
 }  // namespace
 
-std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
+std::vector<TransferRegion> plan_block_regions(const PoolLayout& local,
                                            const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
                                            const PoolLayout& remote,
@@ -673,14 +673,14 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
   // consecutive, so (layer, K/V, block) order merges a run of ids into one
   // region per pool. Any order is correct: merging only joins regions that
   // are adjacent on both sides.
-  std::vector<CopyRegion> out;
+  std::vector<TransferRegion> out;
   auto emit_block = [&](const LayerPlan& p, std::size_t i) {
     const std::uint64_t l = p.local.block_address(local_blocks[i]);
     const std::uint64_t r = p.remote.block_address(remote_blocks[i]);
     for (std::size_t s = 0; s < p.count; ++s) {
       const Slice& slice = p.slices[s];
       if (slice.bytes == 0) continue;
-      emit(out, CopyRegion{add_checked(l, slice.local_offset), add_checked(r, slice.remote_offset),
+      emit(out, TransferRegion{add_checked(l, slice.local_offset), add_checked(r, slice.remote_offset),
                            slice.bytes});
     }
   };
@@ -696,16 +696,16 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
         emit_block(p, i);
   }
   // Every region's end must fit too, or a consumer adding bytes would wrap.
-  for (const CopyRegion& r : out) {
+  for (const TransferRegion& r : out) {
     (void)add_checked(r.local, r.bytes);
     (void)add_checked(r.remote, r.bytes);
   }
   return out;
 }
 
-std::uint64_t total_bytes(std::span<const CopyRegion> regions) noexcept {
+std::uint64_t total_bytes(std::span<const TransferRegion> regions) noexcept {
   std::uint64_t total = 0;
-  for (const CopyRegion& r : regions)
+  for (const TransferRegion& r : regions)
     total += r.bytes;
   return total;
 }

@@ -38,15 +38,6 @@ void put(T* out, T value, const char* what) {
   *require(out, what) = value;
 }
 
-/// KVPORT_ERR_OUT_OF_RANGE unless index < count ("<op>: <what> 7 out of
-/// range (3 <what>s)").
-inline void check_index(std::size_t index, std::size_t count, const char* what, const char* op) {
-  if (index >= count)
-    throw StatusError(KVPORT_ERR_OUT_OF_RANGE, std::string(op) + ": " + what + " " +
-                                                   std::to_string(index) + " out of range (" +
-                                                   std::to_string(count) + " " + what + "s)");
-}
-
 /// Writes `s` into the caller's buffer: truncated to text_size - 1 bytes and
 /// NUL-terminated; *text_needed (may be null) gets s.size() + 1. `text` may
 /// be null only with text_size 0.

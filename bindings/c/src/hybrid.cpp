@@ -155,10 +155,6 @@ HybridBlockTable& hybrid_table_of(const kvport_hybrid_block_table* handle) {
   return *get<HybridBlockTableObject>(handle).table;
 }
 
-void check_group(const HybridKvCache& cache, std::size_t group, const char* op) {
-  check_index(group, cache.num_groups(), "group", op);
-}
-
 }  // namespace
 
 extern "C" {
@@ -209,7 +205,6 @@ kvport_status kvport_layer_spec_state_offset(const kvport_layer_spec* spec, size
   return guard([&] {
     const LayerSpec s = to_layer_spec(spec, "spec");
     s.validate(1);
-    check_index(index, s.state.size(), "state tensor", "kvport_layer_spec_state_offset");
     put(out, s.state_offset(index), "out");
   });
 }
@@ -311,7 +306,6 @@ kvport_status kvport_hybrid_cache_group_kind(const kvport_hybrid_cache* cache, s
                                              int32_t* out) {
   return guard([&] {
     const HybridKvCache& c = hybrid_of(cache);
-    check_group(c, group, "kvport_hybrid_cache_group_kind");
     put(out, static_cast<std::int32_t>(c.group(group).spec.kind), "out");
   });
 }
@@ -320,8 +314,8 @@ kvport_status kvport_hybrid_cache_group_spec(const kvport_hybrid_cache* cache, s
                                              kvport_layer_spec* out) {
   return guard([&] {
     const HybridCacheObject& object = hybrid_object(cache);
-    check_group(*object.cache, group, "kvport_hybrid_cache_group_spec");
-    write_layer_spec(object.cache->group(group).spec, object.state_tensors[group], out);
+    const LayerSpec& spec = object.cache->group(group).spec;  // OutOfRange first
+    write_layer_spec(spec, object.state_tensors[group], out);
   });
 }
 
@@ -329,7 +323,6 @@ kvport_status kvport_hybrid_cache_group_num_layers(const kvport_hybrid_cache* ca
                                                    size_t* out) {
   return guard([&] {
     const HybridKvCache& c = hybrid_of(cache);
-    check_group(c, group, "kvport_hybrid_cache_group_num_layers");
     put(out, c.group(group).layers.size(), "out");
   });
 }
@@ -338,7 +331,6 @@ kvport_status kvport_hybrid_cache_group_layers(const kvport_hybrid_cache* cache,
                                                size_t* out, size_t capacity, size_t* out_count) {
   return guard([&] {
     const HybridKvCache& c = hybrid_of(cache);
-    check_group(c, group, "kvport_hybrid_cache_group_layers");
     const std::vector<std::size_t>& layers = c.group(group).layers;
     require(out_count, "out_count");
     check_capacity(out, capacity, layers.size(), "kvport_hybrid_cache_group_layers");
@@ -351,7 +343,6 @@ kvport_status kvport_hybrid_cache_group_blocks_in_use(const kvport_hybrid_cache*
                                                       size_t group, size_t* out) {
   return guard([&] {
     const HybridKvCache& c = hybrid_of(cache);
-    check_group(c, group, "kvport_hybrid_cache_group_blocks_in_use");
     put(out, c.blocks_in_use(group), "out");
   });
 }
@@ -360,11 +351,11 @@ kvport_status kvport_hybrid_cache_group_cache(kvport_hybrid_cache* cache, size_t
                                               kvport_cache** out) {
   return guard([&] {
     HybridCacheObject& object = hybrid_object(cache);
-    check_group(*object.cache, group, "kvport_hybrid_cache_group_cache");
+    PagedKvCache& group_pool = object.cache->group_cache(group);  // OutOfRange first
     require(out, "out");
     if (object.group_handles[group] == nullptr) {
       auto pool = std::make_unique<CacheObject>();
-      pool->cache = &object.cache->group_cache(group);
+      pool->cache = &group_pool;
       for (const KvCacheDtype d : pool->cache->config().layer_dtypes)
         pool->layer_dtypes.push_back(static_cast<std::int32_t>(d));
       object.group_handles[group] = make_lent_handle<kvport_cache>(std::move(pool), &object);
@@ -377,7 +368,6 @@ kvport_status kvport_hybrid_cache_locate(const kvport_hybrid_cache* cache, size_
                                          bool* out_has_kv, size_t* out_group, size_t* out_index) {
   return guard([&] {
     const HybridKvCache& c = hybrid_of(cache);
-    check_index(layer, c.num_layers(), "layer", "kvport_hybrid_cache_locate");
     require(out_has_kv, "out_has_kv");
     const std::optional<LayerLocation> at = c.locate(layer);
     *out_has_kv = at.has_value();
@@ -515,7 +505,6 @@ kvport_status kvport_hybrid_block_table_num_blocks(const kvport_hybrid_block_tab
                                                    size_t group, size_t* out) {
   return guard([&] {
     const HybridBlockTable& t = hybrid_table_of(table);
-    check_group(t.cache(), group, "kvport_hybrid_block_table_num_blocks");
     put(out, t.blocks(group).size(), "out");
   });
 }
@@ -524,7 +513,6 @@ kvport_status kvport_hybrid_block_table_num_live_blocks(const kvport_hybrid_bloc
                                                         size_t group, size_t* out) {
   return guard([&] {
     const HybridBlockTable& t = hybrid_table_of(table);
-    check_group(t.cache(), group, "kvport_hybrid_block_table_num_live_blocks");
     put(out, t.num_live_blocks(group), "out");
   });
 }
@@ -533,7 +521,6 @@ kvport_status kvport_hybrid_block_table_blocks(const kvport_hybrid_block_table* 
                                                uint32_t* out, size_t capacity, size_t* out_count) {
   return guard([&] {
     const HybridBlockTable& t = hybrid_table_of(table);
-    check_group(t.cache(), group, "kvport_hybrid_block_table_blocks");
     require(out_count, "out_count");
     const std::span<const BlockId> blocks = t.blocks(group);
     check_capacity(out, capacity, blocks.size(), "kvport_hybrid_block_table_blocks");
@@ -548,7 +535,6 @@ kvport_status kvport_hybrid_block_table_state_slot(const kvport_hybrid_block_tab
                                                    uint32_t* out_slot) {
   return guard([&] {
     const HybridBlockTable& t = hybrid_table_of(table);
-    check_group(t.cache(), group, "kvport_hybrid_block_table_state_slot");
     require(out_has_slot, "out_has_slot");
     require(out_slot, "out_slot");
     const std::optional<BlockId> slot = t.state_slot(group);

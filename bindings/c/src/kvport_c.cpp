@@ -1,5 +1,7 @@
-// The exported C functions of kvport.h: each checks its handles and
-// arguments, calls the C++ API and maps its exceptions (status.hpp).
+// The exported C functions of kvport.h: each checks its handles and what
+// C++ cannot see (null pointers, enum values, buffer capacities), calls the
+// C++ API, which checks ids and layers itself (kvport::OutOfRange), and maps
+// its exceptions in guard() (status.hpp).
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -48,26 +50,6 @@ KvCacheConfig to_config(const kvport_config* c) {
       out.layer_dtypes.push_back(to_dtype(c->layer_dtypes[i], "config.layer_dtypes"));
   }
   return out;
-}
-
-void check_block(const PagedKvCache& cache, std::uint32_t block, const char* op) {
-  if (block >= cache.num_blocks())
-    throw StatusError(KVPORT_ERR_OUT_OF_RANGE, std::string(op) + ": block " +
-                                                   std::to_string(block) + " out of range (" +
-                                                   std::to_string(cache.num_blocks()) + " blocks)");
-}
-
-void check_blocks(const PagedKvCache& cache, std::span<const std::uint32_t> blocks,
-                  const char* op) {
-  for (const std::uint32_t b : blocks)
-    check_block(cache, b, op);
-}
-
-void check_layer(const PagedKvCache& cache, std::size_t layer, const char* op) {
-  if (layer >= cache.num_layers())
-    throw StatusError(KVPORT_ERR_OUT_OF_RANGE, std::string(op) + ": layer " +
-                                                   std::to_string(layer) + " out of range (" +
-                                                   std::to_string(cache.num_layers()) + " layers)");
 }
 
 PagedKvCache& cache_of(const kvport_cache* handle) {
@@ -350,7 +332,6 @@ kvport_status kvport_cache_try_alloc(kvport_cache* cache, uint32_t* out_block,
 kvport_status kvport_cache_inc_ref(kvport_cache* cache, uint32_t block) {
   return guard([&] {
     PagedKvCache& c = owned_cache_of(cache, "kvport_cache_inc_ref");
-    check_block(c, block, "kvport_cache_inc_ref");
     c.inc_ref(block);
   });
 }
@@ -358,7 +339,6 @@ kvport_status kvport_cache_inc_ref(kvport_cache* cache, uint32_t block) {
 kvport_status kvport_cache_dec_ref(kvport_cache* cache, uint32_t block, bool* out_freed) {
   return guard([&] {
     PagedKvCache& c = owned_cache_of(cache, "kvport_cache_dec_ref");
-    check_block(c, block, "kvport_cache_dec_ref");
     const bool freed = c.dec_ref(block);
     if (out_freed != nullptr) *out_freed = freed;
   });
@@ -367,7 +347,6 @@ kvport_status kvport_cache_dec_ref(kvport_cache* cache, uint32_t block, bool* ou
 kvport_status kvport_cache_free(kvport_cache* cache, uint32_t block, bool* out_freed) {
   return guard([&] {
     PagedKvCache& c = owned_cache_of(cache, "kvport_cache_free");
-    check_block(c, block, "kvport_cache_free");
     const bool freed = c.free_block(block);
     if (out_freed != nullptr) *out_freed = freed;
   });
@@ -377,7 +356,6 @@ kvport_status kvport_cache_free_blocks(kvport_cache* cache, const uint32_t* bloc
   return guard([&] {
     PagedKvCache& c = owned_cache_of(cache, "kvport_cache_free_blocks");
     const auto ids = span_of(blocks, count, "blocks");
-    check_blocks(c, ids, "kvport_cache_free_blocks");
     c.free_blocks(ids);
   });
 }
@@ -385,7 +363,6 @@ kvport_status kvport_cache_free_blocks(kvport_cache* cache, const uint32_t* bloc
 kvport_status kvport_cache_return_evicted_block(kvport_cache* cache, uint32_t block) {
   return guard([&] {
     PagedKvCache& c = owned_cache_of(cache, "kvport_cache_return_evicted_block");
-    check_block(c, block, "kvport_cache_return_evicted_block");
     c.return_evicted_block(block);
   });
 }
@@ -393,7 +370,6 @@ kvport_status kvport_cache_return_evicted_block(kvport_cache* cache, uint32_t bl
 kvport_status kvport_cache_ref_count(const kvport_cache* cache, uint32_t block, uint32_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_block(c, block, "kvport_cache_ref_count");
     put(out, c.ref_count(block), "out");
   });
 }
@@ -402,8 +378,6 @@ kvport_status kvport_cache_k_ptr(const kvport_cache* cache, size_t layer, uint32
                                  void** out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_k_ptr");
-    check_block(c, block, "kvport_cache_k_ptr");
     put(out, raw(c.k_cache_ptr(layer, block)), "out");
   });
 }
@@ -412,8 +386,6 @@ kvport_status kvport_cache_v_ptr(const kvport_cache* cache, size_t layer, uint32
                                  void** out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_v_ptr");
-    check_block(c, block, "kvport_cache_v_ptr");
     put(out, raw(c.v_cache_ptr(layer, block)), "out");
   });
 }
@@ -421,7 +393,6 @@ kvport_status kvport_cache_v_ptr(const kvport_cache* cache, size_t layer, uint32
 kvport_status kvport_cache_k_pool_ptr(const kvport_cache* cache, size_t layer, void** out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_k_pool_ptr");
     put(out, raw(c.k_pool_ptr(layer)), "out");
   });
 }
@@ -429,7 +400,6 @@ kvport_status kvport_cache_k_pool_ptr(const kvport_cache* cache, size_t layer, v
 kvport_status kvport_cache_v_pool_ptr(const kvport_cache* cache, size_t layer, void** out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_v_pool_ptr");
     put(out, raw(c.v_pool_ptr(layer)), "out");
   });
 }
@@ -437,7 +407,6 @@ kvport_status kvport_cache_v_pool_ptr(const kvport_cache* cache, size_t layer, v
 kvport_status kvport_cache_k_block_stride(const kvport_cache* cache, size_t layer, size_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_k_block_stride");
     put(out, c.k_block_stride(layer), "out");
   });
 }
@@ -445,7 +414,6 @@ kvport_status kvport_cache_k_block_stride(const kvport_cache* cache, size_t laye
 kvport_status kvport_cache_v_block_stride(const kvport_cache* cache, size_t layer, size_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_v_block_stride");
     put(out, c.v_block_stride(layer), "out");
   });
 }
@@ -453,7 +421,6 @@ kvport_status kvport_cache_v_block_stride(const kvport_cache* cache, size_t laye
 kvport_status kvport_cache_k_block_bytes(const kvport_cache* cache, size_t layer, size_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_k_block_bytes");
     put(out, c.k_block_bytes(layer), "out");
   });
 }
@@ -461,7 +428,6 @@ kvport_status kvport_cache_k_block_bytes(const kvport_cache* cache, size_t layer
 kvport_status kvport_cache_v_block_bytes(const kvport_cache* cache, size_t layer, size_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_v_block_bytes");
     put(out, c.v_block_bytes(layer), "out");
   });
 }
@@ -470,7 +436,6 @@ kvport_status kvport_cache_k_region_layout(const kvport_cache* cache, size_t lay
                                            kvport_region_layout* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_k_region_layout");
     write_layout(c.config().k_layout(layer), out);
   });
 }
@@ -479,7 +444,6 @@ kvport_status kvport_cache_v_region_layout(const kvport_cache* cache, size_t lay
                                            kvport_region_layout* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_v_region_layout");
     write_layout(c.config().v_layout(layer), out);
   });
 }
@@ -487,7 +451,6 @@ kvport_status kvport_cache_v_region_layout(const kvport_cache* cache, size_t lay
 kvport_status kvport_cache_layer_dtype(const kvport_cache* cache, size_t layer, int32_t* out) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_layer_dtype");
     put(out, static_cast<std::int32_t>(c.dtype_for_layer(layer)), "out");
   });
 }
@@ -497,7 +460,6 @@ kvport_status kvport_cache_zero_blocks(kvport_cache* cache, const uint32_t* bloc
   return guard([&] {
     PagedKvCache& c = cache_of(cache);
     const auto ids = span_of(blocks, count, "blocks");
-    check_blocks(c, ids, "kvport_cache_zero_blocks");
     c.zero_blocks(ids, stream_for(c.backend(), stream));
   });
 }
@@ -507,7 +469,6 @@ kvport_status kvport_cache_poison_blocks(kvport_cache* cache, const uint32_t* bl
   return guard([&] {
     PagedKvCache& c = cache_of(cache);
     const auto ids = span_of(blocks, count, "blocks");
-    check_blocks(c, ids, "kvport_cache_poison_blocks");
     c.poison_blocks(ids, stream_for(c.backend(), stream));
   });
 }
@@ -529,8 +490,6 @@ kvport_status kvport_cache_copy_blocks(kvport_cache* cache, const kvport_block_c
     std::vector<BlockCopy> converted;
     converted.reserve(pairs.size());
     for (const kvport_block_copy& p : pairs) {
-      check_block(c, p.src, "kvport_cache_copy_blocks");
-      check_block(c, p.dst, "kvport_cache_copy_blocks");
       converted.push_back(BlockCopy{p.src, p.dst});
     }
     c.copy_blocks(converted, stream_for(c.backend(), stream));
@@ -542,8 +501,6 @@ kvport_status kvport_cache_read_block(const kvport_cache* cache, size_t layer, u
                                       kvport_stream* stream) {
   return guard([&] {
     const PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_read_block");
-    check_block(c, block, "kvport_cache_read_block");
     if (k_bytes != c.k_block_bytes(layer) || v_bytes != c.v_block_bytes(layer))
       throw InvalidArgument("kvport_cache_read_block: buffers of " + std::to_string(k_bytes) +
                             " / " + std::to_string(v_bytes) + " bytes, the block has " +
@@ -563,8 +520,6 @@ kvport_status kvport_cache_write_block(kvport_cache* cache, size_t layer, uint32
                                        kvport_stream* stream) {
   return guard([&] {
     PagedKvCache& c = cache_of(cache);
-    check_layer(c, layer, "kvport_cache_write_block");
-    check_block(c, block, "kvport_cache_write_block");
     require(k, "k");
     if (v_bytes > 0) require(v, "v");
     c.write_block(layer, block, {static_cast<const std::uint8_t*>(k), k_bytes},
@@ -658,7 +613,6 @@ kvport_status kvport_prefix_cache_try_alloc(kvport_prefix_cache* prefix_cache, u
 kvport_status kvport_prefix_cache_release(kvport_prefix_cache* prefix_cache, uint32_t block) {
   return guard([&] {
     PrefixCache& p = prefix_of(prefix_cache);
-    check_block(p.kv_cache(), block, "kvport_prefix_cache_release");
     p.release(block);
   });
 }
@@ -668,7 +622,6 @@ kvport_status kvport_prefix_cache_release_blocks(kvport_prefix_cache* prefix_cac
   return guard([&] {
     PrefixCache& p = prefix_of(prefix_cache);
     const auto ids = span_of(blocks, count, "blocks");
-    check_blocks(p.kv_cache(), ids, "kvport_prefix_cache_release_blocks");
     p.release_blocks(ids);
   });
 }
@@ -848,6 +801,7 @@ kvport_status kvport_testing_fail_with(int32_t status) {
       case KVPORT_ERR_DEVICE_LOST:
         throw DeviceLost("testing", what, -1, "injected");
       case KVPORT_ERR_OUT_OF_RANGE:
+        throw OutOfRange(what);
       case KVPORT_ERR_INVALID_HANDLE:
       case KVPORT_ERR_HANDLE_IN_USE:
         throw StatusError(static_cast<kvport_status>(status), what);

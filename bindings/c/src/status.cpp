@@ -31,6 +31,8 @@ kvport_status fail_current_exception() noexcept {
     return fail(KVPORT_ERR_CACHE_EXHAUSTED, e.what());
   } catch (const OutOfMemory& e) {
     return fail(KVPORT_ERR_OUT_OF_MEMORY, e.what());
+  } catch (const OutOfRange& e) {  // before InvalidArgument, its base
+    return fail(KVPORT_ERR_OUT_OF_RANGE, e.what());
   } catch (const InvalidArgument& e) {
     return fail(KVPORT_ERR_INVALID_ARGUMENT, e.what());
   } catch (const Error& e) {

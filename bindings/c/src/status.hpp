@@ -12,8 +12,8 @@
 
 namespace kvport::capi {
 
-/// A failure the binding itself detects (a bad handle, an out-of-range id, a
-/// destroy with live children). Not a kvport::Error, so that guard() can tell
+/// A failure the binding itself detects (a bad handle, a destroy with live
+/// children). Out-of-range ids are core's to detect (kvport::OutOfRange). Not a kvport::Error, so that guard() can tell
 /// it apart from the core's exceptions.
 class StatusError : public std::runtime_error {
  public:

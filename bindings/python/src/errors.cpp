@@ -22,10 +22,13 @@ void register_exceptions(py::module_& m) {
     return py::handle(type);
   };
   // Leaked on purpose: the translator may run until the interpreter exits.
-  static py::handle error, invalid, exhausted, oom, backend_error, device_lost;
+  static py::handle error, invalid, out_of_range, exhausted, oom, backend_error, device_lost;
   error = make("Error", PyExc_RuntimeError, "Base of every kvport error (kvport::Error).");
   invalid = make("InvalidArgument", py::make_tuple(error, py::handle(PyExc_ValueError)),
-                 "A value outside the contract: a bad config field, block id, layer, ...");
+                 "A value outside the contract: a bad config field, a null pointer, ...");
+  out_of_range =
+      make("OutOfRange", invalid,
+           "An index past its range: a block id, a layer, a group (an InvalidArgument).");
   exhausted = make("CacheExhausted", error,
                    "No free (or evictable) block left; preempt or evict and retry.");
   oom = make("OutOfMemory", py::make_tuple(error, py::handle(PyExc_MemoryError)),
@@ -45,6 +48,8 @@ void register_exceptions(py::module_& m) {
       PyErr_SetString(oom.ptr(), e.what());
     } catch (const kvport::CacheExhausted& e) {
       PyErr_SetString(exhausted.ptr(), e.what());
+    } catch (const kvport::OutOfRange& e) {  // before InvalidArgument, its base
+      PyErr_SetString(out_of_range.ptr(), e.what());
     } catch (const kvport::InvalidArgument& e) {
       PyErr_SetString(invalid.ptr(), e.what());
     } catch (const kvport::Error& e) {

@@ -7,7 +7,9 @@
 #include <kvport/core/prefix_cache.hpp>
 #include <kvport/events/publisher.hpp>
 #include <kvport/router/subscriber.hpp>
+#ifdef CONSUMER_WITH_TRANSFER
 #include <kvport/transfer/agent.hpp>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -26,9 +28,13 @@ int main() {
   cache.poison_block(block, backend->default_stream());
   const auto host = cache.read_block(1, block, backend->default_stream());
   const bool poisoned = std::all_of(host.k.begin(), host.k.end(), [](auto b) { return b == 0xFF; });
+#ifdef CONSUMER_WITH_TRANSFER
   kvport::transfer::Agent agent(cache);
   const std::string address = agent.listen("127.0.0.1:0");
   std::printf("consumer: agent listening on %s\n", address.c_str());
+#else
+  const std::string address = "127.0.0.1:0";  // no transfer component
+#endif
 
   // One block registered in a prefix cache, announced, and indexed.
   kvport::events::PublisherOptions options;

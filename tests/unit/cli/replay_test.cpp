@@ -489,7 +489,7 @@ TEST(cli_replay, BadFilesAndFlags) {
                    "--check-every");
 }
 
-// ---- the host tier (issue 12) ----------------------------------------------------------------
+// ---- the host tier ----------------------------------------------------------------
 
 TEST(cli_replay, HostTierOnTheSmallTrace) {
   const CliResult device_only =

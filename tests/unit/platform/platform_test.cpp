@@ -262,76 +262,13 @@ TEST(Errors, BackendErrorCarriesCallAndNativeError) {
                                            HasSubstr("2"), HasSubstr("out of memory")));
 }
 
-// A vendor API mapping as a CUDA/HIP backend writes one.
-enum class FakeStatus { ok = 0, invalid_value = 11 };
-
-struct FakeApi {
-  using Status = FakeStatus;
-  static constexpr Status success = FakeStatus::ok;
-  static constexpr const char* name = "fakert";
-  static const char* error_string(Status s) {
-    return s == FakeStatus::ok ? "no error" : "invalid argument";
-  }
-  static void clear_error() noexcept { ++clears; }
-  static inline int clears = 0;
-  static inline int calls = 0;
-};
-
-FakeStatus fake_set_device(int device) {
-  ++FakeApi::calls;
-  return device < 0 ? FakeStatus::invalid_value : FakeStatus::ok;
-}
-
-class VendorTry : public ::testing::Test {
- protected:
-  void SetUp() override {
-    FakeApi::clears = 0;
-    FakeApi::calls = 0;
-    log::set_level(log::Level::info);
-  }
-  void TearDown() override { log::set_level(saved_); }
-  log::Level saved_ = log::level();
-};
-
-TEST_F(VendorTry, SuccessDoesNothing) {
-  EXPECT_NO_THROW(KVPORT_TRY(FakeApi, fake_set_device(0)));
-  EXPECT_EQ(FakeApi::calls, 1);
-  EXPECT_EQ(FakeApi::clears, 0);
-}
-
-TEST_F(VendorTry, FailureThrowsBackendErrorNamingTheCall) {
+TEST(Errors, OutOfRangeIsAnInvalidArgument) {
   try {
-    KVPORT_TRY(FakeApi, fake_set_device(-1));
-    FAIL() << "KVPORT_TRY did not throw";
-  } catch (const BackendError& e) {
-    EXPECT_EQ(e.backend(), "fakert");
-    EXPECT_EQ(e.call(), "fake_set_device(-1)");
-    EXPECT_EQ(e.native_code(), 11);
-    EXPECT_EQ(e.native_string(), "invalid argument");
-    EXPECT_THAT(std::string(e.what()), AllOf(HasSubstr("fakert"), HasSubstr("fake_set_device(-1)"),
-                                             HasSubstr("11"), HasSubstr("invalid argument")));
+    throw OutOfRange("PagedKvCache::inc_ref: block 9 out of range (num_blocks = 4)");
+  } catch (const InvalidArgument& e) {  // a handler of the base catches it
+    EXPECT_NE(dynamic_cast<const OutOfRange*>(&e), nullptr);
+    EXPECT_THAT(std::string(e.what()), HasSubstr("block 9 out of range"));
   }
-  EXPECT_EQ(FakeApi::calls, 1);   // the call is evaluated once
-  EXPECT_EQ(FakeApi::clears, 1);  // and the non-sticky error is dropped
-}
-
-TEST_F(VendorTry, NothrowReturnsTrueOnSuccess) {
-  log::ScopedCapture capture;
-  EXPECT_TRUE(KVPORT_TRY_NOTHROW(FakeApi, fake_set_device(3)));
-  EXPECT_EQ(FakeApi::clears, 0);
-  EXPECT_EQ(capture.text(), "");
-}
-
-TEST_F(VendorTry, NothrowLogsAndReturnsFalse) {
-  log::ScopedCapture capture;
-  const int line = __LINE__ + 1;
-  const bool ok = KVPORT_TRY_NOTHROW(FakeApi, fake_set_device(-7));
-  EXPECT_FALSE(ok);
-  EXPECT_EQ(FakeApi::calls, 1);
-  EXPECT_EQ(FakeApi::clears, 1);
-  EXPECT_THAT(capture.text(), AllOf(HasSubstr("fakert"), HasSubstr("fake_set_device(-7)"),
-                                    HasSubstr("11"), HasSubstr("invalid argument"),
-                                    HasSubstr(fmt::format("platform_test.cpp:{}", line))));
 }
 
 // ---- logging -----------------------------------------------------------------------

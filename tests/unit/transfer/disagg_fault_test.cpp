@@ -22,6 +22,7 @@
 #include "agent_pair.hpp"
 #include "fault_transport.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/transfer/disagg.hpp"
 #include "kvport/transfer/kv_content.hpp"
 
@@ -63,7 +64,7 @@ struct FaultNode {
         prefix(side.cache) {}
   std::vector<BlockId> prefill(const std::vector<TokenId>& t) {
     std::vector<BlockId> blocks;
-    for (std::size_t i = 0; i < (t.size() + kBlock - 1) / kBlock; ++i)
+    for (std::size_t i = 0; i < div_ceil(t.size(), kBlock); ++i)
       blocks.push_back(prefix.alloc_block());
     write_kv_content(side.cache, side.layout(), blocks, t, side.stream);
     side.agent->publish(blocks);

@@ -10,6 +10,7 @@
 #include "agent_pair.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/transfer/hybrid_disagg.hpp"
 
 namespace kvport::transfer {
@@ -77,7 +78,7 @@ struct Rank {
     std::vector<std::vector<BlockId>> out(groups());
     for (std::size_t g = 0; g < groups(); ++g) {
       const LeaseExtent e = lease_extent(cache->group(g), kBs, t.size());
-      const std::size_t n = e.state ? 1 : (t.size() + kBs - 1) / kBs - e.first_block;
+      const std::size_t n = e.state ? 1 : div_ceil(t.size(), kBs) - e.first_block;
       for (std::size_t i = 0; i < n; ++i)
         out[g].push_back(cache->prefix_cache(g).alloc_block());
       write_group_content(*cache, g, layout(g), out[g], t, e, stream);
@@ -221,7 +222,7 @@ void run_pull(const std::vector<LayerSpec>& model, std::uint32_t p, std::uint32_
         EXPECT_EQ(gr.blocks.size(), 1u);
         EXPECT_EQ(gr.registered, t.size() % kBs == 0 ? 1u : 0u);
       } else {
-        EXPECT_EQ(gr.blocks.size(), (t.size() + kBs - 1) / kBs - gr.extent.first_block);
+        EXPECT_EQ(gr.blocks.size(), div_ceil(t.size(), kBs) - gr.extent.first_block);
         EXPECT_EQ(gr.registered, t.size() / kBs - gr.extent.first_block);
       }
       EXPECT_EQ(dn[r]->held_blocks(g), 0u);
@@ -248,7 +249,7 @@ void run_pull(const std::vector<LayerSpec>& model, std::uint32_t p, std::uint32_
                         .ok());
       } else {
         EXPECT_EQ(adopted.num_live_blocks(g), pulled[g].size());
-        EXPECT_EQ(adopted.blocks(g).size(), (t.size() + kBs - 1) / kBs);
+        EXPECT_EQ(adopted.blocks(g).size(), div_ceil(t.size(), kBs));
       }
     }
     adopted.append_tokens(tokens(kBs + 3, 9), dr.stream);

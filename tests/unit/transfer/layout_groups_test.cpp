@@ -1,4 +1,4 @@
-// PoolLayout's KV cache groups (issue 20's hybrid models) at the handshake:
+// PoolLayout's KV cache groups (hybrid models) at the handshake:
 // version 2 carries every group's spec; a layout without groups stays
 // version 1 and matches its implied full-attention group; incompatibility()
 // names the first differing group and field; malformed and hostile group

@@ -371,9 +371,9 @@ TEST(PlanBlockRegionsTest, ConsecutiveIdsCostTwoRegionsPerLayerInLayerMajor) {
   ASSERT_EQ(regions.size(), 64u);
   const std::uint64_t region = 16 * 8 * 128 * 2;  // 32 KiB
   const std::uint64_t pool = region * 64;
-  EXPECT_EQ(regions[0], (CopyRegion{kLocalBase + 4 * region, kRemoteBase + 10 * region,
+  EXPECT_EQ(regions[0], (TransferRegion{kLocalBase + 4 * region, kRemoteBase + 10 * region,
                                     4 * region}));  // layer 0 K
-  EXPECT_EQ(regions[1], (CopyRegion{kLocalBase + pool + 4 * region,
+  EXPECT_EQ(regions[1], (TransferRegion{kLocalBase + pool + 4 * region,
                                     kRemoteBase + pool + 10 * region, 4 * region}));  // layer 0 V
   EXPECT_EQ(total_bytes(regions), 4 * 64 * region);
 }
@@ -385,7 +385,7 @@ TEST(PlanBlockRegionsTest, ConsecutiveIdsAreOneRegionInBlockMajor) {
                                           synthetic_pools(l, kRemoteBase), remote);
   const std::uint64_t block = 2 * 32 * 16 * 8 * 128 * 2;  // 2 MiB
   ASSERT_EQ(regions.size(), 1u);
-  EXPECT_EQ(regions[0], (CopyRegion{kLocalBase + 4 * block, kRemoteBase + 10 * block, 4 * block}));
+  EXPECT_EQ(regions[0], (TransferRegion{kLocalBase + 4 * block, kRemoteBase + 10 * block, 4 * block}));
 }
 
 TEST(PlanBlockRegionsTest, RunsBreakWhereEitherSideIsNotConsecutive) {
@@ -416,7 +416,7 @@ TEST(PlanBlockRegionsTest, MixedLayoutsMoveWholeRegions) {
                                             synthetic_pools(b, kRemoteBase), ids);
     EXPECT_EQ(regions.size(), 3u * 2 * 3);  // nothing is contiguous on both sides
     EXPECT_EQ(total_bytes(regions), 3 * 2 * 3 * region);
-    for (const CopyRegion& r : regions)
+    for (const TransferRegion& r : regions)
       EXPECT_EQ(r.bytes, region);
   }
 }
@@ -430,10 +430,10 @@ TEST(PlanBlockRegionsTest, HeadSlicingMovesTheCommonHeadsOnly) {
   const std::uint64_t head = 16 * 128 * 2;  // one head's data in one block: 4 KiB
   ASSERT_EQ(regions.size(), 2u * 2 * 2);    // layers x K/V x blocks, nothing merges
   // Local heads 4..7 of block 0 (region of 8 heads) <- the peer's whole block 0.
-  EXPECT_EQ(regions[0], (CopyRegion{kLocalBase + 4 * head, kRemoteBase, 4 * head}));
+  EXPECT_EQ(regions[0], (TransferRegion{kLocalBase + 4 * head, kRemoteBase, 4 * head}));
   // Block 1 of layer 0's K: one local region (8 heads) and one peer region on.
   EXPECT_EQ(regions[1],
-            (CopyRegion{kLocalBase + 8 * head + 4 * head, kRemoteBase + 4 * head, 4 * head}));
+            (TransferRegion{kLocalBase + 8 * head + 4 * head, kRemoteBase + 4 * head, 4 * head}));
   EXPECT_EQ(total_bytes(regions), 2 * 2 * 2 * 4 * head);
 }
 

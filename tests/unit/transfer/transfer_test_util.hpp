@@ -85,8 +85,8 @@ inline std::vector<TokenId> tokens_of(std::size_t n, TokenId first = 1000) {
 
 /// Copies remote -> local for every planned region with memcpy: a transfer
 /// between two caches of one host backend, as a NIC would do it.
-inline void copy_to_local(std::span<const CopyRegion> regions) {
-  for (const CopyRegion& r : regions) {
+inline void copy_to_local(std::span<const TransferRegion> regions) {
+  for (const TransferRegion& r : regions) {
     std::memcpy(reinterpret_cast<void*>(static_cast<std::uintptr_t>(r.local)),
                 reinterpret_cast<const void*>(static_cast<std::uintptr_t>(r.remote)), r.bytes);
   }

@@ -45,6 +45,10 @@ std::unique_ptr<Command> make_conformance_command();
 std::unique_ptr<Command> make_bench_command();
 std::unique_ptr<Command> make_replay_command();
 std::unique_ptr<Command> make_disagg_command();
+/// What `kvport disagg` is in a build without block transfer
+/// (KVPORT_WITH_TRANSFER=OFF): any arguments, and execute() throws
+/// InvalidArgument "disagg: not built: ..." (one line, exit 2).
+std::unique_ptr<Command> make_disagg_unavailable_command();
 std::unique_ptr<Command> make_cluster_command();
 
 }  // namespace kvport::cli

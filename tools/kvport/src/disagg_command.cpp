@@ -28,6 +28,7 @@
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
 #include "kvport/platform/byte_size.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/host_memory.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
@@ -313,7 +314,7 @@ class DisaggCommand final : public Command {
     for (std::size_t i = 0; i < count; ++i) {
       disagg::Request r;
       sim::sequence_tokens(trace[i], i, kTraceBlockTokens, trace[i].input_length, r.tokens);
-      r.blocks = (r.tokens.size() + o.config.block_size - 1) / o.config.block_size;
+      r.blocks = div_ceil(r.tokens.size(), o.config.block_size);
       if (r.blocks > o.capacity_blocks) {
         ++skipped;
         continue;

@@ -19,6 +19,7 @@
 #include "disagg_worker_base.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/transfer/agent.hpp"
@@ -181,7 +182,7 @@ class HybridWorker : public WorkerBase<HybridWorker> {
       if (offered_only && !prefill_->offers(req, g)) continue;
       extents[g] = transfer::lease_extent(cache_.group(g), bs, tokens.size());
       const std::size_t n =
-          extents[g].state ? 1 : (tokens.size() + bs - 1) / bs - extents[g].first_block;
+          extents[g].state ? 1 : div_ceil(tokens.size(), bs) - extents[g].first_block;
       for (std::size_t i = 0; i < n; ++i) {
         auto b = cache_.prefix_cache(g).try_alloc_block();
         if (!b) {

@@ -22,6 +22,7 @@
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
 #include "kvport/transfer/agent.hpp"
@@ -97,7 +98,7 @@ class Worker : public WorkerBase<Worker> {
   }
 
   std::size_t blocks_for(std::size_t tokens) const {
-    return (tokens + cache_.config().block_size - 1) / cache_.config().block_size;
+    return div_ceil(tokens, cache_.config().block_size);
   }
 
   void connect(const json& j) {

@@ -69,8 +69,11 @@ typedef enum kvport_status {
   KVPORT_ERR_BACKEND = 5,
   /** kvport::DeviceLost: the device context is gone; restart the process. */
   KVPORT_ERR_DEVICE_LOST = 6,
-  /** A block id >= the cache's block count, a layer >= its layer count, or a
-   *  group >= a hybrid cache's group count. */
+  /** kvport::OutOfRange: a block id >= the cache's block count, a layer >=
+   *  its layer count, a group >= a hybrid cache's group count, a state
+   *  tensor index >= the spec's count. In C++ it is a kind of
+   *  InvalidArgument; here it has its own code (never
+   *  KVPORT_ERR_INVALID_ARGUMENT). Nothing changed. */
   KVPORT_ERR_OUT_OF_RANGE = 7,
   /** A null, destroyed or foreign handle, or a handle of another kind. */
   KVPORT_ERR_INVALID_HANDLE = 8,

@@ -28,8 +28,9 @@ pub enum KvError {
     /// `KVPORT_ERR_DEVICE_LOST`: the device context is gone; restart the
     /// process.
     DeviceLost(String),
-    /// `KVPORT_ERR_OUT_OF_RANGE`: a block id >= the block count or a layer
-    /// >= the layer count (checked before any change or device work).
+    /// `KVPORT_ERR_OUT_OF_RANGE` (C++'s `kvport::OutOfRange`): a block id >=
+    /// the block count, a layer >= the layer count or a group >= the group
+    /// count (checked before any change or device work).
     OutOfRange(String),
     /// `KVPORT_ERR_INVALID_HANDLE`: a null, destroyed or foreign handle
     /// (e.g. a `stream: u64` that is no live stream).

@@ -37,7 +37,7 @@ struct BlockPool {
   KvCacheDtype dtype = KvCacheDtype::bf16;
 
   /// Block `block`'s region: (base + block * stride, region_bytes). O(1).
-  /// Throws InvalidArgument for block >= num_blocks or an address that
+  /// Throws OutOfRange for block >= num_blocks, InvalidArgument for an address that
   /// overflows.
   DeviceRegion region(BlockId block) const;
 

@@ -24,8 +24,8 @@ namespace kvport {
 /// (runs x layers for K-only layers) and one region per run in block-major
 /// layout, whose one pool is the whole block. Ids are taken as given (not
 /// sorted or deduplicated: sort them to coalesce more). O(pools x blocks).
-/// Throws InvalidArgument, before appending anything, for an id out of range
-/// of a pool or a run whose bytes overflow size_t.
+/// Throws, before appending anything, OutOfRange for an id out of range
+/// of a pool and InvalidArgument for a run whose bytes overflow size_t.
 void append_block_regions(std::span<const BlockPool> pools, std::span<const BlockId> blocks,
                           std::vector<DeviceRegion>& out);
 

@@ -130,7 +130,7 @@ class HybridBlockTable {
   void release() noexcept;
 
   /// Group g's block list (kNullBlock where released); empty for a state
-  /// group. InvalidArgument out of range.
+  /// group. OutOfRange out of range.
   std::span<const BlockId> blocks(std::size_t g) const;
   /// Live (non-null) blocks of group g.
   std::size_t num_live_blocks(std::size_t g) const;

@@ -90,13 +90,13 @@ class HybridKvCache {
   std::size_t block_size() const noexcept { return config_.block_size; }
   std::size_t num_layers() const noexcept { return config_.layers.size(); }
   std::size_t num_groups() const noexcept { return groups_.size(); }
-  /// Group g (InvalidArgument out of range).
+  /// Group g (OutOfRange for g >= num_groups()).
   const KvCacheGroup& group(std::size_t g) const;
-  /// Group g's pool and prefix cache (InvalidArgument out of range).
+  /// Group g's pool and prefix cache (OutOfRange for g >= num_groups()).
   PagedKvCache& group_cache(std::size_t g) const;
   PrefixCache& prefix_cache(std::size_t g) const;
   /// Where model layer `layer` is; nullopt for a layer without KV. Throws
-  /// InvalidArgument for layer >= num_layers().
+  /// OutOfRange for layer >= num_layers().
   std::optional<LayerLocation> locate(std::size_t layer) const;
   /// Bytes of every pool.
   std::size_t total_bytes() const noexcept;
@@ -115,7 +115,7 @@ class HybridKvCache {
   /// Group g's source on `medium`: group_idx g, kv_cache_spec_kind
   /// to_string(kind) ("full_attention", "mla_attention", "sliding_window",
   /// "chunked_local", "mamba"), sliding_window the window of a sliding-window
-  /// group (absent for the others). InvalidArgument out of range.
+  /// group (absent for the others). OutOfRange out of range.
   EventSource group_event_source(std::size_t g, Medium medium) const;
   /// PrefixCache::snapshot of every group, group 0 first.
   void snapshot(CacheEventSink& sink) const;

@@ -45,7 +45,7 @@ struct KvCacheConfig {
   void validate() const;
 
   /// The dtype of `layer` (layer_dtypes[layer] or dtype). Throws
-  /// InvalidArgument for layer >= num_layers.
+  /// OutOfRange for layer >= num_layers.
   KvCacheDtype dtype_for_layer(std::size_t layer) const;
 
   /// Number of layers whose dtype differs from `dtype` (0 when uniform).

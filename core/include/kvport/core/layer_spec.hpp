@@ -150,6 +150,7 @@ struct LayerSpec {
   std::size_t state_bytes() const;
 
   /// Offset of state tensor `i` inside the state region (padded sums).
+  /// OutOfRange for i >= state.size() (and for a layer without state).
   std::size_t state_offset(std::size_t i) const;
 
   /// One line: "sliding_window(128) 8x64 bf16" (K/V head dims written

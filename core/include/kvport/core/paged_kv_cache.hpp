@@ -180,22 +180,24 @@ class PagedKvCache {
   std::optional<BlockId> try_alloc_block(
       std::source_location where = std::source_location::current());
 
-  /// Adds a reference (prefix sharing). Throws InvalidArgument when the block
-  /// is out of range or free (refcount 0): sharing a free block would alias
-  /// it with its next owner.
+  /// Adds a reference (prefix sharing). Throws OutOfRange (an InvalidArgument)
+  /// when the block is out of range, InvalidArgument when it is free
+  /// (refcount 0): sharing a free block would alias it with its next owner.
   void inc_ref(BlockId block, std::source_location where = std::source_location::current());
 
   /// Drops a reference; returns true when the block went back to the free
   /// list. At refcount 0 the call is a caller bug: it is logged (with the
   /// block's trace history when tracing is on), counted in
-  /// ignored_double_frees, and ignored. Throws InvalidArgument out of range.
+  /// ignored_double_frees, and ignored. Throws OutOfRange out of range.
   bool dec_ref(BlockId block, std::source_location where = std::source_location::current());
 
-  /// Same as dec_ref, for call sites that mean "I am done with this block".
+  /// The same operation as dec_ref under the reference's second name (same
+  /// checks, result, counters and trace record); kept so that call sites
+  /// that mean "I am done with this block" read as such.
   bool free_block(BlockId block, std::source_location where = std::source_location::current());
 
   /// dec_ref on every id of a block table, in order. Validates every id first,
-  /// so an out-of-range id throws before any refcount changes.
+  /// so an out-of-range id throws OutOfRange before any refcount changes.
   void free_blocks(std::span<const BlockId> table,
                    std::source_location where = std::source_location::current());
 
@@ -215,8 +217,8 @@ class PagedKvCache {
   /// Layer `layer`'s K (or V) pool: block b's bytes of that part are
   /// pool.region(b); its stride is the region size in layer-major layout and
   /// the whole block (all layers) in block-major. O(1), no device work. The
-  /// reference lives as long as the cache. Throws InvalidArgument for
-  /// layer >= num_layers(), and for KvPart::v when the layers have no V
+  /// reference lives as long as the cache. Throws OutOfRange for
+  /// layer >= num_layers(), InvalidArgument for KvPart::v when the layers have no V
   /// (config().has_v() false: K-only layers, e.g. MLA).
   const BlockPool& pool(std::size_t layer, KvPart part) const {
     return layer_pool(layer, part, "pool");
@@ -234,8 +236,8 @@ class PagedKvCache {
   /// The calls below forward to pool() (kept for compatibility); each names
   /// itself in its errors.
   ///
-  /// Address of `block`'s K (V) data for `layer`. Throws InvalidArgument for an
-  /// out-of-range layer or block, and the V calls (pointers, strides) for a
+  /// Address of `block`'s K (V) data for `layer`. Throws OutOfRange for an
+  /// out-of-range layer or block, InvalidArgument from the V calls (pointers, strides) for a
   /// cache of K-only layers (config().has_v() false: MLA, state slots).
   DevicePtr k_cache_ptr(std::size_t layer, BlockId block) const;
   DevicePtr v_cache_ptr(std::size_t layer, BlockId block) const;
@@ -270,7 +272,7 @@ class PagedKvCache {
   /// whatever the batch size: ids are sorted and deduplicated, and contiguous
   /// runs coalesce into one region per pool (one region in block-major
   /// layout). On GPUs only the ids are uploaded.
-  /// Throws InvalidArgument (before any device work) for an out-of-range id.
+  /// Throws OutOfRange (before any device work) for an out-of-range id.
   /// An empty batch queues nothing.
   void zero_blocks(std::span<const BlockId> blocks, StreamView stream);
   void poison_blocks(std::span<const BlockId> blocks, StreamView stream);

@@ -170,7 +170,7 @@ class PrefixCache {
   /// and takes the cache's reference on it. Returns false, and changes
   /// nothing, when `hash` is already cached (the block then stays a private
   /// copy of content the cache has) or the block is already cached. Throws
-  /// InvalidArgument for an out-of-range or free block. Strong guarantee.
+  /// OutOfRange for an out-of-range block, InvalidArgument for a free one. Strong guarantee.
   bool insert(const BlockHash& hash, BlockId block,
               std::source_location where = std::source_location::current());
 
@@ -285,7 +285,7 @@ class PrefixCache {
   /// cache's memory, valid until the block is registered again), or nullopt
   /// when origins are not kept or the block was never registered since. Kept
   /// after the block is evicted, so that a tier it was handed to by
-  /// detach_lru can read it. InvalidArgument out of range.
+  /// detach_lru can read it. OutOfRange out of range.
   std::optional<BlockOrigin> block_origin(BlockId block) const;
 
   // ---- state ------------------------------------------------------------------------

@@ -36,7 +36,9 @@ struct MemInfo {
 /// DeviceRegion, so block regions from core fill as they are).
 using FillRegion = DeviceRegion;
 
-/// One region of a batched device-to-device copy.
+/// One region of a batched device-to-device copy on one backend
+/// (copy_batch_async). A copy between two processes' memory is a
+/// transfer::TransferRegion (transfer/layout.hpp).
 struct CopyRegion {
   DevicePtr dst;
   DevicePtr src;

@@ -1,5 +1,7 @@
-// kvport's exception hierarchy and the TRY macro that turns a vendor status
-// code into a typed exception naming the call.
+// kvport's exception hierarchy. A vendor status code becomes one of these in
+// one place, GpuBackend<Api>'s classifier (backends/common/gpu_backend.hpp:
+// OutOfMemory only for the runtime's out-of-memory code on an allocation,
+// DeviceLost for a sticky error, BackendError otherwise).
 #pragma once
 
 #include <cstddef>
@@ -16,12 +18,24 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// A caller passed a value outside the contract: an out-of-range block id or
-/// layer, a null or foreign pointer, a size past an allocation, a bad config
-/// field. Thrown in every build type; never undefined behaviour.
+/// A caller passed a value outside the contract: a null or foreign pointer, a
+/// size past an allocation, a bad config field, an index out of range (the
+/// OutOfRange subclass). Thrown in every build type; never undefined
+/// behaviour.
 class InvalidArgument : public Error {
  public:
   using Error::Error;
+};
+
+/// An index past the end of what it indexes: a block id >= the pool's block
+/// count, a layer >= the layer count, a group >= a hybrid cache's group
+/// count. A kind of InvalidArgument (a handler of InvalidArgument catches
+/// it); thrown by core's block and layer checks before anything changes, and
+/// mapped once by each binding (C: KVPORT_ERR_OUT_OF_RANGE, Python:
+/// kvport.OutOfRange, Rust: Error::OutOfRange).
+class OutOfRange : public InvalidArgument {
+ public:
+  using InvalidArgument::InvalidArgument;
 };
 
 /// The KV cache has no free block left. Recoverable: the scheduler should
@@ -90,41 +104,10 @@ class DeviceLost : public BackendError {
 
 namespace detail {
 
-/// Logs a vendor failure that cannot be thrown (destructors, free paths).
+/// Logs a vendor failure that cannot be thrown (destructors, free paths);
+/// the GPU backend's classifier calls it for its noexcept checks.
 void log_vendor_failure(std::string_view backend, std::string_view call, long code,
                         std::string_view what, const char* file, int line) noexcept;
 
-/// Checks a vendor status code through an API mapping struct `Api` with:
-///   using Status = ...;  static constexpr Status success;
-///   static constexpr const char* name;         // "cuda", "hip", ...
-///   static const char* error_string(Status);
-///   static void clear_error() noexcept;        // drops a non-sticky error
-template <class Api>
-inline void check_vendor(typename Api::Status status, const char* call) {
-  if (status != Api::success) {
-    Api::clear_error();
-    throw BackendError(Api::name, call, static_cast<long>(status), Api::error_string(status));
-  }
-}
-
-template <class Api>
-inline bool check_vendor_nothrow(typename Api::Status status, const char* call, const char* file,
-                                 int line) noexcept {
-  if (status == Api::success) return true;
-  Api::clear_error();
-  log_vendor_failure(Api::name, call, static_cast<long>(status), Api::error_string(status), file,
-                     line);
-  return false;
-}
-
 }  // namespace detail
 }  // namespace kvport
-
-/// Evaluates a vendor runtime call and throws `kvport::BackendError` naming the
-/// call, the native code and string when it does not return `Api::success`.
-#define KVPORT_TRY(Api, call) ::kvport::detail::check_vendor<Api>((call), #call)
-
-/// Like KVPORT_TRY, for destructors and noexcept paths: logs the failure and
-/// yields false instead of throwing.
-#define KVPORT_TRY_NOTHROW(Api, call) \
-  ::kvport::detail::check_vendor_nothrow<Api>((call), #call, __FILE__, __LINE__)

@@ -121,7 +121,7 @@ struct ReplayOptions {
   /// (`kvport replay --full-prefix-hits`).
   PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
 
-  // ---- host tier (issue 12) ------------------------------------------------------------
+  // ---- host tier ------------------------------------------------------------
   /// Host blocks of a HostTier under the prefix cache; 0: no tier. In
   /// [0, kMaxHostTierBlocks], and what the simulation takes for them
   /// (kHostTierBookkeepingBytes + 4 x block_size per block) must fit in this

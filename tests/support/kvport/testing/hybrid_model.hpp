@@ -46,6 +46,7 @@
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
 #include "kvport/testing/armed_fault.hpp"
@@ -495,7 +496,7 @@ class HybridDriver {
           continue;
         }
         const std::span<const BlockId> blocks = t.blocks(g);
-        if (blocks.size() != (n + bs - 1) / bs)
+        if (blocks.size() != div_ceil(n, bs))
           return "group " + std::to_string(g) + " holds " + std::to_string(blocks.size()) +
                  " entries for " + std::to_string(n) + " tokens";
         // Released by the freeing rules (at an append, or by a hit): never

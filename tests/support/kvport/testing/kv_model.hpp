@@ -23,6 +23,7 @@
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 
 namespace kvport::testing {
@@ -145,7 +146,7 @@ class KvModel {
     const std::size_t room = t.blocks.empty() ? 0 : block_size_ - fill;
     const bool cow = room > 0 && refcount_[t.blocks.back()] > 1;
     const std::size_t beyond = tokens.size() > room ? tokens.size() - room : 0;
-    const std::size_t fresh = (beyond + block_size_ - 1) / block_size_;
+    const std::size_t fresh = div_ceil(beyond, block_size_);
     const std::size_t needed = fresh + (cow ? 1 : 0);
     if (needed > free_.size() + lru_.size()) return false;
     std::vector<BlockId> got;

@@ -59,7 +59,7 @@ struct PoolLayout {
   std::uint32_t tp_rank = 0;
   std::uint32_t tp_size = 1;
   std::uint64_t num_blocks = 0;
-  /// The model's KV cache groups (hybrid models: issue 20's HybridKvCache).
+  /// The model's KV cache groups (hybrid models: a HybridKvCache's).
   /// Empty: the pool is the whole model, one full-attention group implied
   /// by the fields above (model_groups()); that is what version 1 carries.
   std::vector<LayoutGroup> groups;
@@ -164,12 +164,15 @@ struct PoolAddresses {
 /// part; V entries 0 for K-only layers).
 PoolAddresses pool_addresses(const PagedKvCache& cache);
 
-/// One contiguous copy between the two sides.
-struct CopyRegion {
+/// One contiguous copy between the two sides of a transfer: `bytes` bytes at
+/// address `local` in this process and `remote` in the peer's (the agent
+/// reads remote into local). Platform's CopyRegion is the other kind: a
+/// device-to-device copy inside one backend.
+struct TransferRegion {
   std::uint64_t local = 0;
   std::uint64_t remote = 0;
   std::uint64_t bytes = 0;
-  friend bool operator==(const CopyRegion&, const CopyRegion&) = default;
+  friend bool operator==(const TransferRegion&, const TransferRegion&) = default;
 };
 
 /// The global heads both ranks hold: [first, first + count), or nullopt when
@@ -195,7 +198,7 @@ std::optional<HeadRange> head_overlap(const PoolLayout& local, const PoolLayout&
 /// incompatible, the lists differ in length, an id is out of range for its
 /// side, an address list does not have num_layers entries, the heads do not
 /// overlap, or an address computation wraps 64 bits.
-std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
+std::vector<TransferRegion> plan_block_regions(const PoolLayout& local,
                                            const PoolAddresses& local_pools,
                                            std::span<const BlockId> local_blocks,
                                            const PoolLayout& remote,
@@ -203,6 +206,6 @@ std::vector<CopyRegion> plan_block_regions(const PoolLayout& local,
                                            std::span<const BlockId> remote_blocks);
 
 /// Total bytes of `regions`.
-std::uint64_t total_bytes(std::span<const CopyRegion> regions) noexcept;
+std::uint64_t total_bytes(std::span<const TransferRegion> regions) noexcept;
 
 }  // namespace kvport::transfer
