@@ -42,11 +42,12 @@ from ._kvport import (  # noqa: F401
     block_region_layout,
     compiled_backends,
     dtypes,
+    __version__,
     group_layers,
+    log_level,
     plan_kv_cache,
+    set_log_level,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "NULL_BLOCK",
@@ -80,5 +81,7 @@ __all__ = [
     "compiled_backends",
     "dtypes",
     "group_layers",
+    "log_level",
     "plan_kv_cache",
+    "set_log_level",
 ]

@@ -20,6 +20,7 @@
 
 #include "convert.hpp"
 #include "events.hpp"
+#include "fork_guard.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
@@ -80,11 +81,19 @@ struct HybridState {
   int device = 0;
   /// Every group's event sink while events are enabled (events.hpp).
   std::shared_ptr<events::Publisher> publisher;
-  std::unique_ptr<HybridKvCache> cache;  // destroyed first (see ~HybridState)
+  std::unique_ptr<HybridKvCache> cache;             // destroyed first (see ~HybridState)
+  std::uint64_t generation = process_generation();  // fork_guard.hpp
 
   // The cache (its prefix caches announce their clears), the publisher, then
-  // the backend.
+  // the backend; in a forked child none of them (they would wait on the
+  // parent's threads).
   ~HybridState() {
+    if (generation != process_generation()) {
+      (void)cache.release();
+      new std::shared_ptr<events::Publisher>(std::move(publisher));  // leaked
+      (void)backend.release();
+      return;
+    }
     cache.reset();
     publisher.reset();
   }
@@ -142,6 +151,7 @@ class PyHybridCache {
 
   const std::shared_ptr<HybridState>& state() const {
     if (!state_) throw InvalidArgument("HybridKvCache is closed");
+    check_same_process(state_->generation, "this HybridKvCache");
     return state_;
   }
   HybridKvCache& cache() const { return *state()->cache; }
@@ -296,12 +306,16 @@ class PyHybridTable {
         table_(std::make_unique<HybridBlockTable>(*cache_->cache, extra_key)) {}
   PyHybridTable(std::shared_ptr<HybridState> cache, HybridBlockTable table)
       : cache_(std::move(cache)), table_(std::make_unique<HybridBlockTable>(std::move(table))) {}
-  ~PyHybridTable() { table_.reset(); }
+  ~PyHybridTable() {
+    if (cache_ && cache_->generation != process_generation()) (void)table_.release();
+    table_.reset();
+  }
   PyHybridTable(const PyHybridTable&) = delete;
   PyHybridTable& operator=(const PyHybridTable&) = delete;
 
   HybridBlockTable& table() const {
     if (!table_) throw InvalidArgument("HybridBlockTable is closed");
+    check_same_process(cache_->generation, "this HybridBlockTable");
     return *table_;
   }
   StreamView stream() const { return cache_->stream(); }
@@ -336,6 +350,7 @@ class PyHybridTable {
 };
 
 py::array_t<std::uint32_t> id_array(std::span<const BlockId> ids) {
+  require_numpy("block_ids");
   py::array_t<std::uint32_t> out(static_cast<py::ssize_t>(ids.size()));
   std::copy(ids.begin(), ids.end(), out.mutable_data());
   return out;
@@ -609,11 +624,11 @@ void register_hybrid(py::module_& m) {
                                return out;
                              })
       .def(
-          "group", [](const PyHybridCache& c, std::size_t g) { return c.cache().group(g); },
+          "group", [](const PyHybridCache& c, IndexArg g) { return c.cache().group(g); },
           py::arg("group"))
       .def(
           "locate",
-          [](const PyHybridCache& c, std::size_t layer) -> std::optional<py::tuple> {
+          [](const PyHybridCache& c, IndexArg layer) -> std::optional<py::tuple> {
             const std::optional<LayerLocation> at = c.cache().locate(layer);
             if (!at) return std::nullopt;
             return py::make_tuple(at->group, at->index);
@@ -627,18 +642,18 @@ void register_hybrid(py::module_& m) {
            "its blocks belong to the HybridBlockTables.")
       .def(
           "blocks_in_use",
-          [](const PyHybridCache& c, std::size_t g) { return c.cache().blocks_in_use(g); },
+          [](const PyHybridCache& c, IndexArg g) { return c.cache().blocks_in_use(g); },
           py::arg("group"), "Blocks (slots) the group holds for sequences.")
       .def(
           "k_pool",
-          [](const PyHybridCache& c, std::size_t layer, bool raw) {
+          [](const PyHybridCache& c, IndexArg layer, bool raw) {
             return c.attention_view(layer, true, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false,
           "Model layer `layer`'s K pool (an attention layer), as PagedKvCache.k_pool.")
       .def(
           "v_pool",
-          [](const PyHybridCache& c, std::size_t layer, bool raw) {
+          [](const PyHybridCache& c, IndexArg layer, bool raw) {
             return c.attention_view(layer, false, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
@@ -726,20 +741,18 @@ void register_hybrid(py::module_& m) {
            "A table sharing every live block; each working state is copied into a new slot.")
       .def("release", [](const PyHybridTable& t) { t.table().release(); })
       .def(
-          "blocks",
-          [](const PyHybridTable& t, std::size_t g) { return id_list(t.table().blocks(g)); },
+          "blocks", [](const PyHybridTable& t, IndexArg g) { return id_list(t.table().blocks(g)); },
           py::arg("group"), "Group g's block ids, NULL_BLOCK where released ([] for state).")
       .def(
           "block_ids",
-          [](const PyHybridTable& t, std::size_t g) { return id_array(t.table().blocks(g)); },
+          [](const PyHybridTable& t, IndexArg g) { return id_array(t.table().blocks(g)); },
           py::arg("group"), "blocks(g) as a uint32 NumPy array (a copy).")
       .def(
           "num_live_blocks",
-          [](const PyHybridTable& t, std::size_t g) { return t.table().num_live_blocks(g); },
+          [](const PyHybridTable& t, IndexArg g) { return t.table().num_live_blocks(g); },
           py::arg("group"))
       .def(
-          "state_slot",
-          [](const PyHybridTable& t, std::size_t g) { return t.table().state_slot(g); },
+          "state_slot", [](const PyHybridTable& t, IndexArg g) { return t.table().state_slot(g); },
           py::arg("group"), "Group g's working state slot, or None.")
       .def_property_readonly("tokens",
                              [](const PyHybridTable& t) { return id_list(t.table().tokens()); })

@@ -14,11 +14,14 @@
 // same rule with their own state.
 #include <pybind11/pybind11.h>
 
+#include "fork_guard.hpp"
 #include "parts.hpp"
 #include "pool_view.hpp"
 
 PYBIND11_MODULE(_kvport, m) {
   m.doc() = "kvport: a paged KV-cache runtime (docs/bindings/python.md)";
+  m.attr("__version__") = KVPORT_VERSION;
+  kvport::python::install_fork_guard();
   kvport::python::register_exceptions(m);
   kvport::python::bind_config(m);
   kvport::python::register_pool_view(m);
@@ -26,4 +29,5 @@ PYBIND11_MODULE(_kvport, m) {
   kvport::python::bind_events(m);
   kvport::python::bind_prefix(m);
   kvport::python::register_hybrid(m);
+  kvport::python::guard_construction(m);
 }

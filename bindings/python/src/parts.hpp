@@ -33,6 +33,10 @@ void bind_events(py::module_& m);
 /// HybridBlockTable (hybrid.cpp).
 void register_hybrid(py::module_& m);
 
+/// Makes `Class.__new__(Class)` without `Class(...)` a TypeError for every
+/// class registered in `m` so far (instances.cpp); called last.
+void guard_construction(py::module_& m);
+
 /// A kvport.PagedKvCache over `pool`, a hybrid cache's group pool
 /// (bind_cache.cpp): pointers, strides, views, read/write and checks work on it;
 /// allocation, refcounts and prefix caches or block tables over it raise
