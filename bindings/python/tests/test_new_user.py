@@ -62,8 +62,8 @@ def test_constructed_objects_and_subclasses_work():
         table = kvport.BlockTable(cache)
         table.append_tokens([1, 2, 3])
         table.release()
-    # Objects the module returns are made without __new__.
-    assert isinstance(cache.counters, kvport.KvCacheCounters)
+        # Objects the module returns are made without __new__.
+        assert isinstance(cache.counters, kvport.KvCacheCounters)
     # A class without a constructor still says so.
     with pytest.raises(TypeError):
         kvport.PrefixMatch()
