@@ -10,7 +10,10 @@ offline and in an isolated build environment. build_wheel:
    environment variable KVPORT_BUILD_DIR names an existing CMake build
    directory, which is only brought up to date; otherwise
    ``<source>/build/pip-<python tag>`` is configured (Release, tests off,
-   KVPORT_BUILD_PYTHON=ON) and kept for the next build;
+   KVPORT_BUILD_PYTHON=ON, the GPU backends as CMake finds them; more
+   options through ``-C cmake-args="-DKVPORT_WITH_CUDA=OFF ..."`` or
+   KVPORT_CMAKE_ARGS) and kept for the next build; ``-C jobs=N`` or
+   CMAKE_BUILD_PARALLEL_LEVEL sets the build's parallelism;
 2. builds the one target kvport_python (the module and the static kvport
    libraries it links: the wheel needs no libkvport of its own);
 3. writes the wheel: kvport/__init__.py, kvport/_kvport<EXT_SUFFIX> (its debug
@@ -95,6 +98,8 @@ def build_module(config_settings=None):
                f"-DPython3_EXECUTABLE={sys.executable}"]
         if shutil.which("ninja"):
             cmd += ["-G", "Ninja"]
+        # More options for CMake (e.g. -DKVPORT_WITH_CUDA=OFF): -C cmake-args="..."
+        cmd += ((config_settings or {}).get("cmake-args") or os.environ.get("KVPORT_CMAKE_ARGS", "")).split()
         _run(cmd)
     jobs = (config_settings or {}).get("jobs") or os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL")
     _run(["cmake", "--build", build, "--target", "kvport_python"] + (["-j", jobs] if jobs else []))

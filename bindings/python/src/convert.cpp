@@ -31,6 +31,17 @@ std::string dtype_name(KvCacheDtype dtype) {
   return std::string(kvport::to_string(dtype));
 }
 
+StateDtype state_dtype_from(const std::string& name) {
+  const std::optional<StateDtype> d = parse_state_dtype(name);
+  if (!d)
+    throw kvport::InvalidArgument("unknown state dtype '" + name + "' (known: f32, f16, bf16)");
+  return *d;
+}
+
+std::string state_dtype_name(StateDtype dtype) {
+  return std::string(to_string(dtype));
+}
+
 KvCacheLayout layout_from(const std::string& name) {
   if (name == "layer_major") return KvCacheLayout::layer_major;
   if (name == "block_major") return KvCacheLayout::block_major;

@@ -1,5 +1,5 @@
 // Conversions between Python values and kvport's C++ types that more than
-// one source of the module uses: dtype and layout names, 32-bit ids (block
+// one source of the module uses: dtype and layout names (and state tensors'), 32-bit ids (block
 // and token batches, with NumPy arrays used in place), id lists.
 #pragma once
 
@@ -14,6 +14,7 @@
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
+#include "kvport/core/layer_spec.hpp"
 
 namespace kvport::python {
 
@@ -23,6 +24,10 @@ namespace py = pybind11;
 /// ones otherwise.
 KvCacheDtype dtype_from(const py::handle& obj);
 std::string dtype_name(KvCacheDtype dtype);
+
+/// A state tensor's dtype name (f32, f16, bf16); InvalidArgument otherwise.
+StateDtype state_dtype_from(const std::string& name);
+std::string state_dtype_name(StateDtype dtype);
 
 /// "layer_major" or "block_major".
 KvCacheLayout layout_from(const std::string& name);
