@@ -1,13 +1,14 @@
-# ctest driver (rust.cargo_test_installed): the crate as a user gets it, away
-# from the source tree, against an installed kvport: install the C ABI
-# (bindings/c of the build tree) into a scratch prefix, copy the crate out of
-# the source tree, and run its own `cargo test --offline` with only
-# PKG_CONFIG_PATH pointing at the prefix: build.rs finds libkvport_c and the
-# header (for tests/header_check.rs) through pkg-config.
-#   cmake -DBUILD_DIR=... -DCRATE_DIR=... -DWORK_DIR=... -DCARGO=... [-DRUSTC=...]
+# ctest driver (rust.cargo_test_installed): the installed crate, as a user
+# gets it, against an installed kvport: install the C ABI (bindings/c of the
+# build tree) and the crate (install component `rust`:
+# <prefix>/share/kvport/rust/kvport) into a scratch prefix, and run the
+# installed crate's own `cargo test --offline` with only PKG_CONFIG_PATH
+# pointing at the prefix: build.rs finds libkvport_c and the header (for
+# tests/header_check.rs) through pkg-config.
+#   cmake -DBUILD_DIR=... -DWORK_DIR=... -DCARGO=... [-DRUSTC=...]
 #         [-DRUSTDOC=...]
 #         -P check_installed_crate.cmake
-foreach(var BUILD_DIR CRATE_DIR WORK_DIR CARGO)
+foreach(var BUILD_DIR WORK_DIR CARGO)
   if(NOT DEFINED ${var})
     message(FATAL_ERROR "check_installed_crate.cmake: ${var} is not set")
   endif()
@@ -32,15 +33,13 @@ list(GET pc_files 0 pc_file)
 get_filename_component(pc_dir ${pc_file} DIRECTORY)
 get_filename_component(lib_dir ${pc_dir} DIRECTORY)
 
-set(crate ${WORK_DIR}/crate/kvport)
-file(MAKE_DIRECTORY ${crate})
-foreach(item Cargo.toml Cargo.lock build.rs src tests examples)
-  if(EXISTS ${CRATE_DIR}/${item})
-    file(COPY ${CRATE_DIR}/${item} DESTINATION ${crate})
-  endif()
-endforeach()
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --component rust --prefix ${prefix})
+set(crate ${prefix}/share/kvport/rust/kvport)
+if(NOT EXISTS ${crate}/Cargo.toml)
+  message(FATAL_ERROR "the crate is not installed in ${crate}")
+endif()
 if(EXISTS ${crate}/../../c/include/kvport/kvport.h)
-  message(FATAL_ERROR "the copied crate still sees a source tree's header")
+  message(FATAL_ERROR "the installed crate still sees a source tree's header")
 endif()
 
 set(rustc_env "")
