@@ -1,10 +1,8 @@
 // StateTensor, LayerSpec, KvCacheGroup and group_layers (kvport._kvport).
-#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <cstdint>
-#include <memory>
+#include <cstddef>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -12,17 +10,11 @@
 #include <vector>
 
 #include "convert.hpp"
-#include "events.hpp"
-#include "fork_guard.hpp"
-#include "hybrid_state.hpp"
-#include "kvport/core/hybrid_block_table.hpp"
-#include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/core/block_id.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/core/layer_spec.hpp"
 #include "kvport/platform/error.hpp"
-#include "kvport/platform/registry.hpp"
 #include "parts.hpp"
-#include "pool_view.hpp"
 
 namespace kvport::python {
 
