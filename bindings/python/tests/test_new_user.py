@@ -201,6 +201,17 @@ NO_NUMPY = textwrap.dedent("""
             assert "needs NumPy" in str(e), e
         else:
             raise SystemExit("numpy() without NumPy")
+    layers = [kvport.LayerSpec.sliding_window(16, 2, 16), kvport.LayerSpec.full_attention(2, 16)]
+    with kvport.HybridKvCache(layers, [16, 16], block_size=4) as hybrid:
+        with kvport.HybridBlockTable(hybrid) as t:
+            t.append_tokens(list(range(30)))
+            assert len(t.blocks(1)) == 8 and t.num_live_blocks(1) == 8
+            try:
+                t.block_ids(1)
+            except ModuleNotFoundError as e:
+                assert "needs NumPy" in str(e), e
+            else:
+                raise SystemExit("block_ids without NumPy")
     assert "numpy" not in sys.modules or sys.modules["numpy"] is None
     print("ok")
     """)
