@@ -33,6 +33,7 @@ from ._kvport import (  # noqa: F401
     KvCachePlan,
     LayerSpec,
     OutOfMemory,
+    OutOfRange,
     PagedKvCache,
     PoolView,
     PrefixCache,
@@ -42,12 +43,13 @@ from ._kvport import (  # noqa: F401
     block_region_layout,
     compiled_backends,
     dtypes,
+    __version__,
     group_layers,
+    log_level,
     plan_kv_cache,
+    set_log_level,
     stream_handle,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "NULL_BLOCK",
@@ -71,6 +73,7 @@ __all__ = [
     "KvCachePlan",
     "LayerSpec",
     "OutOfMemory",
+    "OutOfRange",
     "PagedKvCache",
     "PoolView",
     "PrefixCache",
@@ -81,6 +84,8 @@ __all__ = [
     "compiled_backends",
     "dtypes",
     "group_layers",
+    "log_level",
     "plan_kv_cache",
+    "set_log_level",
     "stream_handle",
 ]

@@ -70,20 +70,6 @@ py::array_t<std::uint8_t> bytes_array(std::vector<std::uint8_t>&& bytes) {
                                    free_when_done);
 }
 
-// Host bytes of a buffer (bytes, bytearray, any C-contiguous NumPy array).
-py::array contiguous_bytes(const py::object& obj) {
-  // Through a memoryview for bytes and bytearray: NumPy takes a bytes object
-  // for a 0-d string scalar, and b"" for one of 1 byte.
-  const bool raw = py::isinstance<py::bytes>(obj) || py::isinstance<py::bytearray>(obj);
-  auto arr = py::array::ensure(raw ? py::object(py::memoryview(obj)) : obj, py::array::c_style);
-  if (!arr) throw kvport::InvalidArgument("write_block: k and v must be buffers (bytes, arrays)");
-  return arr;
-}
-
-std::span<const std::uint8_t> byte_span(const py::array& arr) {
-  return {static_cast<const std::uint8_t*>(arr.data()), static_cast<std::size_t>(arr.nbytes())};
-}
-
 }  // namespace
 
 void bind_cache(py::module_& m) {
@@ -113,17 +99,15 @@ void bind_cache(py::module_& m) {
            })
       .def(
           "inc_ref",
-          [](const PyCache& c, long long b) { c.owned_cache("inc_ref").inc_ref(block_id(b)); },
+          [](const PyCache& c, IdArg b) { c.owned_cache("inc_ref").inc_ref(block_id(b)); },
           py::arg("block"))
       .def(
           "dec_ref",
-          [](const PyCache& c, long long b) {
-            return c.owned_cache("dec_ref").dec_ref(block_id(b));
-          },
+          [](const PyCache& c, IdArg b) { return c.owned_cache("dec_ref").dec_ref(block_id(b)); },
           py::arg("block"))
       .def(
           "free_block",
-          [](const PyCache& c, long long b) {
+          [](const PyCache& c, IdArg b) {
             return c.owned_cache("free_block").free_block(block_id(b));
           },
           py::arg("block"))
@@ -135,8 +119,7 @@ void bind_cache(py::module_& m) {
           },
           py::arg("blocks"))
       .def(
-          "ref_count",
-          [](const PyCache& c, long long b) { return c.cache().ref_count(block_id(b)); },
+          "ref_count", [](const PyCache& c, IdArg b) { return c.cache().ref_count(block_id(b)); },
           py::arg("block"))
       .def_property_readonly("num_free_blocks",
                              [](const PyCache& c) { return c.cache().num_free_blocks(); })
@@ -154,36 +137,28 @@ void bind_cache(py::module_& m) {
                              [](const PyCache& c) { return c.cache().last_fill_regions(); })
       // pointers and strides
       .def("dtype_for_layer",
-           [](const PyCache& c, std::size_t l) { return dtype_name(c.cache().dtype_for_layer(l)); })
+           [](const PyCache& c, IndexArg l) { return dtype_name(c.cache().dtype_for_layer(l)); })
       .def("k_pool_ptr",
-           [](const PyCache& c, std::size_t l) { return c.cache().k_pool_ptr(l).address(); })
+           [](const PyCache& c, IndexArg l) { return c.cache().k_pool_ptr(l).address(); })
       .def("v_pool_ptr",
-           [](const PyCache& c, std::size_t l) { return c.cache().v_pool_ptr(l).address(); })
-      .def("k_cache_ptr",
-           [](const PyCache& c, std::size_t l, long long b) {
-             return c.cache().k_cache_ptr(l, block_id(b)).address();
-           })
-      .def("v_cache_ptr",
-           [](const PyCache& c, std::size_t l, long long b) {
-             return c.cache().v_cache_ptr(l, block_id(b)).address();
-           })
+           [](const PyCache& c, IndexArg l) { return c.cache().v_pool_ptr(l).address(); })
+      .def("k_cache_ptr", [](const PyCache& c, IndexArg l,
+                             IdArg b) { return c.cache().k_cache_ptr(l, block_id(b)).address(); })
+      .def("v_cache_ptr", [](const PyCache& c, IndexArg l,
+                             IdArg b) { return c.cache().v_cache_ptr(l, block_id(b)).address(); })
       .def("k_block_stride",
-           [](const PyCache& c, std::size_t l) { return c.cache().k_block_stride(l); })
+           [](const PyCache& c, IndexArg l) { return c.cache().k_block_stride(l); })
       .def("v_block_stride",
-           [](const PyCache& c, std::size_t l) { return c.cache().v_block_stride(l); })
-      .def("k_block_bytes",
-           [](const PyCache& c, std::size_t l) { return c.cache().k_block_bytes(l); })
-      .def("v_block_bytes",
-           [](const PyCache& c, std::size_t l) { return c.cache().v_block_bytes(l); })
+           [](const PyCache& c, IndexArg l) { return c.cache().v_block_stride(l); })
+      .def("k_block_bytes", [](const PyCache& c, IndexArg l) { return c.cache().k_block_bytes(l); })
+      .def("v_block_bytes", [](const PyCache& c, IndexArg l) { return c.cache().v_block_bytes(l); })
       .def(
           "k_pool",
-          [](const PyCache& c, std::size_t l, bool raw) {
-            return make_view(c.state(), true, l, raw);
-          },
+          [](const PyCache& c, IndexArg l, bool raw) { return make_view(c.state(), true, l, raw); },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
       .def(
           "v_pool",
-          [](const PyCache& c, std::size_t l, bool raw) {
+          [](const PyCache& c, IndexArg l, bool raw) {
             return make_view(c.state(), false, l, raw);
           },
           py::arg("layer"), py::kw_only(), py::arg("raw") = false)
@@ -212,7 +187,7 @@ void bind_cache(py::module_& m) {
           "copy_blocks",
           [](const PyCache& c, const py::object& pairs) {
             std::vector<kvport::BlockCopy> copies;
-            if (py::isinstance<py::array>(pairs)) {
+            if (numpy_imported() && py::isinstance<py::array>(pairs)) {
               auto arr = py::reinterpret_borrow<py::array>(pairs);
               if (arr.ndim() != 2 || arr.shape(1) != 2)
                 throw kvport::InvalidArgument("copy_blocks: an array of pairs must be N x 2");
@@ -233,7 +208,8 @@ void bind_cache(py::module_& m) {
           py::arg("copies"), "copies: (src, dst) pairs, or an N x 2 integer array.")
       .def(
           "read_block",
-          [](const PyCache& c, std::size_t layer, long long block) {
+          [](const PyCache& c, IndexArg layer, IdArg block) {
+            require_numpy("read_block");
             auto host = c.cache().read_block(layer, block_id(block), c.stream());
             return py::make_tuple(bytes_array(std::move(host.k)), bytes_array(std::move(host.v)));
           },
@@ -242,16 +218,21 @@ void bind_cache(py::module_& m) {
           "for K-only layers).")
       .def(
           "write_block",
-          [](const PyCache& c, std::size_t layer, long long block, const py::object& k,
+          [](const PyCache& c, IndexArg layer, IdArg block, const py::object& k,
              const py::object& v) {
-            const py::array kb = contiguous_bytes(k);
+            const KvCacheDtype dtype = c.cache().dtype_for_layer(layer);
+            const BlockBytes kb(k, "k", dtype);
             // None: no V bytes (K-only layers).
-            const py::array vb = v.is_none() ? py::array_t<std::uint8_t>(0) : contiguous_bytes(v);
-            c.cache().write_block(layer, block_id(block), byte_span(kb), byte_span(vb), c.stream());
+            const std::optional<BlockBytes> vb =
+                v.is_none() ? std::nullopt : std::make_optional<BlockBytes>(v, "v", dtype);
+            c.cache().write_block(layer, block_id(block), kb.span(),
+                                  vb ? vb->span() : std::span<const std::uint8_t>(), c.stream());
           },
           py::arg("layer"), py::arg("block"), py::arg("k"), py::arg("v") = py::none(),
-          "k, v: exactly k_block_bytes(layer) / v_block_bytes(layer) bytes (any buffer); v "
-          "None (or empty) for K-only layers, whose v_block_bytes is 0.")
+          "k, v: exactly k_block_bytes(layer) / v_block_bytes(layer) bytes: a C-contiguous "
+          "buffer of bytes (bytes, bytearray, memoryview, a uint8 array) or of elements of the "
+          "layer's dtype (a float16 array for f16); v None (or empty) for K-only layers, whose "
+          "v_block_bytes is 0. Anything else (a str, a list, an object array) is a TypeError.")
       .def("synchronize", [](const PyCache& c) { c.cache().synchronize(); })
       .def("check_invariants", [](const PyCache& c) { return c.cache().check_invariants(); });
 }

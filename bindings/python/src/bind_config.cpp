@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
 #include "kvport/platform/registry.hpp"
 #include "parts.hpp"
 #include "pool_view.hpp"
@@ -56,9 +58,43 @@ bool config_equal(const KvCacheConfig& a, const KvCacheConfig& b) {
          a.layout == b.layout;
 }
 
+const char* level_name(kvport::log::Level level) {
+  switch (level) {
+    case kvport::log::Level::trace:
+      return "trace";
+    case kvport::log::Level::debug:
+      return "debug";
+    case kvport::log::Level::info:
+      return "info";
+    case kvport::log::Level::warn:
+      return "warn";
+    case kvport::log::Level::error:
+      return "error";
+    case kvport::log::Level::critical:
+      return "critical";
+    case kvport::log::Level::off:
+      return "off";
+  }
+  return "off";
+}
+
 }  // namespace
 
 void bind_config(py::module_& m) {
+  // ---- logging --------------------------------------------------------------------
+  // A library is quiet unless asked: kvport's info lines (one per cache
+  // created) are off in Python unless KVPORT_LOG_LEVEL or set_log_level asks.
+  if (const char* env = std::getenv("KVPORT_LOG_LEVEL"); env == nullptr || *env == '\0')
+    kvport::log::set_level(kvport::log::Level::warn);
+  m.def(
+      "set_log_level",
+      [](const std::string& level) { kvport::log::set_level(kvport::log::parse_level(level)); },
+      py::arg("level"),
+      "Sets the level of kvport's log (to stderr): trace, debug, info, warn, error, critical "
+      "or off. Python's default is warn (KVPORT_LOG_LEVEL, when set, decides at import).");
+  m.def(
+      "log_level", [] { return std::string(level_name(kvport::log::level())); },
+      "The level of kvport's log (set_log_level).");
   // ---- module functions ---------------------------------------------------------
   m.def(
       "dtypes",
@@ -171,10 +207,8 @@ void bind_config(py::module_& m) {
       .def_property_readonly("has_v", &KvCacheConfig::has_v,
                              "False for K-only layers (head_dim_v == 0: no V pools).")
       .def("validate", &KvCacheConfig::validate)
-      .def("dtype_for_layer",
-           [](const KvCacheConfig& c, std::size_t layer) {
-             return dtype_name(c.dtype_for_layer(layer));
-           })
+      .def("dtype_for_layer", [](const KvCacheConfig& c,
+                                 IndexArg layer) { return dtype_name(c.dtype_for_layer(layer)); })
       .def("k_layout", &KvCacheConfig::k_layout, py::arg("layer"))
       .def("v_layout", &KvCacheConfig::v_layout, py::arg("layer"))
       .def("k_block_bytes", &KvCacheConfig::k_block_bytes, py::arg("layer"))

@@ -83,7 +83,7 @@ void bind_prefix(py::module_& m) {
              return p.prefix().try_alloc_block();
            })
       .def(
-          "release", [](const PyPrefixCache& p, long long b) { p.prefix().release(block_id(b)); },
+          "release", [](const PyPrefixCache& p, IdArg b) { p.prefix().release(block_id(b)); },
           py::arg("block"))
       .def(
           "release_blocks",
@@ -96,9 +96,9 @@ void bind_prefix(py::module_& m) {
           "evict", [](const PyPrefixCache& p, std::size_t n) { return p.prefix().evict(n); },
           py::arg("max_blocks"))
       .def("is_cached",
-           [](const PyPrefixCache& p, long long b) { return p.prefix().is_cached(block_id(b)); })
+           [](const PyPrefixCache& p, IdArg b) { return p.prefix().is_cached(block_id(b)); })
       .def("is_evictable",
-           [](const PyPrefixCache& p, long long b) { return p.prefix().is_evictable(block_id(b)); })
+           [](const PyPrefixCache& p, IdArg b) { return p.prefix().is_evictable(block_id(b)); })
       .def("lru_order", [](const PyPrefixCache& p) { return id_list(p.prefix().lru_order()); })
       .def_property_readonly("num_cached_blocks",
                              [](const PyPrefixCache& p) { return p.prefix().num_cached_blocks(); })
@@ -167,6 +167,7 @@ void bind_prefix(py::module_& m) {
       .def_property_readonly(
           "block_ids",
           [](const PyBlockTable& t) {
+            require_numpy("BlockTable.block_ids");
             const auto b = t.table().blocks();
             py::array_t<std::uint32_t> out(static_cast<py::ssize_t>(b.size()));
             std::copy(b.begin(), b.end(), out.mutable_data());

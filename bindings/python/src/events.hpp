@@ -2,7 +2,7 @@
 // events on and off (enable_events, disable_events, events_stats,
 // events_endpoint, events_replay_endpoint, events_enabled, flush_events),
 // defined once for PrefixCache (bind_prefix.cpp) and HybridKvCache
-// (hybrid.cpp). The publisher (kvport::events::Publisher) lives in the
+// (bind_hybrid_cache.cpp). The publisher (kvport::events::Publisher) lives in the
 // cache's state (PrefixState, HybridState), released after the cache, so it
 // outlives the sink registration however the Python objects go. It is held
 // by a shared_ptr so that a flush_events waiting without the GIL keeps it

@@ -8,18 +8,24 @@
 // bind_cache.cpp (PagedKvCache), bind_adopt.cpp (the engine's memory and
 // streams), bind_prefix.cpp (PrefixCache,
 // BlockTable), bind_events.cpp (KV events: the methods in events.hpp, on
-// PrefixCache and HybridKvCache), hybrid.cpp (layer specs, the planner,
-// hybrid caches and tables); convert.cpp holds the conversions they share and state.hpp the
-// owned state and lifetimes. The DLPack deleter drops a shared_ptr and needs
+// PrefixCache and HybridKvCache), bind_layer_spec.cpp (layer specs, groups),
+// bind_plan.cpp (the planner), bind_hybrid_cache.cpp and
+// bind_hybrid_table.cpp (hybrid caches and tables), instances.cpp (no
+// object made by __new__ alone), fork_guard.cpp (objects made before a
+// fork); convert.hpp holds the conversions they share, state.hpp and
+// hybrid_state.hpp the owned state and lifetimes. The DLPack deleter drops a shared_ptr and needs
 // no GIL, so a consumer may call it from any thread. Hybrid caches follow the
 // same rule with their own state.
 #include <pybind11/pybind11.h>
 
+#include "fork_guard.hpp"
 #include "parts.hpp"
 #include "pool_view.hpp"
 
 PYBIND11_MODULE(_kvport, m) {
   m.doc() = "kvport: a paged KV-cache runtime (docs/bindings/python.md)";
+  m.attr("__version__") = KVPORT_VERSION;
+  kvport::python::install_fork_guard();
   kvport::python::register_exceptions(m);
   kvport::python::bind_config(m);
   kvport::python::register_pool_view(m);
@@ -27,5 +33,9 @@ PYBIND11_MODULE(_kvport, m) {
   kvport::python::bind_adopt(m);
   kvport::python::bind_events(m);
   kvport::python::bind_prefix(m);
-  kvport::python::register_hybrid(m);
+  kvport::python::bind_layer_spec(m);
+  kvport::python::bind_plan(m);
+  kvport::python::bind_hybrid_cache(m);
+  kvport::python::bind_hybrid_table(m);
+  kvport::python::guard_construction(m);
 }

@@ -33,9 +33,20 @@ void bind_prefix(py::module_& m);
 /// and HybridKvCache are in events.hpp).
 void bind_events(py::module_& m);
 
-/// LayerSpec, StateTensor, KvCacheGroup, plan_kv_cache, HybridKvCache,
-/// HybridBlockTable (hybrid.cpp).
-void register_hybrid(py::module_& m);
+/// NULL_BLOCK, StateTensor, LayerSpec, KvCacheGroup, group_layers
+/// (bind_layer_spec.cpp).
+void bind_layer_spec(py::module_& m);
+/// GroupPlan, KvCachePlan, plan_kv_cache (bind_plan.cpp).
+void bind_plan(py::module_& m);
+/// HybridHitCounters, HybridKvCache (bind_hybrid_cache.cpp; the state in
+/// hybrid_state.hpp).
+void bind_hybrid_cache(py::module_& m);
+/// GroupNeed, HybridBlockTable (bind_hybrid_table.cpp).
+void bind_hybrid_table(py::module_& m);
+
+/// Makes `Class.__new__(Class)` without `Class(...)` a TypeError for every
+/// class registered in `m` so far (instances.cpp); called last.
+void guard_construction(py::module_& m);
 
 /// A kvport.PagedKvCache over `pool`, a hybrid cache's group pool
 /// (bind_cache.cpp): pointers, strides, views, read/write and checks work on it;

@@ -202,6 +202,7 @@ void register_pool_view(py::module_& m) {
               throw InvalidArgument(v.what +
                                     ": numpy() needs a host pool; use "
                                     "torch.from_dlpack for device pools");
+            require_numpy("PoolView.numpy()");
             return numpy_view(v);
           },
           "A writable, zero-copy NumPy array over the pool (host backend); bf16 pools come "

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "convert.hpp"
+#include "fork_guard.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/kv_cache_config.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
@@ -47,8 +48,19 @@ struct CacheState {
   /// The engine's tensors an adopted cache's pools are (bind_adopt.cpp):
   /// released after the cache, with the GIL taken.
   std::shared_ptr<void> engine_memory;
+  std::uint64_t generation = process_generation();  // fork_guard.hpp
 
-  ~CacheState() { owned_cache.reset(); }
+  ~CacheState() {
+    if (generation != process_generation()) {
+      // A forked child: destroying them would wait on the parent's threads.
+      (void)owned_cache.release();  // NOLINT(bugprone-unused-return-value)
+      (void)owned_backend.release();
+      // The wrap's registration lives in the leaked backend: leaked with it.
+      if (engine_stream) (void)new kvport::WrappedStream(std::move(engine_stream));
+      return;
+    }
+    owned_cache.reset();
+  }
   bool borrowed() const noexcept { return lender != nullptr; }
   kvport::StreamView stream() const {
     return engine_stream ? engine_stream.view() : backend->default_stream();
@@ -68,6 +80,12 @@ struct PrefixState {
   // The prefix cache first (it announces a clear to the publisher, which
   // then sends what it buffered), then the publisher, then the pools.
   ~PrefixState() {
+    if (cache && cache->generation != process_generation()) {
+      // A forked child: the publisher's thread is the parent's.
+      (void)prefix.release();
+      new std::shared_ptr<kvport::events::Publisher>(std::move(publisher));  // leaked
+      return;
+    }
     prefix.reset();
     publisher.reset();
   }
@@ -94,6 +112,7 @@ class PyCache {
 
   const std::shared_ptr<CacheState>& state() const {
     if (!state_) throw kvport::InvalidArgument("PagedKvCache is closed");
+    check_same_process(state_->generation, "this PagedKvCache");
     return state_;
   }
   kvport::PagedKvCache& cache() const { return *state()->cache; }
@@ -143,6 +162,7 @@ class PyPrefixCache {
   }
   const std::shared_ptr<PrefixState>& state() const {
     if (!state_) throw kvport::InvalidArgument("PrefixCache is closed");
+    check_same_process(state_->cache->generation, "this PrefixCache");
     return state_;
   }
   kvport::PrefixCache& prefix() const { return *state()->prefix; }
@@ -184,12 +204,16 @@ class PyBlockTable {
       : cache_(std::move(cache)),
         prefix_(std::move(prefix)),
         table_(std::make_unique<kvport::BlockTable>(std::move(table))) {}
-  ~PyBlockTable() { table_.reset(); }
+  ~PyBlockTable() {
+    if (cache_ && cache_->generation != process_generation()) (void)table_.release();
+    table_.reset();
+  }
   PyBlockTable(const PyBlockTable&) = delete;
   PyBlockTable& operator=(const PyBlockTable&) = delete;
 
   kvport::BlockTable& table() const {
     if (!table_) throw kvport::InvalidArgument("BlockTable is closed");
+    check_same_process(cache_->generation, "this BlockTable");
     return *table_;
   }
   kvport::StreamView stream() const { return cache_->stream(); }

@@ -4,10 +4,18 @@ The tests import the `kvport` package from PYTHONPATH: ctest points it at
 the build tree's python/ directory (build/<preset>/python).
 """
 
+import os
+
 import numpy as np
 import pytest
 
 import kvport
+
+# The pip check (check_pip_install.py) runs these tests against the package
+# installed in a virtual environment: make sure that is the one imported.
+_expected = os.environ.get("KVPORT_EXPECT_PACKAGE_DIR")
+if _expected:
+    assert os.path.dirname(kvport.__file__) == _expected, (kvport.__file__, _expected)
 
 
 def make_config(dtype="f16", layout="layer_major", **kw):

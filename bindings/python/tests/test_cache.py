@@ -118,9 +118,10 @@ def test_batches_lists_arrays_and_errors(cache):
         cache.zero_blocks([-1])
     with pytest.raises(kvport.InvalidArgument, match="outside"):
         cache.zero_blocks(np.array([2**32], dtype=np.int64))
-    with pytest.raises(kvport.InvalidArgument, match="integers"):
+    # A value of the wrong type is a TypeError (a bool is not an id).
+    with pytest.raises(TypeError, match="integers"):
         cache.zero_blocks(np.array([1.0]))
-    with pytest.raises(kvport.InvalidArgument, match="must be an int"):
+    with pytest.raises(TypeError, match="must be an int"):
         cache.zero_blocks(["0"])
     with pytest.raises(kvport.InvalidArgument, match="out of range"):
         cache.zero_blocks([8])
@@ -129,7 +130,7 @@ def test_batches_lists_arrays_and_errors(cache):
     assert cache.ref_count(0) == 1  # validated before any change
     # Not a batch: a float, a str or bytes (iterable, but not of block ids).
     for bad in (1.5, np.float64(2), "01", b"\x01", bytearray(b"\x01")):
-        with pytest.raises(kvport.InvalidArgument, match="an int or an iterable of ints"):
+        with pytest.raises(TypeError, match="an int or an iterable of ints"):
             cache.zero_blocks(bad)
     # A uint32 array that is C-contiguous but not 4-byte aligned is copied.
     raw = np.zeros(4 * 3 + 1, dtype=np.uint8)

@@ -15,19 +15,23 @@
 //! - integer constants: every `#define KVPORT_* <integer>` is a `pub const`
 //!   of the same value (any integer type).
 //!
-//! The header is `$KVPORT_C_INCLUDE_DIR/kvport/kvport.h` when that is set,
-//! else the source tree's bindings/c/include/kvport/kvport.h.
+//! The header is the one build.rs found (`KVPORT_HEADER` at compile time):
+//! `$KVPORT_C_INCLUDE_DIR/kvport/kvport.h` when that is set, else the
+//! installed one in pkg-config's include directory, else the source tree's
+//! bindings/c/include/kvport/kvport.h.
 
 use std::collections::BTreeMap;
-use std::env;
 use std::fs;
 use std::path::PathBuf;
 
 fn header_path() -> PathBuf {
-    match env::var_os("KVPORT_C_INCLUDE_DIR") {
-        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("kvport").join("kvport.h"),
-        _ => PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../c/include/kvport/kvport.h"),
-    }
+    let header = env!("KVPORT_HEADER");
+    assert!(
+        !header.is_empty(),
+        "build.rs found no kvport/kvport.h: set KVPORT_C_INCLUDE_DIR, or PKG_CONFIG_PATH to an \
+         installed kvport's <libdir>/pkgconfig"
+    );
+    PathBuf::from(header)
 }
 
 /// Removes /* */ and // comments.

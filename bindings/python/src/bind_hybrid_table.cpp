@@ -1,0 +1,100 @@
+// GroupNeed and HybridBlockTable (kvport._kvport).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+
+#include "hybrid_state.hpp"
+#include "parts.hpp"
+
+namespace kvport::python {
+
+void bind_hybrid_table(py::module_& m) {
+  // ---- HybridBlockTable -----------------------------------------------------------------
+  py::class_<HybridBlockTable::GroupNeed>(m, "GroupNeed", "One group's need for an append.")
+      .def_readonly("fresh", &HybridBlockTable::GroupNeed::fresh)
+      .def_readonly("released", &HybridBlockTable::GroupNeed::released)
+      .def("__repr__", [](const HybridBlockTable::GroupNeed& n) {
+        return "GroupNeed(fresh=" + std::to_string(n.fresh) +
+               ", released=" + std::to_string(n.released) + ")";
+      });
+
+  py::class_<PyHybridTable>(m, "HybridBlockTable",
+                            "One sequence over every group of a HybridKvCache. A context "
+                            "manager: leaving the block releases every block and slot.")
+      .def(py::init<const PyHybridCache&, std::uint64_t>(), py::arg("cache"),
+           py::arg("extra_key") = 0)
+      .def("__enter__", [](const py::object& self) { return self; })
+      .def("__exit__", [](PyHybridTable& t, const py::args&) { t.close(); })
+      .def("close", &PyHybridTable::close)
+      .def_property_readonly("closed", &PyHybridTable::closed)
+      .def("__repr__", &PyHybridTable::repr)
+      .def(
+          "reuse_cached_prefix",
+          [](const PyHybridTable& t, const py::object& prompt) {
+            const U32Batch batch = u32_batch(prompt, "token id");
+            const std::size_t hit = t.table().reuse_cached_prefix(batch.ids, t.stream());
+            t.sync();
+            return hit;
+          },
+          py::arg("prompt"),
+          "Starts the empty table from the longest cached prefix valid for every group; "
+          "returns the tokens it covers.")
+      .def(
+          "append_tokens",
+          [](const PyHybridTable& t, const py::object& tokens) {
+            const U32Batch batch = u32_batch(tokens, "token id");
+            t.table().append_tokens(batch.ids, t.stream());
+            t.sync();
+          },
+          py::arg("tokens"), "All or nothing across groups (CacheExhausted names the group).")
+      .def(
+          "can_append",
+          [](const PyHybridTable& t, std::size_t n) { return t.table().can_append(n); },
+          py::arg("num_tokens"))
+      .def(
+          "blocks_needed",
+          [](const PyHybridTable& t, std::size_t n) { return t.table().blocks_needed(n); },
+          py::arg("num_tokens"), "One GroupNeed per group.")
+      .def("fork", &PyHybridTable::fork,
+           "A table sharing every live block; each working state is copied into a new slot.")
+      .def("release", [](const PyHybridTable& t) { t.table().release(); })
+      .def(
+          "blocks", [](const PyHybridTable& t, IndexArg g) { return id_list(t.table().blocks(g)); },
+          py::arg("group"), "Group g's block ids, NULL_BLOCK where released ([] for state).")
+      .def(
+          "block_ids",
+          [](const PyHybridTable& t, IndexArg g) { return id_array(t.table().blocks(g)); },
+          py::arg("group"), "blocks(g) as a uint32 NumPy array (a copy).")
+      .def(
+          "num_live_blocks",
+          [](const PyHybridTable& t, IndexArg g) { return t.table().num_live_blocks(g); },
+          py::arg("group"))
+      .def(
+          "state_slot", [](const PyHybridTable& t, IndexArg g) { return t.table().state_slot(g); },
+          py::arg("group"), "Group g's working state slot, or None.")
+      .def_property_readonly("tokens",
+                             [](const PyHybridTable& t) { return id_list(t.table().tokens()); })
+      .def_property_readonly("num_tokens",
+                             [](const PyHybridTable& t) { return t.table().num_tokens(); })
+      .def_property_readonly("empty", [](const PyHybridTable& t) { return t.table().empty(); })
+      .def_property_readonly("copy_on_writes",
+                             [](const PyHybridTable& t) { return t.table().copy_on_writes(); })
+      .def_property(
+          "prefix_hit_mode",
+          [](const PyHybridTable& t) {
+            return std::string(to_string(t.table().prefix_hit_mode()));
+          },
+          [](const PyHybridTable& t, const std::string& mode) {
+            if (mode == "full")
+              t.table().set_prefix_hit_mode(PrefixHitMode::full);
+            else if (mode == "compute_last_token")
+              t.table().set_prefix_hit_mode(PrefixHitMode::compute_last_token);
+            else
+              throw InvalidArgument("unknown prefix_hit_mode '" + mode +
+                                    "' (known: compute_last_token, full)");
+          });
+}
+
+}  // namespace kvport::python
