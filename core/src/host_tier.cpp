@@ -79,14 +79,17 @@ enum class SlotState : std::uint8_t { free, filling, ready, quarantined };
 using LruHook =
     boost::intrusive::list_member_hook<boost::intrusive::link_mode<boost::intrusive::normal_link>>;
 
+// What the LRU and the state checks read, 24 bytes; the slot's block hash
+// (read when the slot is freed or reused) is in State::hashes.
 struct Slot {
-  BlockHash hash;
   LruHook lru;  // linked while ready
   // Onloads reading it: inside a lookup, or abandoned at their deadline
   // (quarantined reads) until their copy can no longer run.
   std::uint32_t pins = 0;
   SlotState state = SlotState::free;
 };
+
+static_assert(sizeof(Slot) == 24, "docs/prefix-caching.md says 24 bytes a slot");
 
 // Ready slots, least recently used first. Its size is State::ready.
 using SlotLru =
@@ -145,6 +148,7 @@ struct HostTier::State {
         slot_bytes(slot_bytes_for(*kv)),
         block_size(p.tokens_per_block()),
         slots(o.num_host_blocks),
+        hashes(o.num_host_blocks),
         origins(o.num_host_blocks),
         origin_tokens(o.num_host_blocks * p.tokens_per_block()),
         stream(backend->create_stream()),
@@ -220,7 +224,7 @@ struct HostTier::State {
   void announce(CacheEventSink& to, SlotId s) const noexcept {
     const BlockOrigin origin = origin_of(s);
     BlockStoredView view;
-    view.hashes = {&slots[s].hash, 1};
+    view.hashes = {&hashes[s], 1};
     view.parent = origin.parent;
     view.tokens = origin.tokens;
     view.block_size = static_cast<std::uint32_t>(block_size);
@@ -233,7 +237,7 @@ struct HostTier::State {
   void free_slot(SlotId s) {
     Slot& slot = slots[s];
     if (slot.state == SlotState::ready) {
-      if (sink != nullptr) sink->removed(source, {&slot.hash, 1});
+      if (sink != nullptr) sink->removed(source, {&hashes[s], 1});
       lru_remove(s);
       --ready;
     } else if (slot.state == SlotState::filling) {
@@ -245,7 +249,7 @@ struct HostTier::State {
       free_slots.push_back(s);
       return;  // out of the index since its quarantine
     }
-    index.erase(slot.hash);
+    index.erase(hashes[s]);
     slot.state = SlotState::free;
     slot.pins = 0;
     free_slots.push_back(s);
@@ -273,7 +277,7 @@ struct HostTier::State {
     }
     index.emplace(hash, s);  // never allocates (reserved), so nothing to undo
     Slot& slot = slots[s];
-    slot.hash = hash;
+    hashes[s] = hash;
     slot.state = SlotState::filling;
     ++filling;
     return s;
@@ -457,7 +461,7 @@ struct HostTier::State {
         options.copy_timeout.count());
     for (const Transfer& t : in_flight) {
       Slot& slot = slots[t.slot];
-      index.erase(slot.hash);
+      index.erase(hashes[t.slot]);
       slot.state = SlotState::quarantined;
       --filling;
       ++quarantined_slots;
@@ -593,6 +597,7 @@ struct HostTier::State {
   std::size_t slot_bytes;
   std::size_t block_size;
   std::vector<Slot> slots;
+  std::vector<BlockHash> hashes;       // per slot: its block's, while filling or ready
   std::vector<SlotOrigin> origins;     // per slot
   std::vector<TokenId> origin_tokens;  // block_size per slot
   CacheEventSink* sink = nullptr;
@@ -804,7 +809,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     --s.slots[h].pins;
   s.inserting = true;
   for (const Transfer& t : onload) {
-    const BlockHash hash = s.slots[t.slot].hash;
+    const BlockHash hash = s.hashes[t.slot];
     try {
       cache.insert(hash, t.block, s.origin_of(t.slot), where);
     } catch (const std::exception& e) {  // a refcount overflow: the block stays private
@@ -953,7 +958,7 @@ std::vector<BlockHash> HostTier::host_lru_order() const {
   std::vector<BlockHash> order;
   order.reserve(s.ready);
   for (const Slot& slot : s.lru)
-    order.push_back(slot.hash);
+    order.push_back(s.hashes[s.id_of(slot)]);
   return order;
 }
 
@@ -1014,11 +1019,11 @@ InvariantReport HostTier::check_invariants() const {
         break;
     }
     if (slot.state == SlotState::filling || slot.state == SlotState::ready) {
-      auto it = s.index.find(slot.hash);
+      auto it = s.index.find(s.hashes[i]);
       if (it == s.index.end() || it->second != i) {
         report.add_violation(
             fmt::format("host slot {} (hash {}) is not what the host index holds for its hash", i,
-                        slot.hash.to_string()));
+                        s.hashes[i].to_string()));
       }
     }
   }
