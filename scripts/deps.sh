@@ -19,7 +19,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
-  libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev
+  libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libboost-dev
   python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest libdlpack-dev
   rustc cargo
   libucx-dev

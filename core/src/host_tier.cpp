@@ -3,6 +3,8 @@
 #include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
 
+#include <boost/intrusive/list.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -71,15 +73,28 @@ constexpr SlotId kNoSlot = std::numeric_limits<SlotId>::max();
 // out of the index, reused only once the copy can no longer write into it.
 enum class SlotState : std::uint8_t { free, filling, ready, quarantined };
 
+// The host LRU's hook: plain links (no safe-mode or auto-unlink resets), as
+// the hand-written prev/next ids were. State::slots never reallocates, so
+// the links stay valid for the tier's lifetime.
+using LruHook =
+    boost::intrusive::list_member_hook<boost::intrusive::link_mode<boost::intrusive::normal_link>>;
+
+// What the LRU and the state checks read, 24 bytes; the slot's block hash
+// (read when the slot is freed or reused) is in State::hashes.
 struct Slot {
-  BlockHash hash;
-  SlotId prev = kNoSlot;  // LRU neighbours, while ready
-  SlotId next = kNoSlot;
+  LruHook lru;  // linked while ready
   // Onloads reading it: inside a lookup, or abandoned at their deadline
   // (quarantined reads) until their copy can no longer run.
   std::uint32_t pins = 0;
   SlotState state = SlotState::free;
 };
+
+static_assert(sizeof(Slot) == 24, "docs/prefix-caching.md says 24 bytes a slot");
+
+// Ready slots, least recently used first. Its size is State::ready.
+using SlotLru =
+    boost::intrusive::list<Slot, boost::intrusive::member_hook<Slot, LruHook, &Slot::lru>,
+                           boost::intrusive::constant_time_size<false>>;
 
 // What a slot's block was registered with on the device (its parent, tokens
 // and extra key): what the tier's BlockStored announces, and what an onload
@@ -133,6 +148,7 @@ struct HostTier::State {
         slot_bytes(slot_bytes_for(*kv)),
         block_size(p.tokens_per_block()),
         slots(o.num_host_blocks),
+        hashes(o.num_host_blocks),
         origins(o.num_host_blocks),
         origin_tokens(o.num_host_blocks * p.tokens_per_block()),
         stream(backend->create_stream()),
@@ -159,32 +175,15 @@ struct HostTier::State {
 
   std::byte* slot_ptr(SlotId s) const { return memory + std::size_t{s} * slot_bytes; }
 
-  // ---- host LRU (ready slots; head = least recently used) ------------------------------
-  void lru_push_back(SlotId s) {
-    Slot& slot = slots[s];
-    slot.prev = lru_tail;
-    slot.next = kNoSlot;
-    if (lru_tail != kNoSlot)
-      slots[lru_tail].next = s;
-    else
-      lru_head = s;
-    lru_tail = s;
+  // ---- host LRU (ready slots; front = least recently used) -----------------------------
+  SlotId id_of(const Slot& slot) const noexcept {
+    return static_cast<SlotId>(&slot - slots.data());
   }
-  void lru_remove(SlotId s) {
+  void lru_push_back(SlotId s) noexcept { lru.push_back(slots[s]); }
+  void lru_remove(SlotId s) noexcept { lru.erase(lru.iterator_to(slots[s])); }
+  void touch(SlotId s) noexcept {
     Slot& slot = slots[s];
-    if (slot.prev != kNoSlot)
-      slots[slot.prev].next = slot.next;
-    else
-      lru_head = slot.next;
-    if (slot.next != kNoSlot)
-      slots[slot.next].prev = slot.prev;
-    else
-      lru_tail = slot.prev;
-    slot.prev = slot.next = kNoSlot;
-  }
-  void touch(SlotId s) {
-    lru_remove(s);
-    lru_push_back(s);
+    lru.splice(lru.end(), lru, lru.iterator_to(slot));  // to the most recently used end
   }
 
   // ---- events --------------------------------------------------------------------------
@@ -225,7 +224,7 @@ struct HostTier::State {
   void announce(CacheEventSink& to, SlotId s) const noexcept {
     const BlockOrigin origin = origin_of(s);
     BlockStoredView view;
-    view.hashes = {&slots[s].hash, 1};
+    view.hashes = {&hashes[s], 1};
     view.parent = origin.parent;
     view.tokens = origin.tokens;
     view.block_size = static_cast<std::uint32_t>(block_size);
@@ -238,7 +237,7 @@ struct HostTier::State {
   void free_slot(SlotId s) {
     Slot& slot = slots[s];
     if (slot.state == SlotState::ready) {
-      if (sink != nullptr) sink->removed(source, {&slot.hash, 1});
+      if (sink != nullptr) sink->removed(source, {&hashes[s], 1});
       lru_remove(s);
       --ready;
     } else if (slot.state == SlotState::filling) {
@@ -250,7 +249,7 @@ struct HostTier::State {
       free_slots.push_back(s);
       return;  // out of the index since its quarantine
     }
-    index.erase(slot.hash);
+    index.erase(hashes[s]);
     slot.state = SlotState::free;
     slot.pins = 0;
     free_slots.push_back(s);
@@ -265,9 +264,9 @@ struct HostTier::State {
       s = free_slots.back();
       free_slots.pop_back();
     } else {
-      for (SlotId c = lru_head; c != kNoSlot; c = slots[c].next) {
-        if (slots[c].pins == 0) {
-          s = c;
+      for (const Slot& c : lru) {
+        if (c.pins == 0) {
+          s = id_of(c);
           break;
         }
       }
@@ -278,7 +277,7 @@ struct HostTier::State {
     }
     index.emplace(hash, s);  // never allocates (reserved), so nothing to undo
     Slot& slot = slots[s];
-    slot.hash = hash;
+    hashes[s] = hash;
     slot.state = SlotState::filling;
     ++filling;
     return s;
@@ -462,7 +461,7 @@ struct HostTier::State {
         options.copy_timeout.count());
     for (const Transfer& t : in_flight) {
       Slot& slot = slots[t.slot];
-      index.erase(slot.hash);
+      index.erase(hashes[t.slot]);
       slot.state = SlotState::quarantined;
       --filling;
       ++quarantined_slots;
@@ -598,14 +597,14 @@ struct HostTier::State {
   std::size_t slot_bytes;
   std::size_t block_size;
   std::vector<Slot> slots;
+  std::vector<BlockHash> hashes;       // per slot: its block's, while filling or ready
   std::vector<SlotOrigin> origins;     // per slot
   std::vector<TokenId> origin_tokens;  // block_size per slot
   CacheEventSink* sink = nullptr;
   EventSource source{Medium::cpu, std::nullopt, std::nullopt, std::nullopt};
   std::vector<SlotId> free_slots;
   absl::flat_hash_map<BlockHash, SlotId, BlockHashHasher> index;  // filling and ready slots
-  SlotId lru_head = kNoSlot;
-  SlotId lru_tail = kNoSlot;
+  SlotLru lru;  // over slots, which outlive it (declared before)
   std::size_t filling = 0;
   std::size_t ready = 0;
   std::size_t quarantined_slots = 0;   // slots in SlotState::quarantined
@@ -810,7 +809,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     --s.slots[h].pins;
   s.inserting = true;
   for (const Transfer& t : onload) {
-    const BlockHash hash = s.slots[t.slot].hash;
+    const BlockHash hash = s.hashes[t.slot];
     try {
       cache.insert(hash, t.block, s.origin_of(t.slot), where);
     } catch (const std::exception& e) {  // a refcount overflow: the block stays private
@@ -929,7 +928,8 @@ void HostTier::snapshot(CacheEventSink& sink) const {
   const State& s = *state_;
   std::vector<bool> seen(s.slots.size(), false);
   std::vector<SlotId> chain;
-  for (SlotId c = s.lru_head; c != kNoSlot; c = s.slots[c].next) {
+  for (const Slot& slot : s.lru) {
+    const SlotId c = s.id_of(slot);
     if (seen[c]) continue;
     // Parents that are ready on the host first, as PrefixCache::snapshot.
     chain.clear();
@@ -957,8 +957,8 @@ std::vector<BlockHash> HostTier::host_lru_order() const {
   const State& s = *state_;
   std::vector<BlockHash> order;
   order.reserve(s.ready);
-  for (SlotId c = s.lru_head; c != kNoSlot && order.size() <= s.slots.size(); c = s.slots[c].next)
-    order.push_back(s.slots[c].hash);
+  for (const Slot& slot : s.lru)
+    order.push_back(s.hashes[s.id_of(slot)]);
   return order;
 }
 
@@ -1019,11 +1019,11 @@ InvariantReport HostTier::check_invariants() const {
         break;
     }
     if (slot.state == SlotState::filling || slot.state == SlotState::ready) {
-      auto it = s.index.find(slot.hash);
+      auto it = s.index.find(s.hashes[i]);
       if (it == s.index.end() || it->second != i) {
         report.add_violation(
             fmt::format("host slot {} (hash {}) is not what the host index holds for its hash", i,
-                        slot.hash.to_string()));
+                        s.hashes[i].to_string()));
       }
     }
   }
@@ -1052,19 +1052,35 @@ InvariantReport HostTier::check_invariants() const {
     report.add_violation(fmt::format("the host index has {} entries for {} filling + {} ready",
                                      s.index.size(), filling, ready));
   }
+  // Walked both ways (bounded, should the links be corrupt): the same slots,
+  // each ready and inside the slot array.
   std::size_t linked = 0;
-  SlotId prev = kNoSlot;
-  for (SlotId c = s.lru_head; c != kNoSlot && linked <= s.slots.size(); c = s.slots[c].next) {
-    if (s.slots[c].state != SlotState::ready)
+  std::vector<bool> in_lru(s.slots.size(), false);
+  for (auto it = s.lru.begin(); it != s.lru.end() && linked <= s.slots.size(); ++it, ++linked) {
+    const Slot* p = &*it;
+    if (p < s.slots.data() || p >= s.slots.data() + s.slots.size()) {
+      report.add_violation("the host LRU order links a slot outside the slot array");
+      break;
+    }
+    const SlotId c = s.id_of(*p);
+    if (p->state != SlotState::ready)
       report.add_violation(fmt::format("host slot {} is in the LRU order but not ready", c));
-    if (s.slots[c].prev != prev)
-      report.add_violation(fmt::format("host slot {}'s LRU links are inconsistent", c));
-    prev = c;
-    ++linked;
+    if (in_lru[c]) report.add_violation(fmt::format("host slot {} is in the LRU order twice", c));
+    in_lru[c] = true;
   }
-  if (linked != ready || prev != s.lru_tail) {
+  std::size_t back_linked = 0;
+  for (auto it = s.lru.rbegin(); it != s.lru.rend() && back_linked <= s.slots.size(); ++it) {
+    const Slot* p = &*it;
+    if (p < s.slots.data() || p >= s.slots.data() + s.slots.size() || !in_lru[s.id_of(*p)]) {
+      report.add_violation("host LRU links are inconsistent (backward walk differs)");
+      break;
+    }
+    ++back_linked;
+  }
+  if (linked != ready || back_linked != linked) {
     report.add_violation(
-        fmt::format("the host LRU order holds {} slots for {} ready", linked, ready));
+        fmt::format("the host LRU order holds {} slots ({} walked back) for {} ready", linked,
+                    back_linked, ready));
   }
   // Every filling slot is the destination of exactly one transfer in flight
   // (a filling slot with none would stay invisible forever), and every held
