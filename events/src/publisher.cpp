@@ -814,6 +814,12 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   if (!m.opt.replay_endpoint.empty()) {
     m.router.emplace(m.ctx, zmq::socket_type::router);
     m.router->set(zmq::sockopt::linger, linger);
+    // An answer is sent without waiting: the whole ring and its terminator
+    // must fit under the high water mark (ZeroMQ's default, 1,000, cut a
+    // longer replay short, terminator included), for a few clients at once.
+    m.router->set(zmq::sockopt::sndhwm,
+                  static_cast<int>(std::min<std::uint64_t>(
+                      INT32_MAX, 4 * (static_cast<std::uint64_t>(m.opt.replay_ring_batches) + 2))));
     bind_or_throw(*m.router, m.opt.replay_endpoint, "replay");
     m.replay_bound = last_endpoint(*m.router);
   }

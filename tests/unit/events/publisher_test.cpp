@@ -294,6 +294,28 @@ TEST(Publisher, ReplayFromASequenceAndAMiss) {
   EXPECT_EQ(st.bad_requests, 1u);
 }
 
+// A replay longer than ZeroMQ's default high water mark (1,000 messages)
+// arrives whole, terminator included.
+TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.replay_ring_batches = 3000;
+  Publisher pub(o);
+  const std::vector<TokenId> tokens = {1};
+  for (std::uint64_t k = 0; k < 3000; ++k) {
+    const std::vector<BlockHash> hashes = {bh(1000 + k)};
+    pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
+  }
+  ASSERT_TRUE(pub.flush(5s));
+  ASSERT_EQ(pub.stats().next_seq, 3000u);
+  ReplayClient c(pub.replay_endpoint());
+  const auto got = c.replay(0);
+  ASSERT_EQ(got.size(), 3000u);
+  for (std::size_t k = 0; k < got.size(); ++k)
+    ASSERT_EQ(got[k].first, k);
+}
+
 using BlockTuple = std::tuple<std::string, std::optional<std::uint32_t>, std::uint64_t,
                               std::optional<std::uint64_t>, std::vector<TokenId>>;
 

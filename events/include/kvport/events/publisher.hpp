@@ -50,6 +50,8 @@ struct PublisherOptions {
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
   /// Batches the replay ring keeps (vLLM: 10,000).
+  /// The replay socket queues up to 4 x (this + 2) messages per client, so
+  /// that a replay of the whole ring and its terminator is never cut short.
   std::size_t replay_ring_batches = 10'000;
   /// How long the destructor waits for sends still queued in ZeroMQ.
   std::chrono::milliseconds linger{1'000};
