@@ -128,6 +128,12 @@ def test_batches_lists_arrays_and_errors(cache):
     with pytest.raises(kvport.InvalidArgument, match="out of range"):
         cache.free_blocks([0, 99])
     assert cache.ref_count(0) == 1  # validated before any change
+    # Out of range is its own kind of InvalidArgument, from core's one check.
+    assert issubclass(kvport.OutOfRange, kvport.InvalidArgument)
+    with pytest.raises(kvport.OutOfRange, match="out of range"):
+        cache.zero_blocks([8])
+    with pytest.raises(kvport.OutOfRange):
+        cache.inc_ref(99)
     # Not a batch: a float, a str or bytes (iterable, but not of block ids).
     for bad in (1.5, np.float64(2), "01", b"\x01", bytearray(b"\x01")):
         with pytest.raises(TypeError, match="an int or an iterable of ints"):
