@@ -19,10 +19,13 @@ namespace {
 using test::expect_invalid_argument;
 using test::small_config;  // 3 layers, 128-byte K and V regions
 
-// One engine buffer that several pools can be carved out of.
+// One engine buffer that several pools can be carved out of. aligned_alloc
+// wants a size that is a multiple of the alignment (ASan aborts otherwise);
+// `bytes` stays what was asked for.
 struct Buffer {
   explicit Buffer(std::size_t n)
-      : bytes(n), p(static_cast<std::uint8_t*>(std::aligned_alloc(256, n))) {}
+      : bytes(n),
+        p(static_cast<std::uint8_t*>(std::aligned_alloc(256, (n + 255) / 256 * 256))) {}
   ~Buffer() { std::free(p); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
