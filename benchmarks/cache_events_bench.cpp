@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What cache events (cache_events.hpp) cost the prefix cache's hot path: the
 // same replay-like loop over two PrefixCaches of the same size in one run,
 // one without a sink and one with a sink that only counts, alternating in

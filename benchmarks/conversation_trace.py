@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Generates a conversation-style Mooncake trace (JSONL) for `kvport replay`.
 
 Each line is one request: {"timestamp": ms, "input_length": tokens,

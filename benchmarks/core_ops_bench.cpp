@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block management on the scheduler's hot path: ns per operation, host
 // side only (no device work).
 #include <benchmark/benchmark.h>

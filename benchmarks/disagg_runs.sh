@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Runs `kvport disagg` (llama-3-8b blocks, 2 MiB each) in the configurations
 # docs/performance.md reports ("Block transfer"), one after the other, and
 # prints one line per run: transfers, GB/s of the pulls of >= 16 blocks, the

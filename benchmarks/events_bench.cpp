@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The events publisher's cost: the hot path (Publisher::stored, what the
 // cache pays per event) against a no-op sink, measured side by side in one
 // benchmark and reported as a ratio; events per second published end to end

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host tier's LRU: boost::intrusive::list (a member hook, normal_link)
 // against the hand-written intrusive doubly linked list it replaced (prev/next
 // slot ids in the slot, kept here as a bench-only copy), on the same

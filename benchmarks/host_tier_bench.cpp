@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host tier's copies: offload (device -> host) and onload
 // (host -> device) of a batch of scattered blocks between a PagedKvCache and
 // page-first host slots, the way HostTier copies them, against the limit in

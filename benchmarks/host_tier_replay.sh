@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The host tier's target on one Mooncake-format trace, in one run:
 #   device-only 262,144 blocks (the reference)
 #   device 65,536 + host 196,608, write-back, exclusive

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KV cache groups on the scheduler's hot path: HybridBlockTable against
 // BlockTable in the same run, ns per block (host bookkeeping only; tiny
 // blocks, no device work but the copies the tables queue).

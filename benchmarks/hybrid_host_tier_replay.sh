@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The host tier's target for hybrid models: for each model, on one
 # Mooncake-format trace, in one run:
 #   device-only, 4x the memory                     (the reference)

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prefix-cache bookkeeping per block, old design against new in the same run.
 //
 // `PrefixCache` (core) indexes cached blocks in an absl::flat_hash_set of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Trace replay over the prefix cache (kvport::sim::run_replay): requests per
 // second of host time on a generated Mooncake-like trace, from a cache so
 // small that decode preempts to one that keeps most shared prefixes.

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # `kvport replay` of a large generated conversation trace, an old and a new
 # binary side by side: they run alternately (old, new, old, new, ...) on the
 # same trace, so both see the same machine load; the medians and their ratio

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The router index (kvport::router) on a Mooncake trace: index operations
 // per second and decision latency, as Dynamo reports for its KV indexer.
 //

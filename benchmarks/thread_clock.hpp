@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The calling thread's CPU time, for benchmarks on a shared machine: time the
 // thread spent descheduled (builds, other jobs, a publisher thread beside it)
 // would otherwise land on whichever variant happened to be running.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block transfer over UCX: one Agent::post of a list of blocks
 // read from (Transfer/read) or written to (Transfer/write) a peer agent,
 // against the raw UCX figure of the same bytes and the memory limit, in the

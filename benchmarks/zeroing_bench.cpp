@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block zeroing, three strategies on the same cache in the same run (see
 // sim/include/kvport/sim/zeroing.hpp): reference (2 x layers
 // x blocks memsets), batched (PagedKvCache::zero_blocks, one call) and limit

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Finds xxHash (Debian: libxxhash-dev) and defines the imported target
 # xxHash::xxhash. XXH3's 128-bit hash is stable from 0.8.0 on.
 find_path(xxHash_INCLUDE_DIR xxhash.h)

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Backend selection: KVPORT_WITH_CUDA / KVPORT_WITH_HIP = AUTO | ON | OFF.
 # AUTO builds a backend when its toolkit is found; ON stops the configure with
 # what to install when it is not; OFF skips it. Host is always built.

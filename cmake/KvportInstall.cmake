@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # `cmake --install` produces a CMake package with components:
 #   core (always): kvport::core, kvport::platform, kvport::host,
 #     kvport::backends (and kvport::cuda / kvport::hip when built),

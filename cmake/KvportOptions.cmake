@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # Compiler flags shared by every kvport target, kept on an interface target so
 # that they never leak into an installed consumer's build.
 add_library(kvport_warnings INTERFACE)

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds a preset's Google Benchmark suite (kvport_bench), runs it and writes
 # into docs/benchmarks/:
 #   <preset>.json          Google Benchmark's JSON (every repetition)

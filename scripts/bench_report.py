@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Turns kvport_bench's Google Benchmark JSON into a markdown report and a plot.
 
 Usage: scripts/bench_report.py BENCH.json --markdown OUT.md [--plot OUT.png]

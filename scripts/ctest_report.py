@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Makes ctest's output readable (scripts/test.sh pipes ctest through it).
 
 While ctest runs: one line per test that did not pass (its status, name and

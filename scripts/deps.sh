@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Installs the Debian 12 packages kvport builds with, if any are missing.
 # Usage: scripts/deps.sh [--hip] [--fuzz] [--plots] [--peer|--torch]
 #   --hip adds hipcc + libamdhip64-dev; --fuzz clang + its libFuzzer runtime;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the libFuzzer targets (the `fuzz` preset: clang with
 # -fsanitize=fuzzer,address,undefined) and fuzzes the core for a bounded time,
 # then the KV event decoder for a quarter of it (at most 30 s).

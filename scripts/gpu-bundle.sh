@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Makes the GPU proof kit: builds the `cuda` preset here (benchmarks on) and
 # copies into DIR everything the GPU machine needs to run the proof without
 # the Debian packages kvport builds with:

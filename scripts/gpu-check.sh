@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU proof from source, on an NVIDIA machine that has the CUDA toolkit AND
 # the Debian packages kvport builds with (scripts/deps.sh). A machine without
 # them (the lent H200) runs the bundle instead: scripts/gpu-bundle.sh here,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # One command on a fresh Debian 12 machine: install what is missing, build the
 # host preset, and run the main job (`kvport demo`) on the host backend.
 set -euo pipefail

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Builds the host preset and runs the whole test suite through ctest; exits
 # with ctest's status.
 # Usage: scripts/test.sh [preset]   (host by default; asan, tsan, and with

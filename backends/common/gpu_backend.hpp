@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GpuBackend<Api>: the whole Backend contract written once over a small
 // per-vendor API mapping (ApiCuda in backends/cuda, ApiHip in backends/hip,
 // gpusim's ApiSim in tests/gpusim), in the style of alpaka's ApiCudaRt /

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How the batched kernels split work: which bytes chunk c of a launch covers.
 // Shared by the kernels (gpu_kernels.inc) and by the CPU simulation of the GPU
 // backend that the conformance suite runs without a GPU, so the mapping the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Descriptor layouts and launcher declarations shared by the CUDA and HIP
 // backends. The kernels themselves are written once, in gpu_kernels.inc.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // VendorApi: the contract between GpuBackend<Api> (gpu_backend.hpp) and one
 // vendor's runtime (ApiCuda, ApiHip, and gpusim's ApiSim for tests), as a
 // C++20 concept. A missing or mistyped member of an API struct is a compile

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """kvport's block zeroing next to the PyTorch peer's, case by case.
 
 Joins the cases of a `kvport bench --json` output and a

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Block zeroing the way PyTorch engines do it, next to kvport's `kvport bench`.
 
 The same KV-cache pools as kvport's zeroing bench (benchmarks/support: model

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ctest driver (rust.cargo_test_installed): the installed crate, as a user
 # gets it, against an installed kvport: install the C ABI (bindings/c of the
 # build tree) and the crate (install component `rust`:

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Private: one report of every KV cache group's invariants.
 #pragma once
 

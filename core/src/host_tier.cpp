@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/host_tier.hpp"
 
 #include <absl/container/flat_hash_map.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/hybrid_block_table.hpp"
 
 #include <absl/container/inlined_vector.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/hybrid_host_tier.hpp"
 
 #include <fmt/format.h>

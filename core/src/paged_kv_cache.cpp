@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/paged_kv_cache.hpp"
 
 #include <fmt/format.h>

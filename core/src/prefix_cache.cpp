@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/prefix_cache.hpp"
 
 #include <absl/container/flat_hash_set.h>

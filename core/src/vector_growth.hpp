@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // reserve() with geometric growth, for the block and token vectors of the
 // block tables (private to core).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/platform/allocation_tracker.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The RAII buffers' allocation and release, out of line so that their
 // headers need only a declaration of Backend.
 #include "kvport/platform/backend.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/platform/device_ptr.hpp"
 
 #include <fmt/format.h>

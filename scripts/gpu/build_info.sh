@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # Prints what a cuda build is, as "key: value" lines (the bundle's BUILD_INFO):
 # the commit, the date, the CUDA runtime version (cudart is linked statically,
 # so it is the toolkit's: CUDART_VERSION of the headers the build used), nvcc,

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU proof from a bundle made by scripts/gpu-bundle.sh (this file is the
 # bundle's run.sh). Needs only what the GPU machine has: the NVIDIA driver,
 # bash, coreutils and python3 (with PyTorch and Triton for the peer step).

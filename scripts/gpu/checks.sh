@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # The GPU proof: the steps and the verdict, shared by the bundle's run.sh
 # (scripts/gpu-bundle.sh) and the from-source scripts/gpu-check.sh.
 #

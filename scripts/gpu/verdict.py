@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """The GPU proof's verdict: reads what scripts/gpu/checks.sh left in OUT_DIR and
 writes OUT_DIR/summary.txt, whose first line is "VERDICT: PASS" or
 "VERDICT: FAIL: <the first reason>". Exit status 0 on PASS, 1 on FAIL.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/sim/mooncake_trace.hpp"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/sim/serving_sim.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/sim/trace_tokens.hpp"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ctest driver: configure kvport with ARGS (a ;-list, given with , separators)
 # into a scratch folder and require that the configure FAILS with a message
 # matching EXPECT.

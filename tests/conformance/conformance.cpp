@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The backend conformance suite: the executable form of the Backend contract
 // (platform/include/kvport/platform/backend.hpp). One test body per
 // behaviour, instantiated for every compiled backend; a backend without a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The fixture of the backend conformance suite, shared by its test files (one
 // per topic; one executable, kvport_conformance). See conformance.cpp for the
 // backends it runs on.

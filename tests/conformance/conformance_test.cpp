@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The core of the backend conformance suite (see conformance.cpp for the
 // other files): allocation, memset, batched fills, copies, ordering on one
 // stream and across two, contract details, and PagedKvCache end to end.

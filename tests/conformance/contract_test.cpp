@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Details of the Backend contract every backend must honour, beyond moving
 // bytes: pointers checked at call time (use after free), stale and moved-from
 // stream and event handles, DeviceBuffer ownership, and call counts. These

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The seams an engine plugs into, on every backend: its own streams
 // (Backend::wrap_stream) and its own memory (Backend::adopt_memory).
 //

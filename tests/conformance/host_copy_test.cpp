@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Batched copies between device memory and host memory: copy_batch_h2d_async
 // and copy_batch_d2h_async. Scattered block-sized regions both ways, with
 // pinned (alloc_host) and pageable (std::vector) host memory, one call per

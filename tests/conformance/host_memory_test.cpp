@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Pinned host memory: alloc_host / free_host / HostBuffer, and host <-> device
 // copies with it, queued on two streams and ordered by an event.
 #include <algorithm>

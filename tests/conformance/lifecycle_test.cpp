@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Lifetimes and limits: destroying a stream, a block pool set and a whole
 // backend while work is pending; two backends alive at once; device ordinals;
 // a real out-of-memory.

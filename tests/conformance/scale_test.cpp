@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Sizes that matter on a GPU: offsets past 4 GiB (32-bit index overflow),
 // more regions than the kernels' grid has blocks (the grid-stride loop),
 // 100 000 block ids, batched copies of multi-chunk regions whose source and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Streams, events and threads: descriptor staging while a stream is busy (on
 // one stream, then from four threads at once), events ordering every batched
 // operation across streams, waits on an event never recorded, and calls from

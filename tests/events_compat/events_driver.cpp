@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The publishing side of the independent decoder test (vllm_subscriber.py):
 // a Publisher fed a scripted sequence of events over real block hashes
 // (chains with parents, a LoRA adapter, the CPU tier, KV cache groups,

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """An independent consumer of kvport's KV events, written from vLLM's
 published message structure (vllm/distributed/kv_events.py and its example
 subscriber), not from kvport's C++ decoder.

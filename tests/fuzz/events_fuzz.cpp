@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target over the events wire decoder: any input decodes or fails
 // with an error (never a crash, a read past the input, or UB under
 // address+undefined), and whatever decodes re-encodes, in both forms, to a

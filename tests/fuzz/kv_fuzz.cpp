@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // libFuzzer target: bytes decode into a KV-cache configuration and a sequence
 // of operations (alloc, try_alloc, inc_ref, dec_ref, free, return_evicted,
 // zero, poison, fork, append, prefix lookup, evict, release), applied to the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // gpusim: the GPU backend (GpuBackend<Api>, backends/common/gpu_backend.hpp)
 // over a CPU simulation of the vendor API, for machines without a GPU.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GpuBackend's policies that only hardware would otherwise show, checked on
 // the simulated vendor API (gpusim_backend.hpp): the current device per
 // thread, launch and allocation error classification, the sticky device-lost

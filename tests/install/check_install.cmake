@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ctest driver: install the build tree into a scratch prefix, then configure,
 # build and run the consumer projects against it: core_consumer (the core
 # only, without UCX and ZeroMQ) and consumer (events, and transfer when

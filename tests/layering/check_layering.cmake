@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # The dependency direction of docs/architecture.md, checked from the sources:
 #   tools -> {sim, transfer, events, router} -> core -> platform <- backends;
 #   benchmarks -> sim/core.

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """ctest driver for the PyTorch peer (benchmarks/peer) on a CPU-only torch.
 
 Runs one check with the first of --python's interpreters that can import

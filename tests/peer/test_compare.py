@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """compare.py: the join of kvport and torch cases, the table, and the error paths.
 
 Stdlib only (no torch): runs everywhere the test suite runs.

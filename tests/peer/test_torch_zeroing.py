@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """torch_zeroing.py: input checks (no torch needed) and verification that fails
 when a strategy zeroes the wrong bytes (needs torch; skipped without it).
 """

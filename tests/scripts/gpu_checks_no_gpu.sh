@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
 # scripts/gpu/checks.sh against this build's own binaries, conformance step
 # only, on a machine without an NVIDIA GPU: it must exit 1 and summary.txt's
 # first line must be "VERDICT: FAIL: ..." naming EXPECTED ("no device" when

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """scripts/ctest_report.py on a canned ctest run: the passing tests and the
 padding dots stay out of what it prints, the summary counts each label, a
 failure is printed in full, skip reasons are listed, and it exits 0 (the run's

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """scripts/gpu/verdict.py on canned inputs: one case per run, so that each is
 its own ctest entry. Proves the verdict can say PASS (cuda passed everything)
 and says FAIL for every way the GPU proof can fall short.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Agent: peers (liveness, loss), transfers, the progress thread and the
 // public API over a Transport. What the state holds and which file does what:
 // agent_state.hpp. One lock guards everything; the progress thread and the

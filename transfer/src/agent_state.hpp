@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Agent::State: what an Agent holds behind its pimpl, shared by the files
 // that implement it. One lock guards everything; the progress thread and the
 // callers take it in turn, and transport callbacks run with it held.

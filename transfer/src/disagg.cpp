@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PrefillNode and DecodeNode: leases, pulls, confirmations and the failure
 // rules (blocks are freed only when no transfer can touch them).
 #include "kvport/transfer/disagg.hpp"

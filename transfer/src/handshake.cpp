@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The handshake: hello / accept / reject messages, and Agent::State's half
 // that acts on them (adopting a peer, rejecting one either way).
 #include "handshake.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The handshake's messages: hello (the connecting side) and accept (the
 // listening side) carry who an agent is, its layout (with every KV cache
 // group), where its pools are, its registered regions with their keys and

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridPrefillNode and HybridDecodeNode: one PrefillNode / DecodeNode per
 // KV cache group, one lease per request across the groups (all or nothing).
 #include "kvport/transfer/hybrid_disagg.hpp"

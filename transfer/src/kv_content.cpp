@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/transfer/kv_content.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The agent's messages on a connection: the envelope every message starts
 // with (magic "KVPT", version, type), and the notification's body. The
 // handshake's messages (hello, accept, reject) are in handshake.hpp; the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Staging: the pinned host mirror of a cache's pools, for a transport that
 // cannot register the cache's device memory. The mirror is one pinned
 // allocation holding every pool's extent back to back; where block b of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The UCX transport: UCP contexts, a worker, a listener, client-server
 // endpoints with peer error handling, RMA gets/puts with packed memory keys,
 // and one active-message id for the control path. Every call runs under the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one byte codec of transfer/'s wire formats (the agent's messages, the
 // pool layout, the disaggregation protocol's notification payloads):
 // little-endian fixed-width integers and length-prefixed byte strings.

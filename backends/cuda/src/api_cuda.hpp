@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA half of the per-vendor API mapping that GpuBackend<Api> is written
 // over, checked by the VendorApi concept (backends/common/vendor_api.hpp). Its
 // HIP twin is backends/hip/src/api_hip.hpp. Policy-free: GpuBackend picks the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/backends/cuda_backend.hpp"
 
 #include "api_cuda.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // CUDA build of the shared kernels in backends/common/gpu_kernels.inc.
 #include <cuda_runtime.h>
 

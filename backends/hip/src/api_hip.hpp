@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The HIP half of the per-vendor API mapping that GpuBackend<Api> is written
 // over, checked by the VendorApi concept (backends/common/vendor_api.hpp). Its
 // CUDA twin is backends/cuda/src/api_cuda.hpp. Policy-free: GpuBackend picks

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/backends/hip_backend.hpp"
 
 #include "api_hip.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HIP build of the shared kernels in backends/common/gpu_kernels.inc
 // (compiled by hipcc through a custom command; see backends/hip/CMakeLists.txt).
 #include <hip/hip_runtime.h>

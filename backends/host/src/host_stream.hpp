@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host backend's streams and events: a stream is a worker thread
 // draining a FIFO queue; an event is its latest record, a Completion the
 // stream signals when it reaches it. Internal to the host backend.

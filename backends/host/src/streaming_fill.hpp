@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Streaming (non-temporal) fills of block regions, and the batch size from
 // which the host backend uses them. Internal to the host backend.
 #pragma once

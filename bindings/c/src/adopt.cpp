@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The C ABI's seams for an engine: its own streams (kvport_stream_wrap) and
 // its own memory (kvport_cache_create_adopted).
 #include <memory>

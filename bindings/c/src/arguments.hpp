@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions and checks of C arguments that more than one source of the C
 // ABI uses (kvport_c.cpp: caches, prefix caches, block tables; hybrid.cpp:
 // layer specs, hybrid caches and tables). Each throws what guard() maps to

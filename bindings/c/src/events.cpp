@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The KV cache events of kvport.h: a prefix cache's or a hybrid cache's
 // events published by a kvport::events::Publisher that its handle's object
 // owns (handles.hpp orders the destruction: the cache, then the publisher).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The objects behind the C handles, and the process-wide table that maps a
 // handle to its live object.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exported C functions of kvport.h for hybrid models: layer specs, the
 // planner, hybrid caches (with their group pools lent as kvport_cache
 // handles) and hybrid block tables. Each checks its handles and arguments,

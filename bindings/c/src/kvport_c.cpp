@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The exported C functions of kvport.h: each checks its handles and what
 // C++ cannot see (null pointers, enum values, buffer capacities), calls the
 // C++ API, which checks ids and layers itself (kvport::OutOfRange), and maps

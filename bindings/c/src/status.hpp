@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The error boundary of the C ABI: every exported call runs its body through
 // guard(), which turns each C++ exception into its kvport_status and keeps the
 // message as the calling thread's last error.

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ctest driver: fails when libkvport_c exports a symbol that is not kvport_*
 # (a leaked C++ symbol of kvport, fmt, spdlog, abseil, ...).
 #   cmake -DNM=nm -DLIBRARY=libkvport_c.so -P check_exports.cmake

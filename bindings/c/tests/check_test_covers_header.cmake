@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # ctest driver: fails when a function declared in kvport.h is never called by
 # the C test program (a new function must come with its test).
 #   cmake -DHEADER=kvport.h -DTEST_SOURCE=kvport_c_test.c [-DEXTRA_TEST_SOURCE=other_test.c]

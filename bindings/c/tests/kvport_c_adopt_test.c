@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The C ABI's seams for an engine, from C99: a wrapped stream
  * (kvport_stream_wrap / kvport_stream_release / kvport_stream_vendor_handle)
  * and a cache over the engine's memory (kvport_cache_adopted_pool_bytes,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The KV events of the C ABI, decoded: a prefix cache and a hybrid cache
 // publish through kvport_*_enable_events, a libzmq SUB socket on 127.0.0.1
 // receives the messages and kvport::events::decode_batch decodes them; the

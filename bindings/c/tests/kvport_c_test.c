@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The C ABI from C: every function of kvport.h and every status code.
  * CHECK macros, a failure count, exit status 1 on failure; libzmq's C API
  * subscribes to the KV events. */

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* The thread-safe parts of the C ABI from several threads at once: the handle
  * table (create, use, destroy of handles on every thread) and the
  * thread-local last error. Each thread owns its backend and cache, as the

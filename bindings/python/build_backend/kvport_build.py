@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kvport's PEP 517 build backend: the Python module built with CMake, packed
 into a wheel.
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """kvport: a paged KV-cache runtime (Python bindings).
 
     import kvport

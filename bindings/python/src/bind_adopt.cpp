@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The seams an engine plugs into, in Python: a PagedKvCache over the
 // engine's tensors (PagedKvCache.adopt, through DLPack or the array
 // interfaces) and device work on the engine's stream (use_stream, with

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport.PagedKvCache (kvport._kvport), and the borrowed caches of a hybrid
 // cache's group pools.
 #include <dlpack/dlpack.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The module functions (dtypes, backends, region layouts), KvCacheConfig and
 // the counters and reports (kvport._kvport).
 #include <dlpack/dlpack.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KV cache events in the Python module: kvport.EventPublisherStats, the
 // options of enable_events and what enable_events and disable_events do
 // (events.hpp; the methods are added to PrefixCache and HybridKvCache by

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridHitCounters and HybridKvCache (kvport._kvport): one pool and prefix
 // cache per KV cache group, with DLPack views per model layer.
 #include <pybind11/pybind11.h>

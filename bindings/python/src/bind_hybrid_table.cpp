@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GroupNeed and HybridBlockTable (kvport._kvport).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

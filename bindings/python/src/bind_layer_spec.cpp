@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // StateTensor, LayerSpec, KvCacheGroup and group_layers (kvport._kvport).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The planner: GroupPlan, KvCachePlan and plan_kv_cache (kvport._kvport).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>

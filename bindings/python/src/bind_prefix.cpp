@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport.PrefixMatch, PrefixCache and BlockTable (kvport._kvport).
 #include <dlpack/dlpack.h>
 #include <pybind11/numpy.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Conversions between Python values and kvport's C++ types that more than
 // one source of the module uses: dtype and layout names (and state tensors'), 32-bit ids (block
 // and token batches, with NumPy arrays used in place), id lists.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport's exception types in Python, and the one translator from C++ errors
 // (kvport._kvport).
 #include <pybind11/pybind11.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KV cache events in the Python module: the methods that turn a cache's
 // events on and off (enable_events, disable_events, events_stats,
 // events_endpoint, events_replay_endpoint, events_enabled, flush_events),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Objects made before os.fork() are unusable in the child: their backend's
 // stream threads (and an events publisher's) exist only in the parent, so the
 // first call that queues work would wait forever. Every owned state records

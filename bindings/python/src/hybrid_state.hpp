@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The owned state of the hybrid classes (a hybrid cache's backend and
 // cache) and the Python-facing classes over it, HybridKvCache and
 // HybridBlockTable, which bind_hybrid_cache.cpp and bind_hybrid_table.cpp

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Instances of kvport's classes are made by calling the class, never by
 // `Class.__new__(Class)` alone: pybind11 would hand such an object, whose C++
 // value was never constructed, to the first method called on it (it allocates

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport._kvport: the Python module over kvport's C++ API (pybind11).
 // docs/bindings/python.md is the user's guide; kvport/__init__.py re-exports
 // everything here.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The parts of the kvport._kvport module that live in sources of their own,
 // registered from PYBIND11_MODULE (module.cpp), and what they take from each
 // other.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PoolView: a zero-copy view of cache memory (a layer's K or V pool, a
 // block-major pool, an MLA latent pool, one state tensor of every slot),
 // exported through DLPack and as a writable NumPy array. Every view and every

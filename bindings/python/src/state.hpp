@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The module's owned state (a cache's backend and pools, a prefix cache's)
 // and the Python-facing classes over it (PagedKvCache, PrefixCache,
 // BlockTable), which several of the module's sources bind or return.

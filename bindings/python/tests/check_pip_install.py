@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The pip packaging check (ctest python.pip_install): build a wheel of
 bindings/python with pip, install it into a fresh virtual environment
 (--system-site-packages, so Debian's NumPy and pytest are found), run the

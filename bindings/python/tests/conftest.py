@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Shared fixtures of the kvport Python tests.
 
 The tests import the `kvport` package from PYTHONPATH: ctest points it at

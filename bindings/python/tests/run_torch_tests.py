@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """ctest's python.pytest_torch: runs test_torch.py under pytest, or exits 77
 (ctest's SKIP_RETURN_CODE: the case shows as "Skipped") with the reason when
 PyTorch cannot be imported."""

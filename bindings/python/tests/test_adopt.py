@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The engine's memory and streams: PagedKvCache.adopt over NumPy arrays (the
 engine's pools, checked for count, device, contiguity, dtype and shape, kept
 alive with the cache, never freed), the same operations on an adopted cache

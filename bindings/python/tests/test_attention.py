@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """End to end: paged attention in NumPy, gathering K/V through a
 BlockTable's block ids from kvport's pools, equals dense attention."""
 

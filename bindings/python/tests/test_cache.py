@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PagedKvCache from Python: config, the seed semantics (LIFO, refcounts,
 double frees counted and ignored, exhaustion), batches, errors, lifetimes."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """The examples of docs/bindings/python.md run as written."""
 
 import pathlib

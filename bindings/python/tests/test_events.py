@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """KV cache events from Python: PrefixCache.enable_events and
 HybridKvCache.enable_events publish vLLM's wire format over ZeroMQ. A SUB
 socket (python3-zmq) receives the three frames and python3-msgpack decodes

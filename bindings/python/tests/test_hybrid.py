@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Hybrid models through the module: layer specs, the planner, and three
 caches built as engines would build them (gpt-oss-like window + full,
 DeepSeek-like MLA, a Mamba hybrid). Checks window freeing (null entries after

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What a new user runs into: objects made by __new__ alone, ids that are
 bools, write_block given a non-buffer, a forked child, no NumPy, the log."""
 

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PrefixCache and BlockTable from Python."""
 
 import numpy as np

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """PyTorch interop: torch.from_dlpack of kvport's pool views, and the paged
 attention check in PyTorch. Skipped, with the reason, when torch is absent
 (scripts/deps.sh --torch installs Debian's python3-torch)."""

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Zero-copy pool views (DLPack) through NumPy, for every dtype, in both
 layouts: shapes, dtypes, strides, writes visible to read_block, zero_blocks
 and write_block visible through the view."""

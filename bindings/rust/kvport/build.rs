@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Finds libkvport_c and tells rustc to link it.
 //!
 //! 1. `KVPORT_C_LIB_DIR`: the directory holding `libkvport_c.so` (the kvport

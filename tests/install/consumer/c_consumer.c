@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* Uses the installed C ABI the way a C engine would: a host backend, a
  * cache, a poisoned block read back. Built twice by the install check:
  * through pkg-config (kvport.pc) and through find_package (kvport::c). */

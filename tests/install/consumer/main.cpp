@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Uses the installed package the way an engine would: a host backend, a
 // cache, a zeroed block read back, a transfer agent listening on 127.0.0.1
 // for peers, and the cache's events published on 127.0.0.1 and followed by a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Uses only the core of the installed package: a host backend, a cache, a
 // poisoned block read back, a block registered in a prefix cache and found
 // again.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport bench`: the zeroing comparison on the host backend, shrunk with
 // --batches / --repetitions so that it runs in well under a second.
 #include <cstdint>

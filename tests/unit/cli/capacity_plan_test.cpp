@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The capacity plan behind `kvport plan` and `kvport demo`.
 #include "kvport/cli/capacity_plan.hpp"
 #include "kvport/testing/sim_support.hpp"

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # cmake -DKVPORT=<binary> -DARGS=<a,b,c> -DEXPECTED_CODE=<n> -P check_exit_code.cmake
 # Runs the binary and checks its exit code; for a non-zero code also that
 # stderr is exactly one line starting with "kvport: error: ".

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport::cli::run: help, exit codes and the one-line error contract for every
 // class of bad input.
 #include "cli_test_util.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers for running `kvport` in-process and checking its output.
 #pragma once
 

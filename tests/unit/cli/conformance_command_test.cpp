@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport conformance`: runs the real suite binary with a filter and reports
 // pass / skip / fail per backend.
 #include "cli_test_util.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport demo`: the simulated serving loop on the host backend.
 #include "cli_test_util.hpp"
 

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """Runs `kvport disagg ... --json` (or `kvport cluster`) once and checks its report.
 
 Usage: disagg_check.py --kvport BIN [--command disagg|cluster] [--timeout S]

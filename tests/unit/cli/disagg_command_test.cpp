@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s flags: every bad value is refused with one line and exit
 // 2 before any worker starts (these tests start none), repeated flags take
 // their last value as in every other command, and the protocol's names are

@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
 """SIGINTs `kvport disagg` at random moments and checks each teardown.
 
 Usage: disagg_sigint_loop.py --kvport BIN [--iterations N] [--seed S]

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg` in a build without block transfer: whatever it is given, it
 // refuses in one line that says it was not built (exit 2 through run()).
 #include <gtest/gtest.h>

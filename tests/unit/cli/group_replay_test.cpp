@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport replay --memory`: the trace over a model's KV cache groups beside
 // the same model as all full attention, and its bad input.
 #include <gmock/gmock.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-layer KV specs of Hugging Face configs (hf_layers.hpp): the
 // fixtures of tests/data/hf_configs and the presets that must agree with them,
 // the other architectures and defaults, and the configs that must be refused

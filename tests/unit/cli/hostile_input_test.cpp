@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Hostile input for every command and parser of `kvport`: truncated,
 // malformed, deeply nested, oversized and non-UTF-8 configs, wrong JSON types,
 // overflowing sizes and counts, NaN fractions, unknown names, empty values,

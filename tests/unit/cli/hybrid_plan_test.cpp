@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport plan` of hybrid models: the config.json fixtures of
 // tests/data/hf_configs (written from the models' public values) through
 // `--hf-config F --json`, each group's bytes against arithmetic written out

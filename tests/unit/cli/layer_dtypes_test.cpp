@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The --layer-dtypes syntax.
 #include "kvport/cli/layer_dtypes.hpp"
 

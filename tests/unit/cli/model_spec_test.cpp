@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Model presets, Hugging Face config.json parsing and flag overrides.
 #include "kvport/cli/model_spec.hpp"
 

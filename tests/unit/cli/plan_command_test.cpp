@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport plan`: values computed by hand from the byte formulas of dtype.hpp.
 #include "cli_test_util.hpp"
 

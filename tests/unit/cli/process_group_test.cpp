@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // ProcessGroup: worker processes on a line protocol, and none left behind.
 // Children are /bin/sh scripts, /bin/cat and /bin/sleep; every test is bounded
 // by a few seconds, and the group's destructor (RAII) kills what an early

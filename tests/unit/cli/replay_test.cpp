@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport replay`: Mooncake trace replay over the prefix cache.
 #include <unistd.h>
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PagedKvCache over pools the engine allocated (the adopting constructor):
 // the pools are the engine's bytes exactly, checked against the geometry
 // (count, null, alignment, size, overlap, memory the backend already knows),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockPool: block regions at base + b * stride, the extent formula and its
 // overflow, the parts' names.
 #include "kvport/core/block_pool.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // block_regions: device regions of block lists (runs coalesced per pool),
 // host copy regions of block images, and pool extents, checked by the bytes
 // they move on the host backend against read_block / write_block.

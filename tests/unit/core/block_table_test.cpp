@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockTable: appends, fork, copy-on-write (with device contents read back),
 // and the all-or-nothing append.
 #include <gmock/gmock.h>

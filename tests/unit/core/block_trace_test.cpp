@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockTrace: per-block refcount histories with the caller's file and line,
 // enabled by PagedKvCacheOptions::trace or KVPORT_KV_TRACE.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Cache events (cache_events.hpp) from the caches that hold blocks: a
 // recording sink rebuilds the cached set from PrefixCache's, HostTier's and
 // the hybrid caches' events after random operation streams and compares it

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by the core unit tests: configs with hand-computed sizes, a
 // host backend of known capacity, log capture with levels, host patterns.
 #pragma once

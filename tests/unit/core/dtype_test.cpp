@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Byte formulas of every KV-cache dtype. Expected values are worked out by hand
 // from the table in dtype.hpp:
 //

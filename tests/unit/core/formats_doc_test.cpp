@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // docs/formats.md's hybrid table, row by row, against LayerSpec: a row whose
 // numbers drift from the code (or a model whose spec is not here) fails.
 #include <gtest/gtest.h>

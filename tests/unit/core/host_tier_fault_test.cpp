@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HostTier under injected backend faults (FaultInjectingBackend): a failed
 // host allocation at construction propagates and leaks nothing; a failed
 // copy, in any direction (write-back at eviction, write-through at poll,

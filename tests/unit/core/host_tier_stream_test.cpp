@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HostTier against slow copies and concurrent streams.
 //
 // Slow stream: a GatedBackend (tests/support) holds the tier's copies on its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HostTier: write-back on eviction, write-through, onload on a lookup that
 // runs past the device's prefix (data round trip in both layouts), the host
 // LRU, exclusive vs inclusive tiers, the invariants of both tiers, and bad

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridKvCache and HybridBlockTable over attention groups: the freeing rules
 // (window, chunked), the hybrid hit, all-or-nothing appends, fork and
 // copy-on-write, and invariants in every group.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hybrid hit rule against a brute-force reference: find_hybrid_hit on
 // random rules and cached sets, and HybridBlockTable on random hybrid
 // workloads (shared prefixes, evictions, forks), checked against the longest

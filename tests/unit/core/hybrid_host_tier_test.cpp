@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridHostTier: the host tier under every KV cache group. A request's
 // blocks evicted from the device in every group (full attention, sliding
 // window, state checkpoints) come back from the host as one hybrid hit, with

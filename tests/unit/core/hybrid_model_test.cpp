@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Property test: random operation streams (requests over shared prompt
 // families, decode, forks, releases, evictions) on hybrid caches of every
 // group kind, checked after every step against the rules' definitions

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KvCacheConfig validation and per-block byte math. Expected sizes are worked
 // out by hand from dtype.hpp's formulas.
 #include "kvport/core/kv_cache_config.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Property test: random operation streams (requests with shared prompts,
 // forks, appends, releases, evictions, raw refcount calls, double frees)
 // against the plain reference model in kvport/testing/kv_model.hpp, compared

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // LayerSpec byte math, grouping and the planner (kv_cache_plan.hpp), with the
 // bytes of real models written out as independent arithmetic.
 #include <gmock/gmock.h>

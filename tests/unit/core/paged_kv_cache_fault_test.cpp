@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PagedKvCache under injected backend faults (FaultInjectingBackend over the
 // host backend): a construction that fails at any allocation or at the pool
 // registration leaks nothing; a failed zero / poison / copy leaves refcounts,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Model-based test: random sequences of allocation and refcount operations
 // against a minimal reference model of the reference semantics (a LIFO stack of
 // free ids and a refcount per block), compared after every step.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PagedKvCache on the host backend: free list, refcounts, pointers in both
 // layouts, zero/poison read back from the pools, coalescing, construction and
 // destruction accounting.

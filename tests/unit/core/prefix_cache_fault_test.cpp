@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Prefix caching and block tables under injected backend faults: a failed
 // copy-on-write leaves the table (and every refcount, the free list and the
 // prefix cache) as it was; a failed zero / poison changes no prefix-cache

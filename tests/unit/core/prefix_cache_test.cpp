@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PrefixCache: hashing, lookups, the LRU order, eviction under pressure, and
 // the three-state invariant (free / evictable / in use), checked after every
 // step.

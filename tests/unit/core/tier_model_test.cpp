@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Property test of the two tiers: random request streams (lookups that hit
 // the device, onload from the host or miss; allocations that write back;
 // releases, offloads, evictions) applied to a PrefixCache + HostTier

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The publisher over tcp://127.0.0.1: frames and sequence numbers as vLLM
 // sends them, dropping when the buffer is full (never blocking), replay from
 // a sequence, a replay miss, and snapshots equal to the set the events build.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The wire codec: every field round trips in both forms, the decoder reads
 // vLLM's shapes (map batch, trailing fields, unknown types) and refuses
 // malformed input with an error, never a crash.

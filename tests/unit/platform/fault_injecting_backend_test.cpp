@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FaultInjectingBackend: plans (Nth call, every call from N, probability under
 // a seed, combined), synchronous and deferred faults, where and how often a
 // deferred error surfaces, counters, live allocations and bad plans. The inner

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host backend: the Backend contract on the CPU, with real asynchronous
 // streams and every pointer checked against the live allocations.
 //

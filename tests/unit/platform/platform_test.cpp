@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The platform layer: DevicePtr arithmetic, pool extents, byte sizes, the exception
 // hierarchy and the vendor TRY macros, the logging facade and the registry.
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RouterIndex against a brute-force reference model and against the
 // publishers' own state, over random event streams with duplicates, lost
 // batches (gaps), replays that succeed or fail, snapshots, restarts, silent

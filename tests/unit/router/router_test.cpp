@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RouterIndex's rules one at a time, Router's scoring worked out by hand
 // (GPU and CPU weights, load, tie-breaks), the policies, block-size mismatch,
 // hybrid models' groups, and every error path.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Subscriber over tcp://127.0.0.1: a real events::Publisher followed until
 // the index holds exactly the publisher's own snapshot set (the slow
 // joiner's loss replayed, as a gap and at the tail, and a publisher

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The helpers that exist once: SplitMix64 and mix64, the model presets and
 // errno_text (sim), div_ceil (platform), the block-id limit (core).
 #include <gtest/gtest.h>

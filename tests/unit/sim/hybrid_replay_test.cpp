@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hybrid replay: a long-context trace over gpt-oss-like groups admits
 // about twice the concurrent requests of the same model as all full
 // attention with the same memory, every block comes back, and the bad

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // parse_json_input: the one hardened JSON parse of the trace and config
 // readers.
 #include "kvport/sim/json_input.hpp"

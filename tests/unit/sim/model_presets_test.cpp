@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hybrid model presets and the recurrent state shapes, against arithmetic
 // written out from the models' public config.json values.
 #include <gmock/gmock.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Mooncake trace reader, token synthesis and the prefix-cache replay
 // workload, called as a library (the `kvport replay` report is tested in
 // tests/unit/cli/replay_test.cpp).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one scheduler loop (kvport::sim::Scheduler) on a toy workload whose
 // "cache" is a counter of free blocks: the order of events the rules in
 // scheduler.hpp promise, and its errors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The demo workload under the scheduler loop, driven directly on a
 // host-backend cache.
 #include "kvport/sim/serving_sim.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The zeroing benchmarks' regression guard that needs no timing: the backend
 // calls each strategy makes per batch, counted by the backend.
 #include "kvport/sim/zeroing.hpp"

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test helpers for agents in one process: a host-backend cache with its
 // agent (Side), connecting two of them on 127.0.0.1, token sequences.
 #pragma once

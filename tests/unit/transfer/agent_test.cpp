@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The agent over UCX, two agents in one process on 127.0.0.1: handshake and
 // its rejections, byte-exact reads and writes in both layouts, mixed dtypes
 // and head slicing, notifications, cancel, empty transfers, the staging path,

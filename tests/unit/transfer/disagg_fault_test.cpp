@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The decode pull path (PrefillNode -> DecodeNode over two agents on
 // 127.0.0.1) under injected transport faults (fault_transport.hpp): for every
 // step (the n-th post, the n-th notification either side sends) and every

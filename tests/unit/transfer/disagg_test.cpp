@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The disaggregation protocol in one process: a prefill node leases blocks,
 // decode nodes pull, confirm and cache them; and the failure rules: expired
 // leases, aborts on either side followed by reuse, late notifications, lost

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A Transport decorator for fault drills: it wraps the UCX transport an Agent
 // would make (AgentOptions::transport_factory) and, at one chosen step (the
 // n-th post, or the n-th notification sent, counted from FaultControl::arm),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The disaggregation protocol for hybrid models in one process: one agent per
 // KV cache group, one lease per request across the groups. Every group's
 // bytes are verified on the decode side, replicated groups (MLA, state) come

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Deterministic KV content: what write_kv_content writes (per head, per
 // position, the same on every TP size), that verify_kv_content checks every
 // data and scale byte and nothing else, the one-batch staging, the errors,

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PoolLayout's KV cache groups (hybrid models) at the handshake:
 // version 2 carries every group's spec; a layout without groups stays
 // version 1 and matches its implied full-attention group; incompatibility()

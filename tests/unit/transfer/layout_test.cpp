@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PoolLayout: the handshake encoding (round trip, every malformed input), the
 // compatibility hash and check, head overlap, and the region planner, checked
 // byte-exact by copying planned regions between two real host-backend caches.

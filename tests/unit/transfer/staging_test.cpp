@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Staging (transfer/src/staging.hpp): the pinned mirror's block -> mirror map,
 // computed once at construction, checked against the cache's pools (every
 // block's mirror copy lies where mirror_addresses says peers address it), the

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by the transfer unit tests: layouts and caches of a known
 // shape on a host backend, and a "transfer" that copies planned regions with
 // memcpy (host backend addresses are host pointers).

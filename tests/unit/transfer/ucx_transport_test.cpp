@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The UCX transport on its own, two transports in one process: the bulk
 // data paths a same-host connection uses (process_vm_readv/writev, the
 // default; rendezvous active messages with KVPORT_UCX_BULK=am; RMA with

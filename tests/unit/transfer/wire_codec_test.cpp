@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The transfer wire codec (transfer/src/wire_codec.hpp): byte order, every
 // bound of the reader (fixed-width reads, counts, length-prefixed bytes, the
 // end), the writer's limits, and that every error names its context and field.

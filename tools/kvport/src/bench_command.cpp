@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport bench`: a short version of the block-zeroing comparison of the
 // Google Benchmark suite (benchmarks/zeroing_bench.cpp), run in-process with
 // kvport::sim::ZeroingBench on one backend: (a) reference, (b) batched and

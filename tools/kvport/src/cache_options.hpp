@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The model, cache-shape and memory-budget flags that several subcommands
 // share (plan, demo; later bench and conformance).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/cli/capacity_plan.hpp"
 
 #include <fmt/format.h>

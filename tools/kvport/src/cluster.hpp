@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport cluster`: a trace replayed over N engine instances and one router,
 // each a process of its own (docs/cli.md, "kvport cluster").
 //

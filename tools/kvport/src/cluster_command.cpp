@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport cluster`: a Mooncake trace over N engine instances and a router,
 // each a process of its own, once per routing policy (cluster.hpp has the
 // processes and their lines; docs/cli.md the report).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport cluster`'s instance process (cluster.hpp): the replay's scheduler
 // and prefix cache over the requests the coordinator hands it, publishing
 // the cache's events.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport cluster`'s router process (cluster.hpp): follows every instance's
 // cache events and routes each request.
 #include <fmt/format.h>

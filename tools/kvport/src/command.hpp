@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One `kvport` subcommand. Each lives in its own file (plan_command.cpp,
 // demo_command.cpp, ...) and is listed once in cli.cpp's command table.
 #pragma once

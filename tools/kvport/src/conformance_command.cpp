@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport conformance`: runs the backend conformance suite (the
 // kvport_conformance test binary beside this program) for one backend or all
 // of them, and prints a pass / skip / fail summary per backend.

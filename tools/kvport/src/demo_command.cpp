@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport demo`: builds a PagedKvCache on a backend, runs the simulated
 // serving workload of kvport/sim/serving_sim.hpp on it and checks the cache's invariants.
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s protocol: the coordinator (disagg_coordinator.cpp) starts
 // prefill and decode worker processes of this same program
 // (disagg_worker.cpp) and talks to each over one JSON object per line on its

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`: replays a Mooncake trace through prefill and decode worker
 // processes on this machine that move KV blocks over UCX (kvport::transfer),
 // and reports what moved, how fast (against one contiguous UCX transfer of

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s coordinator (disagg_coordinator.hpp).
 #include "disagg_coordinator.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s coordinator: starts the worker processes, runs the
 // phases (ready, connect, baseline, replay, finish), dispatches each request
 // to a prefill instance feeding a decode instance, and fails over: a request

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A `kvport disagg` worker for a hybrid (or MLA) model: one prefill or decode
 // rank owning a host-backend HybridKvCache (one pool and prefix cache per KV
 // cache group) with one Agent per group, running a HybridPrefillNode or a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Lines from a file descriptor without blocking longer than asked: how a
 // `kvport disagg` worker reads the coordinator's ops on stdin.
 #pragma once

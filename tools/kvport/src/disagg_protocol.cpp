@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The shared half of `kvport disagg`'s protocol (disagg.hpp): role names,
 // message skeletons and the worker spec's JSON form.
 #include <fmt/format.h>

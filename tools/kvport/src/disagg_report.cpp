@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s checks and report (disagg_report.hpp).
 #include "disagg_report.hpp"
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg`'s run as data: the validated options, what the coordinator
 // counted (one Stats), the checks that decide the exit status, and the
 // report in JSON and as text. disagg_command.cpp fills RunOptions,

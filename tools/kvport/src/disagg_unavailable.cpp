@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport disagg` in a build without block transfer (KVPORT_WITH_TRANSFER=OFF,
 // or no UCX found): the command is listed, takes any arguments, and says in
 // one line that it was not built (exit 2, as for bad input).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A `kvport disagg` worker: one prefill or decode rank. It owns a host-backend
 // PagedKvCache with a prefix cache and an Agent, and runs a PrefillNode or a
 // DecodeNode, driven by the coordinator's lines on stdin (disagg.hpp).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // What both `kvport disagg` workers (the single-cache one, disagg_worker.cpp,
 // and the hybrid one, disagg_hybrid_worker.cpp) share: the loop over the
 // coordinator's ops on stdin, the queues of requests waiting for room, the

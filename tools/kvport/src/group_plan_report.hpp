@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The KV cache groups of a plan (kv_cache_plan.hpp) as `kvport plan` reports
 // them: one table row or JSON object per group, and the per-request totals
 // against holding every layer as full attention.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "group_replay.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport replay --memory SIZE`: the trace over a model's KV cache groups
 // (sim::replay_hybrid), beside the same model as all full attention with the
 // same memory, as a report or one JSON object.

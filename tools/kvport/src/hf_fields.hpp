@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Typed reads of the fields of one object of a Hugging Face config.json (the
 // top level, or a multimodal config's "text_config"), each error one line
 // that names the config and the field.

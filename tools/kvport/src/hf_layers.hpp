@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-layer KV specs of a Hugging Face config.json: one reader per
 // architecture whose layers differ (MLA, sliding window, chunked attention,
 // linear attention, Mamba), and the rule that a field which changes the

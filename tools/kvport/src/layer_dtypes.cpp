@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 #include "kvport/cli/layer_dtypes.hpp"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport plan`: how many blocks and tokens of a model's KV cache fit in a
 // memory budget, and what each layer's share of a block is; for a hybrid
 // model, how the budget splits between its KV cache groups and what that

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Worker processes of a command (Linux only): each child's stdin and stdout
 // are connected to the parent for a line-based protocol, and no child is left
 // running behind the group, whatever happens to it or to the parent.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // `kvport replay`: replays a Mooncake request trace over a PrefixCache
 // (kvport/sim/replay.hpp, on a host backend) and reports prefix-cache hits, evictions and
 // preemptions.

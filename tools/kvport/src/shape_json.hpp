@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The JSON fields that describe a cache shape, shared by every subcommand's
 // --json output so that `plan` and `demo` spell them the same way.
 #pragma once

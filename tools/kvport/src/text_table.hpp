@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A plain-text table with aligned columns, for the reports of the subcommands.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 /* kvport.h: the C ABI of kvport (libkvport_c). C99; usable from C++.
  *
  * Every call returns a kvport_status; results come back through

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The example of docs/bindings/rust.md (keep the two the same): an
 //! engine's use of the cache, as it would be written against the reference's
 //! PagedKvCache. `cargo run --offline --example engine` (KVPORT_C_LIB_DIR set).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The hybrid example of docs/bindings/rust.md (tests/hybrid.rs checks that
 //! the two are the same): a gpt-oss-like model, window 128 and full
 //! attention alternating. `cargo run --offline --example hybrid`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `Backend` (a kvport backend by registry name), `GpuBackend` (the trait the
 //! reference's `gpu: &dyn GpuBackend` parameters take), `Stream`, `DevicePtr`.
 

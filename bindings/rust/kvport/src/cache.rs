@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `PagedKvCache`: the reference's API over `kvport_cache`.
 
 use std::ffi::c_void;

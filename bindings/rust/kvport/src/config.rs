@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `KvCacheConfig`, `KvCacheDtype`, `KvCacheLayout`, `RegionLayout`.
 
 use std::ffi::{CStr, CString};

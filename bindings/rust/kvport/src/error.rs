@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `KvError`: one variant per `kvport_status` error code, with the message
 //! `kvport_last_error()` gave for the failing call.
 

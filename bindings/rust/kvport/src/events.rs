@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! KV cache events (`kvport_*_enable_events`): a [`PrefixCache`] or a
 //! [`HybridKvCache`] publishes every change of the blocks it holds as vLLM's
 //! KV events (BlockStored, BlockRemoved, AllBlocksCleared) on a ZeroMQ PUB

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Hand-written declarations of the C ABI in `kvport/kvport.h`
 //! (bindings/c/include/kvport/kvport.h), one for one, in the header's order.
 //!

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Hybrid models: the planner (`plan_kv_cache`), `HybridKvCache` (one block
 //! pool and prefix cache per KV cache group) and `HybridBlockTable` (one
 //! sequence over every group), over `kvport_plan_kv_cache`,

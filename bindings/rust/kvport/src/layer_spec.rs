@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `LayerSpec`: what one model layer keeps in the KV cache (full attention,
 //! MLA, sliding window, chunked local attention, recurrent state, nothing),
 //! over `kvport_layer_spec`. docs/hybrid-models.md has the design.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! kvport: a paged KV cache for LLM inference engines, over kvport's C ABI
 //! (`libkvport_c`, `kvport/kvport.h`). No dependencies.
 //!

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! `PrefixCache` and `BlockTable` over `kvport_prefix_cache` and
 //! `kvport_block_table`. They borrow their parent, so the borrow checker
 //! enforces kvport's ownership rules (a cache outlives its prefix cache, a

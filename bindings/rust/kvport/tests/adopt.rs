@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The engine's streams and memory through the crate: `Stream::wrap` over a
 //! stream's vendor handle (the host backend's queue), and
 //! `PagedKvCache::adopt` over memory the test allocated.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The rest of the crate: the error mapping, dtypes, backends, prefix
 //! caches and block tables.
 

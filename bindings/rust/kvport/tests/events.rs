@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! KV cache events through the crate: enable on 127.0.0.1 port 0, the bound
 //! endpoints, the counters after stores and a flush, disable, and the errors.
 //! (The wire itself is checked by the C and Python tests, which subscribe.)

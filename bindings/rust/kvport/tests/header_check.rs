@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Checks the hand-written declarations in src/ffi.rs against the C header
 //! kvport/kvport.h. It compares:
 //!

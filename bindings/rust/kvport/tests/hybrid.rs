@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! Layer specs, the planner, hybrid caches and hybrid block tables: window
 //! freeing, hybrid prefix hits, state checkpoints read back through a group
 //! pool, all-or-nothing appends, fork, and the errors.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 //! The reference engine's PagedKvCache behaviours, on kvport's host backend.
 //! Written as an engine that used the reference would call it.
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Content hashes of full KV-cache blocks, chained from the first block of a
 // sequence, for prefix caching.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block ids: what names one block of a PagedKvCache, their range, and the
 // null entry of a block table.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockPool: where one layer's K (or V) bytes of every block are. The
 // vocabulary of block geometry; PagedKvCache::pool() hands these out, and
 // block_regions.hpp turns block ids into byte regions over them.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block regions: the byte regions that hold a list of blocks in a cache's
 // pools, the copy regions between them and host images of the blocks, and
 // the pools' extents. Everything that asks "where are block b's bytes" for a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockTable: one sequence's blocks, with fork and copy-on-write.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // BlockTrace: a bounded per-block history of refcount operations, for finding
 // the caller behind a refcount bug.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Cache events: what a cache announces when the set of blocks it holds
 // changes, in the terms of vLLM's KV events (BlockStored, BlockRemoved,
 // AllBlocksCleared), so that cache-aware routers (llm-d, Dynamo, kvport's

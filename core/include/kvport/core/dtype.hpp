@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KV-cache element formats and their byte formulas.
 //
 // Every block of every layer stores, for K and for V separately:

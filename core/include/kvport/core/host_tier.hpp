@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HostTier: a host-memory tier under the prefix cache. Blocks evicted from
 // the device are written back to pinned host memory, and a lookup that runs
 // past the device's cached prefix continues in host memory and copies those

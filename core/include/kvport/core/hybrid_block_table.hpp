@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridBlockTable: one sequence over every KV cache group of a HybridKvCache.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridHostTier: the host tier (host_tier.hpp) under every KV cache group of
 // a HybridKvCache, each group with host slots of its own size.
 #pragma once

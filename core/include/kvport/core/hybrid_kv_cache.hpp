@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HybridKvCache: a model's KV cache as KV cache groups (layer_spec.hpp), one
 // block pool and one prefix cache per group.
 #pragma once

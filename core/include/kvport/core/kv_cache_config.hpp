@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // KvCacheConfig: the shape of a paged KV cache, with validation and byte math.
 #pragma once
 

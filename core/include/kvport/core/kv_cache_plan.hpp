@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The hybrid capacity planner: how a memory budget is split between a model's
 // KV cache groups (layer_spec.hpp), and how much each group holds per request.
 //

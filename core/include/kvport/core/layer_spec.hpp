@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // LayerSpec: what one model layer keeps in the KV cache (full attention, MLA,
 // sliding window, chunked local attention, recurrent state, or nothing), and
 // KvCacheGroup: the layers of one spec, which share one block pool.

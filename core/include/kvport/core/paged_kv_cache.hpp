@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PagedKvCache: per-layer K/V block pools, refcounts and a LIFO free list over
 // any kvport backend.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PrefixCache: automatic prefix caching over a PagedKvCache, with LRU
 // eviction of cached blocks no sequence holds.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A CacheEventSink that publishes a cache's events in vLLM's wire format over
 // ZeroMQ (wire.hpp), so that llm-d's and Dynamo's routers follow a kvport
 // cache unchanged. docs/events.md ("Publisher") describes threading,

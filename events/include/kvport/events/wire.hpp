@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // vLLM's KV event wire format: the msgpack batch `[ts, events,
 // data_parallel_rank]` a publisher sends as the third frame of each message,
 // and the 8-byte big-endian sequence number of the second frame. Encoding and

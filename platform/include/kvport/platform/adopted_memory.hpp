@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AdoptedMemory: memory an engine allocated (a PyTorch tensor, a cudaMalloc of
 // its own), registered with a backend so that kvport's calls address it.
 #pragma once

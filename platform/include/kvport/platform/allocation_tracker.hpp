@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // AllocationTracker: the live allocations of one backend, so that every
 // operation's range is checked before it reaches the device. For backend
 // authors: the host backend and the GPU backends use it.

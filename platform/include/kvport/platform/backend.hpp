@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The Backend contract: what every device plugin (host, CUDA, HIP) provides.
 // The RAII buffers (device_buffer.hpp, host_buffer.hpp) and the block-pool
 // types (block_pool.hpp) have headers of their own; this one includes them.

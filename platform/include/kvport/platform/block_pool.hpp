@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block pool geometry: equally spaced block regions, the one formula for
 // their extent, and a set of pools registered with a backend for batched
 // block fills (Backend::register_block_pools, Backend::fill_blocks_async).

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Human-readable byte sizes: "80GiB", "512 MiB", "1.5GB", "4096".
 #pragma once
 

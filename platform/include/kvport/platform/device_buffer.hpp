@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DeviceBuffer: RAII ownership of one device allocation (Backend::alloc).
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DevicePtr: a device address with checked offset arithmetic.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // DeviceRegion: one contiguous range of a backend's memory.
 #pragma once
 

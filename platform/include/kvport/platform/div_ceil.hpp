@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Integer division rounded up (blocks for a number of tokens, chunks for a
 // number of bytes), at the bottom layer so that every layer can use it.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // kvport's exception hierarchy. A vendor status code becomes one of these in
 // one place, GpuBackend<Api>'s classifier (backends/common/gpu_backend.hpp:
 // OutOfMemory only for the runtime's out-of-memory code on an allocation,

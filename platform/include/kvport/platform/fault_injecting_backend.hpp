@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // FaultInjectingBackend: a Backend decorator that makes chosen calls of an
 // inner backend fail, so that tests can check every error path of the code
 // above the contract (PagedKvCache construction, zeroing, copies) without a

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // HostBuffer: RAII ownership of one pinned host allocation
 // (Backend::alloc_host), the staging memory of the host tier.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The logging facade. spdlog stays behind it (compiled into kvport), so an
 // engine that ships its own spdlog or fmt does not clash with kvport's.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // MemoryKind: where a backend's allocations live (Backend::memory_kind), in a
 // header of its own so that the vendor API structs can name it without the
 // Backend contract.

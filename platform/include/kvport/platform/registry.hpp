@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The compile-time list of backends and how an engine picks one.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Overflow tests and saturating arithmetic on byte and block counts, at the
 // bottom layer so that every layer shares one definition (each caller words
 // its own error).

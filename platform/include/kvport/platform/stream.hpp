@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Stream (owning) and StreamView (non-owning) handles on a backend's queues.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Router: picks the engine instance for a request from the blocks each
 // instance holds (RouterIndex) and the load each reports, under a pluggable
 // Policy: prefix-aware (llm-d's longest-prefix score with Dynamo's cost),

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // RouterIndex: which engine instance holds which KV block, learned from the
 // instances' cache events (cache_events.hpp), exact under the faults of an
 // at-least-once event stream: duplicates, gaps (replayed or not), restarts,

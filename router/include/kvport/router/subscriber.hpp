@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Subscriber: the ZeroMQ client that feeds a RouterIndex from the instances'
 // event publishers (events::Publisher, or vLLM's). Per instance it holds a
 // SUB socket on the PUB endpoint and, when the instance has a replay

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // How a failure to open or read an input file is described in messages, for
 // every reader of untrusted files (traces, model configs).
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Replay of a Mooncake trace over a hybrid model's KV cache groups
 // (HybridKvCache, HybridBlockTable): `kvport replay` for models with sliding
 // window, chunked, MLA or state layers, and beside it the same model treated

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Parsing JSON text from an untrusted file, hardened once for every reader
 // (the trace reader, mooncake_trace.hpp; the CLI's config.json reader).
 #pragma once

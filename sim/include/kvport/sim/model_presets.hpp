@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The built-in model shapes: ONE table for `kvport plan`/`demo` (--model),
 // `kvport bench` and the benchmarks.
 #pragma once

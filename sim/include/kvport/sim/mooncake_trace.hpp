@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Reading Mooncake request traces, streamed: the input of `kvport replay`.
 //
 // A trace is JSON Lines, one request per line (the Mooncake format):

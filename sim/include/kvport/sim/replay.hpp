@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Replay of a Mooncake request trace (mooncake_trace.hpp) over a
 // PrefixCache: the simulation behind `kvport replay`.
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The one scheduler simulation loop behind `kvport replay` (replay.hpp) and
 // `kvport demo` (serving_sim.hpp): a discrete-event, single-threaded model of
 // a vLLM-style continuous-batching scheduler. What differs between the two

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A simulated LLM serving workload over a bare PagedKvCache (refcounts,
 // inc_ref sharing, batched zeroing; no prefix cache): the workload behind
 // `kvport demo`.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // SplitMix64 and its finalizer: the deterministic mixing behind the
 // simulators' token synthesis and seeded workloads, written once.
 #pragma once

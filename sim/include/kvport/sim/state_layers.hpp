@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The per-request state of recurrent layers (Mamba1, Mamba2, Gated DeltaNet)
 // as LayerSpecs: the tensor shapes vLLM allocates for them (its
 // mamba_utils.py), written once for the model presets and the config reader.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Token synthesis for trace replay: deterministic pseudo token ids from a
 // trace's hash ids, so that requests whose ids agree share a prompt prefix,
 // block for block, and every other token is unique to its request.

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Block-zeroing measurements shared by the Google Benchmark suite
 // (benchmarks/zeroing_bench.cpp) and `kvport bench`: three strategies on the
 // same cache, timed with device timing events in the same run.

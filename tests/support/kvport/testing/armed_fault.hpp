@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // One armed backend fault at a time, for the drivers of random operation
 // streams (TierDriver, HybridDriver): an operation arms the failure of the
 // Nth call of one kind (a copy at the call, a copy deferred to its stream, or

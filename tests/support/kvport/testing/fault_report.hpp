@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A GoogleTest environment that prints, after the suite, how many faults the
 // FaultInjectingBackends of the test binary injected: the figure
 // docs/reliability.md quotes. Include it in exactly one source file of a

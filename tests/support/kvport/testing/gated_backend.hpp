@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // GatedBackend: a test-only Backend decorator over a host backend that can
 // hold the device work of host-batch copies (copy_batch_d2h_async /
 // copy_batch_h2d_async) on their streams until the test opens a gate. While

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A checker for HybridKvCache + HybridBlockTable under random operation
 // streams (the fuzzer's hybrid mode and tests/unit/core/hybrid_model_test.cpp).
 //

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A plain reference model of PagedKvCache + PrefixCache + BlockTable, and a
 // driver that applies one operation to both and compares them. The property
 // test (tests/unit/core) draws random operations; the fuzz target

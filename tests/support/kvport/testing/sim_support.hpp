@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Test helpers shared by the sim/ and CLI tests: one Mooncake trace line, and
 // the small cache configuration the simulations run on.
 #pragma once

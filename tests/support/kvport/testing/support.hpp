@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Helpers shared by every kvport test executable (unit tests and the backend
 // conformance suite). Add a helper here only when more than one suite needs
 // it; suite-specific helpers stay in that suite's *_test_util.hpp.

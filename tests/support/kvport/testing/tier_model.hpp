@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // A plain reference model of PrefixCache + HostTier (write-back, exclusive):
 // a device LRU and a host LRU over chained block hashes, and a driver that
 // applies one operation to the real objects and to the model and compares

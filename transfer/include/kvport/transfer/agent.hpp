@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Agent: one per process. It registers a PagedKvCache's pools with the
 // transport, listens and connects, exchanges pool layouts at a handshake that
 // rejects incompatible peers (naming the field), moves block lists (one

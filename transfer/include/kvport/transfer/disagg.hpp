@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The disaggregation protocol over an Agent: a prefill node holds a request's
 // blocks under a lease offered to the decode ranks; each decode rank
 // allocates its own blocks (all or nothing), pulls its heads' share from

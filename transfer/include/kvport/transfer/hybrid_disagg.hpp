@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The disaggregation protocol for a hybrid model (a HybridKvCache of several
 // KV cache groups): one Agent per group in each process, one PrefillNode or
 // DecodeNode per group, and a thin layer that makes a request ONE lease

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Deterministic KV content for checking block transfers without a model: the
 // bytes of every (layer, K/V, head, token position) are derived from the
 // token id at that position, so a receiver that knows the tokens verifies

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // PoolLayout: what one side of a block transfer tells the other about its KV
 // pools at the handshake, the compatibility check that names the field that
 // differs, and the region planner that turns two block lists into the byte

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Transport: the wire under an Agent. One implementation today (UCX's UCP:
 // RMA with memory keys for block data, active messages for the control
 // path); the interface is small so an NCCL/RCCL transport can be added for

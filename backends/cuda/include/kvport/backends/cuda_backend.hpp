@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The CUDA backend: the Backend contract over the CUDA runtime.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The HIP backend: the Backend contract over the HIP runtime.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The host (CPU) backend: kvport's embedded default, and a memory checker.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // find_hybrid_hit (hybrid_kv_cache.hpp): a template so that the caller's
 // probe (a prefix-cache lookup, a memo, a test's set) inlines.
 #pragma once

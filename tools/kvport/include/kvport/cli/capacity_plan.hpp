@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Capacity planning: how many blocks and tokens of a KV-cache config fit in a
 // memory budget, and what every layer's block costs.
 #pragma once

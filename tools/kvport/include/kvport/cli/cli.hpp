@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The `kvport` command-line program as a library call, so that tests run it
 // in-process.
 #pragma once

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // Parsing of single flag values (counts, fractions, dtypes, layouts) with
 // error messages that name the flag and the offending text.
 //

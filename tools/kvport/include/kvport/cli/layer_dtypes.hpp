@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The --layer-dtypes syntax: per-layer dtypes for mixed-precision KV caches.
 #pragma once
 

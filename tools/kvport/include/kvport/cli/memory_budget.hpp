@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The --memory budget: a byte size, or a fraction of a backend's free memory.
 #pragma once
 

@@ -1,3 +1,4 @@
+// SPDX-License-Identifier: Apache-2.0
 // The attention shape of a model, as the KV cache sees it: built-in presets,
 // Hugging Face config.json files, and command-line overrides.
 #pragma once
