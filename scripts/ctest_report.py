@@ -27,8 +27,12 @@ import time
 import xml.etree.ElementTree as ET
 from collections import OrderedDict
 
+# A name may hold spaces (a test's own choice): it ends where ctest's padding
+# of dots begins.
 RESULT = re.compile(
-    r"^\s*(\d+)/(\d+)\s+Test\s+#\d+:\s+(\S+)\s+\.*\s*(\*{3})?(.*?)\s+([\d.]+)\s+sec\s*$")
+    r"^\s*(\d+)/(\d+)\s+Test\s+#\d+:\s+(.+?)\s\.+\s*(\*{3})?(.*?)\s+([\d.]+)\s+sec\s*$")
+RESULT_NO_DOTS = re.compile(
+    r"^\s*(\d+)/(\d+)\s+Test\s+#\d+:\s+(\S+)\s+(\*{3})?(.*?)\s+([\d.]+)\s+sec\s*$")
 FAILED_ITEM = re.compile(r"^\s*\d+\s+-\s+(\S+)\s+\((.+)\)\s*$")
 SKIP_REASON = re.compile(r"^SKIP(PED)?: ")
 NO_LABEL = "(no label)"
@@ -106,7 +110,7 @@ def stream(raw, every):
         if text.startswith("The following tests FAILED"):
             in_failed_list = True
             continue
-        m = RESULT.match(text)
+        m = RESULT.match(text) or RESULT_NO_DOTS.match(text)
         if m:
             done, total = int(m.group(1)), int(m.group(2))
             status = m.group(5).strip() or "Passed"

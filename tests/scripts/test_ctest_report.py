@@ -17,16 +17,18 @@ import tempfile
 DOTS = "." * 300
 CTEST_OUTPUT = f"""Test project /build
     Start 1: core.alloc
-1/4 Test #1: core.alloc {DOTS}   Passed    0.01 sec
+1/5 Test #1: core.alloc {DOTS}   Passed    0.01 sec
     Start 2: cli.bad_flag
-2/4 Test #2: cli.bad_flag {DOTS}***Failed    1.50 sec
+2/5 Test #2: cli.bad_flag {DOTS}***Failed    1.50 sec
 the failure's own output, which ctest repeats with --output-on-failure
     Start 3: peer.torch
-3/4 Test #3: peer.torch {DOTS}***Skipped   0.20 sec
+3/5 Test #3: peer.torch {DOTS}***Skipped   0.20 sec
     Start 4: cli.help
-4/4 Test #4: cli.help {DOTS}   Passed    0.30 sec
+4/5 Test #4: cli.help {DOTS}   Passed    0.30 sec
+    Start 5: Inputs/Parse.Rejects/16-byte object <20-8D 97-70>
+5/5 Test #5: Inputs/Parse.Rejects/16-byte object <20-8D 97-70> {DOTS}   Passed    0.02 sec
 
-75% tests passed, 1 tests failed out of 4
+80% tests passed, 1 tests failed out of 5
 
 Total Test time (real) =   2.01 sec
 
@@ -39,7 +41,7 @@ Errors while running CTest
 """
 
 JUNIT = """<?xml version="1.0" encoding="UTF-8"?>
-<testsuite name="(empty)" tests="4" failures="1" disabled="0" skipped="1" time="0">
+<testsuite name="(empty)" tests="5" failures="1" disabled="0" skipped="1" time="0">
   <testcase name="core.alloc" classname="core.alloc" time="0.01" status="run">
     <system-out>ok</system-out>
   </testcase>
@@ -55,6 +57,9 @@ expected 2, got 0</system-out>
   <testcase name="cli.help" classname="cli.help" time="0.3" status="run">
     <system-out>usage</system-out>
   </testcase>
+  <testcase name="Inputs/Parse.Rejects/16-byte object &lt;20-8D 97-70&gt;" classname="x" time="0.02" status="run">
+    <system-out>ok</system-out>
+  </testcase>
 </testsuite>
 """
 
@@ -63,6 +68,8 @@ TESTS = {"tests": [
     {"name": "cli.bad_flag", "properties": [{"name": "LABELS", "value": ["cli"]}]},
     {"name": "peer.torch", "properties": [{"name": "LABELS", "value": ["peer"]}]},
     {"name": "cli.help", "properties": [{"name": "LABELS", "value": ["cli"]}]},
+    {"name": "Inputs/Parse.Rejects/16-byte object <20-8D 97-70>",
+     "properties": [{"name": "LABELS", "value": ["unit"]}]},
 ]}
 
 
@@ -88,13 +95,15 @@ def main():
         expect(r.returncode == 0, f"exit status {r.returncode} (stderr: {r.stderr})", out)
         expect("...." not in out, "the padding dots are printed", out)
         expect("core.alloc" not in out, "a passing test is listed", out)
+        expect("object <" not in out, "a passing test whose name has spaces is listed", out)
         expect("Failed" in out and "cli.bad_flag" in out, "the failure is not listed live", out)
         rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
                 if line.startswith("  ") and len(line.split()) >= 5}
         expect(rows.get("cli", [])[:4] == ["2", "1", "1", "0"], "cli row: 2 tests, 1 passed, 1 failed", out)
         expect(rows.get("core", [])[:4] == ["1", "1", "0", "0"], "core row: 1 test, 1 passed", out)
         expect(rows.get("peer", [])[:4] == ["1", "0", "0", "1"], "peer row: 1 test, 1 skipped", out)
-        expect(rows.get("all", [])[:4] == ["4", "2", "1", "1"], "all row: 4 tests, 2/1/1", out)
+        expect(rows.get("unit", [])[:4] == ["1", "1", "0", "0"], "unit row: 1 test, 1 passed", out)
+        expect(rows.get("all", [])[:4] == ["5", "3", "1", "1"], "all row: 5 tests, 3/1/1", out)
         expect("==== FAILED: cli.bad_flag" in out and "expected 2, got 0" in out,
                "the failure's output is not printed in full", out)
         expect("SKIP: python3-torch is not installed" in out, "the skip reason is missing", out)
