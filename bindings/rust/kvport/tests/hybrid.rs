@@ -284,6 +284,10 @@ fn the_docs_example_is_examples_hybrid() {
     let section = doc.split("## Hybrid models").nth(1).expect("a Hybrid models section");
     let code = section.split("```rust\n").nth(1).and_then(|c| c.split("```").next()).expect("a rust block");
     let example = std::fs::read_to_string(dir.join("examples/hybrid.rs")).unwrap();
-    let body: Vec<&str> = example.lines().skip_while(|l| l.starts_with("//!") || l.is_empty()).collect();
+    // The example's license line and its //! header are not in the docs.
+    let body: Vec<&str> = example
+        .lines()
+        .skip_while(|l| l.starts_with("// SPDX-License-Identifier:") || l.starts_with("//!") || l.is_empty())
+        .collect();
     assert_eq!(code.trim_end(), body.join("\n").trim_end(), "docs/bindings/rust.md and examples/hybrid.rs differ");
 }
