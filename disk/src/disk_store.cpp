@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -251,9 +252,12 @@ struct DiskStore::State {
 
   std::unique_ptr<std::byte, AlignedFree> staging;
   std::vector<std::uint32_t> free_staging;
-  // Staging buffers (and, for writes, slots) held by I/Os orphaned at their
-  // deadline: tag = staging index; slot = the slot written, or none.
-  absl::flat_hash_map<std::uint64_t, std::optional<std::uint32_t>> orphaned;
+  // I/Os orphaned at their deadline, by their tags: a read holds its staging
+  // buffer (tag: the buffer), a write its slot and maybe a buffer (tag: the
+  // slot, with kWriteTag set).
+  static constexpr std::uint64_t kWriteTag = std::uint64_t{1} << 63;
+  absl::flat_hash_map<std::uint64_t, std::optional<std::uint32_t>> orphaned_writes;  // slot -> buf
+  absl::flat_hash_set<std::uint32_t> orphaned_reads;                                 // bufs
   std::size_t quarantined = 0;
 
   std::vector<Record> pending;  // erase records not yet appended
@@ -274,16 +278,17 @@ struct DiskStore::State {
   void reap(bool wait) {
     if (!data) return;
     for (std::uint64_t tag : data->reap_orphans(wait)) {
-      const auto it = orphaned.find(tag);
-      if (it == orphaned.end()) continue;
-      free_staging.push_back(static_cast<std::uint32_t>(tag));
-      if (it->second) {
-        Slot& s = slots[*it->second];
-        s.state = SlotState::free;
-        free_slots.push_back(*it->second);
+      if ((tag & kWriteTag) != 0) {
+        const auto slot = static_cast<std::uint32_t>(tag & ~kWriteTag);
+        const auto it = orphaned_writes.find(slot);
+        if (it == orphaned_writes.end()) continue;
+        if (it->second) free_staging.push_back(*it->second);
         --quarantined;
+        release_slot(slot);
+        orphaned_writes.erase(it);
+      } else if (orphaned_reads.erase(static_cast<std::uint32_t>(tag)) > 0) {
+        free_staging.push_back(static_cast<std::uint32_t>(tag));
       }
-      orphaned.erase(it);
     }
   }
 
@@ -375,73 +380,100 @@ struct DiskStore::State {
     }
   }
 
-  // Puts one wave: items[k] = (slot, hash, image), staging buffers free.
-  std::size_t put_wave(const std::vector<std::tuple<std::uint32_t, BlockHash, const std::byte*>>& items) {
-    std::vector<IoRequest> reqs(items.size());
-    std::vector<IoResult> results(items.size());
-    std::vector<std::uint32_t> bufs(items.size());
-    std::vector<std::uint64_t> sums(items.size());
-    for (std::size_t k = 0; k < items.size(); ++k) {
-      const auto& [slot, hash, image] = items[k];
-      bufs[k] = free_staging.back();
-      free_staging.pop_back();
-      std::byte* b = buffer(bufs[k]);
-      std::memcpy(b, image, options.block_bytes);
-      sums[k] = checksum_of(b, options.block_bytes);
-      slots[slot].state = SlotState::writing;
-      reqs[k] = IoRequest{IoOp::write, std::uint64_t{slot} * stride, b, stride, bufs[k]};
+  // One block of a put: its slot, hash and image, the staging buffer it
+  // went through (none when written straight from an aligned image) and its
+  // checksum.
+  struct Item {
+    std::uint32_t slot;
+    BlockHash hash;
+    const std::byte* image;
+    std::optional<std::uint32_t> buf;
+    std::uint64_t checksum = 0;
+  };
+
+  // An image the kernel can write from as it is: 4096-aligned and a whole
+  // slot long. A write orphaned at its deadline is never published, so the
+  // caller reusing it cannot corrupt a visible block.
+  bool direct_from(const std::byte* image) const {
+    return options.block_bytes == stride &&
+           reinterpret_cast<std::uintptr_t>(image) % kDirectAlignment == 0;
+  }
+
+  // Writes one wave (at most queue_depth blocks, staging buffers taken for
+  // those that need one); appends the written ones to `written`.
+  void write_wave(std::vector<Item>& wave, std::vector<Item>& written) {
+    std::vector<IoRequest> reqs(wave.size());
+    std::vector<IoResult> results(wave.size());
+    for (std::size_t k = 0; k < wave.size(); ++k) {
+      Item& it = wave[k];
+      const std::byte* from = it.image;
+      if (it.buf) {
+        std::byte* b = buffer(*it.buf);
+        std::memcpy(b, it.image, options.block_bytes);
+        from = b;
+      }
+      it.checksum = checksum_of(from, options.block_bytes);
+      slots[it.slot].state = SlotState::writing;
+      // The kernel only reads a write's buffer.
+      reqs[k] = IoRequest{IoOp::write, std::uint64_t{it.slot} * stride, const_cast<std::byte*>(from),
+                          stride, kWriteTag | it.slot};
     }
     const auto t0 = Clock::now();
     data->run(reqs, results, options.io_timeout);
-    bool synced = false;
-    bool any = false;
-    for (const IoResult& r : results) any = any || r.error == 0;
-    if (any) synced = data->sync() == 0;
     counters.write_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-
-    std::vector<Record> records;
-    std::vector<std::size_t> written;
-    for (std::size_t k = 0; k < items.size(); ++k) {
-      const std::uint32_t slot = std::get<0>(items[k]);
+    for (std::size_t k = 0; k < wave.size(); ++k) {
+      Item& it = wave[k];
       if (results[k].orphaned) {
-        // The kernel may still write this buffer into this slot: both are
+        // The kernel may still write this slot (from this buffer): both are
         // held until it is done (reap).
-        slots[slot].state = SlotState::quarantined;
+        slots[it.slot].state = SlotState::quarantined;
         ++quarantined;
-        orphaned.emplace(bufs[k], slot);
+        orphaned_writes.emplace(it.slot, it.buf);
         ++counters.timeouts;
         continue;
       }
-      free_staging.push_back(bufs[k]);
-      if (results[k].error != 0 || !synced) {
-        if (results[k].error != 0) {
-          note_timeout_or_failure(results[k].error, counters.write_failures);
-        } else {
-          ++counters.write_failures;
-        }
-        release_slot(slot);
+      if (it.buf) free_staging.push_back(*it.buf);
+      if (results[k].error != 0) {
+        note_timeout_or_failure(results[k].error, counters.write_failures);
+        release_slot(it.slot);
         continue;
       }
-      records.push_back(Record{RecordKind::put, slot, static_cast<std::uint32_t>(options.block_bytes),
-                               next_seq++, std::get<1>(items[k]), sums[k]});
-      written.push_back(k);
+      written.push_back(it);
     }
-    if (records.empty()) return 0;
-    if (!append(records)) {
+    wave.clear();
+  }
+
+  // Syncs the data written, appends its records, syncs the index, and only
+  // then publishes the blocks. Returns how many were published.
+  std::size_t publish(std::vector<Item>& written) {
+    if (written.empty()) return 0;
+    const auto fail = [&] {
       counters.write_failures += written.size();
-      for (std::size_t k : written) release_slot(std::get<0>(items[k]));
-      return 0;
+      for (const Item& it : written) release_slot(it.slot);
+      return std::size_t{0};
+    };
+    const auto t0 = Clock::now();
+    const bool synced = data->sync() == 0;
+    counters.write_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    if (!synced) return fail();
+    std::vector<Record> records;
+    records.reserve(written.size());
+    for (const Item& it : written) {
+      records.push_back(Record{RecordKind::put, it.slot,
+                               static_cast<std::uint32_t>(options.block_bytes), next_seq++,
+                               it.hash, it.checksum});
     }
+    if (!append(records)) return fail();
     for (std::size_t i = 0; i < written.size(); ++i) {
-      const std::uint32_t slot = std::get<0>(items[written[i]]);
-      Slot& s = slots[slot];
+      Slot& s = slots[written[i].slot];
       s.hash = records[i].hash;
       s.checksum = records[i].checksum;
       s.seq = records[i].seq;
       s.state = SlotState::stored;
       lru.push_back(s);
-      by_hash.emplace(s.hash, slot);
+      by_hash.emplace(s.hash, written[i].slot);
       ++counters.writes;
       counters.write_bytes += options.block_bytes;
     }
@@ -658,12 +690,15 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     ++s.counters.journal_compactions;
   }
 
-  void* staging = std::aligned_alloc(kDirectAlignment, options.queue_depth * s.stride);
-  if (staging == nullptr) {
-    throw OutOfMemory("disk tier staging", options.queue_depth * s.stride, 0);
-  }
+  // Twice the queue depth: a read wave keeps the queue full while completed
+  // blocks are verified and copied out. Touched now, so that no read pays
+  // the page faults.
+  const std::size_t n_staging = 2 * options.queue_depth;
+  void* staging = std::aligned_alloc(kDirectAlignment, n_staging * s.stride);
+  if (staging == nullptr) throw OutOfMemory("disk tier staging", n_staging * s.stride, 0);
+  std::memset(staging, 0, n_staging * s.stride);
   s.staging.reset(static_cast<std::byte*>(staging));
-  for (std::size_t k = options.queue_depth; k-- > 0;) {
+  for (std::size_t k = n_staging; k-- > 0;) {
     s.free_staging.push_back(static_cast<std::uint32_t>(k));
   }
   if (s.counters.dropped_at_open > 0) {
@@ -701,9 +736,9 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
     return 0;
   }
   s.reap(false);
-  std::size_t published = 0;
-  std::vector<std::tuple<std::uint32_t, BlockHash, const std::byte*>> wave;
-  absl::flat_hash_map<BlockHash, bool, BlockHashHasher> in_batch;
+  std::vector<State::Item> wave;
+  std::vector<State::Item> written;
+  absl::flat_hash_set<BlockHash, BlockHashHasher> in_batch;
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     const BlockHash& h = hashes[i];
     if (s.by_hash.contains(h) || in_batch.contains(h)) {
@@ -717,26 +752,29 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
         continue;
       }
     }
-    if (s.free_staging.empty() || wave.size() == s.free_staging.size()) {
-      if (!wave.empty()) {
-        published += s.put_wave(wave);
-        wave.clear();
-      }
-      if (s.free_staging.empty()) {  // every buffer held by orphaned I/O
-        ++s.counters.dropped_puts;
-        continue;
-      }
+    // Images written straight from the caller's memory need no buffer, and
+    // FileIo keeps queue_depth of them in flight: one wave takes them all.
+    const bool direct = s.direct_from(images[i].data());
+    if (!direct && s.free_staging.empty()) s.write_wave(wave, written);
+    if (!direct && s.free_staging.empty()) {  // every buffer held by orphaned I/O
+      ++s.counters.dropped_puts;
+      continue;
     }
     const std::optional<std::uint32_t> slot = s.take_slot();
     if (!slot) {
       ++s.counters.dropped_puts;
       continue;
     }
-    in_batch.emplace(h, true);
-    wave.emplace_back(*slot, h, images[i].data());
+    in_batch.insert(h);
+    std::optional<std::uint32_t> buf;
+    if (!direct) {
+      buf = s.free_staging.back();
+      s.free_staging.pop_back();
+    }
+    wave.push_back(State::Item{*slot, h, images[i].data(), buf, 0});
   }
-  if (!wave.empty()) published += s.put_wave(wave);
-  return published;
+  if (!wave.empty()) s.write_wave(wave, written);
+  return s.publish(written);
 }
 
 std::size_t DiskStore::match_prefix(std::span<const BlockHash> hashes) const {
@@ -777,45 +815,51 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
       reqs[k] = IoRequest{IoOp::read, std::uint64_t{slots[k]} * s.stride, s.buffer(bufs[k]),
                           s.stride, bufs[k]};
     }
+    // Each block is verified and copied out as its read completes, while
+    // the others are still in flight.
+    std::vector<char> verified(wave, 0);
     const auto t0 = Clock::now();
-    s.data->run(reqs, results, s.options.io_timeout);
+    s.data->run(reqs, results, s.options.io_timeout, [&](std::size_t k) {
+      if (results[k].error != 0) return;
+      const std::byte* b = s.buffer(bufs[k]);
+      if (checksum_of(b, s.options.block_bytes) != s.slots[slots[k]].checksum) return;
+      std::memcpy(out[got + k].data(), b, s.options.block_bytes);
+      verified[k] = 1;
+    });
     s.counters.read_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    // The prefix ends at the first block not verified; every block that
+    // failed is dropped (a timeout only ends the prefix: the block is fine).
     bool stop = false;
     for (std::size_t k = 0; k < wave; ++k) {
       if (results[k].orphaned) {
-        s.orphaned.emplace(bufs[k], std::nullopt);
-        ++s.counters.timeouts;
-        stop = true;
-        continue;
+        s.orphaned_reads.insert(bufs[k]);
+      } else {
+        s.free_staging.push_back(bufs[k]);
       }
-      s.free_staging.push_back(bufs[k]);
-      if (stop) continue;
-      Slot& sl = s.slots[slots[k]];
-      if (results[k].error != 0) {
+      if (!verified[k]) {
         if (results[k].error == ETIMEDOUT) {
-          ++s.counters.timeouts;  // not issued: the block itself is fine
-        } else {
+          ++s.counters.timeouts;
+        } else if (results[k].error != 0) {
           ++s.counters.read_failures;
+          s.drop(slots[k]);
+        } else {
+          ++s.counters.checksum_failures;
           s.drop(slots[k]);
         }
         stop = true;
         continue;
       }
-      const std::byte* b = s.buffer(bufs[k]);
-      if (checksum_of(b, s.options.block_bytes) != sl.checksum) {
-        ++s.counters.checksum_failures;
-        s.drop(slots[k]);
-        stop = true;
-        continue;
-      }
-      std::memcpy(out[got].data(), b, s.options.block_bytes);
+      if (stop) continue;
+      Slot& sl = s.slots[slots[k]];
       s.lru.erase(s.lru.iterator_to(sl));
       s.lru.push_back(sl);
       ++s.counters.reads;
       s.counters.read_bytes += s.options.block_bytes;
-      ++got;
     }
+    std::size_t ok = 0;
+    while (ok < wave && verified[ok]) ++ok;
+    got += ok;
     if (stop) break;
   }
   if (!s.pending.empty() && !s.options.read_only) (void)s.append({});
@@ -916,7 +960,9 @@ std::vector<std::string> DiskStore::check_invariants() const {
       bad.push_back("an LRU entry is not indexed");
     }
   }
-  if (s.free_staging.size() + s.orphaned.size() != s.options.queue_depth) {
+  std::size_t held = s.orphaned_reads.size();
+  for (const auto& [slot, buf] : s.orphaned_writes) held += buf ? 1 : 0;
+  if (s.free_staging.size() + held != 2 * s.options.queue_depth) {
     bad.push_back("staging buffers lost");
   }
   return bad;

@@ -40,7 +40,7 @@ bool io_uring_compiled() noexcept { return KVPORT_HAVE_LIBURING != 0; }
 // ---- FileIo: the checks every implementation shares ---------------------------------------
 
 void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> results,
-                 std::chrono::milliseconds deadline) {
+                 std::chrono::milliseconds deadline, const IoCompletion& on_complete) {
   if (requests.size() != results.size()) {
     throw InvalidArgument("FileIo::run: " + std::to_string(requests.size()) + " requests but " +
                           std::to_string(results.size()) + " results");
@@ -65,7 +65,9 @@ void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> result
     }
     results[i] = IoResult{};
   }
-  if (!requests.empty()) do_run(requests, results, deadline);
+  if (requests.empty()) return;
+  static const IoCompletion kNone = [](std::size_t) {};
+  do_run(requests, results, deadline, on_complete ? on_complete : kNone);
 }
 
 int FileIo::sync() { return do_sync(); }
@@ -178,19 +180,20 @@ class SyncFileIo final : public PosixFile {
 
  private:
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline) override {
+              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override {
     const Clock::time_point end = Clock::now() + deadline;
     for (std::size_t i = 0; i < requests.size(); ++i) {
       // A blocked pread cannot be interrupted: the deadline is checked
       // between requests.
       if (deadline.count() > 0 && Clock::now() >= end) {
         results[i] = IoResult{ETIMEDOUT, 0, false};
-        continue;
-      }
-      results[i] = transfer_sync(requests[i]);
-      if (results[i].error == EINVAL && fall_back_to_buffered()) {
+      } else {
         results[i] = transfer_sync(requests[i]);
+        if (results[i].error == EINVAL && fall_back_to_buffered()) {
+          results[i] = transfer_sync(requests[i]);
+        }
       }
+      on_complete(i);
     }
   }
   std::vector<std::uint64_t> do_reap_orphans(bool) override { return {}; }
@@ -220,32 +223,44 @@ class UringFileIo final : public PosixFile {
 
  private:
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline) override {
-    run_once(requests, results, deadline, Clock::now() + deadline);
+              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override {
     // EINVAL on aligned direct I/O: the file system takes O_DIRECT at open
-    // only. Go on buffered and run those requests again.
+    // only. Those requests are held back, and run again buffered.
     std::vector<std::size_t> again;
-    for (std::size_t i = 0; i < results.size(); ++i) {
-      if (results[i].error == EINVAL) again.push_back(i);
+    const bool may_fall_back = direct_;
+    run_once(requests, results, deadline, Clock::now() + deadline, [&](std::size_t i) {
+      if (may_fall_back && results[i].error == EINVAL) {
+        again.push_back(i);
+      } else {
+        on_complete(i);
+      }
+    });
+    if (again.empty()) return;
+    if (!fall_back_to_buffered()) {
+      for (std::size_t i : again) on_complete(i);
+      return;
     }
-    if (again.empty() || !fall_back_to_buffered()) return;
     std::vector<IoRequest> sub;
     for (std::size_t i : again) sub.push_back(requests[i]);
     std::vector<IoResult> sub_results(sub.size());
-    run_once(sub, sub_results, deadline, Clock::now() + deadline);
-    for (std::size_t k = 0; k < again.size(); ++k) results[again[k]] = sub_results[k];
+    run_once(sub, sub_results, deadline, Clock::now() + deadline, [&](std::size_t k) {
+      results[again[k]] = sub_results[k];
+      on_complete(again[k]);
+    });
   }
 
   void run_once(std::span<const IoRequest> requests, std::span<IoResult> results,
-                std::chrono::milliseconds deadline, Clock::time_point end) {
+                std::chrono::milliseconds deadline, Clock::time_point end,
+                const IoCompletion& on_complete) {
     const std::uint64_t base = next_id_;
     next_id_ += requests.size();
     std::size_t submitted = 0;
     std::size_t completed = 0;
     std::size_t in_flight = 0;
     std::vector<bool> done(requests.size(), false);
+    std::vector<std::size_t> finished;
     bool timed_out = false;
-    while (completed < requests.size() && !timed_out) {
+    const auto refill = [&] {
       while (submitted < requests.size() && in_flight + orphans_.size() < depth_) {
         io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
         if (sqe == nullptr) break;
@@ -259,6 +274,9 @@ class UringFileIo final : public PosixFile {
         ++submitted;
         ++in_flight;
       }
+    };
+    while (completed < requests.size() && !timed_out) {
+      refill();
       const int s = io_uring_submit(&ring_);
       if (s < 0 && s != -EINTR && s != -EAGAIN && s != -EBUSY) {
         // The ring refused the batch: nothing more goes in; what is in
@@ -268,6 +286,7 @@ class UringFileIo final : public PosixFile {
             results[i] = IoResult{-s, 0, false};
             done[i] = true;
             ++completed;
+            on_complete(i);
           }
         }
         submitted = requests.size();
@@ -318,8 +337,17 @@ class UringFileIo final : public PosixFile {
         done[i] = true;
         ++completed;
         --in_flight;
+        finished.push_back(i);
       }
       io_uring_cq_advance(&ring_, seen);
+      // The caller's work on what completed, with the rest still in flight:
+      // refill the queue first.
+      if (!finished.empty()) {
+        refill();
+        (void)io_uring_submit(&ring_);
+        for (std::size_t i : finished) on_complete(i);
+        finished.clear();
+      }
     }
     if (!timed_out) return;
     for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -327,6 +355,7 @@ class UringFileIo final : public PosixFile {
       const bool issued = i < submitted;
       results[i] = IoResult{ETIMEDOUT, 0, issued};
       if (issued) orphans_.emplace(base + i, requests[i].tag);
+      on_complete(i);
     }
   }
 
@@ -449,8 +478,8 @@ bool FaultInjectingFileIo::fire(IoStep step, std::optional<IoOp> op, int& error)
 }
 
 void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
-                                  std::span<IoResult> results,
-                                  std::chrono::milliseconds deadline) {
+                                  std::span<IoResult> results, std::chrono::milliseconds deadline,
+                                  const IoCompletion& on_complete) {
   // Decide each request's fault first, issue the rest as one batch.
   enum class Fate : std::uint8_t { issue, fail, timeout, fail_after, half };
   std::vector<Fate> fate(requests.size(), Fate::issue);
@@ -475,10 +504,8 @@ void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
       where.push_back(i);
     }
   }
-  std::vector<IoResult> issued(issue.size());
-  if (!issue.empty()) inner_->run(issue, issued, deadline);
-  for (std::size_t k = 0; k < issue.size(); ++k) results[where[k]] = issued[k];
-  for (std::size_t i = 0; i < requests.size(); ++i) {
+  // The injected outcome of request i, once its inner result (if issued) is in.
+  const auto settle = [&](std::size_t i) {
     switch (fate[i]) {
       case Fate::issue: break;
       case Fate::fail: results[i] = IoResult{error[i], 0, false}; break;
@@ -490,6 +517,17 @@ void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
         if (results[i].error == 0) results[i] = IoResult{EREMOTEIO, requests[i].bytes / 2, false};
         break;
     }
+    on_complete(i);
+  };
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (fate[i] == Fate::fail || fate[i] == Fate::timeout) settle(i);
+  }
+  std::vector<IoResult> issued(issue.size());
+  if (!issue.empty()) {
+    inner_->run(issue, issued, deadline, [&](std::size_t k) {
+      results[where[k]] = issued[k];
+      settle(where[k]);
+    });
   }
 }
 

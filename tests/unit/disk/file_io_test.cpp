@@ -69,7 +69,12 @@ TEST_P(FileIoTest, WritesReadBackInOneBatchLargerThanTheQueue) {
   io->run(w, res, 5000ms);
   for (const IoResult& x : res) EXPECT_EQ(x.error, 0);
   EXPECT_EQ(io->sync(), 0);
-  io->run(r, res, 0ms);
+  std::vector<int> calls(10, 0);
+  io->run(r, res, 0ms, [&](std::size_t i) {
+    EXPECT_EQ(res[i].error, 0);  // final when reported
+    ++calls[i];
+  });
+  EXPECT_EQ(calls, std::vector<int>(10, 1));
   for (const IoResult& x : res) {
     EXPECT_EQ(x.error, 0);
     EXPECT_EQ(x.bytes, 4096u);
@@ -213,7 +218,14 @@ TEST_F(FaultInjectingFileIoTest, EachRequestStepFailsAsPlanned) {
   io_->plan(IoFault{IoStep::complete, IoOp::write, EIO, 0, 1});   // then the first left
   io_->plan(IoFault{IoStep::short_io, std::nullopt, 0, 0, 1});
   io_->plan(IoFault{IoStep::timeout, IoOp::read, 0, 0, 1});  // a read: not matched here
-  const std::vector<IoResult> res = write_four();
+  std::vector<IoRequest> reqs;
+  for (std::size_t k = 0; k < 4; ++k) {
+    reqs.push_back(IoRequest{IoOp::write, k * 4096, buf_.p + k * 4096, 4096, k});
+  }
+  std::vector<IoResult> res(4);
+  std::vector<int> seen(4, -1);
+  io_->run(reqs, res, 5000ms, [&](std::size_t i) { seen[i] = res[i].error; });
+  EXPECT_EQ(seen, (std::vector<int>{EIO, ENOSPC, EREMOTEIO, 0}));  // injected before reported
   EXPECT_EQ(res[0].error, EIO);     // complete: issued, then failed
   EXPECT_EQ(res[1].error, ENOSPC);  // submit
   EXPECT_EQ(res[2].error, EREMOTEIO);

@@ -60,8 +60,12 @@ struct DiskStoreOptions {
   IoEngine engine = IoEngine::automatic;
   /// O_DIRECT for the data file where the file system takes it.
   bool direct_io = true;
-  /// Block I/Os in flight at once, and the staging buffers (of one slot
-  /// each, 4096-aligned) every block passes through. In [1, 1024].
+  /// Block I/Os in flight at once. The store keeps twice as many staging
+  /// buffers (one slot each, 4096-aligned, allocated and touched at open):
+  /// every read passes through one (the kernel never writes the caller's
+  /// memory, so a read abandoned at its deadline cannot land in a buffer the
+  /// caller reused), and so does every write whose image is not 4096-aligned
+  /// or not a whole slot long. In [1, 1024].
   std::size_t queue_depth = 16;
   /// The deadline of every read and write batch, and of each sync. A read
   /// not done by then ends the hit there (its staging buffer is held until
@@ -157,10 +161,10 @@ class DiskStore {
 
   /// Reads the longest stored, verified prefix of `hashes` into `out[i]`
   /// (block_bytes each) and returns its length; `out` holds at least as
-  /// many buffers as hashes. A block that fails (read error, short read,
-  /// checksum mismatch) is dropped and ends the prefix; one past the
-  /// deadline ends it too. Throws InvalidArgument for too few or mis-sized
-  /// buffers.
+  /// many buffers as hashes, and those past the returned length may have
+  /// been written too. A block that fails (read error, short read, checksum
+  /// mismatch) is dropped and ends the prefix; one past the deadline ends it
+  /// too. Throws InvalidArgument for too few or mis-sized buffers.
   std::size_t get_prefix(std::span<const BlockHash> hashes, std::span<const std::span<std::byte>> out);
 
   /// Whether `hash` is stored and visible.

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,6 +50,11 @@ struct IoResult {
   bool orphaned = false;
 };
 
+/// Called by FileIo::run once for each request whose result is final, with
+/// its index, on the caller's thread, as soon as it is known: the caller can
+/// work on a completed request while the others are still in flight.
+using IoCompletion = std::function<void(std::size_t index)>;
+
 /// Which implementation runs the I/O.
 enum class IoEngine : std::uint8_t {
   automatic,  ///< io_uring when the kernel allows it, else pread/pwrite
@@ -83,14 +89,16 @@ class FileIo {
   FileIo(const FileIo&) = delete;
   FileIo& operator=(const FileIo&) = delete;
 
-  /// Runs every request of the batch and waits for them until `deadline`
+  /// Runs every request of the batch (at most the queue depth in flight at
+  /// once, refilled as they complete) and waits for them until `deadline`
   /// (measured from the call; 0: no deadline). results[i] is requests[i]'s
-  /// outcome. I/O errors are reported per request, never thrown; throws
-  /// InvalidArgument when the spans' sizes differ or a request is malformed
-  /// (null buffer, zero bytes, misaligned under O_DIRECT, a write on a
-  /// read-only file).
+  /// outcome; `on_complete` (when set) is called once per request as its
+  /// result becomes final, orphaned and timed-out ones last. I/O errors are
+  /// reported per request, never thrown; throws InvalidArgument when the
+  /// spans' sizes differ or a request is malformed (null buffer, zero bytes,
+  /// misaligned under O_DIRECT, a write on a read-only file).
   void run(std::span<const IoRequest> requests, std::span<IoResult> results,
-           std::chrono::milliseconds deadline);
+           std::chrono::milliseconds deadline, const IoCompletion& on_complete = {});
   /// fdatasync: 0 or the errno value.
   int sync();
   /// Makes the file `bytes` long with its blocks allocated (fallocate); where
@@ -121,8 +129,10 @@ class FileIo {
   bool read_only() const noexcept;
 
  protected:
+  /// Runs a checked, non-empty batch; calls on_complete (never empty here)
+  /// once per request.
   virtual void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-                      std::chrono::milliseconds deadline) = 0;
+                      std::chrono::milliseconds deadline, const IoCompletion& on_complete) = 0;
   virtual int do_sync() = 0;
   virtual int do_allocate(std::uint64_t bytes) = 0;
   virtual std::optional<std::uint64_t> do_size() = 0;
@@ -190,7 +200,7 @@ class FaultInjectingFileIo final : public FileIo {
   bool fire(IoStep step, std::optional<IoOp> op, int& error);
 
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline) override;
+              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override;
   int do_sync() override;
   int do_allocate(std::uint64_t bytes) override;
   std::optional<std::uint64_t> do_size() override;
