@@ -13,7 +13,8 @@
 # disagg`): UCX (libucx-dev: UCP over TCP, shared memory and CMA). The KV
 # events (events/): ZeroMQ (libzmq3-dev, cppzmq-dev) and msgpack-cxx, with
 # python3-zmq + python3-msgpack for the test that decodes the stream the way
-# vLLM's consumers do.
+# vLLM's consumers do. The disk tier (disk/): liburing-dev (io_uring), and fio
+# for the disk benchmark's limit (direct sequential I/O on the same file system).
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
@@ -25,6 +26,7 @@ packages=(
   rustc cargo
   libucx-dev
   libzmq3-dev cppzmq-dev libmsgpack-cxx-dev python3-zmq python3-msgpack
+  liburing-dev fio
 )
 for arg in "$@"; do
   case "$arg" in

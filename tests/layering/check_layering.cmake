@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # The dependency direction of docs/architecture.md, checked from the sources:
-#   tools -> {sim, transfer, events, router} -> core -> platform <- backends;
+#   tools -> {sim, transfer, events, router, disk} -> core -> platform <- backends;
 #   benchmarks -> sim/core.
 # Fails (listing every offending include or link) when
 #   - a file outside tools/ (and the CLI's own tests) includes kvport/cli/;
@@ -8,7 +8,8 @@
 #   - router/ includes sim, transfer, events or a backend (core and platform only),
 #     except that its ZeroMQ subscriber (router/src/subscriber.cpp, a target of
 #     its own) includes events/;
-#   - core/ includes sim, transfer, a backend or the CLI; platform/ includes anything
+#   - disk/ includes sim, transfer, events, router or a backend (core and platform only);
+#   - core/ includes sim, transfer, disk, a backend or the CLI; platform/ includes anything
 #     above it; backends/ include core, sim or the CLI;
 #   - benchmarks/ or sim/ link kvport_cli, or sim/ links a backend.
 # Usage: cmake -DSOURCE_DIR=<repo> -P check_layering.cmake
@@ -58,14 +59,14 @@ function(check_links cmake_file forbidden why)
   set(violations "${violations}" PARENT_SCOPE)
 endfunction()
 
-foreach(folder platform core sim backends benchmarks tests transfer bindings router)
+foreach(folder platform core sim backends benchmarks tests transfer bindings router disk)
   check_includes(${folder} "kvport/cli/" "only tools/ may include the CLI")
 endforeach()
 check_includes(sim "kvport/backends/" "sim depends on core and platform only")
 foreach(above sim backends)
   check_includes(transfer "kvport/${above}/" "transfer depends on core and platform only")
 endforeach()
-foreach(above sim transfer backends)
+foreach(above sim transfer backends disk)
   check_includes(core "kvport/${above}/" "core depends on platform only")
 endforeach()
 foreach(above core sim backends)
@@ -73,6 +74,9 @@ foreach(above core sim backends)
 endforeach()
 foreach(above sim transfer backends)
   check_includes(router "kvport/${above}/" "router depends on core and platform only")
+endforeach()
+foreach(above sim transfer backends events router)
+  check_includes(disk "kvport/${above}/" "disk depends on core and platform only")
 endforeach()
 check_includes(router "kvport/events/" "router depends on core and platform only"
                "^router/src/subscriber\\.cpp$")

@@ -1,0 +1,971 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvport/disk/disk_store.hpp"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <absl/container/flat_hash_map.h>
+#include <absl/container/flat_hash_set.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <boost/intrusive/list.hpp>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <system_error>
+#include <utility>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#include "kvport/core/dtype.hpp"
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+#include "kvport/platform/log.hpp"
+
+namespace kvport::disk {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+namespace bi = boost::intrusive;
+
+constexpr const char* kMetaName = "kvport-disk.json";
+constexpr const char* kLockName = "kvport-disk.lock";
+constexpr const char* kDataName = "blocks.dat";
+constexpr const char* kIndexName = "index.log";
+constexpr const char* kFormat = "kvport-disk-tier";
+constexpr int kFormatVersion = 1;
+constexpr const char* kHashScheme = "xxh3-128 chained, unseeded";
+
+// ---- index records ----------------------------------------------------------------------
+// 64 bytes, little-endian: magic, kind, 3 pad, slot, bytes | seq, hash low,
+// hash high, checksum of the block's bytes, reserved, checksum of the 56
+// bytes before it.
+constexpr std::size_t kRecordBytes = 64;
+constexpr std::uint32_t kRecordMagic = 0x5244564Bu;  // "KVDR"
+enum class RecordKind : std::uint8_t { put = 1, erase = 2 };
+
+struct Record {
+  RecordKind kind = RecordKind::put;
+  std::uint32_t slot = 0;
+  std::uint32_t bytes = 0;
+  std::uint64_t seq = 0;
+  BlockHash hash;
+  std::uint64_t checksum = 0;
+};
+
+void put_le(std::byte* p, std::uint64_t v, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
+}
+std::uint64_t get_le(const std::byte* p, std::size_t n) {
+  std::uint64_t v = 0;
+  for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{std::to_integer<std::uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+void encode(const Record& r, std::byte* out) {
+  std::memset(out, 0, kRecordBytes);
+  put_le(out, kRecordMagic, 4);
+  out[4] = static_cast<std::byte>(r.kind);
+  put_le(out + 8, r.slot, 4);
+  put_le(out + 12, r.bytes, 4);
+  put_le(out + 16, r.seq, 8);
+  put_le(out + 24, r.hash.low, 8);
+  put_le(out + 32, r.hash.high, 8);
+  put_le(out + 40, r.checksum, 8);
+  put_le(out + 56, XXH3_64bits(out, 56), 8);
+}
+
+std::optional<Record> decode(const std::byte* in) {
+  if (get_le(in, 4) != kRecordMagic) return std::nullopt;
+  if (get_le(in + 56, 8) != XXH3_64bits(in, 56)) return std::nullopt;
+  const auto kind = std::to_integer<std::uint8_t>(in[4]);
+  if (kind != 1 && kind != 2) return std::nullopt;
+  Record r;
+  r.kind = static_cast<RecordKind>(kind);
+  r.slot = static_cast<std::uint32_t>(get_le(in + 8, 4));
+  r.bytes = static_cast<std::uint32_t>(get_le(in + 12, 4));
+  r.seq = get_le(in + 16, 8);
+  r.hash.low = get_le(in + 24, 8);
+  r.hash.high = get_le(in + 32, 8);
+  r.checksum = get_le(in + 40, 8);
+  return r;
+}
+
+std::uint64_t checksum_of(const std::byte* p, std::size_t n) { return XXH3_64bits(p, n); }
+
+std::size_t round_up(std::size_t v, std::size_t a) { return div_ceil(v, a) * a; }
+
+std::string errno_text(int e) { return std::strerror(e); }
+
+// ---- slots ------------------------------------------------------------------------------
+
+enum class SlotState : std::uint8_t { free, writing, stored, quarantined };
+
+struct Slot {
+  bi::list_member_hook<bi::link_mode<bi::normal_link>> lru_hook;
+  BlockHash hash;
+  std::uint64_t checksum = 0;
+  std::uint64_t seq = 0;
+  SlotState state = SlotState::free;
+};
+
+using Lru = bi::list<Slot, bi::member_hook<Slot, bi::list_member_hook<bi::link_mode<bi::normal_link>>,
+                                           &Slot::lru_hook>,
+                     bi::constant_time_size<true>>;
+
+struct AlignedFree {
+  void operator()(std::byte* p) const noexcept { std::free(p); }
+};
+
+// Writes a whole small file durably: a temporary beside it, fsync, rename,
+// fsync of the directory.
+void write_file_durably(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw InvalidArgument("cannot write " + tmp.string() + ": " + errno_text(errno));
+  std::size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int e = n < 0 ? errno : EIO;
+      ::close(fd);
+      throw InvalidArgument("cannot write " + tmp.string() + ": " + errno_text(e));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_error = errno;
+  ::close(fd);
+  if (!synced) throw InvalidArgument("cannot sync " + tmp.string() + ": " + errno_text(sync_error));
+  std::error_code ec;
+  fs::rename(tmp, path, ec);
+  if (ec) throw InvalidArgument("cannot rename " + tmp.string() + ": " + ec.message());
+  const int dfd = ::open(path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+nlohmann::json meta_json(const DiskStoreOptions& o, std::size_t stride) {
+  nlohmann::json layout = nlohmann::json::array();
+  for (const LayoutField& f : o.layout) layout.push_back({{"name", f.name}, {"value", f.value}});
+  return {{"format", kFormat},        {"version", kFormatVersion}, {"hash", kHashScheme},
+          {"num_slots", o.num_slots}, {"block_bytes", o.block_bytes}, {"slot_stride", stride},
+          {"layout", layout}};
+}
+
+// The first difference between the directory's description and this
+// process's, as "field 'x' is A in the directory, B here"; empty when none.
+std::string first_difference(const nlohmann::json& disk, const nlohmann::json& here) {
+  for (const char* key : {"format", "version", "hash", "block_bytes", "slot_stride", "num_slots"}) {
+    if (!disk.contains(key)) return fmt::format("field '{}' is missing in the directory", key);
+    if (disk.at(key) != here.at(key)) {
+      return fmt::format("field '{}' is {} in the directory, {} here", key, disk.at(key).dump(),
+                         here.at(key).dump());
+    }
+  }
+  const nlohmann::json& a = disk.contains("layout") ? disk.at("layout") : nlohmann::json::array();
+  const nlohmann::json& b = here.at("layout");
+  if (!a.is_array()) return "field 'layout' is not a list in the directory";
+  const std::size_t n = std::max(a.size(), b.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    if (i >= a.size()) {
+      return fmt::format("layout field '{}' is missing in the directory",
+                         b[i].value("name", std::string()));
+    }
+    if (i >= b.size()) {
+      return fmt::format("layout field '{}' of the directory is missing here",
+                         a[i].value("name", std::string()));
+    }
+    if (a[i] != b[i]) {
+      const std::string name = b[i].value("name", std::string());
+      const std::string other = a[i].value("name", std::string());
+      if (name != other) {
+        return fmt::format("layout field {} is '{}' in the directory, '{}' here", i, other, name);
+      }
+      return fmt::format("layout field '{}' is '{}' in the directory, '{}' here", name,
+                         a[i].value("value", std::string()), b[i].value("value", std::string()));
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
+std::vector<LayoutField> layout_fields(const KvCacheConfig& config) {
+  config.validate();
+  std::vector<LayoutField> f;
+  f.push_back({"image", "each layer's K block then its V block, in layer order"});
+  f.push_back({"block_size", std::to_string(config.block_size)});
+  f.push_back({"num_layers", std::to_string(config.num_layers)});
+  f.push_back({"num_kv_heads", std::to_string(config.num_kv_heads)});
+  f.push_back({"head_dim_k", std::to_string(config.head_dim_k)});
+  f.push_back({"head_dim_v", std::to_string(config.head_dim_v)});
+  // Each layer's dtype and bytes, as runs: "bf16 x 32 (K 4096 + V 4096)".
+  std::string dtypes;
+  for (std::size_t l = 0; l < config.num_layers;) {
+    const KvCacheDtype d = config.dtype_for_layer(l);
+    const std::size_t k = config.k_block_bytes(l);
+    const std::size_t v = config.has_v() ? config.v_block_bytes(l) : 0;
+    std::size_t run = 1;
+    while (l + run < config.num_layers && config.dtype_for_layer(l + run) == d) ++run;
+    if (!dtypes.empty()) dtypes += ", ";
+    dtypes += fmt::format("{} x {} (K {} + V {})", to_string(d), run, k, v);
+    l += run;
+  }
+  f.push_back({"layer_dtypes", dtypes});
+  f.push_back({"bytes_per_block", std::to_string(config.bytes_per_block())});
+  f.push_back({"hash", kHashScheme});
+  return f;
+}
+
+// ---- the store's state ------------------------------------------------------------------
+
+struct DiskStore::State {
+  DiskStoreOptions options;
+  std::size_t stride = 0;  // bytes of a slot in the data file
+  fs::path dir;
+  int lock_fd = -1;
+  std::unique_ptr<FileIo> data;
+  std::unique_ptr<FileIo> index;
+  std::uint64_t index_end = 0;  // where the next record goes
+  std::uint64_t next_seq = 1;
+  std::size_t records_at_open = 0;
+
+  std::vector<Slot> slots;
+  std::vector<std::uint32_t> free_slots;  // LIFO
+  absl::flat_hash_map<BlockHash, std::uint32_t, BlockHashHasher> by_hash;
+  Lru lru;
+  absl::flat_hash_map<BlockHash, std::uint32_t, BlockHashHasher> hits;  // admission counts
+
+  std::unique_ptr<std::byte, AlignedFree> staging;
+  std::vector<std::uint32_t> free_staging;
+  // I/Os orphaned at their deadline, by their tags: a read holds its staging
+  // buffer (tag: the buffer), a write its slot and maybe a buffer (tag: the
+  // slot, with kWriteTag set).
+  static constexpr std::uint64_t kWriteTag = std::uint64_t{1} << 63;
+  absl::flat_hash_map<std::uint64_t, std::optional<std::uint32_t>> orphaned_writes;  // slot -> buf
+  absl::flat_hash_set<std::uint32_t> orphaned_reads;                                 // bufs
+  std::size_t quarantined = 0;
+
+  std::vector<Record> pending;  // erase records not yet appended
+  bool detached = false;
+  DiskStoreCounters counters;
+
+  ~State() {
+    // The files first: their destructors wait for orphaned I/O, which may
+    // still use the staging buffers.
+    data.reset();
+    index.reset();
+    staging.reset();
+    if (lock_fd >= 0) ::close(lock_fd);
+  }
+
+  std::byte* buffer(std::uint32_t k) const { return staging.get() + std::size_t{k} * stride; }
+
+  void reap(bool wait) {
+    if (!data) return;
+    for (std::uint64_t tag : data->reap_orphans(wait)) {
+      if ((tag & kWriteTag) != 0) {
+        const auto slot = static_cast<std::uint32_t>(tag & ~kWriteTag);
+        const auto it = orphaned_writes.find(slot);
+        if (it == orphaned_writes.end()) continue;
+        if (it->second) free_staging.push_back(*it->second);
+        --quarantined;
+        release_slot(slot);
+        orphaned_writes.erase(it);
+      } else if (orphaned_reads.erase(static_cast<std::uint32_t>(tag)) > 0) {
+        free_staging.push_back(static_cast<std::uint32_t>(tag));
+      }
+    }
+  }
+
+  // A file of the store was deleted under the process: what it holds can
+  // no longer persist, so it serves and takes nothing from now on.
+  bool check_detached() {
+    if (detached) return true;
+    if (data->linked() && index->linked()) return false;
+    detached = true;
+    counters.dropped_detached += by_hash.size();
+    log::warn(fmt::format("disk tier {}: a file of the store was deleted under the process; "
+                          "its {} blocks are dropped and it takes no more",
+                          dir.string(), by_hash.size()));
+    for (auto& [hash, slot] : by_hash) {
+      Slot& s = slots[slot];
+      lru.erase(lru.iterator_to(s));
+      s.state = SlotState::free;
+      free_slots.push_back(slot);
+    }
+    by_hash.clear();
+    return true;
+  }
+
+  void release_slot(std::uint32_t slot) {
+    Slot& s = slots[slot];
+    s.state = SlotState::free;
+    free_slots.push_back(slot);
+  }
+
+  // Drops a stored block (failed read, bad checksum, erase): invisible at
+  // once; an erase record follows with the next append.
+  void drop(std::uint32_t slot) {
+    Slot& s = slots[slot];
+    by_hash.erase(s.hash);
+    lru.erase(lru.iterator_to(s));
+    if (!options.read_only) {
+      pending.push_back(Record{RecordKind::erase, slot, static_cast<std::uint32_t>(options.block_bytes),
+                               next_seq++, s.hash, s.checksum});
+    }
+    release_slot(slot);
+  }
+
+  // A slot for a new block: a free one, else the least recently used
+  // block's (dropped from the index before its slot is overwritten).
+  std::optional<std::uint32_t> take_slot() {
+    if (!free_slots.empty()) {
+      const std::uint32_t slot = free_slots.back();
+      free_slots.pop_back();
+      return slot;
+    }
+    if (lru.empty()) return std::nullopt;
+    Slot& victim = lru.front();
+    const auto slot = static_cast<std::uint32_t>(&victim - slots.data());
+    by_hash.erase(victim.hash);
+    lru.pop_front();
+    victim.state = SlotState::free;
+    ++counters.evictions;
+    return slot;
+  }
+
+  // Appends `records` (after the pending erasures) and syncs the index.
+  // True when durable.
+  bool append(std::vector<Record> records) {
+    if (!pending.empty()) {
+      records.insert(records.begin(), pending.begin(), pending.end());
+    }
+    if (records.empty()) return true;
+    std::vector<std::byte> bytes(records.size() * kRecordBytes);
+    for (std::size_t i = 0; i < records.size(); ++i) encode(records[i], bytes.data() + i * kRecordBytes);
+    const auto t0 = Clock::now();
+    const IoRequest req{IoOp::write, index_end, bytes.data(), bytes.size(), 0};
+    IoResult res;
+    index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
+    bool ok = res.error == 0;
+    if (ok) ok = index->sync() == 0;
+    counters.index_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    if (!ok) return false;
+    index_end += bytes.size();
+    pending.clear();
+    return true;
+  }
+
+  void note_timeout_or_failure(int error, std::uint64_t& failures) {
+    if (error == ETIMEDOUT) {
+      ++counters.timeouts;
+    } else {
+      ++failures;
+    }
+  }
+
+  // One block of a put: its slot, hash and image, the staging buffer it
+  // went through (none when written straight from an aligned image) and its
+  // checksum.
+  struct Item {
+    std::uint32_t slot;
+    BlockHash hash;
+    const std::byte* image;
+    std::optional<std::uint32_t> buf;
+    std::uint64_t checksum = 0;
+  };
+
+  // An image the kernel can write from as it is: 4096-aligned and a whole
+  // slot long. A write orphaned at its deadline is never published, so the
+  // caller reusing it cannot corrupt a visible block.
+  bool direct_from(const std::byte* image) const {
+    return options.block_bytes == stride &&
+           reinterpret_cast<std::uintptr_t>(image) % kDirectAlignment == 0;
+  }
+
+  // Writes one wave (at most queue_depth blocks, staging buffers taken for
+  // those that need one); appends the written ones to `written`.
+  void write_wave(std::vector<Item>& wave, std::vector<Item>& written) {
+    std::vector<IoRequest> reqs(wave.size());
+    std::vector<IoResult> results(wave.size());
+    for (std::size_t k = 0; k < wave.size(); ++k) {
+      Item& it = wave[k];
+      const std::byte* from = it.image;
+      if (it.buf) {
+        std::byte* b = buffer(*it.buf);
+        std::memcpy(b, it.image, options.block_bytes);
+        from = b;
+      }
+      it.checksum = checksum_of(from, options.block_bytes);
+      slots[it.slot].state = SlotState::writing;
+      // The kernel only reads a write's buffer.
+      reqs[k] = IoRequest{IoOp::write, std::uint64_t{it.slot} * stride, const_cast<std::byte*>(from),
+                          stride, kWriteTag | it.slot};
+    }
+    const auto t0 = Clock::now();
+    data->run(reqs, results, options.io_timeout);
+    counters.write_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    for (std::size_t k = 0; k < wave.size(); ++k) {
+      Item& it = wave[k];
+      if (results[k].orphaned) {
+        // The kernel may still write this slot (from this buffer): both are
+        // held until it is done (reap).
+        slots[it.slot].state = SlotState::quarantined;
+        ++quarantined;
+        orphaned_writes.emplace(it.slot, it.buf);
+        ++counters.timeouts;
+        continue;
+      }
+      if (it.buf) free_staging.push_back(*it.buf);
+      if (results[k].error != 0) {
+        note_timeout_or_failure(results[k].error, counters.write_failures);
+        release_slot(it.slot);
+        continue;
+      }
+      written.push_back(it);
+    }
+    wave.clear();
+  }
+
+  // Syncs the data written, appends its records, syncs the index, and only
+  // then publishes the blocks. Returns how many were published.
+  std::size_t publish(std::vector<Item>& written) {
+    if (written.empty()) return 0;
+    const auto fail = [&] {
+      counters.write_failures += written.size();
+      for (const Item& it : written) release_slot(it.slot);
+      return std::size_t{0};
+    };
+    const auto t0 = Clock::now();
+    const bool synced = data->sync() == 0;
+    counters.write_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    if (!synced) return fail();
+    std::vector<Record> records;
+    records.reserve(written.size());
+    for (const Item& it : written) {
+      records.push_back(Record{RecordKind::put, it.slot,
+                               static_cast<std::uint32_t>(options.block_bytes), next_seq++,
+                               it.hash, it.checksum});
+    }
+    if (!append(records)) return fail();
+    for (std::size_t i = 0; i < written.size(); ++i) {
+      Slot& s = slots[written[i].slot];
+      s.hash = records[i].hash;
+      s.checksum = records[i].checksum;
+      s.seq = records[i].seq;
+      s.state = SlotState::stored;
+      lru.push_back(s);
+      by_hash.emplace(s.hash, written[i].slot);
+      ++counters.writes;
+      counters.write_bytes += options.block_bytes;
+    }
+    return written.size();
+  }
+};
+
+// ---- open -------------------------------------------------------------------------------
+
+namespace {
+
+void check_options(const DiskStoreOptions& o) {
+  if (o.dir.empty()) throw InvalidArgument("disk tier: no directory given");
+  if (o.num_slots == 0 || o.num_slots > DiskStoreOptions::kMaxSlots) {
+    throw InvalidArgument(fmt::format("disk tier: num_slots must be in [1, {}], got {}",
+                                      DiskStoreOptions::kMaxSlots, o.num_slots));
+  }
+  if (o.block_bytes == 0 || o.block_bytes > DiskStoreOptions::kMaxBlockBytes) {
+    throw InvalidArgument(fmt::format("disk tier: block_bytes must be in [1, {}], got {}",
+                                      DiskStoreOptions::kMaxBlockBytes, o.block_bytes));
+  }
+  if (o.queue_depth == 0 || o.queue_depth > 1024) {
+    throw InvalidArgument(
+        fmt::format("disk tier: queue_depth must be in [1, 1024], got {}", o.queue_depth));
+  }
+  if (o.io_timeout < std::chrono::milliseconds(1) || o.io_timeout > std::chrono::hours(1)) {
+    throw InvalidArgument(fmt::format("disk tier: io_timeout must be in [1 ms, 1 hour], got {} ms",
+                                      o.io_timeout.count()));
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
+  check_options(options);
+  auto st = std::make_unique<State>();
+  State& s = *st;
+  s.options = options;
+  s.stride = round_up(options.block_bytes, kDirectAlignment);
+  s.dir = options.dir;
+  const std::string where = "disk tier " + s.dir.string();
+  const std::uint64_t data_bytes = std::uint64_t{options.num_slots} * s.stride;
+
+  std::error_code ec;
+  if (!fs::exists(s.dir, ec)) {
+    if (options.read_only) throw InvalidArgument(where + ": no such directory");
+    fs::create_directories(s.dir, ec);
+    if (ec) throw InvalidArgument(where + ": cannot create the directory: " + ec.message());
+  }
+  if (!fs::is_directory(s.dir, ec)) throw InvalidArgument(where + ": not a directory");
+  if (!options.read_only && ::access(s.dir.c_str(), W_OK) != 0) {
+    throw InvalidArgument(where + ": the directory is not writable: " + errno_text(errno));
+  }
+
+  // One writer, or any number of readers.
+  const fs::path lock_path = s.dir / kLockName;
+  s.lock_fd = ::open(lock_path.c_str(),
+                     (options.read_only ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC, 0644);
+  if (s.lock_fd < 0) {
+    throw InvalidArgument(where + (options.read_only ? ": not a disk tier (no lock file): "
+                                                     : ": cannot create its lock file: ") +
+                          errno_text(errno));
+  }
+  if (::flock(s.lock_fd, (options.read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
+    throw InvalidArgument(where + ": in use by another process (" +
+                          (options.read_only ? "writing" : "reading or writing") + ")");
+  }
+
+  // The description: compared when present, written when new.
+  const nlohmann::json here = meta_json(options, s.stride);
+  const fs::path meta_path = s.dir / kMetaName;
+  if (fs::exists(meta_path, ec)) {
+    nlohmann::json disk;
+    try {
+      std::ifstream in(meta_path);
+      disk = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      throw InvalidArgument(where + ": " + kMetaName + " is not valid JSON: " + e.what());
+    }
+    const std::string diff = first_difference(disk, here);
+    if (!diff.empty()) throw InvalidArgument(where + ": made for another layout: " + diff);
+  } else {
+    if (options.read_only) throw InvalidArgument(where + ": not a disk tier (no " + kMetaName + ")");
+    // A directory without its description holds nothing valid.
+    fs::remove(s.dir / kDataName, ec);
+    fs::remove(s.dir / kIndexName, ec);
+    write_file_durably(meta_path, here.dump(2) + "\n");
+  }
+
+  auto wrap = [&](std::string_view name, std::unique_ptr<FileIo> io) {
+    return options.wrap_io ? options.wrap_io(name, std::move(io)) : std::move(io);
+  };
+  FileIoOptions data_io;
+  data_io.engine = options.engine;
+  data_io.direct = options.direct_io;
+  data_io.read_only = options.read_only;
+  data_io.create = !options.read_only;
+  data_io.queue_depth = options.queue_depth;
+  s.data = wrap("data", open_file_io(s.dir / kDataName, data_io));
+  FileIoOptions index_io = data_io;
+  index_io.direct = false;  // 64-byte records
+  index_io.engine = IoEngine::sync;
+  index_io.queue_depth = 1;
+  s.index = wrap("index", open_file_io(s.dir / kIndexName, index_io));
+
+  if (!options.read_only) {
+    const std::optional<std::uint64_t> size = s.data->size();
+    if (!size || *size < data_bytes) {
+      const int e = s.data->allocate(data_bytes);
+      if (e != 0) {
+        struct statvfs vfs {};
+        std::string free_text;
+        if (::statvfs(s.dir.c_str(), &vfs) == 0) {
+          free_text = fmt::format(", {} bytes free", std::uint64_t{vfs.f_bavail} * vfs.f_frsize);
+        }
+        throw InvalidArgument(fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}",
+                                          where, options.num_slots, s.stride, data_bytes,
+                                          free_text, errno_text(e)));
+      }
+    }
+  }
+  const std::uint64_t data_size = s.data->size().value_or(0);
+
+  // Replay the index: each slot belongs to its last valid put record (unless
+  // an erase of the same block follows it).
+  s.slots = std::vector<Slot>(options.num_slots);
+  const std::uint64_t index_size = s.index->size().value_or(0);
+  const std::uint64_t whole = index_size / kRecordBytes * kRecordBytes;
+  if (index_size != whole) ++s.counters.dropped_at_open;  // a torn last record
+  std::vector<std::byte> bytes(static_cast<std::size_t>(whole));
+  if (whole > 0) {
+    const IoRequest req{IoOp::read, 0, bytes.data(), bytes.size(), 0};
+    IoResult res;
+    s.index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
+    if (res.error != 0) {
+      throw InvalidArgument(where + ": cannot read " + kIndexName + ": " + errno_text(res.error));
+    }
+  }
+  s.index_end = whole;
+  const std::size_t n_records = static_cast<std::size_t>(whole / kRecordBytes);
+  s.records_at_open = n_records;
+  std::vector<Record> owner(options.num_slots);
+  std::vector<bool> owned(options.num_slots, false);
+  for (std::size_t i = 0; i < n_records; ++i) {
+    const std::optional<Record> r = decode(bytes.data() + i * kRecordBytes);
+    if (!r || r->slot >= options.num_slots || r->bytes != options.block_bytes) {
+      ++s.counters.dropped_at_open;
+      continue;
+    }
+    s.next_seq = std::max(s.next_seq, r->seq + 1);
+    if (owned[r->slot] && owner[r->slot].seq > r->seq) continue;  // older than what we have
+    if (r->kind == RecordKind::put) {
+      owner[r->slot] = *r;
+      owned[r->slot] = true;
+    } else if (owned[r->slot] && owner[r->slot].hash == r->hash) {
+      owned[r->slot] = false;
+    }
+  }
+  // Records past the end of a truncated data file, and the older copy of a
+  // block stored twice, are dropped.
+  std::vector<std::uint32_t> live;
+  for (std::uint32_t slot = 0; slot < options.num_slots; ++slot) {
+    if (!owned[slot]) continue;
+    if ((std::uint64_t{slot} + 1) * s.stride > data_size) {
+      ++s.counters.dropped_at_open;
+      owned[slot] = false;
+      continue;
+    }
+    const auto [it, inserted] = s.by_hash.emplace(owner[slot].hash, slot);
+    if (!inserted) {
+      if (owner[it->second].seq < owner[slot].seq) {
+        owned[it->second] = false;
+        it->second = slot;
+      } else {
+        owned[slot] = false;
+      }
+    }
+  }
+  for (std::uint32_t slot = 0; slot < options.num_slots; ++slot) {
+    if (owned[slot]) live.push_back(slot);
+  }
+  // Oldest record first: the LRU order the store had, as far as the index
+  // says (reads do not write records).
+  std::sort(live.begin(), live.end(),
+            [&](std::uint32_t a, std::uint32_t b) { return owner[a].seq < owner[b].seq; });
+  for (std::uint32_t slot : live) {
+    Slot& sl = s.slots[slot];
+    sl.hash = owner[slot].hash;
+    sl.checksum = owner[slot].checksum;
+    sl.seq = owner[slot].seq;
+    sl.state = SlotState::stored;
+    s.lru.push_back(sl);
+  }
+  s.counters.recovered = live.size();
+  s.free_slots.reserve(options.num_slots);
+  for (std::size_t slot = options.num_slots; slot-- > 0;) {
+    if (!owned[slot]) s.free_slots.push_back(static_cast<std::uint32_t>(slot));
+  }
+
+  // Compaction: an index mostly of superseded records is rewritten with the
+  // live ones alone (a temporary file, synced, renamed over).
+  if (!options.read_only && n_records > 2 * live.size() + 1024) {
+    std::vector<Record> keep;
+    keep.reserve(live.size());
+    for (std::uint32_t slot : live) keep.push_back(owner[slot]);
+    std::string text(keep.size() * kRecordBytes, '\0');
+    for (std::size_t i = 0; i < keep.size(); ++i) {
+      encode(keep[i], reinterpret_cast<std::byte*>(text.data()) + i * kRecordBytes);
+    }
+    s.index.reset();
+    write_file_durably(s.dir / kIndexName, text);
+    s.index = wrap("index", open_file_io(s.dir / kIndexName, index_io));
+    s.index_end = text.size();
+    ++s.counters.journal_compactions;
+  }
+
+  // Twice the queue depth: a read wave keeps the queue full while completed
+  // blocks are verified and copied out. Touched now, so that no read pays
+  // the page faults.
+  const std::size_t n_staging = 2 * options.queue_depth;
+  void* staging = std::aligned_alloc(kDirectAlignment, n_staging * s.stride);
+  if (staging == nullptr) throw OutOfMemory("disk tier staging", n_staging * s.stride, 0);
+  std::memset(staging, 0, n_staging * s.stride);
+  s.staging.reset(static_cast<std::byte*>(staging));
+  for (std::size_t k = n_staging; k-- > 0;) {
+    s.free_staging.push_back(static_cast<std::uint32_t>(k));
+  }
+  if (s.counters.dropped_at_open > 0) {
+    log::warn(fmt::format("{}: {} records dropped at open (torn, corrupted or past the end of "
+                          "the data file); {} blocks recovered",
+                          where, s.counters.dropped_at_open, s.counters.recovered));
+  }
+  return std::unique_ptr<DiskStore>(new DiskStore(std::move(st)));
+}
+
+DiskStore::DiskStore(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+DiskStore::~DiskStore() {
+  if (!state_->options.read_only && !state_->detached) (void)state_->append({});
+}
+
+// ---- operations -------------------------------------------------------------------------
+
+std::size_t DiskStore::put(std::span<const BlockHash> hashes,
+                           std::span<const std::span<const std::byte>> images) {
+  State& s = *state_;
+  if (hashes.size() != images.size()) {
+    throw InvalidArgument(fmt::format("DiskStore::put: {} hashes but {} images", hashes.size(),
+                                      images.size()));
+  }
+  for (std::size_t i = 0; i < images.size(); ++i) {
+    if (images[i].size() != s.options.block_bytes) {
+      throw InvalidArgument(fmt::format("DiskStore::put: image {} has {} bytes, blocks have {}", i,
+                                        images[i].size(), s.options.block_bytes));
+    }
+  }
+  if (hashes.empty()) return 0;
+  if (s.options.read_only || s.check_detached()) {
+    s.counters.dropped_puts += hashes.size();
+    return 0;
+  }
+  s.reap(false);
+  std::vector<State::Item> wave;
+  std::vector<State::Item> written;
+  absl::flat_hash_set<BlockHash, BlockHashHasher> in_batch;
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    const BlockHash& h = hashes[i];
+    if (s.by_hash.contains(h) || in_batch.contains(h)) {
+      ++s.counters.already_stored;
+      continue;
+    }
+    if (s.options.min_hits > 0) {
+      const auto it = s.hits.find(h);
+      if (it == s.hits.end() || it->second < s.options.min_hits) {
+        ++s.counters.not_admitted;
+        continue;
+      }
+    }
+    // Images written straight from the caller's memory need no buffer, and
+    // FileIo keeps queue_depth of them in flight: one wave takes them all.
+    const bool direct = s.direct_from(images[i].data());
+    if (!direct && s.free_staging.empty()) s.write_wave(wave, written);
+    if (!direct && s.free_staging.empty()) {  // every buffer held by orphaned I/O
+      ++s.counters.dropped_puts;
+      continue;
+    }
+    const std::optional<std::uint32_t> slot = s.take_slot();
+    if (!slot) {
+      ++s.counters.dropped_puts;
+      continue;
+    }
+    in_batch.insert(h);
+    std::optional<std::uint32_t> buf;
+    if (!direct) {
+      buf = s.free_staging.back();
+      s.free_staging.pop_back();
+    }
+    wave.push_back(State::Item{*slot, h, images[i].data(), buf, 0});
+  }
+  if (!wave.empty()) s.write_wave(wave, written);
+  return s.publish(written);
+}
+
+std::size_t DiskStore::match_prefix(std::span<const BlockHash> hashes) const {
+  const State& s = *state_;
+  std::size_t n = 0;
+  while (n < hashes.size() && s.by_hash.contains(hashes[n])) ++n;
+  return n;
+}
+
+std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
+                                  std::span<const std::span<std::byte>> out) {
+  State& s = *state_;
+  if (out.size() < hashes.size()) {
+    throw InvalidArgument(fmt::format("DiskStore::get_prefix: {} buffers for {} hashes", out.size(),
+                                      hashes.size()));
+  }
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    if (out[i].size() != s.options.block_bytes) {
+      throw InvalidArgument(fmt::format("DiskStore::get_prefix: buffer {} has {} bytes, blocks have {}",
+                                        i, out[i].size(), s.options.block_bytes));
+    }
+  }
+  if (hashes.empty() || s.check_detached()) return 0;
+  s.reap(false);
+  const std::size_t n = match_prefix(hashes);
+  std::size_t got = 0;
+  while (got < n) {
+    const std::size_t wave = std::min(n - got, s.free_staging.size());
+    if (wave == 0) break;  // every buffer held by orphaned I/O: a shorter hit
+    std::vector<IoRequest> reqs(wave);
+    std::vector<IoResult> results(wave);
+    std::vector<std::uint32_t> bufs(wave);
+    std::vector<std::uint32_t> slots(wave);
+    for (std::size_t k = 0; k < wave; ++k) {
+      bufs[k] = s.free_staging.back();
+      s.free_staging.pop_back();
+      slots[k] = s.by_hash.at(hashes[got + k]);
+      reqs[k] = IoRequest{IoOp::read, std::uint64_t{slots[k]} * s.stride, s.buffer(bufs[k]),
+                          s.stride, bufs[k]};
+    }
+    // Each block is verified and copied out as its read completes, while
+    // the others are still in flight.
+    std::vector<char> verified(wave, 0);
+    const auto t0 = Clock::now();
+    s.data->run(reqs, results, s.options.io_timeout, [&](std::size_t k) {
+      if (results[k].error != 0) return;
+      const std::byte* b = s.buffer(bufs[k]);
+      if (checksum_of(b, s.options.block_bytes) != s.slots[slots[k]].checksum) return;
+      std::memcpy(out[got + k].data(), b, s.options.block_bytes);
+      verified[k] = 1;
+    });
+    s.counters.read_ns += static_cast<std::uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    // The prefix ends at the first block not verified; every block that
+    // failed is dropped (a timeout only ends the prefix: the block is fine).
+    bool stop = false;
+    for (std::size_t k = 0; k < wave; ++k) {
+      if (results[k].orphaned) {
+        s.orphaned_reads.insert(bufs[k]);
+      } else {
+        s.free_staging.push_back(bufs[k]);
+      }
+      if (!verified[k]) {
+        if (results[k].error == ETIMEDOUT) {
+          ++s.counters.timeouts;
+        } else if (results[k].error != 0) {
+          ++s.counters.read_failures;
+          s.drop(slots[k]);
+        } else {
+          ++s.counters.checksum_failures;
+          s.drop(slots[k]);
+        }
+        stop = true;
+        continue;
+      }
+      if (stop) continue;
+      Slot& sl = s.slots[slots[k]];
+      s.lru.erase(s.lru.iterator_to(sl));
+      s.lru.push_back(sl);
+      ++s.counters.reads;
+      s.counters.read_bytes += s.options.block_bytes;
+    }
+    std::size_t ok = 0;
+    while (ok < wave && verified[ok]) ++ok;
+    got += ok;
+    if (stop) break;
+  }
+  if (!s.pending.empty() && !s.options.read_only) (void)s.append({});
+  return got;
+}
+
+bool DiskStore::contains(const BlockHash& hash) const { return state_->by_hash.contains(hash); }
+
+bool DiskStore::erase(const BlockHash& hash) {
+  State& s = *state_;
+  const auto it = s.by_hash.find(hash);
+  if (it == s.by_hash.end()) return false;
+  if (s.options.read_only) {
+    throw InvalidArgument("DiskStore::erase: the store is opened read-only");
+  }
+  s.drop(it->second);
+  ++s.counters.erased;
+  return true;
+}
+
+void DiskStore::note_hits(std::span<const BlockHash> hashes) {
+  State& s = *state_;
+  if (s.options.min_hits == 0) return;
+  // Bounded: past 4 counts per slot, every count is halved (old hits age).
+  const std::size_t cap = std::max<std::size_t>(4096, 4 * s.options.num_slots);
+  for (const BlockHash& h : hashes) {
+    std::uint32_t& c = s.hits[h];
+    if (c < UINT32_MAX) ++c;
+  }
+  if (s.hits.size() > cap) {
+    absl::erase_if(s.hits, [](auto& kv) {
+      kv.second /= 2;
+      return kv.second == 0;
+    });
+  }
+}
+
+void DiskStore::flush() {
+  State& s = *state_;
+  if (s.options.read_only || s.detached) return;
+  if (!s.append({})) log::warn("disk tier " + s.dir.string() + ": flush: the index append failed");
+}
+
+std::size_t DiskStore::size() const noexcept { return state_->by_hash.size(); }
+std::size_t DiskStore::num_slots() const noexcept { return state_->options.num_slots; }
+std::size_t DiskStore::block_bytes() const noexcept { return state_->options.block_bytes; }
+std::size_t DiskStore::quarantined_slots() const noexcept { return state_->quarantined; }
+bool DiskStore::detached() const noexcept { return state_->detached; }
+const DiskStoreOptions& DiskStore::options() const noexcept { return state_->options; }
+const DiskStoreCounters& DiskStore::counters() const noexcept { return state_->counters; }
+
+std::string DiskStore::io_description() const {
+  const State& s = *state_;
+  std::string d = s.data->describe();
+  if (!s.options.read_only) d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+  return d;
+}
+
+std::vector<BlockHash> DiskStore::lru_order() const {
+  std::vector<BlockHash> out;
+  for (const Slot& s : state_->lru) out.push_back(s.hash);
+  return out;
+}
+
+std::vector<std::string> DiskStore::check_invariants() const {
+  const State& s = *state_;
+  std::vector<std::string> bad;
+  std::vector<int> seen(s.slots.size(), 0);
+  for (std::uint32_t f : s.free_slots) {
+    if (f >= s.slots.size()) {
+      bad.push_back(fmt::format("free slot {} out of range", f));
+      continue;
+    }
+    if (s.slots[f].state != SlotState::free) bad.push_back(fmt::format("free slot {} not free", f));
+    ++seen[f];
+  }
+  for (const auto& [hash, slot] : s.by_hash) {
+    if (s.slots[slot].state != SlotState::stored) {
+      bad.push_back(fmt::format("indexed slot {} not stored", slot));
+    }
+    if (!(s.slots[slot].hash == hash)) bad.push_back(fmt::format("slot {} holds another hash", slot));
+    ++seen[slot];
+  }
+  std::size_t quarantined = 0;
+  for (std::size_t i = 0; i < s.slots.size(); ++i) {
+    if (s.slots[i].state == SlotState::quarantined) {
+      ++quarantined;
+      ++seen[i];
+    }
+    if (s.slots[i].state == SlotState::writing) bad.push_back(fmt::format("slot {} left writing", i));
+    if (seen[i] != 1) bad.push_back(fmt::format("slot {} accounted {} times", i, seen[i]));
+  }
+  if (quarantined != s.quarantined) bad.push_back("quarantine count differs from the slots");
+  if (s.lru.size() != s.by_hash.size()) bad.push_back("LRU and index sizes differ");
+  for (const Slot& sl : s.lru) {
+    const auto it = s.by_hash.find(sl.hash);
+    if (it == s.by_hash.end() || &s.slots[it->second] != &sl) {
+      bad.push_back("an LRU entry is not indexed");
+    }
+  }
+  std::size_t held = s.orphaned_reads.size();
+  for (const auto& [slot, buf] : s.orphaned_writes) held += buf ? 1 : 0;
+  if (s.free_staging.size() + held != 2 * s.options.queue_depth) {
+    bad.push_back("staging buffers lost");
+  }
+  return bad;
+}
+
+}  // namespace kvport::disk

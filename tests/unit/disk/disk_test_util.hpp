@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+// Helpers of the disk tier's tests: a temporary directory removed at the end,
+// block images derived from their hashes (so any block read back can be
+// checked without remembering what was written), hashes of test sequences.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvport/core/block_hash.hpp"
+
+namespace kvport::disk::test {
+
+/// A fresh directory under the system's temporary directory, removed (with
+/// everything in it) when the object goes.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "kvport-disk-XXXXXX").string();
+    if (::mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// The bytes of the block whose hash is `h`: a pattern of its hash and the
+/// byte's position.
+inline std::vector<std::byte> image_of(const BlockHash& h, std::size_t bytes) {
+  std::vector<std::byte> out(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) {
+    const std::uint64_t word = (i / 8) % 2 == 0 ? h.low : h.high;
+    out[i] = static_cast<std::byte>(((word >> (8 * (i % 8))) ^ (i * 31)) & 0xFF);
+  }
+  return out;
+}
+
+/// `n` chained block hashes of a sequence identified by `seed`.
+inline std::vector<BlockHash> chain(std::uint32_t seed, std::size_t n) {
+  std::vector<TokenId> tokens(4 * n);
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    tokens[i] = static_cast<TokenId>(seed * 100003u + i);
+  }
+  return hash_full_blocks(tokens, 4);
+}
+
+}  // namespace kvport::disk::test
