@@ -257,7 +257,8 @@ struct DiskStore::State {
   // slot, with kWriteTag set).
   static constexpr std::uint64_t kWriteTag = std::uint64_t{1} << 63;
   absl::flat_hash_map<std::uint64_t, std::optional<std::uint32_t>> orphaned_writes;  // slot -> buf
-  absl::flat_hash_set<std::uint32_t> orphaned_reads;                                 // bufs
+  absl::flat_hash_map<std::uint64_t, std::uint32_t> orphaned_reads;  // tag -> buf
+  std::uint64_t next_read_tag = 1;  // below kWriteTag
   std::size_t quarantined = 0;
 
   std::vector<Record> pending;  // erase records not yet appended
@@ -286,8 +287,9 @@ struct DiskStore::State {
         --quarantined;
         release_slot(slot);
         orphaned_writes.erase(it);
-      } else if (orphaned_reads.erase(static_cast<std::uint32_t>(tag)) > 0) {
-        free_staging.push_back(static_cast<std::uint32_t>(tag));
+      } else if (const auto r = orphaned_reads.find(tag); r != orphaned_reads.end()) {
+        free_staging.push_back(r->second);
+        orphaned_reads.erase(r);
       }
     }
   }
@@ -412,14 +414,18 @@ struct DiskStore::State {
         std::memcpy(b, it.image, options.block_bytes);
         from = b;
       }
-      it.checksum = checksum_of(from, options.block_bytes);
       slots[it.slot].state = SlotState::writing;
       // The kernel only reads a write's buffer.
       reqs[k] = IoRequest{IoOp::write, std::uint64_t{it.slot} * stride, const_cast<std::byte*>(from),
                           stride, kWriteTag | it.slot};
     }
+    // Each written block's checksum is taken as its write completes, while
+    // the others are in flight (the buffer is unchanged: the caller's image
+    // is stable during put, a staging buffer is ours).
     const auto t0 = Clock::now();
-    data->run(reqs, results, options.io_timeout);
+    data->run(reqs, results, options.io_timeout, [&](std::size_t k) {
+      if (results[k].error == 0) wave[k].checksum = checksum_of(reqs[k].buffer, options.block_bytes);
+    });
     counters.write_ns += static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
     for (std::size_t k = 0; k < wave.size(); ++k) {
@@ -800,67 +806,67 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
   if (hashes.empty() || s.check_detached()) return 0;
   s.reap(false);
   const std::size_t n = match_prefix(hashes);
-  std::size_t got = 0;
-  while (got < n) {
-    const std::size_t wave = std::min(n - got, s.free_staging.size());
-    if (wave == 0) break;  // every buffer held by orphaned I/O: a shorter hit
-    std::vector<IoRequest> reqs(wave);
-    std::vector<IoResult> results(wave);
-    std::vector<std::uint32_t> bufs(wave);
-    std::vector<std::uint32_t> slots(wave);
-    for (std::size_t k = 0; k < wave; ++k) {
-      bufs[k] = s.free_staging.back();
-      s.free_staging.pop_back();
-      slots[k] = s.by_hash.at(hashes[got + k]);
-      reqs[k] = IoRequest{IoOp::read, std::uint64_t{slots[k]} * s.stride, s.buffer(bufs[k]),
-                          s.stride, bufs[k]};
-    }
-    // Each block is verified and copied out as its read completes, while
-    // the others are still in flight.
-    std::vector<char> verified(wave, 0);
-    const auto t0 = Clock::now();
-    s.data->run(reqs, results, s.options.io_timeout, [&](std::size_t k) {
-      if (results[k].error != 0) return;
-      const std::byte* b = s.buffer(bufs[k]);
-      if (checksum_of(b, s.options.block_bytes) != s.slots[slots[k]].checksum) return;
-      std::memcpy(out[got + k].data(), b, s.options.block_bytes);
+  if (n == 0) return 0;
+  // One batch: each read takes a staging buffer as it is issued (prepare)
+  // and gives it back once its block is verified and copied out
+  // (on_complete), so the queue stays full over any number of blocks.
+  std::vector<IoRequest> reqs(n);
+  std::vector<IoResult> results(n);
+  std::vector<std::uint32_t> slots(n);
+  std::vector<std::optional<std::uint32_t>> bufs(n);
+  std::vector<char> verified(n, 0);
+  for (std::size_t k = 0; k < n; ++k) {
+    slots[k] = s.by_hash.at(hashes[k]);
+    reqs[k] = IoRequest{IoOp::read, std::uint64_t{slots[k]} * s.stride, nullptr, s.stride,
+                        s.next_read_tag++};
+  }
+  const auto prepare = [&](std::size_t k) -> std::byte* {
+    if (s.free_staging.empty()) return nullptr;  // every buffer in use or orphaned
+    bufs[k] = s.free_staging.back();
+    s.free_staging.pop_back();
+    return s.buffer(*bufs[k]);
+  };
+  const auto complete = [&](std::size_t k) {
+    if (!bufs[k] || results[k].orphaned) return;  // an orphan's buffer stays held
+    const std::byte* b = s.buffer(*bufs[k]);
+    if (results[k].error == 0 &&
+        checksum_of(b, s.options.block_bytes) == s.slots[slots[k]].checksum) {
+      std::memcpy(out[k].data(), b, s.options.block_bytes);
       verified[k] = 1;
-    });
-    s.counters.read_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-    // The prefix ends at the first block not verified; every block that
-    // failed is dropped (a timeout only ends the prefix: the block is fine).
-    bool stop = false;
-    for (std::size_t k = 0; k < wave; ++k) {
-      if (results[k].orphaned) {
-        s.orphaned_reads.insert(bufs[k]);
-      } else {
-        s.free_staging.push_back(bufs[k]);
-      }
-      if (!verified[k]) {
-        if (results[k].error == ETIMEDOUT) {
-          ++s.counters.timeouts;
-        } else if (results[k].error != 0) {
-          ++s.counters.read_failures;
-          s.drop(slots[k]);
-        } else {
-          ++s.counters.checksum_failures;
-          s.drop(slots[k]);
-        }
-        stop = true;
-        continue;
-      }
-      if (stop) continue;
-      Slot& sl = s.slots[slots[k]];
-      s.lru.erase(s.lru.iterator_to(sl));
-      s.lru.push_back(sl);
-      ++s.counters.reads;
-      s.counters.read_bytes += s.options.block_bytes;
     }
-    std::size_t ok = 0;
-    while (ok < wave && verified[ok]) ++ok;
-    got += ok;
-    if (stop) break;
+    s.free_staging.push_back(*bufs[k]);
+  };
+  const auto t0 = Clock::now();
+  s.data->run(reqs, results, s.options.io_timeout, complete, prepare);
+  s.counters.read_ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  // The prefix ends at the first block not verified. Every block that
+  // failed is dropped; one past the deadline (or without a buffer) only
+  // ends the prefix: the block itself is fine.
+  std::size_t got = 0;
+  while (got < n && verified[got]) ++got;
+  for (std::size_t k = 0; k < n; ++k) {
+    if (results[k].orphaned && bufs[k]) s.orphaned_reads.emplace(reqs[k].tag, *bufs[k]);
+    if (verified[k]) {
+      if (k < got) {
+        Slot& sl = s.slots[slots[k]];
+        s.lru.erase(s.lru.iterator_to(sl));
+        s.lru.push_back(sl);
+        ++s.counters.reads;
+        s.counters.read_bytes += s.options.block_bytes;
+      }
+      continue;
+    }
+    const int e = results[k].error;
+    if (e == ETIMEDOUT || e == ENOBUFS) {
+      ++s.counters.timeouts;
+    } else if (e != 0) {
+      ++s.counters.read_failures;
+      s.drop(slots[k]);
+    } else {
+      ++s.counters.checksum_failures;
+      s.drop(slots[k]);
+    }
   }
   if (!s.pending.empty() && !s.options.read_only) (void)s.append({});
   return got;

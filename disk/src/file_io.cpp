@@ -40,7 +40,8 @@ bool io_uring_compiled() noexcept { return KVPORT_HAVE_LIBURING != 0; }
 // ---- FileIo: the checks every implementation shares ---------------------------------------
 
 void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> results,
-                 std::chrono::milliseconds deadline, const IoCompletion& on_complete) {
+                 std::chrono::milliseconds deadline, const IoCompletion& on_complete,
+                 const IoPrepare& prepare) {
   if (requests.size() != results.size()) {
     throw InvalidArgument("FileIo::run: " + std::to_string(requests.size()) + " requests but " +
                           std::to_string(results.size()) + " results");
@@ -49,7 +50,7 @@ void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> result
   const bool aligned = direct();
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const IoRequest& r = requests[i];
-    if (r.buffer == nullptr || r.bytes == 0) {
+    if ((r.buffer == nullptr && !prepare) || r.bytes == 0) {
       throw InvalidArgument("FileIo::run: request " + std::to_string(i) +
                             " has a null buffer or zero bytes");
     }
@@ -67,7 +68,7 @@ void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> result
   }
   if (requests.empty()) return;
   static const IoCompletion kNone = [](std::size_t) {};
-  do_run(requests, results, deadline, on_complete ? on_complete : kNone);
+  do_run(requests, results, deadline, IoHooks{on_complete ? on_complete : kNone, prepare});
 }
 
 int FileIo::sync() { return do_sync(); }
@@ -180,20 +181,21 @@ class SyncFileIo final : public PosixFile {
 
  private:
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override {
+              std::chrono::milliseconds deadline, const IoHooks& hooks) override {
     const Clock::time_point end = Clock::now() + deadline;
     for (std::size_t i = 0; i < requests.size(); ++i) {
       // A blocked pread cannot be interrupted: the deadline is checked
       // between requests.
+      IoRequest r = requests[i];
       if (deadline.count() > 0 && Clock::now() >= end) {
         results[i] = IoResult{ETIMEDOUT, 0, false};
+      } else if (r.buffer == nullptr && (r.buffer = hooks.prepare(i)) == nullptr) {
+        results[i] = IoResult{ENOBUFS, 0, false};  // nothing in flight to wait for
       } else {
-        results[i] = transfer_sync(requests[i]);
-        if (results[i].error == EINVAL && fall_back_to_buffered()) {
-          results[i] = transfer_sync(requests[i]);
-        }
+        results[i] = transfer_sync(r);
+        if (results[i].error == EINVAL && fall_back_to_buffered()) results[i] = transfer_sync(r);
       }
-      on_complete(i);
+      hooks.on_complete(i);
     }
   }
   std::vector<std::uint64_t> do_reap_orphans(bool) override { return {}; }
@@ -223,35 +225,46 @@ class UringFileIo final : public PosixFile {
 
  private:
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override {
+              std::chrono::milliseconds deadline, const IoHooks& hooks) override {
     // EINVAL on aligned direct I/O: the file system takes O_DIRECT at open
-    // only. Those requests are held back, and run again buffered.
+    // only. Those requests are held back, and run again buffered (with the
+    // buffers they were issued with).
     std::vector<std::size_t> again;
+    std::vector<std::byte*> buffers(requests.size(), nullptr);
     const bool may_fall_back = direct_;
-    run_once(requests, results, deadline, Clock::now() + deadline, [&](std::size_t i) {
-      if (may_fall_back && results[i].error == EINVAL) {
-        again.push_back(i);
-      } else {
-        on_complete(i);
-      }
-    });
+    run_once(requests, results, deadline, Clock::now() + deadline, buffers,
+             IoHooks{[&](std::size_t i) {
+                       if (may_fall_back && results[i].error == EINVAL) {
+                         again.push_back(i);
+                       } else {
+                         hooks.on_complete(i);
+                       }
+                     },
+                     hooks.prepare});
     if (again.empty()) return;
     if (!fall_back_to_buffered()) {
-      for (std::size_t i : again) on_complete(i);
+      for (std::size_t i : again) hooks.on_complete(i);
       return;
     }
     std::vector<IoRequest> sub;
-    for (std::size_t i : again) sub.push_back(requests[i]);
+    for (std::size_t i : again) {
+      sub.push_back(requests[i]);
+      sub.back().buffer = buffers[i];
+    }
     std::vector<IoResult> sub_results(sub.size());
-    run_once(sub, sub_results, deadline, Clock::now() + deadline, [&](std::size_t k) {
-      results[again[k]] = sub_results[k];
-      on_complete(again[k]);
-    });
+    std::vector<std::byte*> sub_buffers(sub.size(), nullptr);
+    run_once(sub, sub_results, deadline, Clock::now() + deadline, sub_buffers,
+             IoHooks{[&](std::size_t k) {
+                       results[again[k]] = sub_results[k];
+                       hooks.on_complete(again[k]);
+                     },
+                     {}});
   }
 
   void run_once(std::span<const IoRequest> requests, std::span<IoResult> results,
                 std::chrono::milliseconds deadline, Clock::time_point end,
-                const IoCompletion& on_complete) {
+                std::vector<std::byte*>& buffers, const IoHooks& hooks) {
+    const IoCompletion& on_complete = hooks.on_complete;
     const std::uint64_t base = next_id_;
     next_id_ += requests.size();
     std::size_t submitted = 0;
@@ -261,14 +274,26 @@ class UringFileIo final : public PosixFile {
     std::vector<std::size_t> finished;
     bool timed_out = false;
     const auto refill = [&] {
-      while (submitted < requests.size() && in_flight + orphans_.size() < depth_) {
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-        if (sqe == nullptr) break;
+      while (submitted < requests.size() && in_flight + orphans_.size() < depth_ &&
+             io_uring_sq_space_left(&ring_) > 0) {
         const IoRequest& r = requests[submitted];
+        std::byte* buf = r.buffer != nullptr ? r.buffer : hooks.prepare(submitted);
+        if (buf == nullptr) {
+          // A completion, or one still to be handed to on_complete, may free
+          // one: wait for it. With none, the request cannot be served.
+          if (in_flight > 0 || !orphans_.empty() || !finished.empty()) break;
+          results[submitted] = IoResult{ENOBUFS, 0, false};
+          done[submitted] = true;
+          ++completed;
+          on_complete(submitted++);
+          continue;
+        }
+        buffers[submitted] = buf;
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
         if (r.op == IoOp::read) {
-          io_uring_prep_read(sqe, fd_, r.buffer, static_cast<unsigned>(r.bytes), r.offset);
+          io_uring_prep_read(sqe, fd_, buf, static_cast<unsigned>(r.bytes), r.offset);
         } else {
-          io_uring_prep_write(sqe, fd_, r.buffer, static_cast<unsigned>(r.bytes), r.offset);
+          io_uring_prep_write(sqe, fd_, buf, static_cast<unsigned>(r.bytes), r.offset);
         }
         io_uring_sqe_set_data64(sqe, base + submitted);
         ++submitted;
@@ -347,6 +372,7 @@ class UringFileIo final : public PosixFile {
         (void)io_uring_submit(&ring_);
         for (std::size_t i : finished) on_complete(i);
         finished.clear();
+        refill();  // with the buffers those completions gave back
       }
     }
     if (!timed_out) return;
@@ -479,7 +505,8 @@ bool FaultInjectingFileIo::fire(IoStep step, std::optional<IoOp> op, int& error)
 
 void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
                                   std::span<IoResult> results, std::chrono::milliseconds deadline,
-                                  const IoCompletion& on_complete) {
+                                  const IoHooks& hooks) {
+  const IoCompletion& on_complete = hooks.on_complete;
   // Decide each request's fault first, issue the rest as one batch.
   enum class Fate : std::uint8_t { issue, fail, timeout, fail_after, half };
   std::vector<Fate> fate(requests.size(), Fate::issue);
@@ -524,10 +551,15 @@ void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
   }
   std::vector<IoResult> issued(issue.size());
   if (!issue.empty()) {
-    inner_->run(issue, issued, deadline, [&](std::size_t k) {
-      results[where[k]] = issued[k];
-      settle(where[k]);
-    });
+    IoPrepare prepare;
+    if (hooks.prepare) prepare = [&](std::size_t k) { return hooks.prepare(where[k]); };
+    inner_->run(
+        issue, issued, deadline,
+        [&](std::size_t k) {
+          results[where[k]] = issued[k];
+          settle(where[k]);
+        },
+        prepare);
   }
 }
 

@@ -494,8 +494,9 @@ class OrphaningFileIo final : public FileIo {
 
  private:
   void do_run(std::span<const IoRequest> r, std::span<IoResult> out, std::chrono::milliseconds d,
-              const IoCompletion& on_complete) override {
-    inner_->run(r, out, d);
+              const IoHooks& hooks) override {
+    const IoCompletion& on_complete = hooks.on_complete;
+    inner_->run(r, out, d, {}, hooks.prepare);
     for (std::size_t i = 0; i < r.size(); ++i) {
       if (orphan_next_write && r[i].op == IoOp::write) {
         out[i] = IoResult{ETIMEDOUT, 0, true};

@@ -84,6 +84,44 @@ TEST_P(FileIoTest, WritesReadBackInOneBatchLargerThanTheQueue) {
   EXPECT_EQ(io->orphans(), 0u);
 }
 
+TEST_P(FileIoTest, TwoRecycledBuffersServeABatchOfTen) {
+  auto io = open();
+  ASSERT_EQ(io->allocate(10 * 4096), 0);
+  Aligned data(10 * 4096);
+  for (std::size_t i = 0; i < data.bytes; ++i) data.p[i] = static_cast<std::byte>(i / 4096 + 1);
+  std::vector<IoRequest> w;
+  for (std::size_t k = 0; k < 10; ++k) w.push_back(IoRequest{IoOp::write, k * 4096, data.p + k * 4096, 4096, k});
+  std::vector<IoResult> res(10);
+  io->run(w, res, 5000ms);
+  // Reads without buffers: two are handed out and given back as each completes.
+  Aligned pool(2 * 4096);
+  std::vector<std::byte*> free_bufs{pool.p, pool.p + 4096};
+  std::vector<std::byte*> given(10, nullptr);
+  std::vector<int> first_byte(10, -1);
+  std::vector<IoRequest> r;
+  for (std::size_t k = 0; k < 10; ++k) r.push_back(IoRequest{IoOp::read, k * 4096, nullptr, 4096, k});
+  io->run(
+      r, res, 5000ms,
+      [&](std::size_t i) {
+        if (given[i] == nullptr) return;  // failed without a buffer
+        first_byte[i] = std::to_integer<int>(given[i][0]);
+        free_bufs.push_back(given[i]);
+      },
+      [&](std::size_t i) -> std::byte* {
+        if (free_bufs.empty()) return nullptr;
+        given[i] = free_bufs.back();
+        free_bufs.pop_back();
+        return given[i];
+      });
+  for (std::size_t k = 0; k < 10; ++k) {
+    EXPECT_EQ(res[k].error, 0);
+    EXPECT_EQ(first_byte[k], static_cast<int>(k + 1));
+  }
+  // None to give at all: each request fails with ENOBUFS, none hangs.
+  io->run(r, res, 5000ms, {}, [](std::size_t) -> std::byte* { return nullptr; });
+  for (const IoResult& x : res) EXPECT_EQ(x.error, ENOBUFS);
+}
+
 TEST_P(FileIoTest, ReadPastTheEndIsShort) {
   auto io = open();
   ASSERT_EQ(io->allocate(4096), 0);

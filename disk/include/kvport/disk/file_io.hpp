@@ -55,6 +55,19 @@ struct IoResult {
 /// work on a completed request while the others are still in flight.
 using IoCompletion = std::function<void(std::size_t index)>;
 
+/// Gives the buffer of a request whose IoRequest::buffer is null, when it is
+/// about to be issued (so that a caller can recycle a few buffers over a
+/// long batch: a buffer released in IoCompletion is handed out again here).
+/// Null: none free now; the request waits for a completion (or, with nothing
+/// in flight to wait for, fails with ENOBUFS).
+using IoPrepare = std::function<std::byte*(std::size_t index)>;
+
+/// The callbacks of one FileIo::run.
+struct IoHooks {
+  IoCompletion on_complete;
+  IoPrepare prepare;
+};
+
 /// Which implementation runs the I/O.
 enum class IoEngine : std::uint8_t {
   automatic,  ///< io_uring when the kernel allows it, else pread/pwrite
@@ -93,12 +106,15 @@ class FileIo {
   /// once, refilled as they complete) and waits for them until `deadline`
   /// (measured from the call; 0: no deadline). results[i] is requests[i]'s
   /// outcome; `on_complete` (when set) is called once per request as its
-  /// result becomes final, orphaned and timed-out ones last. I/O errors are
+  /// result becomes final, orphaned and timed-out ones last; `prepare` (when
+  /// set) gives the buffers of requests that have none. I/O errors are
   /// reported per request, never thrown; throws InvalidArgument when the
-  /// spans' sizes differ or a request is malformed (null buffer, zero bytes,
-  /// misaligned under O_DIRECT, a write on a read-only file).
+  /// spans' sizes differ or a request is malformed (a null buffer without
+  /// `prepare`, zero bytes, misaligned under O_DIRECT, a write on a
+  /// read-only file).
   void run(std::span<const IoRequest> requests, std::span<IoResult> results,
-           std::chrono::milliseconds deadline, const IoCompletion& on_complete = {});
+           std::chrono::milliseconds deadline, const IoCompletion& on_complete = {},
+           const IoPrepare& prepare = {});
   /// fdatasync: 0 or the errno value.
   int sync();
   /// Makes the file `bytes` long with its blocks allocated (fallocate); where
@@ -129,10 +145,11 @@ class FileIo {
   bool read_only() const noexcept;
 
  protected:
-  /// Runs a checked, non-empty batch; calls on_complete (never empty here)
-  /// once per request.
+  /// Runs a checked, non-empty batch; calls hooks.on_complete (never empty
+  /// here) once per request, hooks.prepare (set when a buffer is null) once
+  /// per request issued without a buffer, just before issuing it.
   virtual void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-                      std::chrono::milliseconds deadline, const IoCompletion& on_complete) = 0;
+                      std::chrono::milliseconds deadline, const IoHooks& hooks) = 0;
   virtual int do_sync() = 0;
   virtual int do_allocate(std::uint64_t bytes) = 0;
   virtual std::optional<std::uint64_t> do_size() = 0;
@@ -200,7 +217,7 @@ class FaultInjectingFileIo final : public FileIo {
   bool fire(IoStep step, std::optional<IoOp> op, int& error);
 
   void do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
-              std::chrono::milliseconds deadline, const IoCompletion& on_complete) override;
+              std::chrono::milliseconds deadline, const IoHooks& hooks) override;
   int do_sync() override;
   int do_allocate(std::uint64_t bytes) override;
   std::optional<std::uint64_t> do_size() override;
