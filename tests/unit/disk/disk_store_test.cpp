@@ -5,6 +5,8 @@
 // process, and a fault injected at every I/O step are dropped and counted,
 // never served.
 #include <gtest/gtest.h>
+#include <sched.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -542,6 +544,87 @@ TEST_F(DiskStoreTest, AWriteOrphanedAtItsDeadlineQuarantinesItsSlotUntilItEnds) 
   expect_consistent(*s);
   EXPECT_EQ(put(*s, {a[4], a[5]}), 2u);
   EXPECT_EQ(s->size(), 4u);
+}
+
+// ---- a full file system ----------------------------------------------------------------------
+
+// The scenario of DiskFull, run in a child process inside a mount namespace
+// of its own (so the tmpfs goes with it, whatever happens); exit 0 when
+// every check held, else the number of the first that did not, 77 when a
+// size-limited file system cannot be made here.
+int disk_full_scenario(const std::filesystem::path& root) {
+  if (::unshare(CLONE_NEWNS) != 0) return 77;
+  if (::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) return 77;
+  if (::mount("tmpfs", root.c_str(), "tmpfs", 0, "size=1m") != 0) return 77;
+  DiskStoreOptions o;
+  o.dir = root / "tier";
+  o.block_bytes = kBlockBytes;
+  o.layout = layout();
+  o.queue_depth = 4;
+  o.num_slots = 1024;  // 4 MiB of slots on a 1 MiB file system
+  try {
+    (void)DiskStore::open(o);
+    return 1;
+  } catch (const InvalidArgument& e) {
+    if (std::string(e.what()).find("No space left") == std::string::npos) return 2;
+  }
+  o.num_slots = 64;  // 256 KiB
+  std::filesystem::remove_all(o.dir);
+  auto s = DiskStore::open(o);
+  const auto a = chain(70, 8);
+  const auto put_all = [&](const std::vector<BlockHash>& hs) {
+    std::vector<std::vector<std::byte>> images;
+    std::vector<std::span<const std::byte>> views;
+    for (const BlockHash& h : hs) images.push_back(image_of(h, kBlockBytes));
+    for (const auto& im : images) views.emplace_back(im);
+    return s->put(hs, views);
+  };
+  if (put_all(a) != 8) return 3;
+  // Fill what is left, then ask for a page more of index records.
+  {
+    std::ofstream filler(root / "filler", std::ios::binary);
+    const std::vector<char> chunk(4096, 'x');
+    for (int i = 0; i < 1024 && filler.write(chunk.data(), chunk.size()); ++i) {
+    }
+  }
+  const auto b = chain(71, 64);
+  if (put_all(b) != 0) return 4;  // the records found no space: nothing published
+  if (s->counters().write_failures == 0) return 5;
+  if (!s->check_invariants().empty()) return 6;
+  // Space again: the store goes on.
+  std::filesystem::remove(root / "filler");
+  if (put_all(b) != 64) return 7;
+  std::vector<std::vector<std::byte>> out(64, std::vector<std::byte>(kBlockBytes));
+  std::vector<std::span<std::byte>> views;
+  for (auto& x : out) views.emplace_back(x);
+  if (s->get_prefix(b, views) != 64) return 8;
+  for (std::size_t i = 0; i < 64; ++i) {
+    if (out[i] != image_of(b[i], kBlockBytes)) return 9;
+  }
+  return 0;
+}
+
+TEST(DiskFull, NoSpaceForRecordsPublishesNothingAndTheStoreGoesOnOnceThereIs) {
+  TempDir mount_point;  // the child mounts over it; removed here once it is gone
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    int code = 10;
+    try {
+      code = disk_full_scenario(mount_point.path());
+    } catch (...) {
+      code = 11;
+    }
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the scenario died: " << status;
+  if (WEXITSTATUS(status) == 77) {
+    GTEST_SKIP() << "cannot make a size-limited tmpfs here (needs root: a mount namespace)";
+  }
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "check " << WEXITSTATUS(status)
+                                    << " of disk_full_scenario did not hold";
 }
 
 // ---- crashes ---------------------------------------------------------------------------------
