@@ -64,10 +64,15 @@ std::string receive_frame(void* sub, bool& more) {
   return out;
 }
 
-// The next message within the socket's timeout, decoded; nullopt on a timeout.
-std::optional<Message> receive(void* sub) {
+// How long a receive waits for a message that was flushed and must come:
+// ZeroMQ's I/O threads may take their time on a loaded machine or under a
+// sanitizer. Joining and draining use the short default.
+constexpr long kExpectMs = 5000;
+
+// The next message within `timeout_ms`, decoded; nullopt on a timeout.
+std::optional<Message> receive(void* sub, long timeout_ms = 200) {
   zmq_pollitem_t item{sub, 0, ZMQ_POLLIN, 0};
-  if (zmq_poll(&item, 1, 200) <= 0) return std::nullopt;
+  if (zmq_poll(&item, 1, timeout_ms) <= 0) return std::nullopt;
   Message m;
   bool more = false;
   m.topic = receive_frame(sub, more);
@@ -176,7 +181,7 @@ void test_prefix_cache(kvport_backend* backend, void* context) {
   OK(kvport_block_table_create_prefixed(prefix, 0, &table));
   OK(kvport_block_table_append_tokens(table, tokens.data(), 12, nullptr));
   OK(kvport_prefix_cache_flush_events(prefix, 2000, nullptr));
-  std::optional<Message> m = receive(sub);
+  std::optional<Message> m = receive(sub, kExpectMs);
   CHECK(m.has_value());
   if (m) {
     CHECK(m->seq == joined->seq + 1 && m->topic.empty());
@@ -193,7 +198,7 @@ void test_prefix_cache(kvport_backend* backend, void* context) {
   }
   OK(kvport_block_table_append_tokens(table, tokens.data() + 12, 4, nullptr));
   OK(kvport_prefix_cache_flush_events(prefix, 2000, nullptr));
-  m = receive(sub);
+  m = receive(sub, kExpectMs);
   CHECK(m.has_value());
   if (m) {
     const auto stored = events_of<kvport::BlockStored>(*m);
@@ -213,7 +218,7 @@ void test_prefix_cache(kvport_backend* backend, void* context) {
   OK(kvport_prefix_cache_flush_events(prefix, 2000, nullptr));
   std::vector<std::uint64_t> removed;
   while (removed.size() < evicted) {
-    m = receive(sub);
+    m = receive(sub, kExpectMs);
     CHECK(m.has_value());
     if (!m) break;
     for (const auto& r : events_of<kvport::BlockRemoved>(*m)) {
@@ -226,7 +231,7 @@ void test_prefix_cache(kvport_backend* backend, void* context) {
 
   // Disable: the clear arrives before the publisher goes.
   OK(kvport_prefix_cache_disable_events(prefix));
-  m = receive(sub);
+  m = receive(sub, kExpectMs);
   CHECK(m.has_value());
   if (m) {
     const auto cleared = events_of<kvport::AllBlocksCleared>(*m);

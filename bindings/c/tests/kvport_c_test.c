@@ -1440,6 +1440,13 @@ static int events_receive_within(void* sub, events_message* m, int tries) {
   return 0;
 }
 
+/* After joining: each receive may wait `timeout_ms` (a message flushed is on
+ * its way, but ZeroMQ's I/O threads may take their time on a loaded machine
+ * or under a sanitizer). */
+static void events_set_timeout(void* sub, int timeout_ms) {
+  CHECK(zmq_setsockopt(sub, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0);
+}
+
 /* A PUB socket drops what it sends before a subscription arrives (ZeroMQ's
  * slow joiner): stores one new block per round (a one-block table over
  * `prefix`, tokens from `first`), flushes, and waits briefly for a message,
@@ -1575,6 +1582,7 @@ static void test_events(kvport_backend* backend) {
   sub = events_subscriber(zmq_context, endpoint, 100);
   rounds = events_join(prefix, sub, 1000, &m);
   CHECK(rounds > 0);
+  events_set_timeout(sub, 5000);
   joined_seq = m.seq;
   CHECK(m.topic_size == 14 && memcmp(m.topic, "kv@pod-0@model", 14) == 0);
   fill_tokens(tokens, 8, 100);

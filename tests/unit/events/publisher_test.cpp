@@ -15,11 +15,13 @@
 #include <zmq_addon.hpp>
 
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/time_scale.hpp"
 
 namespace kvport::events {
 namespace {
 
 using namespace std::chrono_literals;
+using kvport::testing::scaled;
 
 PublisherOptions local_options() {
   PublisherOptions o;
@@ -49,7 +51,7 @@ struct Subscriber {
   zmq::socket_t sub{ctx, zmq::socket_type::sub};
   Subscriber(const std::string& endpoint, const std::string& topic) {
     sub.set(zmq::sockopt::linger, 0);
-    sub.set(zmq::sockopt::rcvtimeo, 2000);
+    sub.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
     sub.set(zmq::sockopt::subscribe, topic);
     sub.connect(endpoint);
   }
@@ -74,10 +76,10 @@ std::uint64_t join(Publisher& pub, Subscriber& s) {
   s.sub.set(zmq::sockopt::rcvtimeo, 50);
   for (int k = 0; k < 100; ++k) {
     pub.cleared(EventSource{});
-    EXPECT_TRUE(pub.flush(2s));
+    EXPECT_TRUE(pub.flush(scaled(2s)));
     auto frames = s.recv();
     if (!frames.empty()) {
-      s.sub.set(zmq::sockopt::rcvtimeo, 2000);
+      s.sub.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
       // Drain probes still queued.
       std::uint64_t next = seq_of(frames[1]) + 1;
       while (next < pub.stats().next_seq) {
@@ -114,7 +116,7 @@ TEST_P(PublisherForms, ThreeFramesContiguousSequenceFromZero) {
     pub.stored(src, BlockStoredView{hashes, bh(10), tokens, 2, std::string_view("lora")});
   }
   pub.removed(src, hashes);
-  ASSERT_TRUE(pub.flush(2s));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
 
   std::vector<CacheEvent> got;
   while (got.size() < 11) {
@@ -168,7 +170,7 @@ TEST(Publisher, FullBufferDropsCountedWithoutBlocking) {
   PublisherStats st = pub.stats();
   EXPECT_EQ(st.events_accepted, 4u);
   EXPECT_EQ(st.events_dropped, 996u);
-  ASSERT_TRUE(pub.flush(2s));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
   st = pub.stats();
   EXPECT_EQ(st.next_seq, 1u);  // one batch of the four
   EXPECT_EQ(st.batches_sent + st.send_failures, 1u);
@@ -227,7 +229,7 @@ struct ReplayClient {
   zmq::socket_t s{ctx, zmq::socket_type::dealer};
   explicit ReplayClient(const std::string& endpoint) {
     s.set(zmq::sockopt::linger, 0);
-    s.set(zmq::sockopt::rcvtimeo, 2000);
+    s.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
     s.connect(endpoint);
   }
   // [(seq, payload)...] up to the terminator; fails the test without one.
@@ -271,7 +273,7 @@ TEST(Publisher, ReplayFromASequenceAndAMiss) {
     const std::vector<BlockHash> hashes = {bh(100 + k)};
     pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
   }
-  ASSERT_TRUE(pub.flush(2s));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
   ASSERT_EQ(pub.stats().next_seq, 8u);
   ReplayClient c(pub.replay_endpoint());
   auto got = c.replay(5);
@@ -308,7 +310,7 @@ TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
     const std::vector<BlockHash> hashes = {bh(1000 + k)};
     pub.stored(EventSource{}, view(hashes, std::nullopt, tokens, 1));
   }
-  ASSERT_TRUE(pub.flush(5s));
+  ASSERT_TRUE(pub.flush(scaled(5s)));
   ASSERT_EQ(pub.stats().next_seq, 3000u);
   ReplayClient c(pub.replay_endpoint());
   const auto got = c.replay(0);
@@ -372,7 +374,7 @@ TEST(Publisher, SnapshotEqualsTheSetTheEventsBuild) {
         pub.stored(src, view(hashes, bh(base + 999), tokens, 2));
     }
   }
-  ASSERT_TRUE(pub.flush(2s));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
   // The model: replay every batch (the ring holds them all) through apply().
   std::set<BlockTuple> want;
   const auto all = c.replay(0);
@@ -431,7 +433,7 @@ void every_event_in_order(int threads, bool single_producer) {
   }
   for (auto& p : producers)
     p.join();
-  ASSERT_TRUE(pub.flush(10s));
+  ASSERT_TRUE(pub.flush(scaled(10s)));
   EXPECT_EQ(pub.stats().events_accepted, per_thread * threads + next);  // the probes too
   std::vector<std::uint64_t> seen(threads, 0);
   std::uint64_t events = 0;
