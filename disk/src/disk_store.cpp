@@ -103,7 +103,11 @@ std::optional<Record> decode(const std::byte* in) {
 
 std::uint64_t checksum_of(const std::byte* p, std::size_t n) { return XXH3_64bits(p, n); }
 
-std::size_t round_up(std::size_t v, std::size_t a) { return div_ceil(v, a) * a; }
+// Adds the time since `start` to a counter of nanoseconds.
+void add_elapsed(std::uint64_t& ns, Clock::time_point start) {
+  ns += static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+}
 
 std::string errno_text(int e) { return std::strerror(e); }
 
@@ -115,7 +119,6 @@ struct Slot {
   bi::list_member_hook<bi::link_mode<bi::normal_link>> lru_hook;
   BlockHash hash;
   std::uint64_t checksum = 0;
-  std::uint64_t seq = 0;
   SlotState state = SlotState::free;
 };
 
@@ -242,7 +245,6 @@ struct DiskStore::State {
   std::unique_ptr<FileIo> index;
   std::uint64_t index_end = 0;  // where the next record goes
   std::uint64_t next_seq = 1;
-  std::size_t records_at_open = 0;
 
   std::vector<Slot> slots;
   std::vector<std::uint32_t> free_slots;  // LIFO
@@ -304,11 +306,9 @@ struct DiskStore::State {
     log::warn(fmt::format("disk tier {}: a file of the store was deleted under the process; "
                           "its {} blocks are dropped and it takes no more",
                           dir.string(), by_hash.size()));
-    for (auto& [hash, slot] : by_hash) {
-      Slot& s = slots[slot];
-      lru.erase(lru.iterator_to(s));
-      s.state = SlotState::free;
-      free_slots.push_back(slot);
+    for (const auto& [hash, slot] : by_hash) {
+      lru.erase(lru.iterator_to(slots[slot]));
+      release_slot(slot);
     }
     by_hash.clear();
     return true;
@@ -366,8 +366,7 @@ struct DiskStore::State {
     index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
     bool ok = res.error == 0;
     if (ok) ok = index->sync() == 0;
-    counters.index_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    add_elapsed(counters.index_ns, t0);
     if (!ok) return false;
     index_end += bytes.size();
     pending.clear();
@@ -426,8 +425,7 @@ struct DiskStore::State {
     data->run(reqs, results, options.io_timeout, [&](std::size_t k) {
       if (results[k].error == 0) wave[k].checksum = checksum_of(reqs[k].buffer, options.block_bytes);
     });
-    counters.write_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    add_elapsed(counters.write_ns, t0);
     for (std::size_t k = 0; k < wave.size(); ++k) {
       Item& it = wave[k];
       if (results[k].orphaned) {
@@ -461,8 +459,7 @@ struct DiskStore::State {
     };
     const auto t0 = Clock::now();
     const bool synced = data->sync() == 0;
-    counters.write_ns += static_cast<std::uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    add_elapsed(counters.write_ns, t0);
     if (!synced) return fail();
     std::vector<Record> records;
     records.reserve(written.size());
@@ -476,7 +473,6 @@ struct DiskStore::State {
       Slot& s = slots[written[i].slot];
       s.hash = records[i].hash;
       s.checksum = records[i].checksum;
-      s.seq = records[i].seq;
       s.state = SlotState::stored;
       lru.push_back(s);
       by_hash.emplace(s.hash, written[i].slot);
@@ -620,7 +616,6 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   }
   s.index_end = whole;
   const std::size_t n_records = static_cast<std::size_t>(whole / kRecordBytes);
-  s.records_at_open = n_records;
   std::vector<Record> owner(options.num_slots);
   std::vector<bool> owned(options.num_slots, false);
   for (std::size_t i = 0; i < n_records; ++i) {
@@ -669,7 +664,6 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     Slot& sl = s.slots[slot];
     sl.hash = owner[slot].hash;
     sl.checksum = owner[slot].checksum;
-    sl.seq = owner[slot].seq;
     sl.state = SlotState::stored;
     s.lru.push_back(sl);
   }
@@ -838,8 +832,7 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
   };
   const auto t0 = Clock::now();
   s.data->run(reqs, results, s.options.io_timeout, complete, prepare);
-  s.counters.read_ns += static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  add_elapsed(s.counters.read_ns, t0);
   // The prefix ends at the first block not verified. Every block that
   // failed is dropped; one past the deadline (or without a buffer) only
   // ends the prefix: the block itself is fine.
