@@ -64,7 +64,7 @@ struct Bed {
   fs::path dir;
   std::unique_ptr<DiskStore> store;
   std::size_t block_bytes = 0;
-  std::vector<BlockHash> stored;  // what is in the store
+  std::vector<BlockHash> stored;                   // what is in the store
   std::unique_ptr<std::byte, AlignedFree> images;  // 256 aligned block images
   std::uint64_t next = 1;
   std::mt19937_64 rng{42};
@@ -130,11 +130,16 @@ std::string file_system(const fs::path& p) {
   struct statfs s {};
   if (::statfs(p.c_str(), &s) != 0) return "?";
   switch (static_cast<unsigned long>(s.f_type)) {
-    case 0xEF53: return "ext4";
-    case 0x58465342: return "xfs";
-    case 0x01021994: return "tmpfs";
-    case 0x9123683E: return "btrfs";
-    default: return "other";
+    case 0xEF53:
+      return "ext4";
+    case 0x58465342:
+      return "xfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x9123683E:
+      return "btrfs";
+    default:
+      return "other";
   }
 }
 
@@ -154,7 +159,8 @@ double fio_bandwidth(const fs::path& dir, bool write, std::size_t bs, std::size_
   if (p == nullptr) return 0;
   std::string out;
   char buf[4096];
-  while (std::fgets(buf, sizeof buf, p) != nullptr) out += buf;
+  while (std::fgets(buf, sizeof buf, p) != nullptr)
+    out += buf;
   const int status = ::pclose(p);
   std::error_code ec;
   if (!write) fs::remove(file, ec);
@@ -226,7 +232,8 @@ void BM_DiskWrite(benchmark::State& state) {
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
   // Where a put's time goes: data writes and their sync, the index append and its sync.
-  const double iters = static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+  const double iters =
+      static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
   state.counters["data_ms_per_put"] = data_ns / 1e6 / iters;
   state.counters["index_ms_per_put"] = index_ns / 1e6 / iters;
   report(state, b, true, n, bytes, seconds);
@@ -239,13 +246,15 @@ void BM_DiskRead(benchmark::State& state) {
       static_cast<std::byte*>(std::aligned_alloc(4096, n * b.block_bytes)));
   std::memset(out.get(), 0, n * b.block_bytes);  // no page faults in the timed reads
   std::vector<std::span<std::byte>> views;
-  for (std::size_t i = 0; i < n; ++i) views.emplace_back(out.get() + i * b.block_bytes, b.block_bytes);
+  for (std::size_t i = 0; i < n; ++i)
+    views.emplace_back(out.get() + i * b.block_bytes, b.block_bytes);
   double bytes = 0;
   double seconds = 0;
   for (auto _ : state) {
     state.PauseTiming();
     std::vector<BlockHash> h;
-    for (std::size_t i = 0; i < n; ++i) h.push_back(b.stored[b.rng() % b.stored.size()]);
+    for (std::size_t i = 0; i < n; ++i)
+      h.push_back(b.stored[b.rng() % b.stored.size()]);
     state.ResumeTiming();
     const auto t0 = std::chrono::steady_clock::now();
     const std::size_t got = b.store->get_prefix(h, views);
@@ -260,7 +269,8 @@ void BM_DiskRead(benchmark::State& state) {
 void args(benchmark::internal::Benchmark* bm) {
   bm->ArgNames({"model", "blocks"});
   for (int m : {0, 1}) {
-    for (int n : {1, 16, 256}) bm->Args({m, n});
+    for (int n : {1, 16, 256})
+      bm->Args({m, n});
   }
   bm->UseRealTime()->Unit(benchmark::kMillisecond);
 }

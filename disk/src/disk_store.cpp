@@ -64,11 +64,13 @@ struct Record {
 };
 
 void put_le(std::byte* p, std::uint64_t v, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
+  for (std::size_t i = 0; i < n; ++i)
+    p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
 }
 std::uint64_t get_le(const std::byte* p, std::size_t n) {
   std::uint64_t v = 0;
-  for (std::size_t i = 0; i < n; ++i) v |= std::uint64_t{std::to_integer<std::uint8_t>(p[i])} << (8 * i);
+  for (std::size_t i = 0; i < n; ++i)
+    v |= std::uint64_t{std::to_integer<std::uint8_t>(p[i])} << (8 * i);
   return v;
 }
 
@@ -101,7 +103,9 @@ std::optional<Record> decode(const std::byte* in) {
   return r;
 }
 
-std::uint64_t checksum_of(const std::byte* p, std::size_t n) { return XXH3_64bits(p, n); }
+std::uint64_t checksum_of(const std::byte* p, std::size_t n) {
+  return XXH3_64bits(p, n);
+}
 
 // Adds the time since `start` to a counter of nanoseconds.
 void add_elapsed(std::uint64_t& ns, Clock::time_point start) {
@@ -109,7 +113,9 @@ void add_elapsed(std::uint64_t& ns, Clock::time_point start) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
 }
 
-std::string errno_text(int e) { return std::strerror(e); }
+std::string errno_text(int e) {
+  return std::strerror(e);
+}
 
 // ---- slots ------------------------------------------------------------------------------
 
@@ -122,9 +128,10 @@ struct Slot {
   SlotState state = SlotState::free;
 };
 
-using Lru = bi::list<Slot, bi::member_hook<Slot, bi::list_member_hook<bi::link_mode<bi::normal_link>>,
-                                           &Slot::lru_hook>,
-                     bi::constant_time_size<true>>;
+using Lru = bi::list<
+    Slot,
+    bi::member_hook<Slot, bi::list_member_hook<bi::link_mode<bi::normal_link>>, &Slot::lru_hook>,
+    bi::constant_time_size<true>>;
 
 struct AlignedFree {
   void operator()(std::byte* p) const noexcept { std::free(p); }
@@ -163,8 +170,9 @@ void write_file_durably(const fs::path& path, const std::string& text) {
 
 nlohmann::json meta_json(const DiskStoreOptions& o, std::size_t stride) {
   nlohmann::json layout = nlohmann::json::array();
-  for (const LayoutField& f : o.layout) layout.push_back({{"name", f.name}, {"value", f.value}});
-  return {{"format", kFormat},        {"version", kFormatVersion}, {"hash", kHashScheme},
+  for (const LayoutField& f : o.layout)
+    layout.push_back({{"name", f.name}, {"value", f.value}});
+  return {{"format", kFormat},        {"version", kFormatVersion},    {"hash", kHashScheme},
           {"num_slots", o.num_slots}, {"block_bytes", o.block_bytes}, {"slot_stride", stride},
           {"layout", layout}};
 }
@@ -223,7 +231,8 @@ std::vector<LayoutField> layout_fields(const KvCacheConfig& config) {
     const std::size_t k = config.k_block_bytes(l);
     const std::size_t v = config.has_v() ? config.v_block_bytes(l) : 0;
     std::size_t run = 1;
-    while (l + run < config.num_layers && config.dtype_for_layer(l + run) == d) ++run;
+    while (l + run < config.num_layers && config.dtype_for_layer(l + run) == d)
+      ++run;
     if (!dtypes.empty()) dtypes += ", ";
     dtypes += fmt::format("{} x {} (K {} + V {})", to_string(d), run, k, v);
     l += run;
@@ -259,7 +268,7 @@ struct DiskStore::State {
   // slot, with kWriteTag set).
   static constexpr std::uint64_t kWriteTag = std::uint64_t{1} << 63;
   absl::flat_hash_map<std::uint64_t, std::optional<std::uint32_t>> orphaned_writes;  // slot -> buf
-  absl::flat_hash_map<std::uint64_t, std::uint32_t> orphaned_reads;  // tag -> buf
+  absl::flat_hash_map<std::uint64_t, std::uint32_t> orphaned_reads;                  // tag -> buf
   std::uint64_t next_read_tag = 1;  // below kWriteTag
   std::size_t quarantined = 0;
 
@@ -303,9 +312,10 @@ struct DiskStore::State {
     if (data->linked() && index->linked()) return false;
     detached = true;
     counters.dropped_detached += by_hash.size();
-    log::warn(fmt::format("disk tier {}: a file of the store was deleted under the process; "
-                          "its {} blocks are dropped and it takes no more",
-                          dir.string(), by_hash.size()));
+    log::warn(
+        fmt::format("disk tier {}: a file of the store was deleted under the process; "
+                    "its {} blocks are dropped and it takes no more",
+                    dir.string(), by_hash.size()));
     for (const auto& [hash, slot] : by_hash) {
       lru.erase(lru.iterator_to(slots[slot]));
       release_slot(slot);
@@ -327,8 +337,9 @@ struct DiskStore::State {
     by_hash.erase(s.hash);
     lru.erase(lru.iterator_to(s));
     if (!options.read_only) {
-      pending.push_back(Record{RecordKind::erase, slot, static_cast<std::uint32_t>(options.block_bytes),
-                               next_seq++, s.hash, s.checksum});
+      pending.push_back(Record{RecordKind::erase, slot,
+                               static_cast<std::uint32_t>(options.block_bytes), next_seq++, s.hash,
+                               s.checksum});
     }
     release_slot(slot);
   }
@@ -359,7 +370,8 @@ struct DiskStore::State {
     }
     if (records.empty()) return true;
     std::vector<std::byte> bytes(records.size() * kRecordBytes);
-    for (std::size_t i = 0; i < records.size(); ++i) encode(records[i], bytes.data() + i * kRecordBytes);
+    for (std::size_t i = 0; i < records.size(); ++i)
+      encode(records[i], bytes.data() + i * kRecordBytes);
     const auto t0 = Clock::now();
     const IoRequest req{IoOp::write, index_end, bytes.data(), bytes.size(), 0};
     IoResult res;
@@ -415,15 +427,16 @@ struct DiskStore::State {
       }
       slots[it.slot].state = SlotState::writing;
       // The kernel only reads a write's buffer.
-      reqs[k] = IoRequest{IoOp::write, std::uint64_t{it.slot} * stride, const_cast<std::byte*>(from),
-                          stride, kWriteTag | it.slot};
+      reqs[k] = IoRequest{IoOp::write, std::uint64_t{it.slot} * stride,
+                          const_cast<std::byte*>(from), stride, kWriteTag | it.slot};
     }
     // Each written block's checksum is taken as its write completes, while
     // the others are in flight (the buffer is unchanged: the caller's image
     // is stable during put, a staging buffer is ours).
     const auto t0 = Clock::now();
     data->run(reqs, results, options.io_timeout, [&](std::size_t k) {
-      if (results[k].error == 0) wave[k].checksum = checksum_of(reqs[k].buffer, options.block_bytes);
+      if (results[k].error == 0)
+        wave[k].checksum = checksum_of(reqs[k].buffer, options.block_bytes);
     });
     add_elapsed(counters.write_ns, t0);
     for (std::size_t k = 0; k < wave.size(); ++k) {
@@ -454,7 +467,8 @@ struct DiskStore::State {
     if (written.empty()) return 0;
     const auto fail = [&] {
       counters.write_failures += written.size();
-      for (const Item& it : written) release_slot(it.slot);
+      for (const Item& it : written)
+        release_slot(it.slot);
       return std::size_t{0};
     };
     const auto t0 = Clock::now();
@@ -465,8 +479,8 @@ struct DiskStore::State {
     records.reserve(written.size());
     for (const Item& it : written) {
       records.push_back(Record{RecordKind::put, it.slot,
-                               static_cast<std::uint32_t>(options.block_bytes), next_seq++,
-                               it.hash, it.checksum});
+                               static_cast<std::uint32_t>(options.block_bytes), next_seq++, it.hash,
+                               it.checksum});
     }
     if (!append(records)) return fail();
     for (std::size_t i = 0; i < written.size(); ++i) {
@@ -535,8 +549,9 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   s.lock_fd = ::open(lock_path.c_str(),
                      (options.read_only ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC, 0644);
   if (s.lock_fd < 0) {
-    throw InvalidArgument(where + (options.read_only ? ": not a disk tier (no lock file): "
-                                                     : ": cannot create its lock file: ") +
+    throw InvalidArgument(where +
+                          (options.read_only ? ": not a disk tier (no lock file): "
+                                             : ": cannot create its lock file: ") +
                           errno_text(errno));
   }
   if (::flock(s.lock_fd, (options.read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
@@ -558,7 +573,8 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     const std::string diff = first_difference(disk, here);
     if (!diff.empty()) throw InvalidArgument(where + ": made for another layout: " + diff);
   } else {
-    if (options.read_only) throw InvalidArgument(where + ": not a disk tier (no " + kMetaName + ")");
+    if (options.read_only)
+      throw InvalidArgument(where + ": not a disk tier (no " + kMetaName + ")");
     // A directory without its description holds nothing valid.
     fs::remove(s.dir / kDataName, ec);
     fs::remove(s.dir / kIndexName, ec);
@@ -591,9 +607,9 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
         if (::statvfs(s.dir.c_str(), &vfs) == 0) {
           free_text = fmt::format(", {} bytes free", std::uint64_t{vfs.f_bavail} * vfs.f_frsize);
         }
-        throw InvalidArgument(fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}",
-                                          where, options.num_slots, s.stride, data_bytes,
-                                          free_text, errno_text(e)));
+        throw InvalidArgument(
+            fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where,
+                        options.num_slots, s.stride, data_bytes, free_text, errno_text(e)));
       }
     }
   }
@@ -678,7 +694,8 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   if (!options.read_only && n_records > 2 * live.size() + 1024) {
     std::vector<Record> keep;
     keep.reserve(live.size());
-    for (std::uint32_t slot : live) keep.push_back(owner[slot]);
+    for (std::uint32_t slot : live)
+      keep.push_back(owner[slot]);
     std::string text(keep.size() * kRecordBytes, '\0');
     for (std::size_t i = 0; i < keep.size(); ++i) {
       encode(keep[i], reinterpret_cast<std::byte*>(text.data()) + i * kRecordBytes);
@@ -702,9 +719,10 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     s.free_staging.push_back(static_cast<std::uint32_t>(k));
   }
   if (s.counters.dropped_at_open > 0) {
-    log::warn(fmt::format("{}: {} records dropped at open (torn, corrupted or past the end of "
-                          "the data file); {} blocks recovered",
-                          where, s.counters.dropped_at_open, s.counters.recovered));
+    log::warn(
+        fmt::format("{}: {} records dropped at open (torn, corrupted or past the end of "
+                    "the data file); {} blocks recovered",
+                    where, s.counters.dropped_at_open, s.counters.recovered));
   }
   return std::unique_ptr<DiskStore>(new DiskStore(std::move(st)));
 }
@@ -721,8 +739,8 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
                            std::span<const std::span<const std::byte>> images) {
   State& s = *state_;
   if (hashes.size() != images.size()) {
-    throw InvalidArgument(fmt::format("DiskStore::put: {} hashes but {} images", hashes.size(),
-                                      images.size()));
+    throw InvalidArgument(
+        fmt::format("DiskStore::put: {} hashes but {} images", hashes.size(), images.size()));
   }
   for (std::size_t i = 0; i < images.size(); ++i) {
     if (images[i].size() != s.options.block_bytes) {
@@ -780,7 +798,8 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
 std::size_t DiskStore::match_prefix(std::span<const BlockHash> hashes) const {
   const State& s = *state_;
   std::size_t n = 0;
-  while (n < hashes.size() && s.by_hash.contains(hashes[n])) ++n;
+  while (n < hashes.size() && s.by_hash.contains(hashes[n]))
+    ++n;
   return n;
 }
 
@@ -788,13 +807,14 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
                                   std::span<const std::span<std::byte>> out) {
   State& s = *state_;
   if (out.size() < hashes.size()) {
-    throw InvalidArgument(fmt::format("DiskStore::get_prefix: {} buffers for {} hashes", out.size(),
-                                      hashes.size()));
+    throw InvalidArgument(
+        fmt::format("DiskStore::get_prefix: {} buffers for {} hashes", out.size(), hashes.size()));
   }
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     if (out[i].size() != s.options.block_bytes) {
-      throw InvalidArgument(fmt::format("DiskStore::get_prefix: buffer {} has {} bytes, blocks have {}",
-                                        i, out[i].size(), s.options.block_bytes));
+      throw InvalidArgument(
+          fmt::format("DiskStore::get_prefix: buffer {} has {} bytes, blocks have {}", i,
+                      out[i].size(), s.options.block_bytes));
     }
   }
   if (hashes.empty() || s.check_detached()) return 0;
@@ -837,7 +857,8 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
   // failed is dropped; one past the deadline (or without a buffer) only
   // ends the prefix: the block itself is fine.
   std::size_t got = 0;
-  while (got < n && verified[got]) ++got;
+  while (got < n && verified[got])
+    ++got;
   for (std::size_t k = 0; k < n; ++k) {
     if (results[k].orphaned && bufs[k]) s.orphaned_reads.emplace(reqs[k].tag, *bufs[k]);
     if (verified[k]) {
@@ -865,7 +886,9 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
   return got;
 }
 
-bool DiskStore::contains(const BlockHash& hash) const { return state_->by_hash.contains(hash); }
+bool DiskStore::contains(const BlockHash& hash) const {
+  return state_->by_hash.contains(hash);
+}
 
 bool DiskStore::erase(const BlockHash& hash) {
   State& s = *state_;
@@ -902,24 +925,40 @@ void DiskStore::flush() {
   if (!s.append({})) log::warn("disk tier " + s.dir.string() + ": flush: the index append failed");
 }
 
-std::size_t DiskStore::size() const noexcept { return state_->by_hash.size(); }
-std::size_t DiskStore::num_slots() const noexcept { return state_->options.num_slots; }
-std::size_t DiskStore::block_bytes() const noexcept { return state_->options.block_bytes; }
-std::size_t DiskStore::quarantined_slots() const noexcept { return state_->quarantined; }
-bool DiskStore::detached() const noexcept { return state_->detached; }
-const DiskStoreOptions& DiskStore::options() const noexcept { return state_->options; }
-const DiskStoreCounters& DiskStore::counters() const noexcept { return state_->counters; }
+std::size_t DiskStore::size() const noexcept {
+  return state_->by_hash.size();
+}
+std::size_t DiskStore::num_slots() const noexcept {
+  return state_->options.num_slots;
+}
+std::size_t DiskStore::block_bytes() const noexcept {
+  return state_->options.block_bytes;
+}
+std::size_t DiskStore::quarantined_slots() const noexcept {
+  return state_->quarantined;
+}
+bool DiskStore::detached() const noexcept {
+  return state_->detached;
+}
+const DiskStoreOptions& DiskStore::options() const noexcept {
+  return state_->options;
+}
+const DiskStoreCounters& DiskStore::counters() const noexcept {
+  return state_->counters;
+}
 
 std::string DiskStore::io_description() const {
   const State& s = *state_;
   std::string d = s.data->describe();
-  if (!s.options.read_only) d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+  if (!s.options.read_only)
+    d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
   return d;
 }
 
 std::vector<BlockHash> DiskStore::lru_order() const {
   std::vector<BlockHash> out;
-  for (const Slot& s : state_->lru) out.push_back(s.hash);
+  for (const Slot& s : state_->lru)
+    out.push_back(s.hash);
   return out;
 }
 
@@ -939,7 +978,8 @@ std::vector<std::string> DiskStore::check_invariants() const {
     if (s.slots[slot].state != SlotState::stored) {
       bad.push_back(fmt::format("indexed slot {} not stored", slot));
     }
-    if (!(s.slots[slot].hash == hash)) bad.push_back(fmt::format("slot {} holds another hash", slot));
+    if (!(s.slots[slot].hash == hash))
+      bad.push_back(fmt::format("slot {} holds another hash", slot));
     ++seen[slot];
   }
   std::size_t quarantined = 0;
@@ -948,7 +988,8 @@ std::vector<std::string> DiskStore::check_invariants() const {
       ++quarantined;
       ++seen[i];
     }
-    if (s.slots[i].state == SlotState::writing) bad.push_back(fmt::format("slot {} left writing", i));
+    if (s.slots[i].state == SlotState::writing)
+      bad.push_back(fmt::format("slot {} left writing", i));
     if (seen[i] != 1) bad.push_back(fmt::format("slot {} accounted {} times", i, seen[i]));
   }
   if (quarantined != s.quarantined) bad.push_back("quarantine count differs from the slots");
@@ -960,7 +1001,8 @@ std::vector<std::string> DiskStore::check_invariants() const {
     }
   }
   std::size_t held = s.orphaned_reads.size();
-  for (const auto& [slot, buf] : s.orphaned_writes) held += buf ? 1 : 0;
+  for (const auto& [slot, buf] : s.orphaned_writes)
+    held += buf ? 1 : 0;
   if (s.free_staging.size() + held != 2 * s.options.queue_depth) {
     bad.push_back("staging buffers lost");
   }

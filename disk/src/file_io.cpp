@@ -21,9 +21,12 @@ namespace kvport::disk {
 
 const char* to_string(IoEngine engine) noexcept {
   switch (engine) {
-    case IoEngine::automatic: return "automatic";
-    case IoEngine::io_uring: return "io_uring";
-    case IoEngine::sync: return "sync";
+    case IoEngine::automatic:
+      return "automatic";
+    case IoEngine::io_uring:
+      return "io_uring";
+    case IoEngine::sync:
+      return "sync";
   }
   return "unknown";
 }
@@ -35,7 +38,9 @@ std::optional<IoEngine> parse_io_engine(std::string_view text) noexcept {
   return std::nullopt;
 }
 
-bool io_uring_compiled() noexcept { return KVPORT_HAVE_LIBURING != 0; }
+bool io_uring_compiled() noexcept {
+  return KVPORT_HAVE_LIBURING != 0;
+}
 
 // ---- FileIo: the checks every implementation shares ---------------------------------------
 
@@ -71,25 +76,45 @@ void FileIo::run(std::span<const IoRequest> requests, std::span<IoResult> result
   do_run(requests, results, deadline, IoHooks{on_complete ? on_complete : kNone, prepare});
 }
 
-int FileIo::sync() { return do_sync(); }
+int FileIo::sync() {
+  return do_sync();
+}
 int FileIo::allocate(std::uint64_t bytes) {
   if (read_only()) throw InvalidArgument("FileIo::allocate: the file is opened read-only");
   return do_allocate(bytes);
 }
-std::optional<std::uint64_t> FileIo::size() { return do_size(); }
-bool FileIo::linked() { return do_linked(); }
-std::vector<std::uint64_t> FileIo::reap_orphans(bool wait) { return do_reap_orphans(wait); }
-std::size_t FileIo::orphans() const noexcept { return do_orphans(); }
-std::string FileIo::describe() const { return do_describe(); }
-bool FileIo::direct() const noexcept { return do_direct(); }
-bool FileIo::preallocated() const noexcept { return do_preallocated(); }
-bool FileIo::read_only() const noexcept { return do_read_only(); }
+std::optional<std::uint64_t> FileIo::size() {
+  return do_size();
+}
+bool FileIo::linked() {
+  return do_linked();
+}
+std::vector<std::uint64_t> FileIo::reap_orphans(bool wait) {
+  return do_reap_orphans(wait);
+}
+std::size_t FileIo::orphans() const noexcept {
+  return do_orphans();
+}
+std::string FileIo::describe() const {
+  return do_describe();
+}
+bool FileIo::direct() const noexcept {
+  return do_direct();
+}
+bool FileIo::preallocated() const noexcept {
+  return do_preallocated();
+}
+bool FileIo::read_only() const noexcept {
+  return do_read_only();
+}
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string errno_text(int error) { return std::strerror(error); }
+std::string errno_text(int error) {
+  return std::strerror(error);
+}
 
 // The file and what both engines do with it outside the reads and writes.
 class PosixFile : public FileIo {
@@ -243,7 +268,8 @@ class UringFileIo final : public PosixFile {
                      hooks.prepare});
     if (again.empty()) return;
     if (!fall_back_to_buffered()) {
-      for (std::size_t i : again) hooks.on_complete(i);
+      for (std::size_t i : again)
+        hooks.on_complete(i);
       return;
     }
     std::vector<IoRequest> sub;
@@ -370,7 +396,8 @@ class UringFileIo final : public PosixFile {
       if (!finished.empty()) {
         refill();
         (void)io_uring_submit(&ring_);
-        for (std::size_t i : finished) on_complete(i);
+        for (std::size_t i : finished)
+          on_complete(i);
         finished.clear();
         refill();  // with the buffers those completions gave back
       }
@@ -486,9 +513,15 @@ void FaultInjectingFileIo::plan(const IoFault& fault) {
   planned_.push_back(Planned{fault, 0, 0});
 }
 
-void FaultInjectingFileIo::clear() { planned_.clear(); }
-std::uint64_t FaultInjectingFileIo::injected() const noexcept { return injected_; }
-FileIo& FaultInjectingFileIo::inner() noexcept { return *inner_; }
+void FaultInjectingFileIo::clear() {
+  planned_.clear();
+}
+std::uint64_t FaultInjectingFileIo::injected() const noexcept {
+  return injected_;
+}
+FileIo& FaultInjectingFileIo::inner() noexcept {
+  return *inner_;
+}
 
 bool FaultInjectingFileIo::fire(IoStep step, std::optional<IoOp> op, int& error) {
   for (Planned& p : planned_) {
@@ -503,9 +536,8 @@ bool FaultInjectingFileIo::fire(IoStep step, std::optional<IoOp> op, int& error)
   return false;
 }
 
-void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
-                                  std::span<IoResult> results, std::chrono::milliseconds deadline,
-                                  const IoHooks& hooks) {
+void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests, std::span<IoResult> results,
+                                  std::chrono::milliseconds deadline, const IoHooks& hooks) {
   const IoCompletion& on_complete = hooks.on_complete;
   // Decide each request's fault first, issue the rest as one batch.
   enum class Fate : std::uint8_t { issue, fail, timeout, fail_after, half };
@@ -534,9 +566,14 @@ void FaultInjectingFileIo::do_run(std::span<const IoRequest> requests,
   // The injected outcome of request i, once its inner result (if issued) is in.
   const auto settle = [&](std::size_t i) {
     switch (fate[i]) {
-      case Fate::issue: break;
-      case Fate::fail: results[i] = IoResult{error[i], 0, false}; break;
-      case Fate::timeout: results[i] = IoResult{ETIMEDOUT, 0, false}; break;
+      case Fate::issue:
+        break;
+      case Fate::fail:
+        results[i] = IoResult{error[i], 0, false};
+        break;
+      case Fate::timeout:
+        results[i] = IoResult{ETIMEDOUT, 0, false};
+        break;
       case Fate::fail_after:
         if (results[i].error == 0) results[i] = IoResult{error[i], 0, results[i].orphaned};
         break;
@@ -575,17 +612,29 @@ int FaultInjectingFileIo::do_allocate(std::uint64_t bytes) {
   return inner_->allocate(bytes);
 }
 
-std::optional<std::uint64_t> FaultInjectingFileIo::do_size() { return inner_->size(); }
-bool FaultInjectingFileIo::do_linked() { return inner_->linked(); }
+std::optional<std::uint64_t> FaultInjectingFileIo::do_size() {
+  return inner_->size();
+}
+bool FaultInjectingFileIo::do_linked() {
+  return inner_->linked();
+}
 std::vector<std::uint64_t> FaultInjectingFileIo::do_reap_orphans(bool wait) {
   return inner_->reap_orphans(wait);
 }
-std::size_t FaultInjectingFileIo::do_orphans() const noexcept { return inner_->orphans(); }
+std::size_t FaultInjectingFileIo::do_orphans() const noexcept {
+  return inner_->orphans();
+}
 std::string FaultInjectingFileIo::do_describe() const {
   return inner_->describe() + " (faults injected)";
 }
-bool FaultInjectingFileIo::do_direct() const noexcept { return inner_->direct(); }
-bool FaultInjectingFileIo::do_preallocated() const noexcept { return inner_->preallocated(); }
-bool FaultInjectingFileIo::do_read_only() const noexcept { return inner_->read_only(); }
+bool FaultInjectingFileIo::do_direct() const noexcept {
+  return inner_->direct();
+}
+bool FaultInjectingFileIo::do_preallocated() const noexcept {
+  return inner_->preallocated();
+}
+bool FaultInjectingFileIo::do_read_only() const noexcept {
+  return inner_->read_only();
+}
 
 }  // namespace kvport::disk

@@ -14,8 +14,8 @@
 namespace kvport::capi {
 
 /// A failure the binding itself detects (a bad handle, a destroy with live
-/// children). Out-of-range ids are core's to detect (kvport::OutOfRange). Not a kvport::Error, so that guard() can tell
-/// it apart from the core's exceptions.
+/// children). Out-of-range ids are core's to detect (kvport::OutOfRange). Not a kvport::Error, so
+/// that guard() can tell it apart from the core's exceptions.
 class StatusError : public std::runtime_error {
  public:
   StatusError(kvport_status status, const std::string& message)

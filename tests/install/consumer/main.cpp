@@ -51,9 +51,10 @@ int main() {
   const std::vector<kvport::TokenId> tokens(config.block_size, 7);
   const kvport::BlockHash hash = kvport::hash_block(std::nullopt, tokens);
   prefix.insert(hash, block);
-  const bool indexed = publisher.flush(std::chrono::seconds(5)) &&
-                       subscriber.wait_for(0, publisher.stats().next_seq, std::chrono::seconds(5)) &&
-                       index.num_blocks() == 1;
+  const bool indexed =
+      publisher.flush(std::chrono::seconds(5)) &&
+      subscriber.wait_for(0, publisher.stats().next_seq, std::chrono::seconds(5)) &&
+      index.num_blocks() == 1;
   std::printf("consumer: event published to %s, indexed=%d\n", publisher.endpoint().c_str(),
               indexed);
   prefix.set_event_sink(nullptr);

@@ -25,8 +25,7 @@ using test::small_config;  // 3 layers, 128-byte K and V regions
 // `bytes` stays what was asked for.
 struct Buffer {
   explicit Buffer(std::size_t n)
-      : bytes(n),
-        p(static_cast<std::uint8_t*>(std::aligned_alloc(256, (n + 255) / 256 * 256))) {}
+      : bytes(n), p(static_cast<std::uint8_t*>(std::aligned_alloc(256, (n + 255) / 256 * 256))) {}
   ~Buffer() { std::free(p); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;

@@ -35,7 +35,9 @@ using namespace std::chrono_literals;
 constexpr std::size_t kBlockBytes = 3000;  // not a multiple of 4096: slots are padded
 constexpr std::size_t kStride = 4096;
 
-std::vector<LayoutField> layout() { return {{"block_size", "4"}, {"dtype", "bf16"}}; }
+std::vector<LayoutField> layout() {
+  return {{"block_size", "4"}, {"dtype", "bf16"}};
+}
 
 class DiskStoreTest : public ::testing::Test {
  protected:
@@ -53,8 +55,10 @@ class DiskStoreTest : public ::testing::Test {
   static std::size_t put(DiskStore& s, const std::vector<BlockHash>& hashes) {
     std::vector<std::vector<std::byte>> images;
     std::vector<std::span<const std::byte>> views;
-    for (const BlockHash& h : hashes) images.push_back(image_of(h, kBlockBytes));
-    for (const auto& im : images) views.emplace_back(im);
+    for (const BlockHash& h : hashes)
+      images.push_back(image_of(h, kBlockBytes));
+    for (const auto& im : images)
+      views.emplace_back(im);
     return s.put(hashes, views);
   }
 
@@ -62,7 +66,8 @@ class DiskStoreTest : public ::testing::Test {
   static std::size_t get(DiskStore& s, const std::vector<BlockHash>& hashes) {
     std::vector<std::vector<std::byte>> bufs(hashes.size(), std::vector<std::byte>(kBlockBytes));
     std::vector<std::span<std::byte>> views;
-    for (auto& b : bufs) views.emplace_back(b);
+    for (auto& b : bufs)
+      views.emplace_back(b);
     const std::size_t n = s.get_prefix(hashes, views);
     for (std::size_t i = 0; i < n; ++i) {
       EXPECT_EQ(bufs[i], image_of(hashes[i], kBlockBytes)) << "block " << i << " has wrong bytes";
@@ -120,7 +125,7 @@ TEST_F(DiskStoreTest, ARestartOnTheSameDirectoryFindsItsBlocks) {
   EXPECT_EQ(s->counters().recovered, 9u);
   EXPECT_EQ(s->counters().dropped_at_open, 0u);
   EXPECT_EQ(get(*s, a), 9u);
-  EXPECT_FALSE(s->contains(a[9]));  // the erasure was durable too
+  EXPECT_FALSE(s->contains(a[9]));          // the erasure was durable too
   EXPECT_EQ(s->lru_order().front(), a[0]);  // the order of the records
   expect_consistent(*s);
 }
@@ -187,9 +192,7 @@ TEST_F(DiskStoreTest, BadOptionsAndDirectoriesAreOneLineErrors) {
   o.dir = "/proc/kvport-disk-tier";  // cannot be created
   EXPECT_THROW((void)DiskStore::open(o), InvalidArgument);
   o = options();
-  {
-    std::ofstream f(dir_.path() / "file");
-  }
+  { std::ofstream f(dir_.path() / "file"); }
   o.dir = dir_.path() / "file";
   EXPECT_THROW((void)DiskStore::open(o), InvalidArgument);
   // A description that is not JSON.
@@ -398,7 +401,8 @@ class DiskStoreFaultTest : public DiskStoreTest {
  protected:
   std::unique_ptr<DiskStore> open_with_faults() {
     auto o = options();
-    o.wrap_io = [this](std::string_view file, std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
+    o.wrap_io = [this](std::string_view file,
+                       std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
       auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
       (file == "data" ? data_ : index_) = f.get();
       return f;
@@ -481,7 +485,8 @@ TEST_F(DiskStoreFaultTest, NoSpaceForTheDataFileIsRefusedAtOpen) {
     (void)DiskStore::open(o);
     FAIL() << "opened without space";
   } catch (const InvalidArgument& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot allocate 16 slots"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cannot allocate 16 slots"), std::string::npos)
+        << e.what();
     EXPECT_NE(std::string(e.what()).find("No space left"), std::string::npos) << e.what();
   }
 }
@@ -575,8 +580,10 @@ int disk_full_scenario(const std::filesystem::path& root) {
   const auto put_all = [&](const std::vector<BlockHash>& hs) {
     std::vector<std::vector<std::byte>> images;
     std::vector<std::span<const std::byte>> views;
-    for (const BlockHash& h : hs) images.push_back(image_of(h, kBlockBytes));
-    for (const auto& im : images) views.emplace_back(im);
+    for (const BlockHash& h : hs)
+      images.push_back(image_of(h, kBlockBytes));
+    for (const auto& im : images)
+      views.emplace_back(im);
     return s->put(hs, views);
   };
   if (put_all(a) != 8) return 3;
@@ -596,7 +603,8 @@ int disk_full_scenario(const std::filesystem::path& root) {
   if (put_all(b) != 64) return 7;
   std::vector<std::vector<std::byte>> out(64, std::vector<std::byte>(kBlockBytes));
   std::vector<std::span<std::byte>> views;
-  for (auto& x : out) views.emplace_back(x);
+  for (auto& x : out)
+    views.emplace_back(x);
   if (s->get_prefix(b, views) != 64) return 8;
   for (std::size_t i = 0; i < 64; ++i) {
     if (out[i] != image_of(b[i], kBlockBytes)) return 9;
@@ -623,8 +631,8 @@ TEST(DiskFull, NoSpaceForRecordsPublishesNothingAndTheStoreGoesOnOnceThereIs) {
   if (WEXITSTATUS(status) == 77) {
     GTEST_SKIP() << "cannot make a size-limited tmpfs here (needs root: a mount namespace)";
   }
-  EXPECT_EQ(WEXITSTATUS(status), 0) << "check " << WEXITSTATUS(status)
-                                    << " of disk_full_scenario did not hold";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "check " << WEXITSTATUS(status) << " of disk_full_scenario did not hold";
 }
 
 // ---- crashes ---------------------------------------------------------------------------------
@@ -641,7 +649,8 @@ TEST_F(DiskStoreTest, SigkillDuringWritesLeavesNoWrongBlock) {
     if (child == 0) {
       try {
         auto s = DiskStore::open(options(64));
-        for (std::uint32_t k = 0;; ++k) put(*s, chain(1000 + round * 100000 + k, 8));
+        for (std::uint32_t k = 0;; ++k)
+          put(*s, chain(1000 + round * 100000 + k, 8));
       } catch (...) {
       }
       ::_exit(3);

@@ -7,8 +7,8 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -59,7 +59,8 @@ TEST_P(FileIoTest, WritesReadBackInOneBatchLargerThanTheQueue) {
   ASSERT_EQ(io->allocate(10 * 4096), 0);
   Aligned out(10 * 4096);
   Aligned in(10 * 4096);
-  for (std::size_t i = 0; i < out.bytes; ++i) out.p[i] = static_cast<std::byte>(i * 7 + 3);
+  for (std::size_t i = 0; i < out.bytes; ++i)
+    out.p[i] = static_cast<std::byte>(i * 7 + 3);
   std::vector<IoRequest> w, r;
   for (std::size_t k = 0; k < 10; ++k) {
     w.push_back(IoRequest{IoOp::write, k * 4096, out.p + k * 4096, 4096, k});
@@ -67,7 +68,8 @@ TEST_P(FileIoTest, WritesReadBackInOneBatchLargerThanTheQueue) {
   }
   std::vector<IoResult> res(10);
   io->run(w, res, 5000ms);
-  for (const IoResult& x : res) EXPECT_EQ(x.error, 0);
+  for (const IoResult& x : res)
+    EXPECT_EQ(x.error, 0);
   EXPECT_EQ(io->sync(), 0);
   std::vector<int> calls(10, 0);
   io->run(r, res, 0ms, [&](std::size_t i) {
@@ -88,9 +90,11 @@ TEST_P(FileIoTest, TwoRecycledBuffersServeABatchOfTen) {
   auto io = open();
   ASSERT_EQ(io->allocate(10 * 4096), 0);
   Aligned data(10 * 4096);
-  for (std::size_t i = 0; i < data.bytes; ++i) data.p[i] = static_cast<std::byte>(i / 4096 + 1);
+  for (std::size_t i = 0; i < data.bytes; ++i)
+    data.p[i] = static_cast<std::byte>(i / 4096 + 1);
   std::vector<IoRequest> w;
-  for (std::size_t k = 0; k < 10; ++k) w.push_back(IoRequest{IoOp::write, k * 4096, data.p + k * 4096, 4096, k});
+  for (std::size_t k = 0; k < 10; ++k)
+    w.push_back(IoRequest{IoOp::write, k * 4096, data.p + k * 4096, 4096, k});
   std::vector<IoResult> res(10);
   io->run(w, res, 5000ms);
   // Reads without buffers: two are handed out and given back as each completes.
@@ -99,7 +103,8 @@ TEST_P(FileIoTest, TwoRecycledBuffersServeABatchOfTen) {
   std::vector<std::byte*> given(10, nullptr);
   std::vector<int> first_byte(10, -1);
   std::vector<IoRequest> r;
-  for (std::size_t k = 0; k < 10; ++k) r.push_back(IoRequest{IoOp::read, k * 4096, nullptr, 4096, k});
+  for (std::size_t k = 0; k < 10; ++k)
+    r.push_back(IoRequest{IoOp::read, k * 4096, nullptr, 4096, k});
   io->run(
       r, res, 5000ms,
       [&](std::size_t i) {
@@ -119,7 +124,8 @@ TEST_P(FileIoTest, TwoRecycledBuffersServeABatchOfTen) {
   }
   // None to give at all: each request fails with ENOBUFS, none hangs.
   io->run(r, res, 5000ms, {}, [](std::size_t) -> std::byte* { return nullptr; });
-  for (const IoResult& x : res) EXPECT_EQ(x.error, ENOBUFS);
+  for (const IoResult& x : res)
+    EXPECT_EQ(x.error, ENOBUFS);
 }
 
 TEST_P(FileIoTest, ReadPastTheEndIsShort) {
@@ -264,8 +270,8 @@ TEST_F(FaultInjectingFileIoTest, EachRequestStepFailsAsPlanned) {
   std::vector<int> seen(4, -1);
   io_->run(reqs, res, 5000ms, [&](std::size_t i) { seen[i] = res[i].error; });
   EXPECT_EQ(seen, (std::vector<int>{EIO, ENOSPC, EREMOTEIO, 0}));  // injected before reported
-  EXPECT_EQ(res[0].error, EIO);     // complete: issued, then failed
-  EXPECT_EQ(res[1].error, ENOSPC);  // submit
+  EXPECT_EQ(res[0].error, EIO);                                    // complete: issued, then failed
+  EXPECT_EQ(res[1].error, ENOSPC);                                 // submit
   EXPECT_EQ(res[2].error, EREMOTEIO);
   EXPECT_EQ(res[2].bytes, 2048u);
   EXPECT_EQ(res[3].error, 0);
@@ -278,7 +284,8 @@ TEST_F(FaultInjectingFileIoTest, EachRequestStepFailsAsPlanned) {
   EXPECT_FALSE(rr.orphaned);
   EXPECT_EQ(io_->injected(), 4u);
   // Nothing planned is left: everything passes.
-  for (const IoResult& x : write_four()) EXPECT_EQ(x.error, 0);
+  for (const IoResult& x : write_four())
+    EXPECT_EQ(x.error, 0);
 }
 
 TEST_F(FaultInjectingFileIoTest, SyncAndAllocateFailAndClearDropsThePlan) {

@@ -90,16 +90,16 @@ struct DiskStoreCounters {
   std::uint64_t write_bytes = 0;  ///< bytes of those (block_bytes each)
   std::uint64_t reads = 0;        ///< blocks read, verified and returned
   std::uint64_t read_bytes = 0;
-  std::uint64_t write_failures = 0;  ///< blocks whose write or sync failed: not published
-  std::uint64_t read_failures = 0;   ///< blocks whose read failed or came short: dropped
+  std::uint64_t write_failures = 0;     ///< blocks whose write or sync failed: not published
+  std::uint64_t read_failures = 0;      ///< blocks whose read failed or came short: dropped
   std::uint64_t checksum_failures = 0;  ///< blocks read whose bytes did not match: dropped
   std::uint64_t timeouts = 0;           ///< block I/Os past io_timeout
   std::uint64_t evictions = 0;          ///< blocks dropped for newer ones (LRU)
   std::uint64_t not_admitted = 0;       ///< puts below min_hits
   std::uint64_t already_stored = 0;     ///< puts of a block the store had
-  std::uint64_t dropped_puts = 0;  ///< puts refused: read-only, detached, or no slot to take
-  std::uint64_t erased = 0;        ///< blocks erase() removed
-  std::uint64_t recovered = 0;     ///< blocks found valid in the directory at open
+  std::uint64_t dropped_puts = 0;       ///< puts refused: read-only, detached, or no slot to take
+  std::uint64_t erased = 0;             ///< blocks erase() removed
+  std::uint64_t recovered = 0;          ///< blocks found valid in the directory at open
   /// Records dropped at open: torn or corrupted, pointing past the end of a
   /// truncated data file, or superseded.
   std::uint64_t dropped_at_open = 0;
@@ -165,7 +165,8 @@ class DiskStore {
   /// been written too. A block that fails (read error, short read, checksum
   /// mismatch) is dropped and ends the prefix; one past the deadline ends it
   /// too. Throws InvalidArgument for too few or mis-sized buffers.
-  std::size_t get_prefix(std::span<const BlockHash> hashes, std::span<const std::span<std::byte>> out);
+  std::size_t get_prefix(std::span<const BlockHash> hashes,
+                         std::span<const std::span<std::byte>> out);
 
   /// Whether `hash` is stored and visible.
   bool contains(const BlockHash& hash) const;
