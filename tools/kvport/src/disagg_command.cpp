@@ -136,6 +136,9 @@ class DisaggCommand final : public Command {
     } else {
       disagg::print_report(out, options, coordinator.stats());
     }
+    // Written out while the handlers are still ours: a SIGINT from here on is
+    // only flagged, so the report is never cut short by one.
+    out << std::flush;
     return disagg::checks_pass(options, coordinator.stats()) ? kExitOk : kExitCheckFailed;
   }
 
