@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <limits>
 #include <thread>
@@ -62,6 +63,10 @@ HostTierCounters& HostTierCounters::operator+=(const HostTierCounters& o) noexce
   onload_shortfalls += o.onload_shortfalls;
   stalled_transfers += o.stalled_transfers;
   stalled_blocks += o.stalled_blocks;
+  lower_tier_offers += o.lower_tier_offers;
+  lower_tier_writes += o.lower_tier_writes;
+  lower_tier_hits += o.lower_tier_hits;
+  lower_tier_shortfalls += o.lower_tier_shortfalls;
   return *this;
 }
 
@@ -140,6 +145,20 @@ void log_error_nothrow(fmt::format_string<Args...> format, Args&&... args) noexc
 }  // namespace
 
 struct HostTier::State {
+  // Announces the lower tier's blocks (medium DISK) to the tier's sink.
+  struct LowerListener final : LowerTierStore::Listener {
+    explicit LowerListener(State* s) : state(s) {}
+    void stored(std::span<const BlockHash> stored_hashes) noexcept override {
+      if (state->sink == nullptr) return;
+      for (const BlockHash& h : stored_hashes)
+        state->announce_lower(*state->sink, h);
+    }
+    void removed(std::span<const BlockHash> removed_hashes) noexcept override {
+      if (state->sink != nullptr) state->sink->removed(state->lower_source, removed_hashes);
+    }
+    State* state;
+  };
+
   State(PrefixCache& p, const HostTierOptions& o, StreamView compute)
       : prefix(&p),
         kv(&p.kv_cache()),
@@ -222,7 +241,9 @@ struct HostTier::State {
     return origin;
   }
 
-  void announce(CacheEventSink& to, SlotId s) const noexcept {
+  void announce(CacheEventSink& to, SlotId s) const noexcept { announce(to, s, source); }
+
+  void announce(CacheEventSink& to, SlotId s, const EventSource& from) const noexcept {
     const BlockOrigin origin = origin_of(s);
     BlockStoredView view;
     view.hashes = {&hashes[s], 1};
@@ -230,7 +251,7 @@ struct HostTier::State {
     view.tokens = origin.tokens;
     view.block_size = static_cast<std::uint32_t>(block_size);
     view.extra_key = origin.extra_key;
-    to.stored(source, view);
+    to.stored(from, view);
   }
 
   // Frees a filling or ready slot (drops its hash from the index). A ready
@@ -282,6 +303,149 @@ struct HostTier::State {
     slot.state = SlotState::filling;
     ++filling;
     return s;
+  }
+
+  // ---- lower tier --------------------------------------------------------------------
+
+  // Announces a block of the lower tier (medium DISK): with the origin its
+  // host slot kept while the host has it (a block being spilled), else bare.
+  void announce_lower(CacheEventSink& to, const BlockHash& h) const noexcept {
+    if (const auto it = index.find(h);
+        it != index.end() && slots[it->second].state == SlotState::ready) {
+      announce(to, it->second, lower_source);
+      return;
+    }
+    BlockStoredView view;
+    view.hashes = {&h, 1};
+    view.block_size = static_cast<std::uint32_t>(block_size);
+    to.stored(lower_source, view);
+  }
+
+  // Frees host slots until `n` are free (or no ready slot is left unpinned),
+  // offering the least recently used ready blocks to the lower tier first, as
+  // one batch. Without a lower tier nothing: acquire_slot drops them then.
+  void spill(std::size_t n) noexcept {
+    if (lower == nullptr || free_slots.size() >= n) return;
+    const std::size_t need = n - free_slots.size();
+    try {
+      spill_slots.clear();
+      spill_hashes.clear();
+      spill_images.clear();
+      for (const Slot& c : lru) {
+        if (spill_slots.size() == need) break;
+        if (c.pins != 0) continue;
+        const SlotId id = id_of(c);
+        spill_slots.push_back(id);
+        spill_hashes.push_back(hashes[id]);
+        spill_images.emplace_back(slot_ptr(id), slot_bytes);
+      }
+    } catch (const std::exception&) {  // bad_alloc: acquire_slot drops them instead
+      return;
+    }
+    if (spill_slots.empty()) return;
+    counters.lower_tier_offers += spill_slots.size();
+    counters.lower_tier_writes += lower->put(spill_hashes, spill_images);
+    for (SlotId id : spill_slots) {
+      free_slot(id);
+      ++counters.host_evictions;
+    }
+  }
+
+  // Counts a lookup's hits for the lower tier's admission filter.
+  void note_hits(std::span<const BlockHash> hit) noexcept {
+    if (lower != nullptr && !hit.empty()) lower->note_hits(hit);
+  }
+
+  // A lookup's run past the device's prefix, into `hits` (host slots, each
+  // pinned): host blocks as they are found and, with a lower tier, its
+  // blocks, read into host slots as one batch (they become host blocks). The
+  // run ends at the first hash neither holds, at a hash named twice, and at
+  // the first lower-tier block that could not be read (fail closed).
+  // Returns how many of the hits came from the lower tier. May throw
+  // (bad_alloc) before the read; the caller unpins `hits` then.
+  std::size_t find_hits(std::span<const BlockHash> run, const BlockHash* before,
+                        std::vector<SlotId>& hits) {
+    lower_pos.clear();
+    lower_hashes.clear();
+    for (const BlockHash& h : run) {
+      if (auto it = index.find(h); it != index.end()) {
+        Slot& slot = slots[it->second];
+        if (slot.state != SlotState::ready || slot.pins != 0) break;
+        ++slot.pins;
+        hits.push_back(it->second);
+        continue;
+      }
+      if (lower == nullptr || !lower->contains(h)) break;
+      if (std::find(lower_hashes.begin(), lower_hashes.end(), h) != lower_hashes.end()) break;
+      lower_pos.push_back(hits.size());
+      lower_hashes.push_back(h);
+      hits.push_back(kNoSlot);
+    }
+    if (lower_hashes.empty()) return 0;
+    const std::size_t d = lower_hashes.size();
+    lower_bufs.reserve(d);
+    lower_bufs.clear();
+    std::size_t got = 0;
+    if (free_slots.size() >= d) {
+      // Room on the host: read straight into the slots (nothing below throws).
+      for (std::size_t k = 0; k < d; ++k) {
+        const SlotId id = *acquire_slot(lower_hashes[k]);  // a free slot: never nullopt
+        hits[lower_pos[k]] = id;
+        lower_bufs.emplace_back(slot_ptr(id), slot_bytes);
+      }
+      got = lower->get_prefix(lower_hashes, lower_bufs);
+    } else {
+      // Read first, then make room: spilling may push the very blocks just
+      // read out of the lower tier (its LRU), and their bytes are here.
+      lower_scratch.resize(d * slot_bytes);  // may throw: nothing changed yet
+      for (std::size_t k = 0; k < d; ++k)
+        lower_bufs.emplace_back(lower_scratch.data() + k * slot_bytes, slot_bytes);
+      got = lower->get_prefix(lower_hashes, lower_bufs);
+      spill(got);
+      for (std::size_t k = 0; k < got; ++k) {
+        const std::optional<SlotId> id = acquire_slot(lower_hashes[k]);
+        if (!id) {  // every other slot is pinned by this lookup
+          got = k;
+          break;
+        }
+        hits[lower_pos[k]] = *id;
+        std::memcpy(slot_ptr(*id), lower_bufs[k].data(), slot_bytes);
+      }
+    }
+    counters.lower_tier_shortfalls += lower_hashes.size() - got;
+    for (std::size_t k = 0; k < lower_hashes.size(); ++k) {
+      const SlotId id = hits[lower_pos[k]];
+      if (k >= got) {
+        if (id != kNoSlot) free_slot(id);  // filling: never announced
+        hits[lower_pos[k]] = kNoSlot;
+        continue;
+      }
+      // On the host from now on: its parent is the block before it in the
+      // chain; its tokens and extra key were not kept below.
+      SlotOrigin& o = origins[id];
+      o = SlotOrigin{};
+      const std::size_t at = lower_pos[k];
+      const BlockHash* parent = at > 0 ? &run[at - 1] : before;
+      o.has_parent = parent != nullptr;
+      if (parent != nullptr) o.parent = *parent;
+      Slot& slot = slots[id];
+      slot.state = SlotState::ready;
+      slot.pins = 1;
+      --filling;
+      ++ready;
+      lru_push_back(id);
+      if (sink != nullptr) announce(*sink, id);
+    }
+    if (options.inclusion == TierInclusion::exclusive && got > 0) {
+      lower->erase(std::span<const BlockHash>(lower_hashes).first(got));
+    }
+    if (got < lower_hashes.size()) {  // the run ends at the first block not read
+      const std::size_t end = lower_pos[got];
+      for (std::size_t i = end; i < hits.size(); ++i)
+        if (hits[i] != kNoSlot) --slots[hits[i]].pins;
+      hits.resize(end);
+    }
+    return got;
   }
 
   // ---- copies ------------------------------------------------------------------------
@@ -556,6 +720,12 @@ struct HostTier::State {
     victims.clear();
     // More victims than host slots would only be dropped uncopied.
     const std::size_t detached = prefix->detach_lru(std::min(n, slots.size()), victims);
+    if (lower != nullptr) {
+      std::size_t need = 0;
+      for (const auto& [block, hash] : victims)
+        need += index.contains(hash) ? 0 : 1;
+      spill(need);
+    }
     staged.clear();
     for (const auto& [block, hash] : victims)
       stage(block, hash, staged);
@@ -583,6 +753,7 @@ struct HostTier::State {
   // call.
   void flush_writes() {
     if (write_queue.empty()) return;
+    spill(write_queue.size());
     staged.clear();
     for (const auto& [block, hash] : write_queue)
       stage(block, hash, staged);
@@ -619,10 +790,22 @@ struct HostTier::State {
   std::vector<std::pair<BlockId, BlockHash>> write_queue;  // write-through, not queued yet
   bool inserting = false;  // the tier's own inserts (onload) are not written through
   HostTierCounters counters;
+  // The lower tier, its events' source (source with medium DISK) and the
+  // listener it reports its blocks to.
+  LowerTierStore* lower = nullptr;
+  EventSource lower_source{Medium::disk, std::nullopt, std::nullopt, std::nullopt};
+  LowerListener lower_listener{this};
   // Scratch, kept to avoid allocating per call.
   std::vector<std::pair<BlockId, BlockHash>> victims;
   std::vector<Transfer> staged;
   std::vector<HostCopyRegion> regions;
+  std::vector<SlotId> spill_slots;
+  std::vector<BlockHash> spill_hashes;
+  std::vector<std::span<const std::byte>> spill_images;
+  std::vector<std::size_t> lower_pos;  // a lookup's run: positions read from the lower tier
+  std::vector<BlockHash> lower_hashes;
+  std::vector<std::span<std::byte>> lower_bufs;
+  std::vector<std::byte> lower_scratch;  // reads that wait for a host slot
 };
 
 // ---- construction ---------------------------------------------------------------------------
@@ -681,7 +864,11 @@ HostTier::~HostTier() {
   for (const auto& [block, hash] : s.write_queue)
     s.release_block(block);
   s.write_queue.clear();
-  if (s.sink != nullptr) s.sink->cleared(s.source);
+  if (s.lower != nullptr) s.lower->set_listener(nullptr);
+  if (s.sink != nullptr) {
+    s.sink->cleared(s.source);
+    if (s.lower != nullptr) s.sink->cleared(s.lower_source);
+  }
 }
 
 // ---- the tier's hooks -----------------------------------------------------------------------
@@ -746,6 +933,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   const std::size_t start = match.blocks.size();
   std::vector<SlotId> hits;
   std::vector<Transfer> onload;
+  std::size_t from_lower = 0;  // hits read from the lower tier
   auto roll_back = [&] {
     if (!onload.empty()) {
       ++s.counters.aborted_transfers;
@@ -754,22 +942,18 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     for (const Transfer& t : onload)
       s.release_block(t.block);  // uncached: freed, its contents never seen
     for (SlotId h : hits)
-      if (s.slots[h].pins > 0) --s.slots[h].pins;
+      if (h != kNoSlot && s.slots[h].pins > 0) --s.slots[h].pins;
   };
   try {
     // Pinned as they are found: not reused by the write-backs the allocations
     // below may start, and a hash named twice in `hashes` (a caller's span,
     // not a chain) ends the hit instead of onloading one slot twice.
     hits.reserve(hashes.size() - start);
-    for (std::size_t i = start; i < hashes.size(); ++i) {
-      auto it = s.index.find(hashes[i]);
-      if (it == s.index.end()) break;
-      Slot& slot = s.slots[it->second];
-      if (slot.state != SlotState::ready || slot.pins != 0) break;
-      ++slot.pins;
-      hits.push_back(it->second);
+    from_lower = s.find_hits(hashes.subspan(start), start > 0 ? &hashes[start - 1] : nullptr, hits);
+    if (hits.empty()) {
+      s.note_hits(hashes.first(start));
+      return;
     }
-    if (hits.empty()) return;
     match.blocks.reserve(start + hits.size());  // the appends below must not throw
     match.hashes.reserve(start + hits.size());
     onload.reserve(hits.size());
@@ -789,6 +973,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   } catch (const std::exception& e) {
     log_error_nothrow("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what());
     roll_back();
+    s.note_hits(hashes.first(start));
     return;
   }
   // The caller computes on these blocks next: wait for the copy. A failure
@@ -799,10 +984,12 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   if (waited == WaitResult::stalled) {
     for (std::size_t i = onload.size(); i < hits.size(); ++i)
       --s.slots[hits[i]].pins;  // not read: the quarantined reads keep theirs
+    s.note_hits(hashes.first(start));
     return;
   }
   if (waited == WaitResult::failed) {
     roll_back();
+    s.note_hits(hashes.first(start));
     return;
   }
   // The copy completed: register the blocks (visible to lookups from now on).
@@ -827,8 +1014,15 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   s.inserting = false;
   match.num_tokens = match.blocks.size() * cache.block_size();
   match.lower_tier_blocks += onload.size();
+  // The hits from the lower tier among those onloaded (the first ones of
+  // `hits`: the rest stay on the host).
+  std::size_t lower_onloaded = 0;
+  for (std::size_t k = 0; k < from_lower && s.lower_pos[k] < onload.size(); ++k)
+    ++lower_onloaded;
   s.counters.onloads += onload.size();
-  s.counters.host_hits += onload.size();
+  s.counters.host_hits += onload.size() - lower_onloaded;
+  s.counters.lower_tier_hits += lower_onloaded;
+  s.note_hits(match.hashes);
   s.counters.onload_bytes += onload.size() * s.slot_bytes;
 }
 
@@ -867,8 +1061,10 @@ bool HostTier::holds(const BlockHash& hash) const noexcept {
   // What extend_match would onload: ready and no onload reading it.
   const State& s = *state_;
   auto it = s.index.find(hash);
-  return it != s.index.end() && s.slots[it->second].state == SlotState::ready &&
-         s.slots[it->second].pins == 0;
+  if (it != s.index.end()) {
+    return s.slots[it->second].state == SlotState::ready && s.slots[it->second].pins == 0;
+  }
+  return s.lower != nullptr && s.lower->contains(hash);
 }
 
 std::size_t HostTier::num_host_blocks() const noexcept {
@@ -908,6 +1104,28 @@ PrefixCache& HostTier::prefix_cache() const noexcept {
   return *state_->prefix;
 }
 
+// ---- lower tier -----------------------------------------------------------------------------
+
+void HostTier::set_lower_tier(LowerTierStore* store) {
+  State& s = *state_;
+  if (store != nullptr && store->block_bytes() != s.slot_bytes) {
+    throw InvalidArgument(
+        fmt::format("HostTier::set_lower_tier: the store's blocks have {} bytes, host slots {}",
+                    store->block_bytes(), s.slot_bytes));
+  }
+  if (store != nullptr && s.sink != nullptr) {
+    const std::vector<BlockHash> stored = store->stored_hashes();  // may throw: nothing changed
+    s.lower_listener.stored(stored);
+  }
+  if (s.lower != nullptr && s.lower != store) s.lower->set_listener(nullptr);
+  s.lower = store;
+  if (store != nullptr) store->set_listener(&s.lower_listener);
+}
+
+LowerTierStore* HostTier::lower_tier() const noexcept {
+  return state_->lower;
+}
+
 // ---- events ---------------------------------------------------------------------------------
 
 void HostTier::set_event_sink(CacheEventSink* sink, EventSource source) {
@@ -915,6 +1133,8 @@ void HostTier::set_event_sink(CacheEventSink* sink, EventSource source) {
   if (sink != nullptr) s.prefix->keep_block_origins();
   s.sink = sink;
   s.source = std::move(source);
+  s.lower_source = s.source;
+  s.lower_source.medium = Medium::disk;
 }
 
 CacheEventSink* HostTier::event_sink() const noexcept {
@@ -947,6 +1167,10 @@ void HostTier::snapshot(CacheEventSink& sink) const {
     }
     for (auto it = chain.rbegin(); it != chain.rend(); ++it)
       s.announce(sink, *it);
+  }
+  if (s.lower != nullptr) {
+    for (const BlockHash& h : s.lower->stored_hashes())
+      s.announce_lower(sink, h);
   }
 }
 

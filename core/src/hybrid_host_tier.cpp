@@ -140,6 +140,14 @@ HostTier* HybridHostTier::group_tier(std::size_t g) const {
   return tiers_[g].get();
 }
 
+void HybridHostTier::set_lower_tier(std::size_t g, LowerTierStore* store) {
+  HostTier* tier = group_tier(g);
+  if (tier == nullptr) {
+    throw InvalidArgument(fmt::format("HybridHostTier: group {} has no host tier", g));
+  }
+  tier->set_lower_tier(store);
+}
+
 HostTierCounters HybridHostTier::counters(std::size_t g) const {
   const HostTier* t = group_tier(g);
   return t != nullptr ? t->counters() : HostTierCounters{};

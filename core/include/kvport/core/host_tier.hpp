@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/lower_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/backend.hpp"
@@ -97,7 +98,9 @@ struct HostTierCounters {
   std::uint64_t offload_bytes = 0;   ///< bytes of those
   std::uint64_t onloads = 0;         ///< blocks copied host -> device and registered
   std::uint64_t onload_bytes = 0;    ///< bytes of those
-  std::uint64_t host_hits = 0;       ///< blocks a lookup found on the host (== onloads)
+  /// Blocks a lookup found on the host. host_hits + lower_tier_hits ==
+  /// onloads.
+  std::uint64_t host_hits = 0;
   std::uint64_t host_evictions = 0;  ///< host blocks dropped to make room for newer ones
   /// Copy batches that failed (at the call, or at the stream's synchronize)
   /// and were rolled back, and the blocks they carried.
@@ -116,6 +119,18 @@ struct HostTierCounters {
   /// copies they carried (their memory quarantined until they end).
   std::uint64_t stalled_transfers = 0;
   std::uint64_t stalled_blocks = 0;
+  // The lower tier (set_lower_tier; all 0 without one).
+  /// Ready host blocks offered to the lower tier as the host dropped them
+  /// (to make room), and how many of those it kept (the rest: not admitted,
+  /// held already, or failed; the store counts which).
+  std::uint64_t lower_tier_offers = 0;
+  std::uint64_t lower_tier_writes = 0;
+  /// Blocks a lookup read from the lower tier into host slots and onloaded.
+  std::uint64_t lower_tier_hits = 0;
+  /// Blocks a lookup found in the lower tier but did not get: the read
+  /// failed, came short, did not verify or missed its deadline, or no host
+  /// slot was free for it (the hit ends there).
+  std::uint64_t lower_tier_shortfalls = 0;
 
   /// Adds every counter of `other` (HybridHostTier's totals over groups).
   HostTierCounters& operator+=(const HostTierCounters& other) noexcept;
@@ -130,6 +145,14 @@ struct HostTierCounters {
 /// batch, registered in the device prefix cache, and appended to the match
 /// (PrefixMatch::lower_tier_blocks says how many). The lookup waits for that
 /// copy: the caller gets blocks whose contents are there.
+///
+/// Lower tier (set_lower_tier, e.g. the disk tier): the host's least
+/// recently used blocks, when it drops them for newer ones, are offered to the
+/// lower tier first, one batch per call that needs the room (a write-back, a
+/// lookup); a lookup continues past the host's blocks in the lower tier: what
+/// it finds there is read into host slots (one batch), becomes a host block,
+/// and is onloaded with the host's hits in the one device batch. Exclusive
+/// inclusion erases a block from the lower tier once it is on the host.
 ///
 /// States. A device block is free, evictable, in use (PrefixCache), or held
 /// by the tier while its write-back copy is in flight (counted as in use:
@@ -186,6 +209,18 @@ class HostTier final : public PrefixCacheTier {
   /// many were evicted.
   std::size_t offload(std::size_t max_blocks);
 
+  // ---- lower tier (lower_tier.hpp) ---------------------------------------------------------
+
+  /// Installs `store` under the host (nullptr: none, the default): from then
+  /// on the host offers it the blocks it drops and lookups continue in it
+  /// (see the class comment); holds() counts its blocks. The store must stay
+  /// valid until it is uninstalled or the tier destroyed; the tier becomes
+  /// its listener. With an event sink installed, the store's blocks are
+  /// announced (medium DISK) at once. Throws InvalidArgument when its
+  /// block_bytes() is not slot_bytes() (nothing changes then).
+  void set_lower_tier(LowerTierStore* store);
+  LowerTierStore* lower_tier() const noexcept;
+
   // ---- events (cache_events.hpp) -----------------------------------------------------------
 
   /// Installs `sink` (nullptr: none, the default) for the host's events,
@@ -195,7 +230,10 @@ class HostTier final : public PrefixCacheTier {
   /// announces nothing), removed when a visible slot is dropped (reused for a
   /// newer block, or given back after an exclusive onload: the block then
   /// leaves the host, and the device's prefix cache announces it stored),
-  /// cleared by the destructor when a sink is still installed. Called inside
+  /// cleared by the destructor when a sink is still installed. The lower tier's
+  /// blocks are announced with the same source but medium DISK: stored once
+  /// durable there (with the parent and tokens the host slot kept), removed
+  /// when the store drops them. Called inside
   /// the tier's calls and the prefix cache's (on the cache's thread); the sink
   /// must stay valid until it is uninstalled or the tier destroyed. Each slot
   /// keeps the parent, tokens and extra key its block was registered with on
@@ -210,7 +248,9 @@ class HostTier final : public PrefixCacheTier {
   const EventSource& event_source() const noexcept;
   /// The BlockStored events of every visible host block (one per block, a
   /// block after its parent where the parent is visible too), with
-  /// event_source(); on the tier's thread, as PrefixCache::snapshot.
+  /// event_source(); then, with a lower tier, one for each of its blocks
+  /// (medium DISK, without tokens). On the tier's thread, as
+  /// PrefixCache::snapshot.
   void snapshot(CacheEventSink& sink) const;
   /// Host memory each slot's origin takes (besides slot_bytes()): 32 bytes
   /// plus block_size token ids.

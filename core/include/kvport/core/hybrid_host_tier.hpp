@@ -85,6 +85,13 @@ class HybridHostTier {
   /// cache().group_event_source(g, Medium::cpu). Throws std::bad_alloc
   /// (groups installed before stay installed).
   void set_event_sink(CacheEventSink* sink);
+  /// HostTier::set_lower_tier of group g's tier: a store of that group's
+  /// slot bytes (each group needs its own, e.g. a disk directory per group).
+  /// Lookups then continue in it under the hybrid hit rule (holds() counts
+  /// its blocks; a block that fails to come in makes the hit be decided
+  /// again). Throws InvalidArgument for a group out of range or without a
+  /// tier, and as HostTier::set_lower_tier.
+  void set_lower_tier(std::size_t g, LowerTierStore* store);
   /// HostTier::snapshot of every group's tier, group 0 first.
   void snapshot(CacheEventSink& sink) const;
 
