@@ -274,6 +274,7 @@ struct DiskStore::State {
 
   std::vector<Record> pending;  // erase records not yet appended
   bool detached = false;
+  LowerTierStore::Listener* listener = nullptr;
   DiskStoreCounters counters;
 
   ~State() {
@@ -316,11 +317,14 @@ struct DiskStore::State {
         fmt::format("disk tier {}: a file of the store was deleted under the process; "
                     "its {} blocks are dropped and it takes no more",
                     dir.string(), by_hash.size()));
+    std::vector<BlockHash> lost;
     for (const auto& [hash, slot] : by_hash) {
       lru.erase(lru.iterator_to(slots[slot]));
       release_slot(slot);
+      if (listener != nullptr) lost.push_back(hash);
     }
     by_hash.clear();
+    if (listener != nullptr && !lost.empty()) listener->removed(lost);
     return true;
   }
 
@@ -336,6 +340,7 @@ struct DiskStore::State {
     Slot& s = slots[slot];
     by_hash.erase(s.hash);
     lru.erase(lru.iterator_to(s));
+    if (listener != nullptr) listener->removed({&s.hash, 1});
     if (!options.read_only) {
       pending.push_back(Record{RecordKind::erase, slot,
                                static_cast<std::uint32_t>(options.block_bytes), next_seq++, s.hash,
@@ -357,6 +362,7 @@ struct DiskStore::State {
     const auto slot = static_cast<std::uint32_t>(&victim - slots.data());
     by_hash.erase(victim.hash);
     lru.pop_front();
+    if (listener != nullptr) listener->removed({&victim.hash, 1});
     victim.state = SlotState::free;
     ++counters.evictions;
     return slot;
@@ -492,6 +498,13 @@ struct DiskStore::State {
       by_hash.emplace(s.hash, written[i].slot);
       ++counters.writes;
       counters.write_bytes += options.block_bytes;
+    }
+    if (listener != nullptr) {
+      std::vector<BlockHash> stored;
+      stored.reserve(records.size());
+      for (const Record& r : records)
+        stored.push_back(r.hash);
+      listener->stored(stored);
     }
     return written.size();
   }
@@ -953,6 +966,10 @@ std::string DiskStore::io_description() const {
   if (!s.options.read_only)
     d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
   return d;
+}
+
+void DiskStore::set_listener(LowerTierStore::Listener* listener) noexcept {
+  state_->listener = listener;
 }
 
 std::vector<BlockHash> DiskStore::lru_order() const {

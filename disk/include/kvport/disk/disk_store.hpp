@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/lower_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/disk/file_io.hpp"
 
@@ -191,6 +192,10 @@ class DiskStore {
   std::string io_description() const;
   const DiskStoreOptions& options() const noexcept;
   const DiskStoreCounters& counters() const noexcept;
+  /// Tells `listener` (nullptr: none) of every block that becomes visible
+  /// (put, once durable) and every one that leaves (evicted, dropped after a
+  /// failed read or at detach, erased). It must stay valid until replaced.
+  void set_listener(LowerTierStore::Listener* listener) noexcept;
   /// Stored hashes, least recently used first. O(n), for tests.
   std::vector<BlockHash> lru_order() const;
   /// Empty when consistent: every slot free, stored, or quarantined, exactly
