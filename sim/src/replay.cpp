@@ -81,6 +81,9 @@ void ReplayOptions::validate() const {
   if (to_string(tier_inclusion) == std::string_view("unknown")) {
     throw InvalidArgument("--tier-inclusion: unknown inclusion (expected exclusive or inclusive)");
   }
+  if (lower_tier && host_tier_blocks == 0) {
+    throw InvalidArgument("--disk-tier-blocks: needs --host-tier-blocks (the disk is under the host)");
+  }
   if (!std::isfinite(host_link_gbps) || host_link_gbps <= 0.0) {
     throw InvalidArgument(
         fmt::format("--host-link-gbps: must be a positive number of GB/s, got {}", host_link_gbps));
@@ -152,7 +155,8 @@ class ReplayWorkload final : public Workload {
     result_.cached_blocks_at_end = prefix_.num_cached_blocks();
     result_.simulated_ms = last_finish_ - first_arrival;
     if (admitted_ != 0) result_.mean_queue_ms = queue_ms_sum_ / static_cast<double>(admitted_);
-    result_.device_hit_blocks = result_.hit_blocks - result_.host_hit_blocks;
+    result_.device_hit_blocks =
+        result_.hit_blocks - result_.host_hit_blocks - result_.lower_hit_blocks;
     if (tier_ != nullptr) {
       result_.host_tier_blocks = tier_->num_host_blocks();
       result_.tier = tier_->counters();
@@ -247,8 +251,10 @@ class ReplayWorkload final : public Workload {
     BlockTable table(prefix_);
     table.set_prefix_hit_mode(options_.prefix_hit_mode);
     const std::uint64_t host_hits_before = host_hits();
+    const std::uint64_t lower_hits_before = lower_hits();
     const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
     const std::uint64_t onloaded = host_hits() - host_hits_before;
+    const std::uint64_t onloaded_below = lower_hits() - lower_hits_before;
     const bool copied_last_block = table.copy_on_writes() != 0;
     const std::size_t hit_blocks = table.num_blocks();  // a copied last block was a hit too
     const std::span<const TokenId> rest = std::span<const TokenId>(scratch_).subspan(hit);
@@ -266,7 +272,9 @@ class ReplayWorkload final : public Workload {
       result_.hit_blocks += hit_blocks;
       // A fully cached prompt's last block may have been onloaded and then
       // dropped (no block free for its private copy): at most hit_blocks.
-      result_.host_hit_blocks += std::min<std::uint64_t>(onloaded, hit_blocks);
+      const std::uint64_t from_host = std::min<std::uint64_t>(onloaded, hit_blocks);
+      result_.host_hit_blocks += from_host;
+      result_.lower_hit_blocks += std::min<std::uint64_t>(onloaded_below, hit_blocks - from_host);
       if (copied_last_block) ++result_.last_block_copies;
       result_.prompt_tokens += request.input_length;
       result_.hit_tokens += hit;
@@ -363,6 +371,9 @@ class ReplayWorkload final : public Workload {
   std::uint64_t host_hits() const noexcept {
     return tier_ != nullptr ? tier_->counters().host_hits : 0;
   }
+  std::uint64_t lower_hits() const noexcept {
+    return tier_ != nullptr ? tier_->counters().lower_tier_hits : 0;
+  }
 
   InvariantReport check_invariants() const {
     return tier_ != nullptr ? tier_->check_invariants() : prefix_.check_invariants();
@@ -444,6 +455,10 @@ ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOpti
   if (options.event_sink != nullptr) {
     prefix.set_event_sink(options.event_sink);
     if (tier) tier->set_event_sink(options.event_sink);
+  }
+  if (options.lower_tier) {
+    LowerTierStore* store = options.lower_tier(cache.config(), tier->slot_bytes());
+    if (store != nullptr) tier->set_lower_tier(store);
   }
   ReplayWorkload replay(requests, options, prefix, tier.get(), stream);
   ReplayResult result = replay.run();

@@ -117,7 +117,11 @@ nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
           {"already_on_host", c.already_on_host},
           {"dropped_offloads", c.dropped_offloads},
           {"offload_waits", c.offload_waits},
-          {"onload_shortfalls", c.onload_shortfalls}};
+          {"onload_shortfalls", c.onload_shortfalls},
+          {"lower_tier_offers", c.lower_tier_offers},
+          {"lower_tier_writes", c.lower_tier_writes},
+          {"lower_tier_hits", c.lower_tier_hits},
+          {"lower_tier_shortfalls", c.lower_tier_shortfalls}};
 }
 
 void run_group_replay(GroupReplayRun& run) {

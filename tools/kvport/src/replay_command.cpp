@@ -22,6 +22,7 @@
 #include "kvport/cli/flag_values.hpp"
 #include "kvport/cli/model_spec.hpp"
 #include "kvport/core/host_tier.hpp"
+#include "kvport/disk/disk_tier.hpp"
 #include "kvport/events/publisher.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
@@ -98,6 +99,8 @@ class ReplayCommand final : public Command {
         "  kvport replay --trace mooncake_trace.jsonl --capacity-blocks 8192\n"
         "  kvport replay --trace trace.jsonl --capacity-blocks 512 --concurrency 1 --json\n"
         "  kvport replay --trace trace.jsonl --capacity-blocks 65536 --host-tier-blocks 196608\n"
+        "  kvport replay --trace trace.jsonl --capacity-blocks 65536 --host-tier-blocks 65536 \\\n"
+        "      --disk-tier-blocks 131072 --disk-dir /var/tmp/kvport-disk\n"
         "  kvport replay --trace trace.jsonl --memory 40GiB --model gpt-oss-120b\n"
         "Exit status: 0 when the invariant checks pass, 1 when one fails, 2 on bad input.");
     add(app, "--trace", trace_, "FILE",
@@ -128,6 +131,19 @@ class ReplayCommand final : public Command {
     add(app, "--tier-inclusion", tier_inclusion_, "MODE",
         "exclusive (an onloaded block leaves the host; the default) or inclusive (the host keeps "
         "its copy)");
+    add(app, "--disk-tier-blocks", disk_tier_blocks_, "N",
+        "Disk tier under the host tier (needs --host-tier-blocks and --disk-dir), N blocks: "
+        "blocks the host drops are written to disk, lookups continue there (real I/O of the "
+        "replay's small blocks; the directory persists: a rerun finds them)");
+    add(app, "--disk-dir", disk_dir_, "DIR",
+        "Directory of the disk tier (created when missing; refused when made for another "
+        "layout or size, or in use by another process)");
+    add(app, "--disk-min-hits", disk_min_hits_, "K",
+        "Write a block to disk only once lookups hit it K times (SSD wear; default 0: every "
+        "block the host drops)");
+    add(app, "--disk-io", disk_io_, "ENGINE",
+        "automatic (io_uring where the kernel allows, else pread/pwrite; the default), "
+        "io_uring, or sync (pread/pwrite)");
     add(app, "--host-link-gbps", host_link_gbps_, "GB/S",
         "Host link bandwidth per direction for the modeled transfer time, 10^9 bytes/s (default "
         "50: PCIe Gen5 x16 effective; 64 raw)");
@@ -198,6 +214,8 @@ class ReplayCommand final : public Command {
       options.host_link_gbps = parse_positive_number(host_link_gbps_.value, "--host-link-gbps");
     }
     if (model_.given()) options.model = model_.value;
+    std::unique_ptr<disk::DiskTier> disk_tier;
+    parse_disk_tier(options, disk_tier);
     options.validate();  // before reading a trace that may be large
     // Bound before the trace is read, so that a bad endpoint is one line.
     std::optional<events::Publisher> publisher;
@@ -222,6 +240,11 @@ class ReplayCommand final : public Command {
     try {
       const std::unique_ptr<Backend> backend = make_host_backend();
       result = sim::run_replay(requests, options, *backend);
+      if (disk_tier) {
+        disk_tier->store().flush();
+        disk_counters_ = disk_tier->store().counters();
+        disk_blocks_at_end_ = disk_tier->store().size();
+      }
     } catch (...) {
       bar.finish();
       throw;
@@ -242,6 +265,60 @@ class ReplayCommand final : public Command {
   }
 
  private:
+  // --disk-tier-blocks, --disk-dir, --disk-min-hits, --disk-io: the store's
+  // options, and the callback that opens it for the replay's cache (into
+  // `disk_tier`, which outlives the replay). Without --disk-tier-blocks the
+  // others are errors.
+  void parse_disk_tier(ReplayOptions& options, std::unique_ptr<disk::DiskTier>& disk_tier) {
+    if (!disk_tier_blocks_.given()) {
+      for (const auto& [flag, name] :
+           {std::pair{&disk_dir_, "--disk-dir"}, std::pair{&disk_min_hits_, "--disk-min-hits"},
+            std::pair{&disk_io_, "--disk-io"}}) {
+        if (flag->given()) {
+          throw InvalidArgument(fmt::format("{}: needs --disk-tier-blocks (a disk tier)", name));
+        }
+      }
+      return;
+    }
+    disk_options_.num_slots = parse_positive_count(disk_tier_blocks_.value, "--disk-tier-blocks");
+    if (disk_options_.num_slots > disk::DiskStoreOptions::kMaxSlots) {
+      throw InvalidArgument(fmt::format("--disk-tier-blocks: at most {}, got {}",
+                                        disk::DiskStoreOptions::kMaxSlots, disk_options_.num_slots));
+    }
+    if (!host_tier_blocks_.given()) {
+      throw InvalidArgument(
+          "--disk-tier-blocks: needs --host-tier-blocks (the disk tier is under the host tier)");
+    }
+    if (!disk_dir_.given() || disk_dir_.value.empty()) {
+      throw InvalidArgument("--disk-dir: required with --disk-tier-blocks (where the blocks go)");
+    }
+    disk_options_.dir = disk_dir_.value;
+    if (disk_min_hits_.given()) {
+      disk_options_.min_hits = static_cast<std::uint32_t>(
+          parse_count_in(disk_min_hits_.value, "--disk-min-hits", 0, UINT32_MAX));
+    }
+    if (disk_io_.given()) {
+      const std::optional<disk::IoEngine> engine = disk::parse_io_engine(disk_io_.value);
+      if (!engine) {
+        throw InvalidArgument(fmt::format(
+            "--disk-io: unknown engine '{}' (expected automatic, io_uring or sync)", disk_io_.value));
+      }
+      disk_options_.engine = *engine;
+    }
+    options.lower_tier = [this, &disk_tier](const KvCacheConfig& config,
+                                            std::size_t block_bytes) -> LowerTierStore* {
+      disk_options_.block_bytes = block_bytes;
+      disk_options_.layout = disk::layout_fields(config);
+      try {
+        disk_tier = disk::DiskTier::open(disk_options_);
+      } catch (const InvalidArgument& e) {
+        throw InvalidArgument(fmt::format("--disk-dir {}: {}", disk_dir_.value, e.what()));
+      }
+      disk_description_ = disk_tier->store().io_description();
+      return disk_tier.get();
+    };
+  }
+
   // --memory: the replay over the model's KV cache groups (group_replay.hpp).
   // --events (and --events-replay): the publisher, bound; none without.
   void bind_events(std::optional<events::Publisher>& publisher) const {
@@ -268,6 +345,16 @@ class ReplayCommand final : public Command {
         throw InvalidArgument(fmt::format(
             "{}: not with --memory (the group replay sizes its groups from the memory and checks "
             "the invariants at the end)",
+            name));
+      }
+    }
+    for (const auto& [flag, name] :
+         {std::pair{&disk_tier_blocks_, "--disk-tier-blocks"}, std::pair{&disk_dir_, "--disk-dir"},
+          std::pair{&disk_min_hits_, "--disk-min-hits"}, std::pair{&disk_io_, "--disk-io"}}) {
+      if (flag->given()) {
+        throw InvalidArgument(fmt::format(
+            "{}: not with --memory yet (the group replay has no disk tier; HybridHostTier takes "
+            "one per group: set_lower_tier)",
             name));
       }
     }
@@ -394,6 +481,13 @@ class ReplayCommand final : public Command {
               ? " (PCIe Gen5 x16 effective; 64 GB/s raw per direction)"
               : "");
     }
+    if (disk_tier_blocks_.given()) {
+      out << fmt::format("disk tier: {} blocks in {}, {}{}\n", disk_options_.num_slots,
+                         disk_options_.dir.string(), disk_description_,
+                         disk_options_.min_hits == 0
+                             ? ""
+                             : fmt::format("; written once hit {} times", disk_options_.min_hits));
+    }
     out << '\n';
     TextTable table({"", "value", "detail"},
                     {TextTable::Align::left, TextTable::Align::right, TextTable::Align::left});
@@ -406,6 +500,11 @@ class ReplayCommand final : public Command {
                      fmt::format("{} blocks", r.device_hit_blocks)});
       table.add_row({"  host hits", percent(r.host_hit_rate()),
                      fmt::format("{} blocks (onloaded at admission)", r.host_hit_blocks)});
+      if (disk_tier_blocks_.given()) {
+        table.add_row({"  disk hits", percent(r.lower_hit_rate()),
+                       fmt::format("{} blocks (read into host slots, onloaded)",
+                                   r.lower_hit_blocks)});
+      }
     }
     table.add_row({"token hit rate", percent(r.token_hit_rate()),
                    fmt::format("{} of {} prompt tokens", r.hit_tokens, r.prompt_tokens)});
@@ -430,6 +529,7 @@ class ReplayCommand final : public Command {
                        c.host_evictions, c.already_on_host, c.dropped_offloads, c.offload_waits,
                        c.onload_shortfalls, c.aborted_transfers, c.stalled_transfers)});
     }
+    if (disk_tier_blocks_.given()) add_disk_rows(table, r);
     table.add_row({"evictions", std::to_string(r.evictions),
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
     table.add_row({"preemptions", std::to_string(r.preemptions),
@@ -456,6 +556,71 @@ class ReplayCommand final : public Command {
     out << "\nInvariants  " << r.invariants.to_string() << '\n';
     if (r.stopped_at_step != 0) out << "Stopped     at step " << r.stopped_at_step << '\n';
     out << "Result      " << (r.ok() ? "OK" : "FAILED") << '\n';
+  }
+
+  // Real bytes over measured seconds, in MB/s (10^6); 0 without time.
+  static double mb_per_s(std::uint64_t bytes, std::uint64_t ns) {
+    return ns == 0 ? 0.0 : static_cast<double>(bytes) / 1e6 / (static_cast<double>(ns) / 1e9);
+  }
+
+  void add_disk_rows(TextTable& table, const ReplayResult& r) const {
+    const disk::DiskStoreCounters& d = disk_counters_;
+    const HostTierCounters& c = r.tier;
+    table.add_row(
+        {"disk written", fmt::format("{} blocks", d.writes),
+         fmt::format("{} of {} offered by the host; {:.1f} MB in {:.3f} s ({:.1f} MB/s) + index "
+                     "{:.3f} s; {} modeled",
+                     c.lower_tier_writes, c.lower_tier_offers, static_cast<double>(d.write_bytes) / 1e6,
+                     static_cast<double>(d.write_ns) / 1e9, mb_per_s(d.write_bytes, d.write_ns),
+                     static_cast<double>(d.index_ns) / 1e9,
+                     gb(static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes)))});
+    table.add_row(
+        {"disk read", fmt::format("{} blocks", d.reads),
+         fmt::format("{:.1f} MB in {:.3f} s ({:.1f} MB/s); {} modeled",
+                     static_cast<double>(d.read_bytes) / 1e6, static_cast<double>(d.read_ns) / 1e9,
+                     mb_per_s(d.read_bytes, d.read_ns),
+                     gb(static_cast<double>(d.reads) * static_cast<double>(r.model_block_bytes)))});
+    table.add_row(
+        {"disk tier", fmt::format("{} blocks", disk_blocks_at_end_),
+         fmt::format("on disk at the end ({} found at open); {} evictions, {} not admitted, {} "
+                     "already there, {} write failures, {} read failures, {} checksum failures, "
+                     "{} past the deadline, {} shortfalls",
+                     d.recovered, d.evictions, d.not_admitted, d.already_stored, d.write_failures,
+                     d.read_failures, d.checksum_failures, d.timeouts, c.lower_tier_shortfalls)});
+  }
+
+  nlohmann::ordered_json disk_json(const ReplayResult& r) const {
+    const disk::DiskStoreCounters& d = disk_counters_;
+    nlohmann::ordered_json j;
+    j["blocks"] = disk_options_.num_slots;
+    j["dir"] = disk_options_.dir.string();
+    j["io"] = disk_description_;
+    j["min_hits"] = disk_options_.min_hits;
+    j["hit_blocks"] = r.lower_hit_blocks;
+    j["hit_rate"] = r.lower_hit_rate();
+    j["blocks_at_end"] = disk_blocks_at_end_;
+    j["recovered_at_open"] = d.recovered;
+    j["dropped_at_open"] = d.dropped_at_open;
+    j["writes"] = d.writes;
+    j["write_bytes"] = d.write_bytes;
+    j["write_s"] = static_cast<double>(d.write_ns) / 1e9;
+    j["write_mb_per_s"] = mb_per_s(d.write_bytes, d.write_ns);
+    j["index_s"] = static_cast<double>(d.index_ns) / 1e9;
+    j["reads"] = d.reads;
+    j["read_bytes"] = d.read_bytes;
+    j["read_s"] = static_cast<double>(d.read_ns) / 1e9;
+    j["read_mb_per_s"] = mb_per_s(d.read_bytes, d.read_ns);
+    j["modeled_write_bytes"] = static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes);
+    j["modeled_read_bytes"] = static_cast<double>(d.reads) * static_cast<double>(r.model_block_bytes);
+    j["evictions"] = d.evictions;
+    j["not_admitted"] = d.not_admitted;
+    j["already_stored"] = d.already_stored;
+    j["dropped_puts"] = d.dropped_puts;
+    j["write_failures"] = d.write_failures;
+    j["read_failures"] = d.read_failures;
+    j["checksum_failures"] = d.checksum_failures;
+    j["timeouts"] = d.timeouts;
+    return j;
   }
 
   void print_json(std::ostream& out, const ReplayOptions& o, const ReplayResult& r) const {
@@ -507,6 +672,7 @@ class ReplayCommand final : public Command {
       j["host_hit_blocks"] = r.host_hit_blocks;
       j["device_hit_rate"] = r.device_hit_rate();
       j["host_hit_rate"] = r.host_hit_rate();
+      j["lower_hit_blocks"] = r.lower_hit_blocks;
       j["combined_hit_rate"] = r.hit_rate();
       j["offloaded_blocks"] = r.offloaded_blocks();
       j["onloaded_blocks"] = r.onloaded_blocks();
@@ -520,6 +686,7 @@ class ReplayCommand final : public Command {
       const HostTierCounters& c = r.tier;
       j["tier_counters"] = tier_counters_json(c);
     }
+    if (disk_tier_blocks_.given()) j["disk_tier"] = disk_json(r);
     if (events_.given()) {
       j["events"] = {{"endpoint", events_endpoint_},
                      {"accepted", events_stats_.events_accepted},
@@ -536,7 +703,12 @@ class ReplayCommand final : public Command {
 
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
       check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_,
-      memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_, events_, events_replay_;
+      memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_, events_, events_replay_,
+      disk_tier_blocks_, disk_dir_, disk_min_hits_, disk_io_;
+  disk::DiskStoreOptions disk_options_;
+  std::string disk_description_;  // the store's I/O path and fallback, once opened
+  disk::DiskStoreCounters disk_counters_;
+  std::size_t disk_blocks_at_end_ = 0;
   events::PublisherStats events_stats_;
   std::string events_endpoint_;
   bool full_prefix_hits_ = false;

@@ -35,7 +35,9 @@
 //     failed attempt does not onload the host's blocks only to give them back. The simulated
 //     cache's blocks are tiny (1 layer); the transfer bytes and times are
 //     MODELED: blocks x the block bytes of `model` at block_size tokens, bf16,
-//     over host_link_gbps.
+//     over host_link_gbps. With a lower tier (ReplayOptions::lower_tier: the
+//     disk) under the host, the host spills to it and lookups continue in
+//     it; its I/O is real, of the simulated cache's small blocks.
 // The same trace and options always give the same result (apart from the
 // wall-clock fields).
 #pragma once
@@ -51,6 +53,7 @@
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/cache_events.hpp"
 #include "kvport/core/host_tier.hpp"
+#include "kvport/core/lower_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
 #include "kvport/platform/backend.hpp"
@@ -136,6 +139,14 @@ struct ReplayOptions {
   /// link for pinned copies (64 GB/s raw per direction, 128b/130b encoding
   /// and packet overhead leave about 50-55 in practice).
   double host_link_gbps = kPcieGen5x16Gbps;
+  /// A store under the host tier (the disk tier of `kvport replay
+  /// --disk-tier-blocks`; core stays free of it). Called once, with the
+  /// simulated cache's config and its host slot bytes, it returns a store of
+  /// those block bytes (LowerTierStore::block_bytes) that it owns and keeps
+  /// valid until run_replay returns; the replay installs it with
+  /// HostTier::set_lower_tier (a store of other bytes: InvalidArgument).
+  /// Needs host_tier_blocks > 0. Empty: no lower tier.
+  std::function<LowerTierStore*(const KvCacheConfig& config, std::size_t block_bytes)> lower_tier;
   /// The model preset (sim/model_presets.hpp) whose block bytes (every layer's
   /// K and V, bf16, block_size tokens) model the bytes a transfer moves.
   std::string model = "llama-3-8b";
@@ -224,11 +235,14 @@ struct ReplayResult {
 
   // Host tier (all 0 without one). The hit split is taken at the admission
   // that counts the hits (a request's first): device_hit_blocks +
-  // host_hit_blocks == hit_blocks. A host hit is a block onloaded by that
+  // host_hit_blocks + lower_hit_blocks == hit_blocks. A host hit is a block onloaded by that
   // admission's lookup; blocks an earlier, failed attempt of the same request
   // onloaded are device hits by then.
   std::uint64_t device_hit_blocks = 0;
   std::uint64_t host_hit_blocks = 0;
+  /// Blocks that admission's lookup read from the lower tier (through host
+  /// slots) and onloaded; 0 without one.
+  std::uint64_t lower_hit_blocks = 0;
   std::size_t host_tier_blocks = 0;
   std::size_t model_block_bytes = 0;  ///< bytes of one block of the model (the modeled transfers)
   double host_link_gbps = 0.0;
@@ -244,6 +258,7 @@ struct ReplayResult {
   double hit_rate() const noexcept { return ratio(hit_blocks, prompt_blocks); }
   double device_hit_rate() const noexcept { return ratio(device_hit_blocks, prompt_blocks); }
   double host_hit_rate() const noexcept { return ratio(host_hit_blocks, prompt_blocks); }
+  double lower_hit_rate() const noexcept { return ratio(lower_hit_blocks, prompt_blocks); }
   /// Blocks written back / onloaded, and their modeled bytes and seconds.
   std::uint64_t offloaded_blocks() const noexcept { return tier.offloads; }
   std::uint64_t onloaded_blocks() const noexcept { return tier.onloads; }
