@@ -273,6 +273,7 @@ struct DiskStore::State {
   std::size_t quarantined = 0;
 
   std::vector<Record> pending;  // erase records not yet appended
+  FileIoOptions index_io;       // how the index is (re)opened
   bool detached = false;
   LowerTierStore::Listener* listener = nullptr;
   DiskStoreCounters counters;
@@ -366,6 +367,42 @@ struct DiskStore::State {
     victim.state = SlotState::free;
     ++counters.evictions;
     return slot;
+  }
+
+  // Rewrites the index with one put record per stored block, least
+  // recently used first (renumbered, so a restart finds the same LRU order),
+  // through a temporary file synced and renamed over it. An index of mostly
+  // superseded records shrinks to the live ones; the pending erasures are in
+  // it. False, the old index kept, when the new one cannot be written.
+  bool compact() {
+    std::string text(by_hash.size() * kRecordBytes, '\0');
+    std::uint64_t seq = next_seq;
+    std::size_t i = 0;
+    for (const Slot& sl : lru) {
+      const auto slot = static_cast<std::uint32_t>(&sl - slots.data());
+      encode(Record{RecordKind::put, slot, static_cast<std::uint32_t>(options.block_bytes), seq++,
+                    sl.hash, sl.checksum},
+             reinterpret_cast<std::byte*>(text.data()) + i++ * kRecordBytes);
+    }
+    const auto t0 = Clock::now();
+    try {
+      write_file_durably(dir / kIndexName, text);
+      std::unique_ptr<FileIo> fresh = open_file_io(dir / kIndexName, index_io);
+      index = options.wrap_io ? options.wrap_io("index", std::move(fresh)) : std::move(fresh);
+    } catch (const std::exception& e) {
+      // The old index still names every block (its name may be gone: a
+      // failed reopen after the rename detaches the store, failing closed).
+      log::warn(fmt::format("disk tier {}: compacting the index failed: {}", dir.string(),
+                            e.what()));
+      add_elapsed(counters.index_ns, t0);
+      return false;
+    }
+    add_elapsed(counters.index_ns, t0);
+    next_seq = seq;
+    index_end = text.size();
+    pending.clear();
+    ++counters.journal_compactions;
+    return true;
   }
 
   // Appends `records` (after the pending erasures) and syncs the index.
@@ -704,21 +741,8 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
 
   // Compaction: an index mostly of superseded records is rewritten with the
   // live ones alone (a temporary file, synced, renamed over).
-  if (!options.read_only && n_records > 2 * live.size() + 1024) {
-    std::vector<Record> keep;
-    keep.reserve(live.size());
-    for (std::uint32_t slot : live)
-      keep.push_back(owner[slot]);
-    std::string text(keep.size() * kRecordBytes, '\0');
-    for (std::size_t i = 0; i < keep.size(); ++i) {
-      encode(keep[i], reinterpret_cast<std::byte*>(text.data()) + i * kRecordBytes);
-    }
-    s.index.reset();
-    write_file_durably(s.dir / kIndexName, text);
-    s.index = wrap("index", open_file_io(s.dir / kIndexName, index_io));
-    s.index_end = text.size();
-    ++s.counters.journal_compactions;
-  }
+  s.index_io = index_io;
+  if (!options.read_only && n_records > 2 * live.size() + 1024) (void)s.compact();
 
   // Twice the queue depth: a read wave keeps the queue full while completed
   // blocks are verified and copied out. Touched now, so that no read pays
@@ -767,6 +791,9 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
     return 0;
   }
   s.reap(false);
+  // While the store runs, the index is bounded too: every put and erase adds
+  // a record, and past 4 records a slot it is rewritten with the live ones.
+  if (s.index_end / kRecordBytes > 4 * std::uint64_t{s.options.num_slots} + 1024) (void)s.compact();
   std::vector<State::Item> wave;
   std::vector<State::Item> written;
   absl::flat_hash_set<BlockHash, BlockHashHasher> in_batch;

@@ -348,24 +348,55 @@ TEST_F(DiskStoreTest, AdmissionWritesOnlyBlocksHitEnoughTimes) {
 }
 
 TEST_F(DiskStoreTest, AnIndexOfMostlySupersededRecordsIsCompactedAtOpen) {
-  const auto a = chain(13, 1200);
+  // 140 puts of 4 blocks, all but the last erased again: 1,116 records for
+  // 4 live blocks, below the running bound (4 x 64 + 1024) and above the
+  // one at open (2 x 4 + 1024).
+  const auto a = chain(13, 560);
   {
-    auto s = DiskStore::open(options(4));
+    auto s = DiskStore::open(options(64));
     for (std::size_t i = 0; i < a.size(); i += 4) {
       std::vector<BlockHash> some(a.begin() + static_cast<std::ptrdiff_t>(i),
                                   a.begin() + static_cast<std::ptrdiff_t>(i + 4));
       put(*s, some);
+      if (i + 4 < a.size()) {
+        for (const BlockHash& h : some)
+          s->erase(h);
+      }
     }
     EXPECT_EQ(s->size(), 4u);
+    EXPECT_EQ(s->counters().journal_compactions, 0u);
   }
-  auto s = DiskStore::open(options(4));
+  auto s = DiskStore::open(options(64));
   EXPECT_EQ(s->counters().journal_compactions, 1u);
   EXPECT_EQ(std::filesystem::file_size(dir_.path() / "tier" / "index.log"), 4u * 64);
-  EXPECT_EQ(get(*s, {a[1196], a[1197], a[1198], a[1199]}), 4u);
+  EXPECT_EQ(get(*s, {a[556], a[557], a[558], a[559]}), 4u);
   s.reset();
-  s = DiskStore::open(options(4));
+  s = DiskStore::open(options(64));
   EXPECT_EQ(s->counters().journal_compactions, 0u);
   EXPECT_EQ(s->size(), 4u);
+}
+
+TEST_F(DiskStoreTest, TheIndexIsCompactedWhileTheStoreRuns) {
+  std::vector<BlockHash> last;
+  {
+    auto s = DiskStore::open(options(4));
+    // Each put of 4 new blocks evicts the 4 before: 4 records a put, past
+    // 4 x 4 + 1024 records the index is rewritten with the 4 live ones.
+    for (std::uint32_t k = 0; k < 300; ++k) {
+      last = chain(5000 + k, 4);
+      ASSERT_EQ(put(*s, last), 4u);
+    }
+    EXPECT_GE(s->counters().journal_compactions, 1u);
+    EXPECT_LE(std::filesystem::file_size(dir_.path() / "tier" / "index.log"),
+              std::uintmax_t{(4 * 4 + 1024 + 4) * 64});
+    EXPECT_EQ(get(*s, last), 4u);
+    expect_consistent(*s);
+  }
+  auto s = DiskStore::open(options(4));
+  EXPECT_EQ(s->counters().recovered, 4u);
+  EXPECT_EQ(s->counters().dropped_at_open, 0u);
+  EXPECT_EQ(s->lru_order(), last);
+  EXPECT_EQ(get(*s, last), 4u);
 }
 
 TEST(LayoutFields, NameTheGeometryAndDifferWithADtype) {
