@@ -650,16 +650,28 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   if (!options.read_only) {
     const std::optional<std::uint64_t> size = s.data->size();
     if (!size || *size < data_bytes) {
+      const std::uint64_t had = size.value_or(0);
+      struct statvfs vfs {};
+      const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
+      const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
+      const auto refuse = [&](int e) {
+        throw InvalidArgument(fmt::format(
+            "{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where, options.num_slots,
+            s.stride, data_bytes, known ? fmt::format(", {} bytes free", free_bytes) : "",
+            errno_text(e)));
+      };
+      // Refused before allocating: a file system that cannot hold the file
+      // is never filled up to the last block on the way to ENOSPC.
+      if (known && data_bytes - had > free_bytes) refuse(ENOSPC);
       const int e = s.data->allocate(data_bytes);
       if (e != 0) {
-        struct statvfs vfs {};
-        std::string free_text;
-        if (::statvfs(s.dir.c_str(), &vfs) == 0) {
-          free_text = fmt::format(", {} bytes free", std::uint64_t{vfs.f_bavail} * vfs.f_frsize);
+        // A failed fallocate may keep what it allocated: give it back.
+        if (had == 0) {
+          fs::remove(s.dir / kDataName, ec);
+        } else {
+          (void)::truncate((s.dir / kDataName).c_str(), static_cast<off_t>(had));
         }
-        throw InvalidArgument(
-            fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where,
-                        options.num_slots, s.stride, data_bytes, free_text, errno_text(e)));
+        refuse(e);
       }
     }
   }

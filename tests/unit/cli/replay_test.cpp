@@ -623,6 +623,110 @@ TEST(cli_replay, HostTierBadInput) {
   bad({"--host-link-gbps", "64"}, "--host-link-gbps: needs --host-tier-blocks");
 }
 
+// ---- the disk tier ---------------------------------------------------------------------
+
+TEST(cli_replay, DiskTierSplitsTheHitsThreeWaysAndARerunStartsWarm) {
+  const TempFile holder("unused", "");
+  const std::string dir = holder.dir() + "/tier";
+  const std::initializer_list<std::string> flags = {
+      "--capacity-blocks", "200", "--host-tier-blocks", "100", "--disk-tier-blocks", "1000",
+      "--disk-dir", dir, "--json"};
+  const CliResult r = replay(kSmallTrace, flags);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json j = r.json();
+  const nlohmann::json& d = j.at("disk_tier");
+  EXPECT_EQ(u(d, "blocks"), 1000u);
+  EXPECT_GT(u(d, "hit_blocks"), 0u);
+  EXPECT_EQ(u(d, "hit_blocks"), u(j, "lower_hit_blocks"));
+  EXPECT_EQ(u(j, "device_hit_blocks") + u(j, "host_hit_blocks") + u(d, "hit_blocks"),
+            u(j, "hit_blocks"));
+  EXPECT_EQ(u(d, "writes"), u(j.at("tier_counters"), "lower_tier_writes"));
+  EXPECT_GE(u(d, "reads"), u(d, "hit_blocks"));
+  EXPECT_EQ(u(d, "write_bytes"), 64 * u(d, "writes"));  // the replay's 64-byte blocks
+  EXPECT_EQ(u(d, "recovered_at_open"), 0u);
+  EXPECT_EQ(u(d, "checksum_failures") + u(d, "read_failures") + u(d, "write_failures"), 0u);
+  EXPECT_FALSE(d.at("io").get<std::string>().empty());
+  EXPECT_TRUE(j.at("ok").get<bool>());
+  // The directory stays: the same run again starts with the blocks it left.
+  const CliResult again = replay(kSmallTrace, flags);
+  ASSERT_EQ(again.code, 0) << again.err;
+  const nlohmann::json j2 = again.json();
+  EXPECT_EQ(u(j2.at("disk_tier"), "recovered_at_open"), u(d, "blocks_at_end"));
+  EXPECT_GE(u(j2, "hit_blocks"), u(j, "hit_blocks"));
+  // The text report names the level and the I/O path.
+  const CliResult text =
+      replay(kSmallTrace, {"--capacity-blocks", "200", "--host-tier-blocks", "100",
+                           "--disk-tier-blocks", "1000", "--disk-dir", dir, "--disk-min-hits",
+                           "2", "--disk-io", "sync"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("disk tier: 1000 blocks in " + dir + ", pread/pwrite"));
+  EXPECT_THAT(text.out, HasSubstr("written once hit 2 times"));
+  for (const char* row : {"  disk hits", "disk written", "disk read", "not admitted"})
+    EXPECT_THAT(text.out, HasSubstr(row));
+}
+
+TEST(cli_replay, DiskTierAdmissionWritesFewerBlocks) {
+  const TempFile holder("unused", "");
+  auto run = [&](const char* sub, const char* min_hits) {
+    const CliResult r =
+        replay(kSmallTrace, {"--capacity-blocks", "200", "--host-tier-blocks", "100",
+                             "--disk-tier-blocks", "1000", "--disk-dir", holder.dir() + sub,
+                             "--disk-min-hits", min_hits, "--json"});
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.json().at("disk_tier");
+  };
+  const nlohmann::json all = run("/a", "0");
+  const nlohmann::json hit_once = run("/b", "1");
+  EXPECT_LT(u(hit_once, "writes"), u(all, "writes"));
+  EXPECT_GT(u(hit_once, "not_admitted"), 0u);
+  EXPECT_EQ(u(all, "not_admitted"), 0u);
+}
+
+TEST(cli_replay, DiskTierBadInput) {
+  const TempFile trace("trace.jsonl", line(0, 100, 5, "[1]"));
+  const std::string dir = trace.dir() + "/tier";
+  auto bad = [&](std::initializer_list<std::string> flags, const std::string& message) {
+    std::vector<std::string> args{"replay", "--trace", trace.path(), "--capacity-blocks", "8"};
+    args.insert(args.end(), flags);
+    SCOPED_TRACE(message);
+    expect_bad_input(run_cli(args), message);
+  };
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "0", "--disk-dir", dir},
+      "--disk-tier-blocks: expected a positive integer, got '0'");
+  bad({"--disk-tier-blocks", "8", "--disk-dir", dir},
+      "--disk-tier-blocks: needs --host-tier-blocks (the disk tier is under the host tier)");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8"},
+      "--disk-dir: required with --disk-tier-blocks");
+  bad({"--host-tier-blocks", "8", "--disk-dir", dir}, "--disk-dir: needs --disk-tier-blocks");
+  bad({"--host-tier-blocks", "8", "--disk-min-hits", "2"},
+      "--disk-min-hits: needs --disk-tier-blocks");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-io",
+       "aio"},
+      "--disk-io: unknown engine 'aio' (expected automatic, io_uring or sync)");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir,
+       "--disk-min-hits", "-1"},
+      "--disk-min-hits");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir",
+       "/proc/kvport-disk-tier"},
+      "--disk-dir /proc/kvport-disk-tier: ");
+  // A file system without the space: 2^32 - 2 slots of 4 KiB is 16 TiB.
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "4294967294", "--disk-dir", dir + "-big"},
+      "cannot allocate 4294967294 slots of 4096 bytes");
+  // A directory made for another block size (32 tokens: 128-byte blocks).
+  const CliResult made =
+      run_cli({"replay", "--trace", trace.path(), "--capacity-blocks", "8", "--host-tier-blocks",
+               "8", "--disk-tier-blocks", "8", "--disk-dir", dir});
+  ASSERT_EQ(made.code, 0) << made.err;
+  bad({"--block-size", "32", "--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir",
+       dir},
+      "made for another layout");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "16", "--disk-dir", dir}, "num_slots");
+  expect_bad_input(run_cli({"replay", "--trace", trace.path(), "--memory", "4GiB",
+                            "--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir",
+                            dir}),
+                   "--disk-tier-blocks: not with --memory yet");
+}
+
 // A 100 MB trace is streamed, never read whole: a first line of 100 MB fails
 // after the first MiB, and 100 MB of junk after a good line fails at line 2.
 TEST(cli_replay, HundredMegabyteFilesFailFast) {
