@@ -3,7 +3,9 @@
 // DiskStore writes (put) and reads (get_prefix) of 1, 16 and 256 blocks in
 // scattered slots of a full store, each beside fio doing direct sequential
 // I/O of the same bytes, in the same block size, at the same queue depth, on
-// the same file system (ratio = ours / fio). Blocks are llama-3-8b's (2 MiB)
+// the same file system (ratio = ours / fio); reads also beside fio's random
+// reads of the store's own data file, the same bytes (ratio_vs_fio_random:
+// what scattered slots of that file allow). Blocks are llama-3-8b's (2 MiB)
 // and llama-3-70b's (5 MiB) images, 16 tokens of bf16.
 //
 //   build/host/bin/kvport_disk_bench                     # 512 slots a model
@@ -143,6 +145,24 @@ std::string file_system(const fs::path& p) {
   }
 }
 
+// Runs fio `cmd` (JSON output) and returns its first job's bandwidth in
+// `direction` ("read" or "write"), bytes/s; 0 when fio is missing or fails.
+double run_fio(const std::string& cmd, const char* direction) {
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) return 0;
+  std::string out;
+  char buf[4096];
+  while (std::fgets(buf, sizeof buf, p) != nullptr)
+    out += buf;
+  if (::pclose(p) != 0) return 0;
+  try {
+    const auto j = nlohmann::json::parse(out.substr(out.find('{')));
+    return j.at("jobs").at(0).at(direction).at("bw_bytes").get<double>();
+  } catch (...) {
+    return 0;
+  }
+}
+
 // fio's bandwidth (bytes/s) for direct sequential I/O of `bytes` in blocks of
 // `bs` at the store's queue depth, in `dir`; 0 when fio is missing or fails.
 double fio_bandwidth(const fs::path& dir, bool write, std::size_t bs, std::size_t bytes,
@@ -155,22 +175,27 @@ double fio_bandwidth(const fs::path& dir, bool write, std::size_t bs, std::size_
       " --direct=1 --ioengine=io_uring --iodepth=" + std::to_string(kQueueDepth) +
       (write ? " --overwrite=1" : "") + (end_fsync ? " --end_fsync=1" : "") +
       " --output-format=json 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (p == nullptr) return 0;
-  std::string out;
-  char buf[4096];
-  while (std::fgets(buf, sizeof buf, p) != nullptr)
-    out += buf;
-  const int status = ::pclose(p);
+  const double bw = run_fio(cmd, write ? "write" : "read");
   std::error_code ec;
   if (!write) fs::remove(file, ec);
-  if (status != 0) return 0;
-  try {
-    const auto j = nlohmann::json::parse(out.substr(out.find('{')));
-    return j.at("jobs").at(0).at(write ? "write" : "read").at("bw_bytes").get<double>();
-  } catch (...) {
-    return 0;
-  }
+  return bw;
+}
+
+// fio's bandwidth (bytes/s) for direct random reads of `bytes` in blocks of
+// `bs` (bs-aligned offsets) over the store's own data file, read-only, at
+// the store's queue depth: the limit for what a read does (scattered slots of
+// that file). 0 when fio is missing or fails.
+double fio_random_read_bandwidth(const fs::path& file, std::size_t bs, std::size_t bytes) {
+  std::error_code ec;
+  const std::uintmax_t size = fs::file_size(file, ec);
+  if (ec || size < bs) return 0;
+  const std::string cmd =
+      "fio --name=limit --filename=" + file.string() +
+      " --readonly --rw=randread --bs=" + std::to_string(bs) +
+      " --size=" + std::to_string(size / bs * bs) + " --io_size=" + std::to_string(bytes) +
+      " --direct=1 --ioengine=io_uring --iodepth=" + std::to_string(kQueueDepth) +
+      " --output-format=json 2>/dev/null";
+  return run_fio(cmd, "read");
 }
 
 void report(benchmark::State& state, Bed& b, bool write, std::size_t n, double bytes,
@@ -191,6 +216,13 @@ void report(benchmark::State& state, Bed& b, bool write, std::size_t n, double b
     state.counters["ratio_vs_fio_durable"] = durable > 0 ? ours / durable : 0;
     std::error_code ec;
     fs::remove(b.dir / "fio.dat", ec);
+  } else if (b.block_bytes % 4096 == 0) {
+    // Reads are scattered over the store's file: fio's random reads of the
+    // same file, as many bytes (at least 256 blocks' worth), are their limit.
+    const double random = fio_random_read_bandwidth(b.dir / "tier" / "blocks.dat", b.block_bytes,
+                                                    std::max<std::size_t>(n, 256) * b.block_bytes);
+    state.counters["fio_random_GBps"] = random / 1e9;
+    state.counters["ratio_vs_fio_random"] = random > 0 ? ours / random : 0;
   }
   state.SetLabel(file_system(b.dir) + ", " + b.store->io_description() +
                  (fio > 0 ? "" : "; fio missing or failed (apt-get install fio)"));

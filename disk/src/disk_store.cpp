@@ -392,8 +392,8 @@ struct DiskStore::State {
     } catch (const std::exception& e) {
       // The old index still names every block (its name may be gone: a
       // failed reopen after the rename detaches the store, failing closed).
-      log::warn(fmt::format("disk tier {}: compacting the index failed: {}", dir.string(),
-                            e.what()));
+      log::warn(
+          fmt::format("disk tier {}: compacting the index failed: {}", dir.string(), e.what()));
       add_elapsed(counters.index_ns, t0);
       return false;
     }
@@ -655,10 +655,10 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
       const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
       const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
       const auto refuse = [&](int e) {
-        throw InvalidArgument(fmt::format(
-            "{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where, options.num_slots,
-            s.stride, data_bytes, known ? fmt::format(", {} bytes free", free_bytes) : "",
-            errno_text(e)));
+        throw InvalidArgument(
+            fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where,
+                        options.num_slots, s.stride, data_bytes,
+                        known ? fmt::format(", {} bytes free", free_bytes) : "", errno_text(e)));
       };
       // Refused before allocating: a file system that cannot hold the file
       // is never filled up to the last block on the way to ENOSPC.

@@ -82,7 +82,8 @@ void ReplayOptions::validate() const {
     throw InvalidArgument("--tier-inclusion: unknown inclusion (expected exclusive or inclusive)");
   }
   if (lower_tier && host_tier_blocks == 0) {
-    throw InvalidArgument("--disk-tier-blocks: needs --host-tier-blocks (the disk is under the host)");
+    throw InvalidArgument(
+        "--disk-tier-blocks: needs --host-tier-blocks (the disk is under the host)");
   }
   if (!std::isfinite(host_link_gbps) || host_link_gbps <= 0.0) {
     throw InvalidArgument(

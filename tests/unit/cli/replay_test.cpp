@@ -628,9 +628,15 @@ TEST(cli_replay, HostTierBadInput) {
 TEST(cli_replay, DiskTierSplitsTheHitsThreeWaysAndARerunStartsWarm) {
   const TempFile holder("unused", "");
   const std::string dir = holder.dir() + "/tier";
-  const std::initializer_list<std::string> flags = {
-      "--capacity-blocks", "200", "--host-tier-blocks", "100", "--disk-tier-blocks", "1000",
-      "--disk-dir", dir, "--json"};
+  const std::initializer_list<std::string> flags = {"--capacity-blocks",
+                                                    "200",
+                                                    "--host-tier-blocks",
+                                                    "100",
+                                                    "--disk-tier-blocks",
+                                                    "1000",
+                                                    "--disk-dir",
+                                                    dir,
+                                                    "--json"};
   const CliResult r = replay(kSmallTrace, flags);
   ASSERT_EQ(r.code, 0) << r.err;
   const nlohmann::json j = r.json();
@@ -654,10 +660,9 @@ TEST(cli_replay, DiskTierSplitsTheHitsThreeWaysAndARerunStartsWarm) {
   EXPECT_EQ(u(j2.at("disk_tier"), "recovered_at_open"), u(d, "blocks_at_end"));
   EXPECT_GE(u(j2, "hit_blocks"), u(j, "hit_blocks"));
   // The text report names the level and the I/O path.
-  const CliResult text =
-      replay(kSmallTrace, {"--capacity-blocks", "200", "--host-tier-blocks", "100",
-                           "--disk-tier-blocks", "1000", "--disk-dir", dir, "--disk-min-hits",
-                           "2", "--disk-io", "sync"});
+  const CliResult text = replay(
+      kSmallTrace, {"--capacity-blocks", "200", "--host-tier-blocks", "100", "--disk-tier-blocks",
+                    "1000", "--disk-dir", dir, "--disk-min-hits", "2", "--disk-io", "sync"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_THAT(text.out, HasSubstr("disk tier: 1000 blocks in " + dir + ", pread/pwrite"));
   EXPECT_THAT(text.out, HasSubstr("written once hit 2 times"));
@@ -669,9 +674,9 @@ TEST(cli_replay, DiskTierAdmissionWritesFewerBlocks) {
   const TempFile holder("unused", "");
   auto run = [&](const char* sub, const char* min_hits) {
     const CliResult r =
-        replay(kSmallTrace, {"--capacity-blocks", "200", "--host-tier-blocks", "100",
-                             "--disk-tier-blocks", "1000", "--disk-dir", holder.dir() + sub,
-                             "--disk-min-hits", min_hits, "--json"});
+        replay(kSmallTrace,
+               {"--capacity-blocks", "200", "--host-tier-blocks", "100", "--disk-tier-blocks",
+                "1000", "--disk-dir", holder.dir() + sub, "--disk-min-hits", min_hits, "--json"});
     EXPECT_EQ(r.code, 0) << r.err;
     return r.json().at("disk_tier");
   };
@@ -700,11 +705,10 @@ TEST(cli_replay, DiskTierBadInput) {
   bad({"--host-tier-blocks", "8", "--disk-dir", dir}, "--disk-dir: needs --disk-tier-blocks");
   bad({"--host-tier-blocks", "8", "--disk-min-hits", "2"},
       "--disk-min-hits: needs --disk-tier-blocks");
-  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-io",
-       "aio"},
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-io", "aio"},
       "--disk-io: unknown engine 'aio' (expected automatic, io_uring or sync)");
-  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir,
-       "--disk-min-hits", "-1"},
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-min-hits",
+       "-1"},
       "--disk-min-hits");
   bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir",
        "/proc/kvport-disk-tier"},
@@ -721,10 +725,10 @@ TEST(cli_replay, DiskTierBadInput) {
        dir},
       "made for another layout");
   bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "16", "--disk-dir", dir}, "num_slots");
-  expect_bad_input(run_cli({"replay", "--trace", trace.path(), "--memory", "4GiB",
-                            "--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir",
-                            dir}),
-                   "--disk-tier-blocks: not with --memory yet");
+  expect_bad_input(
+      run_cli({"replay", "--trace", trace.path(), "--memory", "4GiB", "--host-tier-blocks", "8",
+               "--disk-tier-blocks", "8", "--disk-dir", dir}),
+      "--disk-tier-blocks: not with --memory yet");
 }
 
 // A 100 MB trace is streamed, never read whole: a first line of 100 MB fails

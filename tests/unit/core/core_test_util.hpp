@@ -185,6 +185,14 @@ inline bool holds_pattern_block(const PagedKvCache& cache, BlockId block, std::s
   return true;
 }
 
+/// Expects `tier` (a HostTier, HybridHostTier or anything with
+/// check_invariants() returning an InvariantReport) to be consistent.
+#define EXPECT_TIER_INVARIANTS(tier)                      \
+  do {                                                    \
+    const InvariantReport r_ = (tier).check_invariants(); \
+    EXPECT_TRUE(r_.ok) << r_.to_string();                 \
+  } while (0)
+
 /// `n` consecutive token ids from `first`.
 inline std::vector<TokenId> tokens(std::size_t n, TokenId first) {
   std::vector<TokenId> t(n);

@@ -22,12 +22,6 @@ using test::small_config;  // block_size 4, 3 layers, 128 bytes per K or V block
 
 using test::tokens;
 
-#define EXPECT_TIER_INVARIANTS(tier)                      \
-  do {                                                    \
-    const InvariantReport r_ = (tier).check_invariants(); \
-    EXPECT_TRUE(r_.ok) << r_.to_string();                 \
-  } while (0)
-
 struct Param {
   KvCacheLayout layout;
   TierPolicy policy;

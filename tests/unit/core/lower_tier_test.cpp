@@ -27,12 +27,6 @@ using test::host_backend;
 using test::small_config;
 using test::tokens;
 
-#define EXPECT_TIER_INVARIANTS(tier)                      \
-  do {                                                    \
-    const InvariantReport r_ = (tier).check_invariants(); \
-    EXPECT_TRUE(r_.ok) << r_.to_string();                 \
-  } while (0)
-
 // A LowerTierStore in memory: `capacity` blocks, least recently used (put or
 // read) evicted first; `min_hits` as the disk tier's admission filter;
 // `reads_left` (when set) lets that many more block reads succeed, then
@@ -253,7 +247,8 @@ TEST_P(LowerTierTest, AHitRunsDeviceThenHostThenLowerTierInOneLookup) {
   // Released last block first: LRU order 3 2 1 0. Push 3, 2, 1 down.
   ASSERT_EQ(tier.offload(3), 3u);
   tier.synchronize();
-  for (int i = 0; i < 2; ++i) cache_sequence(static_cast<TokenId>(200 + 100 * i), tier);
+  for (int i = 0; i < 2; ++i)
+    cache_sequence(static_cast<TokenId>(200 + 100 * i), tier);
   tier.synchronize();
   ASSERT_TRUE(pc.find(h[0]).has_value() || tier.is_on_host(h[0]) || store.contains(h[0]));
   std::size_t on_device = 0, on_host = 0, below = 0;
@@ -430,7 +425,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, LowerTierTest,
                          ::testing::Values(KvCacheLayout::layer_major, KvCacheLayout::block_major),
                          [](const auto& param_info) {
                            return param_info.param == KvCacheLayout::layer_major ? "LayerMajor"
-                                                                           : "BlockMajor";
+                                                                                 : "BlockMajor";
                          });
 
 // The hybrid tier hands a group its own store; groups without a tier or out

@@ -34,12 +34,6 @@ using kvport::test::small_config;
 using kvport::test::tokens;
 using test::TempDir;
 
-#define EXPECT_TIER_INVARIANTS(tier)                      \
-  do {                                                    \
-    const InvariantReport r_ = (tier).check_invariants(); \
-    EXPECT_TRUE(r_.ok) << r_.to_string();                 \
-  } while (0)
-
 // One process's stack: a device of `device` blocks, a host tier of `host`
 // slots, a disk tier of `disk` slots in `dir`.
 struct Stack {

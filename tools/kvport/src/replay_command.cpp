@@ -283,7 +283,8 @@ class ReplayCommand final : public Command {
     disk_options_.num_slots = parse_positive_count(disk_tier_blocks_.value, "--disk-tier-blocks");
     if (disk_options_.num_slots > disk::DiskStoreOptions::kMaxSlots) {
       throw InvalidArgument(fmt::format("--disk-tier-blocks: at most {}, got {}",
-                                        disk::DiskStoreOptions::kMaxSlots, disk_options_.num_slots));
+                                        disk::DiskStoreOptions::kMaxSlots,
+                                        disk_options_.num_slots));
     }
     if (!host_tier_blocks_.given()) {
       throw InvalidArgument(
@@ -300,8 +301,9 @@ class ReplayCommand final : public Command {
     if (disk_io_.given()) {
       const std::optional<disk::IoEngine> engine = disk::parse_io_engine(disk_io_.value);
       if (!engine) {
-        throw InvalidArgument(fmt::format(
-            "--disk-io: unknown engine '{}' (expected automatic, io_uring or sync)", disk_io_.value));
+        throw InvalidArgument(
+            fmt::format("--disk-io: unknown engine '{}' (expected automatic, io_uring or sync)",
+                        disk_io_.value));
       }
       disk_options_.engine = *engine;
     }
@@ -501,9 +503,9 @@ class ReplayCommand final : public Command {
       table.add_row({"  host hits", percent(r.host_hit_rate()),
                      fmt::format("{} blocks (onloaded at admission)", r.host_hit_blocks)});
       if (disk_tier_blocks_.given()) {
-        table.add_row({"  disk hits", percent(r.lower_hit_rate()),
-                       fmt::format("{} blocks (read into host slots, onloaded)",
-                                   r.lower_hit_blocks)});
+        table.add_row(
+            {"  disk hits", percent(r.lower_hit_rate()),
+             fmt::format("{} blocks (read into host slots, onloaded)", r.lower_hit_blocks)});
       }
     }
     table.add_row({"token hit rate", percent(r.token_hit_rate()),
@@ -568,12 +570,13 @@ class ReplayCommand final : public Command {
     const HostTierCounters& c = r.tier;
     table.add_row(
         {"disk written", fmt::format("{} blocks", d.writes),
-         fmt::format("{} of {} offered by the host; {:.1f} MB in {:.3f} s ({:.1f} MB/s) + index "
-                     "{:.3f} s; {} modeled",
-                     c.lower_tier_writes, c.lower_tier_offers, static_cast<double>(d.write_bytes) / 1e6,
-                     static_cast<double>(d.write_ns) / 1e9, mb_per_s(d.write_bytes, d.write_ns),
-                     static_cast<double>(d.index_ns) / 1e9,
-                     gb(static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes)))});
+         fmt::format(
+             "{} of {} offered by the host; {:.1f} MB in {:.3f} s ({:.1f} MB/s) + index "
+             "{:.3f} s; {} modeled",
+             c.lower_tier_writes, c.lower_tier_offers, static_cast<double>(d.write_bytes) / 1e6,
+             static_cast<double>(d.write_ns) / 1e9, mb_per_s(d.write_bytes, d.write_ns),
+             static_cast<double>(d.index_ns) / 1e9,
+             gb(static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes)))});
     table.add_row(
         {"disk read", fmt::format("{} blocks", d.reads),
          fmt::format("{:.1f} MB in {:.3f} s ({:.1f} MB/s); {} modeled",
@@ -610,8 +613,10 @@ class ReplayCommand final : public Command {
     j["read_bytes"] = d.read_bytes;
     j["read_s"] = static_cast<double>(d.read_ns) / 1e9;
     j["read_mb_per_s"] = mb_per_s(d.read_bytes, d.read_ns);
-    j["modeled_write_bytes"] = static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes);
-    j["modeled_read_bytes"] = static_cast<double>(d.reads) * static_cast<double>(r.model_block_bytes);
+    j["modeled_write_bytes"] =
+        static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes);
+    j["modeled_read_bytes"] =
+        static_cast<double>(d.reads) * static_cast<double>(r.model_block_bytes);
     j["evictions"] = d.evictions;
     j["not_admitted"] = d.not_admitted;
     j["already_stored"] = d.already_stored;

@@ -94,10 +94,10 @@ struct HostTierOptions {
 
 /// Monotonic counters since construction. Bytes are the bytes copied.
 struct HostTierCounters {
-  std::uint64_t offloads = 0;        ///< blocks copied device -> host and published
-  std::uint64_t offload_bytes = 0;   ///< bytes of those
-  std::uint64_t onloads = 0;         ///< blocks copied host -> device and registered
-  std::uint64_t onload_bytes = 0;    ///< bytes of those
+  std::uint64_t offloads = 0;       ///< blocks copied device -> host and published
+  std::uint64_t offload_bytes = 0;  ///< bytes of those
+  std::uint64_t onloads = 0;        ///< blocks copied host -> device and registered
+  std::uint64_t onload_bytes = 0;   ///< bytes of those
   /// Blocks a lookup found on the host. host_hits + lower_tier_hits ==
   /// onloads.
   std::uint64_t host_hits = 0;
