@@ -18,6 +18,7 @@
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/fault_injecting_backend.hpp"
+#include "memory_store.hpp"
 
 namespace kvport {
 namespace {
@@ -175,6 +176,53 @@ TEST(hybrid_host_tier, EveryGroupComesBackFromTheHostWithItsBytes) {
   a_then_churn(bare);
   HybridBlockTable u(*bare.cache);
   EXPECT_EQ(u.reuse_cached_prefix(again, *bare.stream), 0u);
+}
+
+// A small host (4 slots a group) over a lower tier per group: A's blocks and
+// checkpoints go device -> host -> lower tier in every group, and the hybrid
+// hit rule finds them there (holds() counts the lower tier); reads that fail
+// make the hit be decided again, shorter, never with wrong bytes.
+TEST(hybrid_host_tier, EveryGroupComesBackFromItsLowerTierWithItsBytes) {
+  for (const bool failing : {false, true}) {
+    SCOPED_TRACE(failing ? "reads fail" : "reads succeed");
+    std::vector<std::unique_ptr<test::MemoryStore>> stores;  // outlive the tier
+    World w({4, 4, 4});
+    for (std::size_t g = 0; g < 3; ++g) {
+      stores.push_back(
+          std::make_unique<test::MemoryStore>(w.tier->group_tier(g)->slot_bytes(), 64));
+      w.tier->set_lower_tier(g, stores.back().get());
+    }
+    a_then_churn(w);
+    ASSERT_TRUE(w.invariants().ok) << w.invariants().to_string();
+    std::size_t below = 0;
+    for (std::size_t g = 0; g < 3; ++g) {
+      EXPECT_GT(w.tier->counters(g).lower_tier_writes, 0u) << g;
+      below += stores[g]->size();
+    }
+    ASSERT_GT(below, 0u);
+    if (failing) {
+      for (auto& st : stores)
+        st->reads_left = 0;
+    }
+    const std::vector<TokenId> again = prompt(1, 8, 1);
+    HybridBlockTable t(*w.cache);
+    const std::size_t hit = t.reuse_cached_prefix(again, *w.stream);
+    EXPECT_TRUE(w.holds_computed(t, again, hit));
+    HostTierCounters sum = w.tier->total_counters();
+    if (failing) {
+      EXPECT_LT(hit, 8 * kBs);
+      EXPECT_EQ(sum.lower_tier_hits, 0u);
+      EXPECT_GT(sum.lower_tier_shortfalls, 0u);
+    } else {
+      EXPECT_EQ(hit, 8 * kBs);
+      EXPECT_GT(sum.lower_tier_hits, 0u);
+      // 4 host slots cannot take a whole run at once: a lookup stops where
+      // the slots run out (a shortfall), and the next one takes the rest.
+      EXPECT_EQ(w.cache->hit_counters().short_hits, 0u);
+    }
+    t.release();
+    EXPECT_TRUE(w.invariants().ok) << w.invariants().to_string();
+  }
 }
 
 TEST(hybrid_host_tier, AStateGroupWithoutItsCheckpointOnTheHostEndsTheHit) {
