@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <exception>
 #include <limits>
 #include <thread>
@@ -383,35 +382,24 @@ struct HostTier::State {
     }
     if (lower_hashes.empty()) return 0;
     const std::size_t d = lower_hashes.size();
-    lower_bufs.reserve(d);
+    lower_bufs.reserve(d);  // may throw: nothing changed yet
     lower_bufs.clear();
-    std::size_t got = 0;
-    if (free_slots.size() >= d) {
-      // Room on the host: read straight into the slots (nothing below throws).
-      for (std::size_t k = 0; k < d; ++k) {
-        const SlotId id = *acquire_slot(lower_hashes[k]);  // a free slot: never nullopt
-        hits[lower_pos[k]] = id;
-        lower_bufs.emplace_back(slot_ptr(id), slot_bytes);
-      }
-      got = lower->get_prefix(lower_hashes, lower_bufs);
-    } else {
-      // Read first, then make room: spilling may push the very blocks just
-      // read out of the lower tier (its LRU), and their bytes are here.
-      lower_scratch.resize(d * slot_bytes);  // may throw: nothing changed yet
-      for (std::size_t k = 0; k < d; ++k)
-        lower_bufs.emplace_back(lower_scratch.data() + k * slot_bytes, slot_bytes);
-      got = lower->get_prefix(lower_hashes, lower_bufs);
-      spill(got);
-      for (std::size_t k = 0; k < got; ++k) {
-        const std::optional<SlotId> id = acquire_slot(lower_hashes[k]);
-        if (!id) {  // every other slot is pinned by this lookup
-          got = k;
-          break;
-        }
-        hits[lower_pos[k]] = *id;
-        std::memcpy(slot_ptr(*id), lower_bufs[k].data(), slot_bytes);
-      }
+    // Nothing below throws. Room on the host first: spilling writes host
+    // blocks down, which may evict the lower tier's least recently used
+    // blocks, so the ones about to be read are made its most recent.
+    lower->touch(lower_hashes);
+    spill(d);
+    std::size_t n = 0;
+    for (; n < d; ++n) {
+      const std::optional<SlotId> id = acquire_slot(lower_hashes[n]);
+      if (!id) break;  // every other slot is pinned by this lookup
+      hits[lower_pos[n]] = *id;
+      lower_bufs.emplace_back(slot_ptr(*id), slot_bytes);
     }
+    // One batch, straight into the slots.
+    const std::size_t got =
+        n == 0 ? 0
+               : lower->get_prefix(std::span<const BlockHash>(lower_hashes).first(n), lower_bufs);
     counters.lower_tier_shortfalls += lower_hashes.size() - got;
     for (std::size_t k = 0; k < lower_hashes.size(); ++k) {
       const SlotId id = hits[lower_pos[k]];
@@ -805,7 +793,6 @@ struct HostTier::State {
   std::vector<std::size_t> lower_pos;  // a lookup's run: positions read from the lower tier
   std::vector<BlockHash> lower_hashes;
   std::vector<std::span<std::byte>> lower_bufs;
-  std::vector<std::byte> lower_scratch;  // reads that wait for a host slot
 };
 
 // ---- construction ---------------------------------------------------------------------------

@@ -942,6 +942,16 @@ bool DiskStore::contains(const BlockHash& hash) const {
   return state_->by_hash.contains(hash);
 }
 
+void DiskStore::touch(std::span<const BlockHash> hashes) {
+  State& s = *state_;
+  for (const BlockHash& h : hashes) {
+    const auto it = s.by_hash.find(h);
+    if (it == s.by_hash.end()) continue;
+    Slot& sl = s.slots[it->second];
+    s.lru.splice(s.lru.end(), s.lru, s.lru.iterator_to(sl));
+  }
+}
+
 bool DiskStore::erase(const BlockHash& hash) {
   State& s = *state_;
   const auto it = s.by_hash.find(hash);

@@ -62,6 +62,10 @@ std::size_t DiskTier::get_prefix(std::span<const BlockHash> hashes,
   }
 }
 
+void DiskTier::touch(std::span<const BlockHash> hashes) noexcept {
+  store_->touch(hashes);  // no allocation, no I/O
+}
+
 void DiskTier::erase(std::span<const BlockHash> hashes) noexcept {
   if (store_->options().read_only) return;
   try {

@@ -99,8 +99,8 @@ class LowerTierTest : public ::testing::TestWithParam<KvCacheLayout> {
 };
 
 TEST_P(LowerTierTest, DroppedHostBlocksComeBackThroughAHostSlotWithTheirContents) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 16);
   tier.set_lower_tier(&store);
   EXPECT_EQ(tier.lower_tier(), &store);
   EXPECT_EQ(store.listener() != nullptr, true);
@@ -133,8 +133,8 @@ TEST_P(LowerTierTest, DroppedHostBlocksComeBackThroughAHostSlotWithTheirContents
 }
 
 TEST_P(LowerTierTest, AHitRunsDeviceThenHostThenLowerTierInOneLookup) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 16);
   tier.set_lower_tier(&store);
   // One sequence of 4 blocks whose first block stays on the device, the
   // next on the host and the last two in the lower tier: 16 tokens from 100.
@@ -170,8 +170,8 @@ TEST_P(LowerTierTest, AHitRunsDeviceThenHostThenLowerTierInOneLookup) {
 }
 
 TEST_P(LowerTierTest, InclusiveTierLeavesTheBlockInTheLowerTier) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options(TierInclusion::inclusive));
-  MemoryStore store(tier.slot_bytes(), 16);
   tier.set_lower_tier(&store);
   fill_five(tier);
   const std::vector<BlockHash> a = hashes_of(100);
@@ -186,8 +186,8 @@ TEST_P(LowerTierTest, InclusiveTierLeavesTheBlockInTheLowerTier) {
 }
 
 TEST_P(LowerTierTest, AFailedReadEndsTheHitThereAndServesNothingOfIt) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 16);
   tier.set_lower_tier(&store);
   fill_five(tier);
   const std::vector<BlockHash> a = hashes_of(100);
@@ -216,8 +216,8 @@ TEST_P(LowerTierTest, AFailedReadEndsTheHitThereAndServesNothingOfIt) {
 }
 
 TEST_P(LowerTierTest, HoldsCountsTheLowerTierAndUninstallingStopsIt) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 16);
   tier.set_lower_tier(&store);
   fill_five(tier);
   const PrefixCacheTier& as_tier = tier;
@@ -245,8 +245,8 @@ TEST_P(LowerTierTest, AStoreOfAnotherBlockSizeIsRefused) {
 }
 
 TEST_P(LowerTierTest, AdmissionCountsTheLookupsHits) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 16);
   store.min_hits = 1;  // only blocks hit at least once go down
   tier.set_lower_tier(&store);
   cache_sequence(100, tier);
@@ -269,8 +269,8 @@ TEST_P(LowerTierTest, AdmissionCountsTheLookupsHits) {
 TEST_P(LowerTierTest, LowerTierEventsCarryMediumDisk) {
   MediumSink sink;
   {
+    MemoryStore store(HostTier::slot_bytes_for(cache), 4);  // two sequences; outlives the tier
     HostTier tier(pc, options());
-    MemoryStore store(tier.slot_bytes(), 2);  // holds one sequence
     pc.set_event_sink(&sink);
     tier.set_event_sink(&sink);
     tier.set_lower_tier(&store);
@@ -283,8 +283,9 @@ TEST_P(LowerTierTest, LowerTierEventsCarryMediumDisk) {
     ASSERT_EQ(sink.disk_parent.size(), 2u);
     EXPECT_FALSE(sink.disk_parent[MediumSink::key(a[0])].has_value());
     EXPECT_EQ(sink.disk_parent[MediumSink::key(a[1])], std::optional<BlockHash>(a[0]));
-    // Two more sequences: the store (2 blocks) evicts a for b.
+    // Two more sequences: the store (4 blocks) takes b, then evicts a for c.
     cache_sequence(600, tier);
+    cache_sequence(700, tier);
     tier.synchronize();
     const std::vector<BlockHash> b = hashes_of(200);
     EXPECT_FALSE(sink.has(Medium::disk, a[0]));
@@ -308,8 +309,8 @@ TEST_P(LowerTierTest, LowerTierEventsCarryMediumDisk) {
 }
 
 TEST_P(LowerTierTest, InstallingAStoreThatHoldsBlocksAnnouncesThem) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 8);  // outlives the tier
   HostTier tier(pc, options());
-  MemoryStore store(tier.slot_bytes(), 8);
   std::vector<std::byte> image(tier.slot_bytes(), std::byte{7});
   const std::vector<BlockHash> a = hashes_of(100);
   const std::span<const std::byte> images[2] = {image, image};

@@ -73,6 +73,14 @@ class MemoryStore final : public LowerTierStore {
     return got;
   }
 
+  void touch(std::span<const BlockHash> hashes) noexcept override {
+    for (const BlockHash& h : hashes) {
+      if (!blocks_.contains(h)) continue;
+      lru_.remove(h);
+      lru_.push_back(h);
+    }
+  }
+
   void erase(std::span<const BlockHash> hashes) noexcept override {
     for (const BlockHash& h : hashes) {
       if (!blocks_.contains(h)) continue;

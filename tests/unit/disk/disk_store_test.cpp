@@ -376,6 +376,18 @@ TEST_F(DiskStoreTest, AnIndexOfMostlySupersededRecordsIsCompactedAtOpen) {
   EXPECT_EQ(s->size(), 4u);
 }
 
+TEST_F(DiskStoreTest, ATouchedBlockIsTheLastToBeEvicted) {
+  auto s = DiskStore::open(options(4));
+  const auto a = chain(21, 4);
+  ASSERT_EQ(put(*s, a), 4u);
+  s->touch(std::vector<BlockHash>{a[0], chain(99, 1)[0]});  // an absent hash is ignored
+  EXPECT_EQ(s->lru_order(), (std::vector<BlockHash>{a[1], a[2], a[3], a[0]}));
+  ASSERT_EQ(put(*s, chain(22, 1)), 1u);  // evicts a[1], not a[0]
+  EXPECT_TRUE(s->contains(a[0]));
+  EXPECT_FALSE(s->contains(a[1]));
+  expect_consistent(*s);
+}
+
 TEST_F(DiskStoreTest, TheIndexIsCompactedWhileTheStoreRuns) {
   std::vector<BlockHash> last;
   {

@@ -58,6 +58,11 @@ class LowerTierStore {
   virtual std::size_t get_prefix(std::span<const BlockHash> hashes,
                                  std::span<const std::span<std::byte>> out) noexcept = 0;
 
+  /// Makes each of `hashes` that is stored the most recently used (no I/O):
+  /// the host tier touches what a lookup is about to read before it spills
+  /// blocks down to make room, so that the spill evicts other blocks.
+  virtual void touch(std::span<const BlockHash> hashes) noexcept = 0;
+
   /// Removes each of `hashes` that is stored (an exclusive tier's onload:
   /// the block moved up). Absent ones are ignored.
   virtual void erase(std::span<const BlockHash> hashes) noexcept = 0;

@@ -171,6 +171,8 @@ class DiskStore {
 
   /// Whether `hash` is stored and visible.
   bool contains(const BlockHash& hash) const;
+  /// Makes each stored one of `hashes` the most recently used (no I/O).
+  void touch(std::span<const BlockHash> hashes);
   /// Removes `hash` (an exclusive tier's onload); false when absent.
   bool erase(const BlockHash& hash);
   /// Counts one hit of each hash (for the admission filter; a no-op while

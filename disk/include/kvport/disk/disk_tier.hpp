@@ -37,6 +37,7 @@ class DiskTier final : public LowerTierStore {
   bool contains(const BlockHash& hash) const noexcept override;
   std::size_t get_prefix(std::span<const BlockHash> hashes,
                          std::span<const std::span<std::byte>> out) noexcept override;
+  void touch(std::span<const BlockHash> hashes) noexcept override;
   /// Erases what is stored of `hashes`; nothing on a read-only store.
   void erase(std::span<const BlockHash> hashes) noexcept override;
   void note_hits(std::span<const BlockHash> hashes) noexcept override;
