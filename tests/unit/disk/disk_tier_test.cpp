@@ -68,6 +68,15 @@ struct Stack {
     tier->poll();
   }
 
+  // Caches the sequences from 100 to 900 (a step of 100) and waits for the
+  // host's copies: with a device of 4 blocks and a host of 4, the oldest 5
+  // end on disk.
+  void cache_nine() {
+    for (TokenId first = 100; first < 1000; first += 100)
+      cache_sequence(first);
+    tier->synchronize();
+  }
+
   // Looks the sequence up; returns how many blocks came back, and counts
   // those whose bytes are not the sequence's in `wrong`.
   std::size_t check_sequence(TokenId first, std::size_t& wrong) {
@@ -89,9 +98,7 @@ struct Stack {
 TEST(DiskTierStack, BlocksGoDownToDiskAndComeBackWithTheirBytes) {
   TempDir dir;
   Stack s(dir.path() / "tier", 4, 4, 32);
-  for (TokenId first = 100; first < 1000; first += 100)
-    s.cache_sequence(first);
-  s.tier->synchronize();
+  s.cache_nine();
   // Device 4 blocks, host 4: of 9 sequences the oldest 5 are on disk.
   EXPECT_EQ(s.store->store().size(), 10u);
   EXPECT_EQ(s.tier->counters().lower_tier_writes, 10u);
@@ -111,9 +118,7 @@ TEST(DiskTierStack, ARestartOnTheSameDirectoryFindsTheBlocksItLeft) {
   std::vector<TokenId> on_disk;
   {
     Stack s(dir.path() / "tier", 4, 4, 32);
-    for (TokenId first = 100; first < 1000; first += 100)
-      s.cache_sequence(first);
-    s.tier->synchronize();
+    s.cache_nine();
     for (TokenId first = 100; first < 1000; first += 100)
       if (s.store->contains(hash_full_blocks(tokens(8, first), 4)[0])) on_disk.push_back(first);
   }
@@ -131,9 +136,7 @@ TEST(DiskTierStack, APageCorruptedBetweenRunsIsAShorterHitNeverServed) {
   TempDir dir;
   {
     Stack s(dir.path() / "tier", 4, 4, 32);
-    for (TokenId first = 100; first < 1000; first += 100)
-      s.cache_sequence(first);
-    s.tier->synchronize();
+    s.cache_nine();
   }
   {  // flip a byte in every slot's image
     std::fstream f(dir.path() / "tier" / "blocks.dat",
