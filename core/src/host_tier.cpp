@@ -375,7 +375,6 @@ struct HostTier::State {
         continue;
       }
       if (lower == nullptr || !lower->contains(h)) break;
-      if (std::find(lower_hashes.begin(), lower_hashes.end(), h) != lower_hashes.end()) break;
       lower_pos.push_back(hits.size());
       lower_hashes.push_back(h);
       hits.push_back(kNoSlot);
@@ -391,6 +390,9 @@ struct HostTier::State {
     spill(d);
     std::size_t n = 0;
     for (; n < d; ++n) {
+      // A hash named twice (a caller's span, not a chain) is in the index
+      // since its first slot was taken: the run ends there.
+      if (index.contains(lower_hashes[n])) break;
       const std::optional<SlotId> id = acquire_slot(lower_hashes[n]);
       if (!id) break;  // every other slot is pinned by this lookup
       hits[lower_pos[n]] = *id;
@@ -921,6 +923,13 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   std::vector<SlotId> hits;
   std::vector<Transfer> onload;
   std::size_t from_lower = 0;  // hits read from the lower tier
+  // Whatever the outcome, the lookup's hits (match.hashes: the device's, and
+  // the tier's when they came in) count for the lower tier's admission.
+  struct NoteHits {
+    State& s;
+    const PrefixMatch& m;
+    ~NoteHits() { s.note_hits(m.hashes); }
+  } note_hits{s, match};
   auto roll_back = [&] {
     if (!onload.empty()) {
       ++s.counters.aborted_transfers;
@@ -937,10 +946,7 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
     // not a chain) ends the hit instead of onloading one slot twice.
     hits.reserve(hashes.size() - start);
     from_lower = s.find_hits(hashes.subspan(start), start > 0 ? &hashes[start - 1] : nullptr, hits);
-    if (hits.empty()) {
-      s.note_hits(hashes.first(start));
-      return;
-    }
+    if (hits.empty()) return;
     match.blocks.reserve(start + hits.size());  // the appends below must not throw
     match.hashes.reserve(start + hits.size());
     onload.reserve(hits.size());
@@ -960,7 +966,6 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   } catch (const std::exception& e) {
     log_error_nothrow("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what());
     roll_back();
-    s.note_hits(hashes.first(start));
     return;
   }
   // The caller computes on these blocks next: wait for the copy. A failure
@@ -971,12 +976,10 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   if (waited == WaitResult::stalled) {
     for (std::size_t i = onload.size(); i < hits.size(); ++i)
       --s.slots[hits[i]].pins;  // not read: the quarantined reads keep theirs
-    s.note_hits(hashes.first(start));
     return;
   }
   if (waited == WaitResult::failed) {
     roll_back();
-    s.note_hits(hashes.first(start));
     return;
   }
   // The copy completed: register the blocks (visible to lookups from now on).
@@ -1009,7 +1012,6 @@ void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashe
   s.counters.onloads += onload.size();
   s.counters.host_hits += onload.size() - lower_onloaded;
   s.counters.lower_tier_hits += lower_onloaded;
-  s.note_hits(match.hashes);
   s.counters.onload_bytes += onload.size() * s.slot_bytes;
 }
 

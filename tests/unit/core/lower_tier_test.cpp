@@ -169,6 +169,24 @@ TEST_P(LowerTierTest, AHitRunsDeviceThenHostThenLowerTierInOneLookup) {
   pc.release_blocks(m.blocks);
 }
 
+TEST_P(LowerTierTest, AHashNamedTwiceEndsTheRunInTheLowerTier) {
+  MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
+  HostTier tier(pc, options());
+  tier.set_lower_tier(&store);
+  fill_five(tier);
+  const std::vector<BlockHash> a = hashes_of(100);
+  ASSERT_TRUE(store.contains(a[0]));
+  // A caller's span, not a chain: the second a[0] ends the hit after one.
+  const std::vector<BlockHash> twice{a[0], a[0], a[1]};
+  PrefixMatch m = pc.lookup_hashes(twice);
+  ASSERT_EQ(m.blocks.size(), 1u);
+  EXPECT_TRUE(test::holds_pattern_block(cache, m.blocks[0], 100, stream));
+  EXPECT_EQ(tier.counters().lower_tier_hits, 1u);
+  EXPECT_TIER_INVARIANTS(tier);
+  pc.release_blocks(m.blocks);
+  EXPECT_TIER_INVARIANTS(tier);
+}
+
 TEST_P(LowerTierTest, InclusiveTierLeavesTheBlockInTheLowerTier) {
   MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
   HostTier tier(pc, options(TierInclusion::inclusive));
