@@ -335,6 +335,9 @@ struct DiskStore::State {
     free_slots.push_back(slot);
   }
 
+  // Makes a stored slot the most recently used.
+  void touch(Slot& sl) noexcept { lru.splice(lru.end(), lru, lru.iterator_to(sl)); }
+
   // Drops a stored block (failed read, bad checksum, erase): invisible at
   // once; an erase record follows with the next append.
   void drop(std::uint32_t slot) {
@@ -915,9 +918,7 @@ std::size_t DiskStore::get_prefix(std::span<const BlockHash> hashes,
     if (results[k].orphaned && bufs[k]) s.orphaned_reads.emplace(reqs[k].tag, *bufs[k]);
     if (verified[k]) {
       if (k < got) {
-        Slot& sl = s.slots[slots[k]];
-        s.lru.erase(s.lru.iterator_to(sl));
-        s.lru.push_back(sl);
+        s.touch(s.slots[slots[k]]);
         ++s.counters.reads;
         s.counters.read_bytes += s.options.block_bytes;
       }
@@ -945,10 +946,7 @@ bool DiskStore::contains(const BlockHash& hash) const {
 void DiskStore::touch(std::span<const BlockHash> hashes) {
   State& s = *state_;
   for (const BlockHash& h : hashes) {
-    const auto it = s.by_hash.find(h);
-    if (it == s.by_hash.end()) continue;
-    Slot& sl = s.slots[it->second];
-    s.lru.splice(s.lru.end(), s.lru, s.lru.iterator_to(sl));
+    if (const auto it = s.by_hash.find(h); it != s.by_hash.end()) s.touch(s.slots[it->second]);
   }
 }
 

@@ -198,7 +198,8 @@ class DiskStore {
   /// (put, once durable) and every one that leaves (evicted, dropped after a
   /// failed read or at detach, erased). It must stay valid until replaced.
   void set_listener(LowerTierStore::Listener* listener) noexcept;
-  /// Stored hashes, least recently used first. O(n), for tests.
+  /// Stored hashes, least recently used first. O(n): for tests and
+  /// snapshots (DiskTier::stored_hashes).
   std::vector<BlockHash> lru_order() const;
   /// Empty when consistent: every slot free, stored, or quarantined, exactly
   /// once; the index, the LRU order and the slots agree. O(num_slots).
