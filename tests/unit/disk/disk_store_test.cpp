@@ -687,22 +687,13 @@ TEST_F(DiskStoreTest, SigkillDuringWritesLeavesNoWrongBlock) {
   std::mt19937 rng(12345);
   std::size_t served = 0;
   for (int round = 0; round < 6; ++round) {
-    const pid_t child = ::fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-      try {
-        auto s = DiskStore::open(options(64));
-        for (std::uint32_t k = 0;; ++k)
-          put(*s, chain(1000 + round * 100000 + k, 8));
-      } catch (...) {
-      }
-      ::_exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20 + rng() % 120));
-    ::kill(child, SIGKILL);
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, 0), child);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the writer stopped by itself: " << status;
+    ASSERT_TRUE(test::sigkill_after(
+        [&] {
+          auto s = DiskStore::open(options(64));
+          for (std::uint32_t k = 0;; ++k)
+            put(*s, chain(1000 + round * 100000 + k, 8));
+        },
+        std::chrono::milliseconds(20 + rng() % 120)));
     auto s = DiskStore::open(options(64));
     EXPECT_EQ(s->counters().checksum_failures, 0u);
     // Every block the index says is there reads back whole, or is dropped;

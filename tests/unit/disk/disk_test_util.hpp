@@ -5,13 +5,19 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
@@ -57,6 +63,32 @@ inline std::vector<BlockHash> chain(std::uint32_t seed, std::size_t n) {
     tokens[i] = static_cast<TokenId>(seed * 100003u + i);
   }
   return hash_full_blocks(tokens, 4);
+}
+
+/// Runs `work` (which should not return) in a forked child and SIGKILLs it
+/// after `delay`; fails when the fork fails or the child ended by itself
+/// (an exception or a return from `work` is exit code 3).
+inline ::testing::AssertionResult sigkill_after(const std::function<void()>& work,
+                                                std::chrono::milliseconds delay) {
+  const pid_t child = ::fork();
+  if (child < 0) return ::testing::AssertionFailure() << "fork failed";
+  if (child == 0) {
+    try {
+      work();
+    } catch (...) {
+    }
+    ::_exit(3);
+  }
+  std::this_thread::sleep_for(delay);
+  ::kill(child, SIGKILL);
+  int status = 0;
+  if (::waitpid(child, &status, 0) != child) {
+    return ::testing::AssertionFailure() << "waitpid failed";
+  }
+  if (!WIFSIGNALED(status)) {
+    return ::testing::AssertionFailure() << "the child stopped by itself: " << status;
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace kvport::disk::test

@@ -7,16 +7,13 @@
 // while the stack writes back under load leaves no wrong byte in any block a
 // restarted stack returns.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <csignal>
+#include <chrono>
 #include <fstream>
 #include <memory>
 #include <optional>
 #include <random>
 #include <set>
-#include <thread>
 #include <vector>
 
 #include "../core/core_test_util.hpp"
@@ -220,28 +217,19 @@ TEST(DiskTierStack, SigkillUnderLoadLeavesNoWrongByteInAnyHit) {
   std::size_t served = 0;
   std::size_t wrong = 0;
   for (int round = 0; round < 5; ++round) {
-    const pid_t child = ::fork();
-    ASSERT_GE(child, 0);
-    if (child == 0) {
-      try {
-        Stack s(dir.path() / "tier", 8, 8, 64);
-        for (TokenId k = 0;; ++k) {
-          const auto first = static_cast<TokenId>(100000 * (round + 1) + 10 * (k % 4000));
-          s.cache_sequence(first);
-          if (k % 3 == 0) {
-            std::size_t ignored = 0;
-            s.check_sequence(static_cast<TokenId>(first - 10 * (k % 7)), ignored);
+    ASSERT_TRUE(test::sigkill_after(
+        [&] {
+          Stack s(dir.path() / "tier", 8, 8, 64);
+          for (TokenId k = 0;; ++k) {
+            const auto first = static_cast<TokenId>(100000 * (round + 1) + 10 * (k % 4000));
+            s.cache_sequence(first);
+            if (k % 3 == 0) {
+              std::size_t ignored = 0;
+              s.check_sequence(static_cast<TokenId>(first - 10 * (k % 7)), ignored);
+            }
           }
-        }
-      } catch (...) {
-      }
-      ::_exit(3);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(30 + rng() % 250));
-    ::kill(child, SIGKILL);
-    int status = 0;
-    ASSERT_EQ(::waitpid(child, &status, 0), child);
-    ASSERT_TRUE(WIFSIGNALED(status)) << "the child stopped by itself: " << status;
+        },
+        std::chrono::milliseconds(30 + rng() % 250)));
     Stack s(dir.path() / "tier", 8, 8, 64);
     // Every round's sequences (this one's and the earlier ones' left on disk).
     for (int r = 0; r <= round; ++r) {
