@@ -83,7 +83,7 @@ void ReplayOptions::validate() const {
   }
   if (lower_tier && host_tier_blocks == 0) {
     throw InvalidArgument(
-        "--disk-tier-blocks: needs --host-tier-blocks (the disk is under the host)");
+        "--disk-tier-blocks: needs --host-tier-blocks (the disk tier is under the host tier)");
   }
   if (!std::isfinite(host_link_gbps) || host_link_gbps <= 0.0) {
     throw InvalidArgument(

@@ -268,7 +268,8 @@ class ReplayCommand final : public Command {
   // --disk-tier-blocks, --disk-dir, --disk-min-hits, --disk-io: the store's
   // options, and the callback that opens it for the replay's cache (into
   // `disk_tier`, which outlives the replay). Without --disk-tier-blocks the
-  // others are errors.
+  // others are errors; without a host tier ReplayOptions::validate refuses
+  // the callback.
   void parse_disk_tier(ReplayOptions& options, std::unique_ptr<disk::DiskTier>& disk_tier) {
     if (!disk_tier_blocks_.given()) {
       for (const auto& [flag, name] :
@@ -285,10 +286,6 @@ class ReplayCommand final : public Command {
       throw InvalidArgument(fmt::format("--disk-tier-blocks: at most {}, got {}",
                                         disk::DiskStoreOptions::kMaxSlots,
                                         disk_options_.num_slots));
-    }
-    if (!host_tier_blocks_.given()) {
-      throw InvalidArgument(
-          "--disk-tier-blocks: needs --host-tier-blocks (the disk tier is under the host tier)");
     }
     if (!disk_dir_.given() || disk_dir_.value.empty()) {
       throw InvalidArgument("--disk-dir: required with --disk-tier-blocks (where the blocks go)");
