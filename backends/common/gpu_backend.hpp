@@ -79,7 +79,10 @@ class GpuBackend final : public Backend {
   /// Selects `device`. Throws InvalidArgument for an ordinal outside
   /// [0, device count), BackendError when the runtime has no usable device
   /// (the message carries the vendor's reason).
-  explicit GpuBackend(int device) : Backend(Api::name), device_(device), tracker_(Api::name) {
+  explicit GpuBackend(int device)
+      : Backend(Api::name),
+        device_(device),
+        tracker_(Api::name, MemorySpace::of(Api::memory_kind, device)) {
     int count = 0;
     if (Api::get_device_count(&count) == Api::success && count > 0 &&
         (device < 0 || device >= count)) {
@@ -109,6 +112,7 @@ class GpuBackend final : public Backend {
     for (const auto& [base, bytes] : tracker_.live()) {
       log::warn(fmt::format("{}: backend destroyed with a live allocation [{:#x}, +{}); freeing it",
                             Api::name, base, bytes));
+      (void)tracker_.remove(DevicePtr(base));  // out of the process-wide map before the free
       KVPORT_GPU_CHECK_NOTHROW(Api::free(reinterpret_cast<void*>(base)));
     }
     for (const auto& [base, bytes] : host_tracker_.live()) {

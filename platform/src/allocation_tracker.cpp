@@ -14,12 +14,26 @@ namespace {
 constexpr std::size_t kFreedHistory = 4096;
 }  // namespace
 
-AllocationTracker::AllocationTracker(std::string backend) : backend_(std::move(backend)) {}
+AllocationTracker::AllocationTracker(std::string backend, std::optional<MemorySpace> space)
+    : backend_(std::move(backend)), space_(space) {}
+
+AllocationTracker::~AllocationTracker() {
+  if (!space_) return;
+  for (const auto& entry : live_)
+    MemorySpaceRegistry::remove(*space_, entry.first, this);
+}
 
 std::uint64_t AllocationTracker::add(DevicePtr base, std::size_t bytes) {
   std::unique_lock lock(mutex_);
+  // Lock order everywhere: this tracker's mutex, then the registry's.
+  if (space_) MemorySpaceRegistry::add_allocation(*space_, base.address(), bytes, this, backend_);
   const std::uint64_t serial = ++next_serial_;
-  live_.emplace(base.address(), Allocation{bytes, serial});
+  try {
+    live_.emplace(base.address(), Allocation{bytes, serial});
+  } catch (...) {
+    if (space_) MemorySpaceRegistry::remove(*space_, base.address(), this);
+    throw;
+  }
   live_bytes_ += bytes;
   return serial;
 }
@@ -29,6 +43,7 @@ std::optional<std::size_t> AllocationTracker::remove(DevicePtr base) noexcept {
   auto it = live_.find(base.address());
   if (it == live_.end() || it->second.adopted) return std::nullopt;
   live_bytes_ -= it->second.bytes;
+  if (space_) MemorySpaceRegistry::remove(*space_, it->first, this);
   return erase_locked(it);
 }
 
@@ -62,8 +77,15 @@ std::uint64_t AllocationTracker::add_adopted(DevicePtr base, std::size_t bytes) 
                                       it->second.adopted ? "an adopted range" : "a live allocation",
                                       it->first, it->second.bytes));
   }
+  // Another backend object's allocation or adoption of the same memory space.
+  if (space_) MemorySpaceRegistry::add_adopted(*space_, a, bytes, this, backend_);
   const std::uint64_t serial = ++next_serial_;
-  live_.emplace(a, Allocation{bytes, serial, true});
+  try {
+    live_.emplace(a, Allocation{bytes, serial, true});
+  } catch (...) {
+    if (space_) MemorySpaceRegistry::remove(*space_, a, this);
+    throw;
+  }
   ++adopted_count_;
   return serial;
 }
@@ -73,6 +95,7 @@ bool AllocationTracker::remove_adopted(DevicePtr base) noexcept {
   auto it = live_.find(base.address());
   if (it == live_.end() || !it->second.adopted) return false;
   --adopted_count_;
+  if (space_) MemorySpaceRegistry::remove(*space_, it->first, this);
   erase_locked(it);
   return true;
 }

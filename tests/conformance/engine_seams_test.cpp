@@ -11,11 +11,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "conformance.hpp"
+#include "gpusim_backend.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/testing/support.hpp"
@@ -163,23 +168,70 @@ TEST_P(Conformance, WrapStreamRefusesWhatItCannotWrap) {
 
 // ---- the engine's memory -----------------------------------------------------------
 
-// Memory kvport's backend under test did not allocate: an allocation of a
-// second backend of the same kind (freed by the fixture's TearDown order:
-// the engine outlives every registration made in the test).
+#if KVPORT_CONFORMANCE_CUDA
+// The runtime's C API, declared here so that the suite needs no CUDA headers.
+extern "C" int cudaMalloc(void** ptr, std::size_t bytes);
+extern "C" int cudaFree(void* ptr);
+#endif
+#if KVPORT_CONFORMANCE_HIP
+extern "C" int hipMalloc(void** ptr, std::size_t bytes);
+extern "C" int hipFree(void* ptr);
+#endif
+
+void* engine_malloc(const std::string& backend, std::size_t bytes) {
+  if (backend == "host" || backend == "fault_host")
+    return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (backend == "gpusim") return kvport::testing::gpusim_malloc_native(bytes);
+  void* p = nullptr;
+#if KVPORT_CONFORMANCE_CUDA
+  if (backend == "cuda") return cudaMalloc(&p, bytes) == 0 ? p : nullptr;
+#endif
+#if KVPORT_CONFORMANCE_HIP
+  if (backend == "hip") return hipMalloc(&p, bytes) == 0 ? p : nullptr;
+#endif
+  return p;
+}
+
+void engine_free(const std::string& backend, void* p) {
+  if (backend == "host" || backend == "fault_host") return std::free(p);
+  if (backend == "gpusim") return kvport::testing::gpusim_free_native(p);
+#if KVPORT_CONFORMANCE_CUDA
+  if (backend == "cuda") (void)cudaFree(p);
+#endif
+#if KVPORT_CONFORMANCE_HIP
+  if (backend == "hip") (void)hipFree(p);
+#endif
+}
+
+// Memory no kvport backend allocated, as an engine's own allocator gives it
+// out: aligned_alloc for host memory, the simulated runtime's malloc for
+// gpusim, cudaMalloc / hipMalloc for the vendors' backends. (A second backend
+// object's allocation will not do: adopted ranges are process-wide, and one
+// backend may not adopt what another allocated.) Null where the suite cannot
+// allocate it (the tests skip).
 struct EngineMemory {
-  std::unique_ptr<Backend> engine;
+  std::string name;
   DevicePtr ptr;
   std::size_t bytes = 0;
-  EngineMemory(const std::string& name, std::size_t n)
-      : engine(make_any_backend(name)), ptr(engine->alloc(n)), bytes(n) {}
-  ~EngineMemory() { engine->free(ptr); }
+  EngineMemory(std::string backend, std::size_t n) : name(std::move(backend)), bytes(n) {
+    ptr = DevicePtr::from(engine_malloc(name, n));
+  }
+  ~EngineMemory() {
+    if (!ptr.is_null()) engine_free(name, ptr.get());
+  }
   EngineMemory(const EngineMemory&) = delete;
   EngineMemory& operator=(const EngineMemory&) = delete;
 };
 
+#define KVPORT_SKIP_WITHOUT_ENGINE_MEMORY(mem)                              \
+  if ((mem).ptr.is_null())                                                  \
+  GTEST_SKIP() << "no allocator outside kvport for backend '" << GetParam() \
+               << "' in this build (adopted memory must not be another backend's allocation)"
+
 TEST_P(Conformance, AdoptedMemoryTakesEveryOperation) {
   const std::size_t bytes = 1 * kMiB;
   EngineMemory mem(GetParam(), bytes);
+  KVPORT_SKIP_WITHOUT_ENGINE_MEMORY(mem);
   AdoptedMemory adopted = b().adopt_memory(mem.ptr, bytes);
   EXPECT_EQ(adopted.ptr(), mem.ptr);
   EXPECT_EQ(adopted.size(), bytes);
@@ -217,32 +269,57 @@ TEST_P(Conformance, AdoptedMemoryTakesEveryOperation) {
 TEST_P(Conformance, AdoptedMemoryIsNeverFreed) {
   const std::size_t bytes = 64 * kKiB;
   EngineMemory mem(GetParam(), bytes);
+  KVPORT_SKIP_WITHOUT_ENGINE_MEMORY(mem);
   const Bytes content = random_bytes(bytes, 31);
-  mem.engine->copy_h2d(mem.ptr, content.data(), bytes, mem.engine->default_stream());
   {
     AdoptedMemory adopted = b().adopt_memory(mem.ptr, bytes);
+    b().copy_h2d(mem.ptr, content.data(), bytes, stream());
     EXPECT_FALSE(b().free(mem.ptr));  // refused and logged: not the backend's to free
     AdoptedMemory moved = std::move(adopted);
     EXPECT_TRUE(same_bytes(download(mem.ptr, bytes), content));
   }
   // The registration is gone: the range is unknown to the backend again ...
   EXPECT_THROW(b().memset_async(mem.ptr, 0, 16, stream()), InvalidArgument);
-  // ... and the engine's memory is intact and still the engine's.
+  // ... and free for another backend object, which finds the engine's bytes
+  // intact. A backend destroyed while the memory is adopted does not free it.
   Bytes back(bytes);
-  mem.engine->copy_d2h(back.data(), mem.ptr, bytes, mem.engine->default_stream());
-  EXPECT_TRUE(same_bytes(back, content));
-  // A backend destroyed while the memory is adopted does not free it either.
   {
     std::unique_ptr<Backend> third = make_any_backend(GetParam());
     AdoptedMemory adopted = third->adopt_memory(mem.ptr, bytes);
+    third->copy_d2h(back.data(), mem.ptr, bytes, third->default_stream());
+    EXPECT_TRUE(same_bytes(back, content));
     adopted = AdoptedMemory();  // released before its backend, as the contract says
   }
-  mem.engine->copy_d2h(back.data(), mem.ptr, bytes, mem.engine->default_stream());
+  std::unique_ptr<Backend> fourth = make_any_backend(GetParam());
+  AdoptedMemory again = fourth->adopt_memory(mem.ptr, bytes);
+  std::fill(back.begin(), back.end(), std::uint8_t{0});
+  fourth->copy_d2h(back.data(), mem.ptr, bytes, fourth->default_stream());
   EXPECT_TRUE(same_bytes(back, content));
+}
+
+// Adopted ranges are process-wide: a second backend object of the same kind
+// (another engine's) can adopt neither the bytes this one adopted nor those it
+// allocated, until they are released.
+TEST_P(Conformance, AdoptedMemoryIsOneBackendObjectsAtATime) {
+  EngineMemory mem(GetParam(), 8192);
+  KVPORT_SKIP_WITHOUT_ENGINE_MEMORY(mem);
+  std::unique_ptr<Backend> other = make_any_backend(GetParam());
+  {
+    AdoptedMemory held = b().adopt_memory(mem.ptr, 4096);
+    EXPECT_THAT(
+        message_of<InvalidArgument>([&] { (void)other->adopt_memory(mem.ptr.offset(4000), 200); }),
+        HasSubstr("overlaps an adopted range"));
+    EXPECT_NO_THROW((void)other->adopt_memory(mem.ptr.offset(4096), 4096));  // only touches
+  }
+  EXPECT_NO_THROW((void)other->adopt_memory(mem.ptr, 8192));
+  const DevicePtr own = alloc(4096);
+  EXPECT_THAT(message_of<InvalidArgument>([&] { (void)other->adopt_memory(own, 4096); }),
+              HasSubstr("overlaps a live allocation"));
 }
 
 TEST_P(Conformance, AdoptMemoryRejectsBadRanges) {
   EngineMemory mem(GetParam(), 8192);
+  KVPORT_SKIP_WITHOUT_ENGINE_MEMORY(mem);
   EXPECT_THAT(message_of<InvalidArgument>([&] { (void)b().adopt_memory(DevicePtr{}, 16); }),
               HasSubstr("null"));
   EXPECT_THAT(message_of<InvalidArgument>([&] { (void)b().adopt_memory(mem.ptr, 0); }),

@@ -504,6 +504,31 @@ void gpusim_destroy_native_stream(void* stream) {
   (void)ApiSim::stream_destroy(static_cast<SimStream*>(stream));
 }
 
+void* gpusim_malloc_native(std::size_t bytes, int device) {
+  const int previous = current_device;
+  current_device = device;
+  void* p = nullptr;
+  const Status status = ApiSim::malloc(&p, bytes);
+  current_device = previous;
+  if (status != ok) throw BackendError("gpusim", "malloc", status, ApiSim::error_string(status));
+  return p;
+}
+
+void gpusim_free_native(void* ptr) {
+  Sim& s = sim();
+  int device = 0;
+  {
+    std::lock_guard lock(s.mutex);
+    const auto it = s.allocations.find(reinterpret_cast<std::uintptr_t>(ptr));
+    if (it == s.allocations.end()) return;
+    device = it->second.device;
+  }
+  const int previous = current_device;
+  current_device = device;
+  (void)ApiSim::free(ptr);
+  current_device = previous;
+}
+
 bool gpusim_memset_native(void* stream, void* ptr, std::uint8_t value, std::size_t bytes) {
   const int previous = current_device;
   current_device = static_cast<SimStream*>(stream)->device;

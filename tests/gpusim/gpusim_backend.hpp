@@ -76,6 +76,13 @@ void gpusim_fail_next_host_alloc(int code);
 void* gpusim_create_native_stream(int device = 0);
 void gpusim_destroy_native_stream(void* stream);
 
+/// Simulated device memory allocated outside any backend, as an engine's own
+/// allocator gives it out (cudaMalloc), on `device`; free it with
+/// gpusim_free_native. For Backend::adopt_memory tests. Throws BackendError
+/// when the runtime refuses.
+void* gpusim_malloc_native(std::size_t bytes, int device = 0);
+void gpusim_free_native(void* ptr);
+
 /// The engine's own work on its stream: a memset queued directly on the
 /// simulated runtime (cudaMemsetAsync), not through a backend. False when the
 /// runtime refused it.

@@ -64,8 +64,10 @@ class HostBackend final : public Backend {
           fmt::format("host: backend destroyed with {} live allocations ({} bytes); freeing them",
                       live.size(), tracker_.live_bytes()));
     }
-    for (const auto& [base, bytes] : live)
+    for (const auto& [base, bytes] : live) {
+      (void)tracker_.remove(DevicePtr(base));  // out of the process-wide map before the free
       std::free(reinterpret_cast<void*>(base));
+    }
     const auto pinned = host_tracker_.live();
     if (!pinned.empty()) {
       log::warn(
@@ -517,7 +519,7 @@ class HostBackend final : public Backend {
   const std::size_t streaming_threshold_;
   const bool huge_pages_;  // KVPORT_HOST_HUGE_PAGES
 
-  AllocationTracker tracker_{kName};
+  AllocationTracker tracker_{kName, MemorySpace::of(MemoryKind::host, 0)};
   AllocationTracker host_tracker_{kPinnedName};  // alloc_host
   mutable std::mutex capacity_mutex_;
   std::size_t used_ = 0;  // bytes rounded up to kAllocAlignment

@@ -35,6 +35,7 @@
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/platform/memory_space_registry.hpp"
 #include "kvport/testing/support.hpp"
 
 namespace kvport {
@@ -990,6 +991,64 @@ TEST(HostBackendStreaming, BadThresholdIsRejected) {
   kvport::testing::ScopedEnv env("KVPORT_HOST_STREAMING_THRESHOLD", "lots");
   EXPECT_THAT(kvport::testing::message_of<InvalidArgument>([] { make_host_backend(); }),
               ::testing::HasSubstr("KVPORT_HOST_STREAMING_THRESHOLD"));
+}
+
+// ---- adopted memory is process-wide ------------------------------------------------
+
+// Host memory is one space for every host backend object: two of them cannot
+// adopt the same bytes, nor one adopt what the other allocated, and a released
+// adoption (or a freed allocation) frees the range for the other.
+TEST(HostBackendAdoption, TwoBackendObjectsCannotShareABytesWorth) {
+  auto first = make_host_backend();
+  auto second = make_host_backend();
+  void* engine = std::aligned_alloc(256, 4096);
+  ASSERT_NE(engine, nullptr);
+  const DevicePtr p = DevicePtr::from(engine);
+  {
+    AdoptedMemory held = first->adopt_memory(p, 4096);
+    const std::string msg =
+        message_of<InvalidArgument>([&] { (void)second->adopt_memory(p.offset(4095), 1); });
+    EXPECT_THAT(msg, AllOf(HasSubstr(fmt::format("host: adopt_memory: [{:#x}, +1) overlaps an "
+                                                 "adopted range [{:#x}, +4096) of another host "
+                                                 "backend object (host memory)",
+                                                 p.address() + 4095, p.address())),
+                           HasSubstr("two caches cannot share memory")));
+    // The refused backend never took the range.
+    EXPECT_THROW(second->memset_async(p, 0, 16, second->default_stream()), InvalidArgument);
+    // Another backend of another ordinal is host memory too.
+    auto third = make_host_backend_on(0);
+    EXPECT_THROW((void)third->adopt_memory(p, 16), InvalidArgument);
+  }
+  AdoptedMemory now = second->adopt_memory(p, 4096);  // released: free again
+  EXPECT_EQ(now.backend(), second.get());
+  now = AdoptedMemory();
+  // One backend's allocation is not another's to adopt (a view of another
+  // cache's pool), until it is freed.
+  const DevicePtr owned = first->alloc(1024);
+  EXPECT_THAT(message_of<InvalidArgument>([&] { (void)second->adopt_memory(owned, 1024); }),
+              HasSubstr("overlaps a live allocation"));
+  first->free(owned);
+  std::free(engine);
+}
+
+// A backend destroyed with live allocations forgets them process-wide.
+TEST(HostBackendAdoption, ABackendsDestructionFreesItsRanges) {
+  auto survivor = make_host_backend();
+  void* engine = std::aligned_alloc(256, 4096);
+  ASSERT_NE(engine, nullptr);
+  const MemorySpace host = MemorySpace::of(MemoryKind::host, 0);
+  const std::size_t ranges_before = MemorySpaceRegistry::count(host);
+  {
+    auto doomed = make_host_backend();
+    AdoptedMemory held = doomed->adopt_memory(DevicePtr::from(engine), 4096);
+    EXPECT_THROW((void)survivor->adopt_memory(DevicePtr::from(engine), 4096), InvalidArgument);
+    held = AdoptedMemory();
+    (void)doomed->alloc(1024);  // left live: freed by the destructor
+    EXPECT_EQ(MemorySpaceRegistry::count(host), ranges_before + 1);
+  }
+  EXPECT_EQ(MemorySpaceRegistry::count(host), ranges_before);
+  EXPECT_NO_THROW((void)survivor->adopt_memory(DevicePtr::from(engine), 4096));
+  std::free(engine);
 }
 
 }  // namespace

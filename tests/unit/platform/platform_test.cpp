@@ -10,6 +10,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "kvport/platform/device_ptr.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "kvport/platform/memory_space_registry.hpp"
 #include "kvport/platform/registry.hpp"
 #include "kvport/testing/support.hpp"
 
@@ -468,6 +470,90 @@ TEST(AllocationTracker, AdoptedRangesMayNotOverlapAnything) {
   EXPECT_NO_THROW(t.add_adopted(DevicePtr(0x10100), 0x100));
   EXPECT_NO_THROW(t.add_adopted(DevicePtr(0x20400), 16));
   EXPECT_EQ(t.adopted_count(), 3u);
+}
+
+// ---- MemorySpaceRegistry: adopted ranges are process-wide ------------------------------
+// Made-up addresses in made-up device spaces (no backend uses cuda device 40+), so
+// the host backends of other tests never meet them.
+
+TEST(MemorySpaceRegistry, AnAdoptionMayNotOverlapAnotherTrackersRanges) {
+  const MemorySpace space = MemorySpace::of(MemoryKind::cuda, 40);
+  AllocationTracker a("cuda", space), b("cuda", space);
+  a.add(DevicePtr(0x10000), 256);
+  a.add_adopted(DevicePtr(0x20000), 1024);
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 2u);
+  EXPECT_THAT(message_of<InvalidArgument>([&] { b.add_adopted(DevicePtr(0x100f0), 0x20); }),
+              AllOf(HasSubstr("cuda: adopt_memory: [0x100f0, +32) overlaps a live allocation "
+                              "[0x10000, +256) of another cuda backend object (cuda device 40)"),
+                    HasSubstr("two caches cannot share memory")));
+  EXPECT_THAT(message_of<InvalidArgument>([&] { b.add_adopted(DevicePtr(0x20000), 1024); }),
+              HasSubstr("[0x20000, +1024) overlaps an adopted range [0x20000, +1024) of another"));
+  EXPECT_EQ(b.adopted_count(), 0u);  // nothing recorded by the refusals
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 2u);
+  // Neighbours that only touch, and the same addresses in another space, are fine.
+  EXPECT_NO_THROW(b.add_adopted(DevicePtr(0x20400), 16));
+  AllocationTracker other_device("cuda", MemorySpace::of(MemoryKind::cuda, 41));
+  EXPECT_NO_THROW(other_device.add_adopted(DevicePtr(0x20000), 1024));
+  // Releasing frees the range for the other tracker.
+  EXPECT_TRUE(a.remove_adopted(DevicePtr(0x20000)));
+  EXPECT_NO_THROW(b.add_adopted(DevicePtr(0x20000), 1024));
+  EXPECT_TRUE(a.remove(DevicePtr(0x10000)).has_value());
+  EXPECT_NO_THROW(b.add_adopted(DevicePtr(0x10000), 256));
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 3u);  // all b's now
+}
+
+TEST(MemorySpaceRegistry, ADestroyedTrackerForgetsItsRanges) {
+  const MemorySpace space = MemorySpace::of(MemoryKind::rocm, 42);
+  AllocationTracker survivor("rocm", space);
+  {
+    AllocationTracker doomed("rocm", space);
+    doomed.add(DevicePtr(0x10000), 256);
+    doomed.add_adopted(DevicePtr(0x20000), 256);
+    EXPECT_THROW(survivor.add_adopted(DevicePtr(0x20000), 256), InvalidArgument);
+  }
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 0u);
+  EXPECT_NO_THROW(survivor.add_adopted(DevicePtr(0x10000), 256));
+  EXPECT_NO_THROW(survivor.add_adopted(DevicePtr(0x20000), 256));
+}
+
+TEST(MemorySpaceRegistry, ATrackerWithoutASpaceKeepsItsRangesToItself) {
+  const MemorySpace space = MemorySpace::of(MemoryKind::cuda, 43);
+  AllocationTracker alone("test"), b("cuda", space);
+  alone.add_adopted(DevicePtr(0x20000), 1024);
+  EXPECT_NO_THROW(b.add_adopted(DevicePtr(0x20000), 1024));
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 1u);
+}
+
+TEST(MemorySpaceRegistry, HostMemoryIsOneSpaceWhateverTheDevice) {
+  EXPECT_EQ(MemorySpace::of(MemoryKind::host, 3), MemorySpace::of(MemoryKind::host, 0));
+  EXPECT_NE(MemorySpace::of(MemoryKind::cuda, 1), MemorySpace::of(MemoryKind::cuda, 0));
+  EXPECT_EQ(to_string(MemorySpace::of(MemoryKind::host, 3)), "host memory");
+  EXPECT_EQ(to_string(MemorySpace::of(MemoryKind::rocm, 2)), "rocm device 2");
+}
+
+// Two threads race to adopt the same ranges through two trackers: every round
+// exactly one wins (run under ThreadSanitizer by the tsan preset).
+TEST(MemorySpaceRegistry, ConcurrentAdoptionsOfOneRangeHaveOneWinner) {
+  const MemorySpace space = MemorySpace::of(MemoryKind::cuda, 44);
+  AllocationTracker a("cuda", space), b("cuda", space);
+  constexpr int kRounds = 500;
+  int wins[2] = {0, 0};
+  auto racer = [&](AllocationTracker& t, int& won) {
+    for (int i = 0; i < kRounds; ++i) {
+      try {
+        t.add_adopted(DevicePtr(0x100000 + static_cast<std::uintptr_t>(i) * 0x1000), 0x800);
+        ++won;
+      } catch (const InvalidArgument&) {
+      }
+    }
+  };
+  std::thread ta([&] { racer(a, wins[0]); });
+  std::thread tb([&] { racer(b, wins[1]); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(wins[0] + wins[1], kRounds);
+  EXPECT_EQ(a.adopted_count() + b.adopted_count(), static_cast<std::size_t>(kRounds));
+  EXPECT_EQ(MemorySpaceRegistry::count(space), static_cast<std::size_t>(kRounds));
 }
 
 }  // namespace

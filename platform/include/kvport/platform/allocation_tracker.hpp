@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // AllocationTracker: the live allocations of one backend, so that every
 // operation's range is checked before it reaches the device. For backend
-// authors: the host backend and the GPU backends use it.
+// authors: the host backend and the GPU backends use it. A tracker given a
+// memory space also reports its ranges to the process-wide
+// MemorySpaceRegistry, so that no two backend objects adopt the same bytes.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "kvport/platform/device_ptr.hpp"
+#include "kvport/platform/memory_space_registry.hpp"
 
 namespace kvport {
 
@@ -30,8 +33,17 @@ class AllocationTracker {
     std::uint64_t serial = 0;
   };
 
-  /// `backend` prefixes every error message ("host", "cuda", ...).
-  explicit AllocationTracker(std::string backend);
+  /// `backend` prefixes every error message ("host", "cuda", ...). Without a
+  /// `space` the tracker keeps its ranges to itself (pinned host memory, tests
+  /// with made-up addresses); with one, every allocation and adopted range is
+  /// also recorded in the MemorySpaceRegistry for `space`, and adoptions are
+  /// checked against every other tracker of that space.
+  explicit AllocationTracker(std::string backend, std::optional<MemorySpace> space = std::nullopt);
+  /// Forgets whatever is still recorded in the MemorySpaceRegistry. Never
+  /// throws.
+  ~AllocationTracker();
+  AllocationTracker(const AllocationTracker&) = delete;
+  AllocationTracker& operator=(const AllocationTracker&) = delete;
 
   /// Records a new allocation of `bytes` at `base`; returns its serial (unique
   /// for the tracker's lifetime, so a reused address is told apart).
@@ -47,7 +59,10 @@ class AllocationTracker {
   /// checked like an allocation, never returned by remove() or live(), so a
   /// backend neither frees it on request nor at its destruction. Throws
   /// InvalidArgument when [base, base + bytes) overlaps a live allocation or
-  /// another adopted range (the message names both).
+  /// another adopted range of this tracker or, with a memory space, of any
+  /// other tracker of that space (another backend object's); the message
+  /// names both ranges. Cost: O(log n) under this tracker's lock and the
+  /// registry's.
   std::uint64_t add_adopted(DevicePtr base, std::size_t bytes);
 
   /// Forgets the adopted range that starts at `base`; false (and no change)
@@ -98,6 +113,7 @@ class AllocationTracker {
   std::size_t erase_locked(std::map<std::uintptr_t, Allocation>::iterator it) noexcept;
 
   std::string backend_;
+  std::optional<MemorySpace> space_;  // set: the ranges are in the MemorySpaceRegistry too
   mutable std::shared_mutex mutex_;
   std::map<std::uintptr_t, Allocation> live_;
   std::deque<std::pair<std::uintptr_t, std::size_t>> freed_;

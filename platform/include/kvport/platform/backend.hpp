@@ -135,11 +135,16 @@ class Backend {
   /// alloc() would return on this backend: device memory of the backend's
   /// device on CUDA/HIP (not checked: the vendor reports a wrong pointer at
   /// the first copy or kernel), host memory a CPU may read on the host
-  /// backend. Cost: one insertion into the backend's allocation map. Throws
-  /// InvalidArgument for a null base, 0 bytes, a range that wraps the address
-  /// space, or one that overlaps a live allocation or another adopted range of
-  /// this backend (two caches cannot adopt the same bytes); InvalidArgument
-  /// too on a backend that cannot adopt memory (a test decorator).
+  /// backend. Adopted ranges are process-wide: the range may not overlap a
+  /// live allocation or adopted range of ANY backend object of the same
+  /// memory space (host memory; one device), so two caches never share a
+  /// byte whichever backend objects they use (MemorySpaceRegistry). Cost: one
+  /// insertion into the backend's allocation map and one into the
+  /// process-wide map, each O(log n) under a lock. Throws InvalidArgument for
+  /// a null base, 0 bytes, a range that wraps the address space, or one that
+  /// overlaps such a range (the message names both ranges); InvalidArgument
+  /// too on a backend that cannot adopt memory (a test decorator). Releasing
+  /// the AdoptedMemory frees the range for the next adoption.
   AdoptedMemory adopt_memory(DevicePtr base, std::size_t bytes);
 
   // ---- pinned host memory ---------------------------------------------------
