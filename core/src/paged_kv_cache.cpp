@@ -132,6 +132,13 @@ std::string pool_name(const KvCacheConfig& config, std::size_t index) {
 std::vector<std::size_t> PagedKvCache::adopted_pool_bytes(const KvCacheConfig& config,
                                                           std::size_t num_blocks) {
   config.validate();
+  // Every adopting caller divides a pool's bytes by the block count (per-block
+  // sizes in messages, tensor shapes): 0 is refused here, before any does.
+  if (num_blocks == 0) throw InvalidArgument("PagedKvCache: num_blocks must be > 0");
+  if (num_blocks > kMaxCacheBlocks) {
+    throw InvalidArgument(
+        fmt::format("PagedKvCache: num_blocks = {} exceeds the 32-bit block id range", num_blocks));
+  }
   std::vector<std::size_t> out;
   if (config.layout == KvCacheLayout::block_major) {
     out.push_back(checked_pool_bytes(num_blocks, config.bytes_per_block(), "total"));

@@ -4,10 +4,13 @@
 // (count, null, alignment, size, overlap, memory the backend already knows),
 // and never freed. The operations over adopted pools run in the parametrized
 // suites (paged_kv_cache_test, prefix_cache_test, host_tier_test: "Adopted").
+#include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -176,6 +179,57 @@ TEST(AdoptedKvCache, NeverFreedAndWaitedForLikeOwnedPools) {
     ASSERT_EQ(buf.p[i], 0xFF) << i;  // every poison ran, into memory still valid
   // The registration ended with the cache: the same memory can be adopted again.
   EXPECT_NO_THROW(PagedKvCache(small_config(), kBlocks, *backend, carve(buf)));
+}
+
+// Two caches over two backend objects (two engines' backends in one process):
+// the second cannot adopt the first's pools, adopted or allocated, and can once
+// the first cache is gone.
+TEST(AdoptedKvCache, TwoBackendObjectsCannotAdoptTheSamePools) {
+  auto engine_a = test::host_backend();
+  auto engine_b = test::host_backend();
+  Buffer buf(6 * kPool);
+  const KvCacheConfig c = small_config();
+  {
+    PagedKvCache first(c, kBlocks, *engine_a, carve(buf));
+    const std::string msg = kvport::testing::message_of<InvalidArgument>(
+        [&] { PagedKvCache second(c, kBlocks, *engine_b, carve(buf)); });
+    EXPECT_THAT(msg, ::testing::HasSubstr(fmt::format(
+                         "pool 0 (layer 0 K): host: adopt_memory: [{:#x}, +{}) overlaps an adopted "
+                         "range [{:#x}, +{}) of another host backend object (host memory)",
+                         buf.at(0).address(), kPool, buf.at(0).address(), kPool)));
+    // Nothing of the refused cache stayed registered with engine_b.
+    EXPECT_THROW(engine_b->memset_async(buf.at(0), 0, 16, engine_b->default_stream()),
+                 InvalidArgument);
+  }
+  EXPECT_NO_THROW(PagedKvCache(c, kBlocks, *engine_b, carve(buf)));
+}
+
+TEST(AdoptedKvCache, AnotherCachesAllocatedPoolIsNotAdoptable) {
+  auto engine_a = test::host_backend();
+  auto engine_b = test::host_backend();
+  const KvCacheConfig c = small_config();
+  std::vector<AdoptedPool> views;
+  {
+    PagedKvCache owner(c, kBlocks, *engine_a);
+    for (const auto& pool : owner.memory_pools())
+      views.push_back({pool.base, kPool});
+    const std::string msg = kvport::testing::message_of<InvalidArgument>(
+        [&] { PagedKvCache thief(c, kBlocks, *engine_b, views); });
+    EXPECT_THAT(msg, ::testing::HasSubstr("overlaps a live allocation"));
+    EXPECT_THAT(msg, ::testing::HasSubstr("of another host backend object"));
+  }
+}
+
+TEST(AdoptedKvCache, ZeroBlocksIsRefusedBeforeAnyDivision) {
+  auto backend = test::host_backend();
+  Buffer buf(6 * kPool);
+  expect_invalid_argument([] { (void)PagedKvCache::adopted_pool_bytes(small_config(), 0); },
+                          "num_blocks must be > 0");
+  expect_invalid_argument([&] { PagedKvCache cache(small_config(), 0, *backend, carve(buf)); },
+                          "num_blocks must be > 0");
+  expect_invalid_argument(
+      [] { (void)PagedKvCache::adopted_pool_bytes(small_config(), std::size_t{1} << 33); },
+      "exceeds the 32-bit block id range");
 }
 
 }  // namespace

@@ -130,8 +130,10 @@ class PagedKvCache {
   /// not used. Throws InvalidArgument, naming the pool ("pool 3 (layer 1
   /// V)"), for a wrong number of pools, a null base, a base not aligned to
   /// kAdoptedPoolAlignment, fewer bytes than the geometry needs, two pools
-  /// that overlap, or memory the backend cannot adopt (overlapping one of its
-  /// allocations or another cache's pools); and as the allocating
+  /// that overlap, or memory the backend cannot adopt (overlapping a live
+  /// allocation or adopted pool of any backend object of the same memory
+  /// space: another cache's pools, adopted or allocated, through this backend
+  /// or another; Backend::adopt_memory); and as the allocating
   /// constructor for a bad config or num_blocks. The memory must stay valid
   /// until the cache is destroyed (and its queued work done: the destructor
   /// waits for it as for owned pools).
@@ -141,8 +143,8 @@ class PagedKvCache {
   /// Bytes each pool of the adopting constructor must hold for `num_blocks`
   /// blocks of `config`, in memory_pools() order (num_blocks x the region
   /// size in layer-major layout; num_blocks x bytes_per_block() in
-  /// block-major). Throws InvalidArgument for an invalid config or a size
-  /// that overflows.
+  /// block-major). Throws InvalidArgument for an invalid config, num_blocks
+  /// == 0 or > 2^32 - 1, or a size that overflows.
   static std::vector<std::size_t> adopted_pool_bytes(const KvCacheConfig& config,
                                                      std::size_t num_blocks);
 
