@@ -116,12 +116,13 @@ std::size_t StateTensor::num_elements() const {
     throw InvalidArgument(fmt::format("StateTensor '{}': the shape is empty", name));
   }
   std::size_t n = 1;
-  for (std::size_t d : shape) {
-    if (d == 0) {
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) {
       throw InvalidArgument(
-          fmt::format("StateTensor '{}': a dimension is 0 (shape {})", name, shape_text(shape)));
+          fmt::format("StateTensor '{}': dimension {} is 0 (shape {}); every dimension must be > 0",
+                      name, i, shape_text(shape)));
     }
-    n = checked_mul(n, d, "state tensor elements");
+    n = checked_mul(n, shape[i], "state tensor elements");
   }
   return n;
 }
@@ -233,6 +234,18 @@ void LayerSpec::validate(std::size_t block_size) const {
     case LayerKind::state:
       if (state.empty()) {
         throw InvalidArgument("LayerSpec(mamba): a state layer needs at least one state tensor");
+      }
+      // The names address the tensors (state_offset by name in the bindings,
+      // the engine's views): two of one name would make one unreachable.
+      for (std::size_t i = 1; i < state.size(); ++i) {
+        for (std::size_t j = 0; j < i; ++j) {
+          if (state[i].name == state[j].name) {
+            throw InvalidArgument(fmt::format(
+                "LayerSpec(mamba): state tensors {} and {} are both named '{}' (names must be "
+                "unique)",
+                j, i, state[i].name));
+          }
+        }
       }
       break;
     case LayerKind::none:

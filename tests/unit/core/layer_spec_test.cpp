@@ -124,7 +124,17 @@ TEST(LayerSpec, ValidateNamesTheField) {
       error_of([] {
         LayerSpec::recurrent_state({StateTensor{"x", {4, 0}, StateDtype::f32}}).validate(16);
       }),
-      HasSubstr("a dimension is 0"));
+      HasSubstr("StateTensor 'x': dimension 1 is 0 (shape 4x0)"));
+  EXPECT_THAT(error_of([] {
+                LayerSpec::recurrent_state({StateTensor{"conv", {4, 3}, StateDtype::f32},
+                                            StateTensor{"ssm", {2}, StateDtype::f32},
+                                            StateTensor{"conv", {8}, StateDtype::bf16}})
+                    .validate(16);
+              }),
+              HasSubstr("state tensors 0 and 2 are both named 'conv'"));
+  EXPECT_NO_THROW(LayerSpec::recurrent_state({StateTensor{"conv", {4, 3}, StateDtype::f32},
+                                              StateTensor{"ssm", {2}, StateDtype::f32}})
+                      .validate(16));
   EXPECT_THAT(error_of([] {
                 LayerSpec::recurrent_state({StateTensor{"x", {}, StateDtype::f32}}).validate(16);
               }),

@@ -61,7 +61,8 @@ struct StateTensor {
   std::vector<std::size_t> shape;
   StateDtype dtype = StateDtype::f32;
 
-  /// Product of `shape` (InvalidArgument on overflow or an empty shape).
+  /// Product of `shape`. Throws InvalidArgument on overflow, an empty shape
+  /// or a 0 dimension (naming the tensor and the dimension's index).
   std::size_t num_elements() const;
   /// num_elements() * element bytes, unpadded (overflow-checked).
   std::size_t bytes() const;
@@ -123,8 +124,10 @@ struct LayerSpec {
   /// zero, a packed dtype's group does not divide a head dim, a window or
   /// chunk is zero, a chunk is not a multiple of `block_size` (chunk
   /// boundaries must fall on block boundaries), an fp8_ds_mla rank is not a
-  /// multiple of 128, a state has no tensor or an empty shape, or a byte
-  /// count overflows.
+  /// multiple of 128, a state has no tensor, two state tensors of one name
+  /// (the message names it), a tensor with an empty shape or a 0 dimension
+  /// (the message names the tensor and the dimension), or a byte count
+  /// overflows. Cost: O(tensors^2) name comparisons for a state layer.
   void validate(std::size_t block_size) const;
 
   /// The pool config of `num_layers` layers of this spec (has_blocks() or
