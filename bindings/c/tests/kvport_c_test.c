@@ -848,6 +848,17 @@ static void test_layer_specs(void) {
   tensors[1].ndim = KVPORT_STATE_MAX_DIMS + 1;
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
   CHECK(contains(kvport_last_error(), "ndim"));
+  tensors[1].ndim = 2; /* {3, 0}: shape[1] is still 0 */
+  tensors[1].shape[1] = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "StateTensor 'conv': dimension 1 is 0"));
+  tensors[1].ndim = 1;
+  tensors[1].name = "ssm"; /* two tensors of one name */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_validate(&bad, 16));
+  CHECK(contains(kvport_last_error(), "state tensors 0 and 1 are both named 'ssm'"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_state_bytes(&bad, &n));
+  tensors[1].name = "conv";
+  OK(kvport_layer_spec_validate(&bad, 16));
   tensors[1].ndim = 1;
   tensors[1].dtype = 3;
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_layer_spec_state_bytes(&bad, &n));

@@ -27,6 +27,33 @@ MlaFormat mla_format_from(const std::string& name) {
   throw InvalidArgument("unknown MLA format '" + name + "' (known: plain, fp8_ds_mla)");
 }
 
+// A state tensor's shape from Python ints: a negative or zero dimension is
+// refused here, naming the tensor and the dimension (a negative one would
+// otherwise fail pybind11's size_t conversion with no name at all).
+std::vector<std::size_t> state_shape_from(const std::string& name, const py::handle& obj) {
+  if (py::isinstance<py::str>(obj) || !py::isinstance<py::sequence>(obj)) {
+    throw InvalidArgument("StateTensor '" + name + "': the shape is a sequence of ints, not " +
+                          std::string(py::str(py::type::handle_of(obj).attr("__name__"))));
+  }
+  const auto dims = py::reinterpret_borrow<py::sequence>(obj);
+  std::vector<std::size_t> shape;
+  shape.reserve(dims.size());
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const py::object d = dims[i];
+    if (py::isinstance<py::bool_>(d) || !py::isinstance<py::int_>(d)) {
+      throw InvalidArgument("StateTensor '" + name + "': dimension " + std::to_string(i) + " is " +
+                            std::string(py::repr(d)) + ", not an int");
+    }
+    const long long v = d.cast<long long>();
+    if (v <= 0) {
+      throw InvalidArgument("StateTensor '" + name + "': dimension " + std::to_string(i) + " is " +
+                            std::to_string(v) + "; every dimension must be > 0");
+    }
+    shape.push_back(static_cast<std::size_t>(v));
+  }
+  return shape;
+}
+
 // A StateTensor, or a (name, shape[, dtype]) tuple.
 StateTensor state_tensor_from(const py::handle& obj) {
   if (py::isinstance<StateTensor>(obj)) return obj.cast<StateTensor>();
@@ -35,7 +62,7 @@ StateTensor state_tensor_from(const py::handle& obj) {
     if (items.size() == 2 || items.size() == 3) {
       StateTensor t;
       t.name = items[0].cast<std::string>();
-      t.shape = items[1].cast<std::vector<std::size_t>>();
+      t.shape = state_shape_from(t.name, items[1]);
       t.dtype =
           items.size() == 3 ? state_dtype_from(items[2].cast<std::string>()) : StateDtype::f32;
       return t;
@@ -59,8 +86,9 @@ void bind_layer_spec(py::module_& m) {
   py::class_<StateTensor>(m, "StateTensor",
                           "One tensor of a layer's per-request state, e.g. Mamba2's SSM state "
                           "[heads, head_dim, state_size] in f32.")
-      .def(py::init([](std::string name, std::vector<std::size_t> shape, const std::string& dtype) {
-             return StateTensor{std::move(name), std::move(shape), state_dtype_from(dtype)};
+      .def(py::init([](std::string name, const py::object& shape, const std::string& dtype) {
+             std::vector<std::size_t> dims = state_shape_from(name, shape);
+             return StateTensor{std::move(name), std::move(dims), state_dtype_from(dtype)};
            }),
            py::arg("name"), py::arg("shape"), py::arg("dtype") = "f32")
       .def_readonly("name", &StateTensor::name)
@@ -128,10 +156,14 @@ void bind_layer_spec(py::module_& m) {
             std::vector<StateTensor> out;
             for (const py::handle t : tensors)
               out.push_back(state_tensor_from(t));
-            return LayerSpec::recurrent_state(std::move(out));
+            LayerSpec spec = LayerSpec::recurrent_state(std::move(out));
+            spec.validate(1);  // a state's checks do not depend on the block size
+            return spec;
           },
           py::arg("tensors"),
-          "A fixed per-request state: StateTensor objects or (name, shape[, dtype]) tuples.")
+          "A fixed per-request state: StateTensor objects or (name, shape[, dtype]) tuples. "
+          "Raises InvalidArgument for no tensor, a dimension <= 0 (naming the tensor and the "
+          "dimension) or two tensors of one name (naming it).")
       .def_static("none", &LayerSpec::no_kv, "A layer without KV (MLP only).")
       .def_property_readonly(
           "kind", [](const LayerSpec& s) { return std::string(to_string(s.kind)); },

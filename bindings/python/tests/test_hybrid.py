@@ -83,6 +83,27 @@ def test_layer_specs():
         s.state_offset(2)
 
 
+def test_state_tensor_errors_name_the_tensor_and_the_dimension():
+    with pytest.raises(kvport.InvalidArgument,
+                       match=r"StateTensor 'a': dimension 0 is -1; every dimension must be > 0"):
+        kvport.LayerSpec.state([("a", [-1, 3])])
+    with pytest.raises(kvport.InvalidArgument, match=r"StateTensor 'conv': dimension 1 is 0"):
+        kvport.LayerSpec.state([("ssm", [2, 4]), ("conv", [24, 0], "bf16")])
+    with pytest.raises(kvport.InvalidArgument, match=r"StateTensor 'x': dimension 2 is -5"):
+        kvport.StateTensor("x", [1, 2, -5])
+    with pytest.raises(kvport.InvalidArgument, match=r"StateTensor 'x': dimension 0 is 2.5"):
+        kvport.StateTensor("x", [2.5])
+    with pytest.raises(kvport.InvalidArgument, match=r"StateTensor 'x': the shape is empty"):
+        kvport.LayerSpec.state([("x", [])])
+    with pytest.raises(kvport.InvalidArgument,
+                       match=r"state tensors 0 and 2 are both named 'conv'"):
+        kvport.LayerSpec.state([("conv", [4]), ("ssm", [2]), ("conv", [8], "bf16")])
+    with pytest.raises(kvport.InvalidArgument, match="at least one state tensor"):
+        kvport.LayerSpec.state([])
+    ok = kvport.LayerSpec.state([("conv", [4]), ("ssm", [2])])
+    assert [t.name for t in ok.state_tensors] == ["conv", "ssm"]
+
+
 def test_plan_and_groups():
     layers = [kvport.LayerSpec.sliding_window(128, 8, 64) if i % 2 == 0
               else kvport.LayerSpec.full_attention(8, 64) for i in range(4)]

@@ -67,6 +67,25 @@ fn layer_specs() {
     assert!(matches!(nine.validate(16), Err(KvError::InvalidArgument(m)) if m.contains("at most 8")));
     let nul = LayerSpec::state(vec![StateTensor::new("a\0b", &[1], StateDtype::F32)]);
     assert!(matches!(nul.validate(16), Err(KvError::InvalidArgument(m)) if m.contains("NUL")));
+    // State tensor names are unique; a 0 dimension is named with its tensor.
+    let twice = LayerSpec::state(vec![
+        StateTensor::new("ssm", &[2, 2], StateDtype::F32),
+        StateTensor::new("ssm", &[3], StateDtype::F16),
+    ]);
+    match twice.validate(16) {
+        Err(KvError::InvalidArgument(m)) => {
+            assert!(m.contains("state tensors 0 and 1 are both named 'ssm'"), "{}", m)
+        }
+        other => panic!("{:?}", other),
+    }
+    assert!(twice.state_bytes().is_err());
+    let zero = LayerSpec::state(vec![StateTensor::new("conv", &[3, 0], StateDtype::F16)]);
+    match zero.validate(16) {
+        Err(KvError::InvalidArgument(m)) => {
+            assert!(m.contains("StateTensor 'conv': dimension 1 is 0"), "{}", m)
+        }
+        other => panic!("{:?}", other),
+    }
     assert_eq!(StateDtype::from_raw(StateDtype::Bf16.as_raw()), Some(StateDtype::Bf16));
     assert_eq!(LayerKind::from_raw(LayerKind::State.as_raw()), Some(LayerKind::State));
     assert_eq!(LayerKind::from_raw(42), None);
