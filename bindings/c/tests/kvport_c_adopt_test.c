@@ -203,6 +203,68 @@ static void test_adopted_cache(kvport_backend* backend) {
   free(raw);
 }
 
+/* Adopted ranges are process-wide: two kvport_backend_create handles (two
+ * engines in one process) cannot adopt the same memory, nor one adopt the
+ * pools of a cache the other allocated; destroying the first cache frees the
+ * range. Zero blocks is refused before any pool is looked at. */
+static void test_two_backends(kvport_backend* first) {
+  kvport_config c = small_config();
+  kvport_backend* second = NULL;
+  unsigned char* raw = NULL;
+  unsigned char* memory = NULL;
+  kvport_pool pools[4];
+  kvport_cache* cache = NULL;
+  kvport_cache* other = NULL;
+  size_t count = 0;
+  size_t i;
+  void* base = NULL;
+
+  OK(kvport_backend_create("host", &second));
+  raw = (unsigned char*)malloc(4 * kPoolBytes + 256);
+  CHECK(raw != NULL);
+  if (raw == NULL) return;
+  memory = raw + (256 - (size_t)((uintptr_t)raw % 256)) % 256;
+  for (i = 0; i < 4; ++i) {
+    pools[i].base = memory + i * kPoolBytes;
+    pools[i].bytes = kPoolBytes;
+  }
+  OK(kvport_cache_create_adopted(&c, kBlocks, first, pools, 4, &cache));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_cache_create_adopted(&c, kBlocks, second, pools, 4, &other));
+  CHECK(last_error_has("pool 0 (layer 0 K)") && last_error_has("overlaps an adopted range") &&
+        last_error_has("of another host backend object (host memory)"));
+  CHECK(other == NULL);
+  OK(kvport_cache_destroy(cache));
+  cache = NULL;
+  OK(kvport_cache_create_adopted(&c, kBlocks, second, pools, 4, &other)); /* free again */
+  OK(kvport_cache_destroy(other));
+  other = NULL;
+
+  /* A cache the first backend allocated: its pools are not the second's to adopt. */
+  OK(kvport_cache_create(&c, kBlocks, first, &cache));
+  for (i = 0; i < 4; ++i) {
+    OK(kvport_cache_k_ptr(cache, i / 2, 0, &base));
+    if (i % 2 == 1) OK(kvport_cache_v_ptr(cache, i / 2, 0, &base));
+    pools[i].base = base;
+    pools[i].bytes = kPoolBytes;
+  }
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_cache_create_adopted(&c, kBlocks, second, pools, 4, &other));
+  CHECK(last_error_has("overlaps a live allocation") && last_error_has("another host backend"));
+  OK(kvport_cache_destroy(cache));
+
+  /* Zero blocks: refused, naming the count, by both calls. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_adopted_pool_bytes(&c, 0, NULL, 0, &count));
+  CHECK(last_error_has("num_blocks must be > 0"));
+  for (i = 0; i < 4; ++i)
+    pools[i].base = memory + i * kPoolBytes;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_create_adopted(&c, 0, first, pools, 4, &other));
+  CHECK(last_error_has("num_blocks must be > 0"));
+
+  OK(kvport_backend_destroy(second));
+  free(raw);
+}
+
 int main(void) {
   kvport_backend* backend = NULL;
   if (kvport_backend_create("host", &backend) != KVPORT_OK) {
@@ -211,6 +273,7 @@ int main(void) {
   }
   test_wrapped_stream(backend);
   test_adopted_cache(backend);
+  test_two_backends(backend);
   OK(kvport_backend_destroy(backend));
   if (g_failures != 0) {
     fprintf(stderr, "%d check(s) failed\n", g_failures);

@@ -4,6 +4,7 @@ engine's pools, checked for count, device, contiguity, dtype and shape, kept
 alive with the cache, never freed), the same operations on an adopted cache
 as on an owned one, and use_stream with an engine stream's handle."""
 
+import ctypes
 import gc
 import sys
 
@@ -140,6 +141,55 @@ def test_the_geometry_is_checked_naming_the_pool():
     # Nothing was kept registered by the failures.
     with kvport.PagedKvCache.adopt(config, 4, pools) as c:
         assert c.adopted
+
+
+def array_at(address, rows, cols):
+    """A writable uint8 array over memory at `address` (another cache's pool, as
+    an engine holding its pointer would alias it)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * (rows * cols)).from_address(address)).reshape(
+        rows, cols)
+
+
+def test_the_same_arrays_cannot_back_two_caches():
+    # Each PagedKvCache has a backend object of its own: adopted ranges are
+    # checked process-wide, not per backend object.
+    config = make_config()
+    pools = engine_pools(config, 4)
+    first = kvport.PagedKvCache.adopt(config, 4, pools)
+    with pytest.raises(kvport.InvalidArgument,
+                       match=r"pool 0 \(layer 0 K\): host: adopt_memory: \[0x[0-9a-f]+, \+512\) "
+                             r"overlaps an adopted range \[0x[0-9a-f]+, \+512\) of another host "
+                             r"backend object \(host memory\)"):
+        kvport.PagedKvCache.adopt(config, 4, pools)
+    # A view of the first cache's pool is the same memory.
+    views = [array_at(first.k_pool_ptr(0), 4, 128)] + pools[1:]
+    with pytest.raises(kvport.InvalidArgument, match="overlaps an adopted range"):
+        kvport.PagedKvCache.adopt(config, 4, views)
+    first.close()
+    with kvport.PagedKvCache.adopt(config, 4, pools) as second:  # the range is free again
+        assert second.adopted
+
+
+def test_a_view_of_another_caches_own_pool_cannot_be_adopted():
+    config = make_config()
+    owner = kvport.PagedKvCache(config, 4)
+    views = [array_at(owner.k_pool_ptr(layer) if part == "k" else owner.v_pool_ptr(layer), 4, 128)
+             for layer in range(2) for part in ("k", "v")]
+    with pytest.raises(kvport.InvalidArgument,
+                       match=r"overlaps a live allocation .* of another host backend object"):
+        kvport.PagedKvCache.adopt(config, 4, views)
+    owner.alloc_block()  # the refusal left the owner as it was
+    owner.close()
+
+
+def test_zero_blocks_is_refused_not_a_crash():
+    config = make_config()
+    with pytest.raises(kvport.InvalidArgument, match="num_blocks must be > 0"):
+        kvport.PagedKvCache.adopt(config, 0, engine_pools(config, 4))
+    with pytest.raises(kvport.InvalidArgument, match="num_blocks must be > 0"):
+        kvport.PagedKvCache.adopted_pool_bytes(config, 0)
+    with pytest.raises(kvport.InvalidArgument, match="num_blocks must be > 0"):
+        kvport.PagedKvCache.adopt(config, 0, [np.zeros((0, 128), dtype=np.uint8)] * 4)
 
 
 class CudaArray:

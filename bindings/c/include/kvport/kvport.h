@@ -642,8 +642,9 @@ KVPORT_API kvport_status kvport_layer_spec_init(kvport_layer_spec* spec);
  *  KVPORT_ERR_INVALID_ARGUMENT naming the field (a zero size the kind needs,
  *  a packed dtype whose group does not divide a head dim, a chunk that is not
  *  a multiple of block_size, an fp8_ds_mla rank that is not a multiple of 128,
- *  a state without tensors, a null name, ndim 0 or > KVPORT_STATE_MAX_DIMS, an
- *  enum value outside its enum, an overflow). */
+ *  a state without tensors, a null name, two state tensors of one name, ndim
+ *  0 or > KVPORT_STATE_MAX_DIMS, a 0 dimension (naming the tensor and the
+ *  dimension), an enum value outside its enum, an overflow). */
 KVPORT_API kvport_status kvport_layer_spec_validate(const kvport_layer_spec* spec,
                                                     size_t block_size);
 
@@ -1148,8 +1149,8 @@ typedef struct kvport_pool {
  *  layers, 1 in block-major) and the bytes each needs, in the order
  *  kvport_cache_create_adopted takes them (layer 0 K, layer 0 V, layer 1 K,
  *  ...). `out_bytes` may be null when `capacity` is 0, to ask the count;
- *  KVPORT_ERR_INVALID_ARGUMENT when `capacity` is smaller than the count or
- *  the config is bad. */
+ *  KVPORT_ERR_INVALID_ARGUMENT when `capacity` is smaller than the count,
+ *  the config is bad or num_blocks is 0 (or > 2^32 - 1). */
 KVPORT_API kvport_status kvport_cache_adopted_pool_bytes(const kvport_config* config,
                                                          size_t num_blocks, size_t* out_bytes,
                                                          size_t capacity, size_t* out_count);
@@ -1160,8 +1161,11 @@ KVPORT_API kvport_status kvport_cache_adopted_pool_bytes(const kvport_config* co
  *  never frees them; they must stay valid until kvport_cache_destroy
  *  returns. KVPORT_ERR_INVALID_ARGUMENT, naming the pool, for a wrong count,
  *  a null base, a misaligned base, too few bytes, pools that overlap each
- *  other or memory the backend already manages (its own or another cache's
- *  pools); as kvport_cache_create for a bad config or num_blocks. */
+ *  other or memory a backend already manages: adopted ranges are
+ *  process-wide, so memory adopted or allocated through ANY kvport_backend
+ *  handle of the same memory (host memory; one device) is refused, the
+ *  message naming both ranges, until that cache is destroyed; as
+ *  kvport_cache_create for a bad config or num_blocks (0 included). */
 KVPORT_API kvport_status kvport_cache_create_adopted(const kvport_config* config, size_t num_blocks,
                                                      kvport_backend* backend,
                                                      const kvport_pool* pools, size_t num_pools,

@@ -153,8 +153,12 @@ impl PagedKvCache {
     /// # Safety
     /// The memory must stay valid, and not be used as another cache's pools,
     /// until the cache is dropped (kvport reads and writes it meanwhile).
-    /// `InvalidArgument`, naming the pool, for a wrong count, a null or
-    /// misaligned base, too few bytes or pools that overlap.
+    /// `InvalidArgument`, naming the pool, for a wrong count, 0 blocks, a null
+    /// or misaligned base, too few bytes, pools that overlap, or memory any
+    /// cache of the process already holds: adopted ranges are process-wide,
+    /// so memory adopted or allocated through any [`Backend`] of the same
+    /// memory (host memory; one device) is refused, naming both ranges, until
+    /// that cache is dropped.
     pub unsafe fn adopt(
         config: KvCacheConfig,
         num_blocks: usize,

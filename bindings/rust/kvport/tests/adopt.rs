@@ -84,3 +84,82 @@ fn a_cache_over_the_engines_memory() {
         .is_adopted());
     drop(memory);
 }
+
+/// Adopted ranges are process-wide: a second `Backend` (another engine in the
+/// same process) can adopt neither the memory a cache of the first adopted
+/// nor the pools a cache of the first allocated; dropping the first cache
+/// frees the range.
+#[test]
+fn two_backends_cannot_adopt_the_same_memory() {
+    let first = Backend::host().unwrap();
+    let second = Backend::host().unwrap();
+    let mut memory = vec![0u128; 4 * 1024 / 16];
+    let base = memory.as_mut_ptr() as *mut u8;
+    let pools: Vec<(*mut c_void, usize)> = (0..4)
+        .map(|i| (unsafe { base.add(i * 1024) } as *mut c_void, 1024))
+        .collect();
+    let cache = unsafe { PagedKvCache::adopt(config(), 4, &first, &pools) }.unwrap();
+    match unsafe { PagedKvCache::adopt(config(), 4, &second, &pools) } {
+        Err(KvError::InvalidArgument(m)) => assert!(
+            m.contains("pool 0 (layer 0 K)")
+                && m.contains("overlaps an adopted range")
+                && m.contains("of another host backend object (host memory)"),
+            "{}",
+            m
+        ),
+        other => panic!(
+            "expected InvalidArgument, got {:?}",
+            other.map(|c| c.num_blocks())
+        ),
+    }
+    drop(cache);
+    let again = unsafe { PagedKvCache::adopt(config(), 4, &second, &pools) }.unwrap();
+    assert!(again.is_adopted());
+    drop(again);
+
+    // A cache the first backend allocated: its pools are not the second's.
+    let owner = PagedKvCache::new(config(), 4, &first).unwrap();
+    let views: Vec<(*mut c_void, usize)> = (0..4)
+        .map(|i| {
+            let p = if i % 2 == 0 {
+                owner.k_cache_ptr(i / 2, 0)
+            } else {
+                owner.v_cache_ptr(i / 2, 0)
+            };
+            (p.unwrap().as_ptr(), 1024)
+        })
+        .collect();
+    match unsafe { PagedKvCache::adopt(config(), 4, &second, &views) } {
+        Err(KvError::InvalidArgument(m)) => {
+            assert!(m.contains("overlaps a live allocation"), "{}", m)
+        }
+        other => panic!(
+            "expected InvalidArgument, got {:?}",
+            other.map(|c| c.num_blocks())
+        ),
+    }
+    drop(owner);
+    drop(memory);
+}
+
+#[test]
+fn zero_blocks_is_refused() {
+    let backend = Backend::host().unwrap();
+    match PagedKvCache::adopted_pool_bytes(&config(), 0) {
+        Err(KvError::InvalidArgument(m)) => assert!(m.contains("num_blocks must be > 0"), "{}", m),
+        other => panic!("expected InvalidArgument, got {:?}", other),
+    }
+    let mut memory = vec![0u128; 4 * 1024 / 16];
+    let base = memory.as_mut_ptr() as *mut u8;
+    let pools: Vec<(*mut c_void, usize)> = (0..4)
+        .map(|i| (unsafe { base.add(i * 1024) } as *mut c_void, 1024))
+        .collect();
+    match unsafe { PagedKvCache::adopt(config(), 0, &backend, &pools) } {
+        Err(KvError::InvalidArgument(m)) => assert!(m.contains("num_blocks must be > 0"), "{}", m),
+        other => panic!(
+            "expected InvalidArgument, got {:?}",
+            other.map(|c| c.num_blocks())
+        ),
+    }
+    drop(memory);
+}
