@@ -25,6 +25,17 @@
 #include "kvport/platform/error.hpp"
 #include "kvport/testing/support.hpp"
 
+#if KVPORT_CONFORMANCE_CUDA
+// The runtimes' C API (file scope: C linkage), declared here so that the suite
+// needs no vendor headers.
+extern "C" int cudaMalloc(void** ptr, std::size_t bytes);
+extern "C" int cudaFree(void* ptr);
+#endif
+#if KVPORT_CONFORMANCE_HIP
+extern "C" int hipMalloc(void** ptr, std::size_t bytes);
+extern "C" int hipFree(void* ptr);
+#endif
+
 namespace kvport::conformance {
 namespace {
 
@@ -167,16 +178,6 @@ TEST_P(Conformance, WrapStreamRefusesWhatItCannotWrap) {
 }
 
 // ---- the engine's memory -----------------------------------------------------------
-
-#if KVPORT_CONFORMANCE_CUDA
-// The runtime's C API, declared here so that the suite needs no CUDA headers.
-extern "C" int cudaMalloc(void** ptr, std::size_t bytes);
-extern "C" int cudaFree(void* ptr);
-#endif
-#if KVPORT_CONFORMANCE_HIP
-extern "C" int hipMalloc(void** ptr, std::size_t bytes);
-extern "C" int hipFree(void* ptr);
-#endif
 
 void* engine_malloc(const std::string& backend, std::size_t bytes) {
   if (backend == "host" || backend == "fault_host")
