@@ -5,7 +5,10 @@
 // here, the savings against full attention, the presets that must agree with
 // the fixtures, and the configs that must be refused.
 #include <cstddef>
+#include <fstream>
+#include <iterator>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cli_test_util.hpp"
@@ -437,6 +440,41 @@ TEST(cli_hybrid_plan, PlainModelsKeepTheirReport) {
     EXPECT_TRUE(plain.json().contains("bytes_per_block"));
     EXPECT_EQ(plain.json()["groups"].size(), 1u);
   }
+}
+
+// ---- text_config beside a top level that repeats num_hidden_layers --------------------
+
+// A multimodal wrapper whose top level repeats num_hidden_layers while the
+// hybrid fields (layer_types, sliding_window) sit in text_config: the plan is
+// text_config's, as for gpt-oss-20b itself (two groups of 12 layers).
+std::string wrapped_gpt_oss_20b(std::string_view top_level_fields) {
+  std::ifstream in(fixture("gpt-oss-20b"));
+  const std::string inner((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return R"({"model_type": "wrapper", )" + std::string(top_level_fields) + R"("text_config": )" +
+         inner + "}";
+}
+
+TEST(cli_hybrid_plan, TextConfigShapesTheCacheWhenTheTopLevelRepeatsTheLayerCount) {
+  const TempFile config("config.json", wrapped_gpt_oss_20b(R"("num_hidden_layers": 24, )"));
+  const CliResult r = plan_json({"--hf-config", config.path()});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = r.json();
+  expect_consistent(j);
+  ASSERT_EQ(j["groups"].size(), 2u);
+  EXPECT_EQ(j["groups"][0]["kind"], "sliding_window");
+  EXPECT_EQ(j["groups"][0]["bytes_per_token"], 12u * 2048u);
+  EXPECT_EQ(j["groups"][1]["bytes_per_token"], 12u * 2048u);
+  EXPECT_DOUBLE_EQ(j["ratio_to_all_full"].get<double>(), 2057.0 / 4096.0);
+}
+
+TEST(cli_hybrid_plan, TopLevelAndTextConfigThatDisagreeAreRefused) {
+  const TempFile layers("config.json", wrapped_gpt_oss_20b(R"("num_hidden_layers": 36, )"));
+  expect_bad_input(plan_json({"--hf-config", layers.path()}),
+                   "'num_hidden_layers' is 36 at the top level but 24 in text_config; kvport "
+                   "cannot tell which one shapes the KV cache (make them equal or remove one)");
+  const TempFile window("config.json", wrapped_gpt_oss_20b(R"("sliding_window": 4096, )"));
+  expect_bad_input(plan_json({"--hf-config", window.path()}),
+                   "'sliding_window' is 4096 at the top level but 128 in text_config");
 }
 
 }  // namespace

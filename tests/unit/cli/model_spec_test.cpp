@@ -79,6 +79,43 @@ TEST(cli_model_spec, HfConfigTextConfigOfMultimodalModels) {
   EXPECT_EQ(f.head_dim, 128u);
 }
 
+// text_config shapes the cache whenever it holds a shaping field, even when
+// the top level repeats one; a field only the top level holds is read too,
+// and one both hold with different values is refused.
+TEST(cli_model_spec, HfConfigTextConfigBesideTopLevelFields) {
+  const HfConfigFields agree = parse_hf_config(
+      R"({"model_type": "llava", "num_hidden_layers": 32, "head_dim": 64,
+          "text_config": {"num_hidden_layers": 32, "num_attention_heads": 32,
+                          "num_key_value_heads": 8, "hidden_size": 4096}})",
+      "x");
+  EXPECT_EQ(agree.num_layers, 32u);
+  EXPECT_EQ(agree.num_kv_heads, 8u);  // text_config's, not the top level's (none)
+  EXPECT_EQ(agree.head_dim, 64u);     // only at the top level: read from there
+  EXPECT_EQ(agree.name, "llava");
+  const HfConfigFields top = parse_hf_config(
+      R"({"num_hidden_layers": 4, "num_attention_heads": 8, "hidden_size": 512,
+          "text_config": {"model_type": "llama", "vocab_size": 100}})",
+      "x");
+  EXPECT_EQ(top.num_layers, 4u);  // text_config holds no shaping field: the top level
+  EXPECT_EQ(top.head_dim, 64u);
+  const HfConfigFields nulls = parse_hf_config(
+      R"({"num_hidden_layers": null, "num_key_value_heads": 2,
+          "text_config": {"num_hidden_layers": 6, "num_key_value_heads": null,
+                          "num_attention_heads": 4, "hidden_size": 256}})",
+      "x");
+  EXPECT_EQ(nulls.num_layers, 6u);    // a null is absent: no disagreement
+  EXPECT_EQ(nulls.num_kv_heads, 2u);  // text_config's null filled from the top level
+  EXPECT_THAT(message_of<InvalidArgument>([] {
+                parse_hf_config(
+                    R"({"num_hidden_layers": 32, "num_key_value_heads": 4,
+                        "text_config": {"num_hidden_layers": 32, "num_key_value_heads": 8,
+                                        "num_attention_heads": 32, "hidden_size": 4096}})",
+                    "cfg.json");
+              }),
+              HasSubstr("HF config 'cfg.json': 'num_key_value_heads' is 4 at the top level but 8 "
+                        "in text_config"));
+}
+
 TEST(cli_model_spec, HfConfigErrorsNameTheSource) {
   EXPECT_THAT(message_of<InvalidArgument>([] { parse_hf_config("{", "cfg.json"); }),
               HasSubstr("HF config 'cfg.json': not valid JSON"));

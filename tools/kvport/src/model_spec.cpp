@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -40,6 +41,52 @@ constexpr std::array<std::string_view, 7> kShapeKeys{
 bool is_shape_key(std::string_view key) {
   return std::find(kShapeKeys.begin(), kShapeKeys.end(), key) != kShapeKeys.end() ||
          is_layer_key(key);
+}
+
+// A key that shapes the KV cache: a shape or layer key other than the names
+// (a multimodal config's top-level model_type, "gemma3", legitimately differs
+// from its text_config's, "gemma3_text").
+bool is_cache_shaping_key(std::string_view key) {
+  return key != "_name_or_path" && key != "model_type" && is_shape_key(key);
+}
+
+// A value for an error line: its JSON, cut short (a layer_types list has one
+// entry per layer).
+std::string value_text(const json& value) {
+  return text::one_line(value.dump(), 40);
+}
+
+// Multimodal configs (Llava, Gemma 3, Llama 4, ...) keep the language model's
+// shape in "text_config", which is what transformers' get_text_config() and
+// vLLM read; some also repeat a few of its fields at the top level. When
+// text_config holds any cache-shaping key, the model is text_config, with the
+// shaping keys only the top level holds added (vLLM falls back to the top
+// level's torch_dtype so); a key both hold with different values is refused,
+// as kvport cannot tell which one the engine uses. Otherwise the model is the
+// top level. Returns the merged object, or nullopt for the top level.
+// Cost: one copy of text_config's kept keys.
+std::optional<json> text_model(const json& root, std::string_view source) {
+  const auto text = root.find("text_config");
+  if (text == root.end() || !text->is_object()) return std::nullopt;
+  // A null field is an absent one, on either side.
+  bool shapes = false;
+  for (const auto& item : text->items())
+    shapes = shapes || (is_cache_shaping_key(item.key()) && !item.value().is_null());
+  if (!shapes) return std::nullopt;
+  json merged = *text;
+  for (const auto& item : root.items()) {
+    if (!is_cache_shaping_key(item.key()) || item.value().is_null()) continue;
+    const auto inner = text->find(item.key());
+    if (inner == text->end() || inner->is_null()) {
+      merged[item.key()] = item.value();
+    } else if (*inner != item.value()) {
+      throw InvalidArgument(fmt::format(
+          "HF config '{}': '{}' is {} at the top level but {} in text_config; kvport cannot tell "
+          "which one shapes the KV cache (make them equal or remove one)",
+          source, item.key(), value_text(item.value()), value_text(*inner)));
+    }
+  }
+  return merged;
 }
 
 // The family keys (hf_layers.hpp) of one object that were not kept: a few
@@ -166,17 +213,11 @@ HfConfigFields parse_hf_config(std::string_view json_text, std::string_view sour
     }
   }
 
-  // Multimodal configs (Llava, Gemma 3, ...) keep the language model's shape in
-  // "text_config".
-  const json* model = &root;
-  bool nested = false;
-  if (!root.contains("num_hidden_layers")) {
-    const auto it = root.find("text_config");
-    if (it != root.end() && it->is_object()) {
-      model = &*it;
-      nested = true;
-    }
-  }
+  // The language model's fields: text_config's when it holds any (text_model).
+  const std::optional<json> text = text_model(root, source);
+  const json* model = text ? &*text : &root;
+  const bool nested = text.has_value();
+  if (nested) unkept_text.insert(unkept_text.end(), unkept_top.begin(), unkept_top.end());
   const HfFields config(*model, source);
 
   fields.num_layers = config.count("num_hidden_layers");

@@ -88,9 +88,13 @@ struct HfConfigFields {
 ///   kinds: MLA (kv_lora_rank), sliding window (layer_types, a pattern or
 ///   sliding_window), chunked attention, linear attention and Mamba state.
 /// A multimodal config that nests its language model under "text_config" is
-/// read from there. Fields that are absent or null stay empty. Throws
-/// InvalidArgument naming `source` when the text is empty, not JSON (a NUL
-/// byte included), nested deeper than kMaxHfConfigDepth or not an object, when
+/// read from there whenever text_config holds any field that shapes the cache
+/// (even when the top level repeats num_hidden_layers), with the shaping
+/// fields only the top level holds (torch_dtype) added. Fields that are absent
+/// or null stay empty. Throws InvalidArgument naming `source` when the text is
+/// empty, not JSON (a NUL byte included), nested deeper than kMaxHfConfigDepth
+/// or not an object, when the top level and text_config give one shaping field
+/// different values (the line names the field and both values), when
 /// a field has the wrong type or a value <= 0, when num_hidden_layers exceeds
 /// kMaxModelLayers, when hidden_size is not a multiple of
 /// num_attention_heads, and when the layers cannot be read: an unknown
