@@ -24,6 +24,8 @@
 namespace kvport {
 namespace {
 
+using kvport::testing::gpusim_free_native;
+using kvport::testing::gpusim_malloc_native;
 using kvport::testing::gpusim_stats;
 using kvport::testing::GpusimStats;
 using kvport::testing::make_gpusim_backend;
@@ -485,20 +487,22 @@ class GpusimAdopted : public ::testing::TestWithParam<KvCacheLayout> {
 };
 
 TEST_P(GpusimAdopted, SameOperationsSameBytesAsAnOwnedCache) {
-  // The engine's memory is simulated device memory another context
-  // allocated; the GPU backend's code (range checks against the adopted
-  // ranges, the device pool table, batched kernels) runs over it as over its
-  // own pools, and the bytes match an owned cache's after the same work.
-  auto engine = make_gpusim_backend(64 * kMiB);
+  // The engine's memory is simulated device memory the engine allocated
+  // itself (cudaMalloc; another backend's allocation cannot be adopted:
+  // adopted ranges are process-wide); the GPU backend's code (range checks
+  // against the adopted ranges, the device pool table, batched kernels) runs
+  // over it as over its own pools, and the bytes match an owned cache's after
+  // the same work.
   auto backend = make_gpusim_backend(64 * kMiB);
   const KvCacheConfig config = sim_config(GetParam());
   constexpr std::size_t kBlocks = 40;  // past the by-value limits: staged uploads too
   std::vector<DevicePtr> memory;
   std::vector<AdoptedPool> pools;
   for (std::size_t bytes : PagedKvCache::adopted_pool_bytes(config, kBlocks)) {
-    memory.push_back(engine->alloc(bytes));
+    memory.push_back(DevicePtr::from(gpusim_malloc_native(bytes)));
     pools.push_back({memory.back(), bytes});
   }
+  DevicePtr probe;  // layer 0 K of block 1: in pool 0 in both layouts
   {
     PagedKvCache owned(config, kBlocks, *backend, PagedKvCacheOptions{false});
     PagedKvCache adopted(config, kBlocks, *backend, pools, PagedKvCacheOptions{false});
@@ -536,8 +540,9 @@ TEST_P(GpusimAdopted, SameOperationsSameBytesAsAnOwnedCache) {
       }
     }
     // The bytes are in the engine's memory.
+    probe = adopted.k_cache_ptr(0, 1);
     Bytes first(1);
-    engine->copy_d2h(first.data(), adopted.k_cache_ptr(0, 1), 1, engine->default_stream());
+    backend->copy_d2h(first.data(), probe, 1, backend->default_stream());
     EXPECT_EQ(first[0], 0xFF);
     // A prefix cache and a host tier build over the adopted pools (their
     // round trips over adopted pools run on the host backend:
@@ -548,9 +553,18 @@ TEST_P(GpusimAdopted, SameOperationsSameBytesAsAnOwnedCache) {
     HostTier tier(pc, options, s);
     EXPECT_EQ(tier.slot_bytes(), config.bytes_per_block());
   }
-  // Never freed: the engine frees its own memory, once.
+  // Never freed, and free again once the cache is gone: another backend
+  // object adopts pool 0 and finds the cache's bytes there.
+  {
+    auto engine = make_gpusim_backend(64 * kMiB);
+    AdoptedMemory again = engine->adopt_memory(pools[0].base, pools[0].bytes);
+    Bytes first(1);
+    engine->copy_d2h(first.data(), probe, 1, engine->default_stream());
+    EXPECT_EQ(first[0], 0xFF);
+  }
+  // The engine frees its own memory.
   for (DevicePtr p : memory)
-    EXPECT_TRUE(engine->free(p));
+    gpusim_free_native(p.get());
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GpusimAdopted,
