@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "kvport/platform/error.hpp"
+#include "store_file.hpp"
 
 #if KVPORT_HAVE_LIBURING
 #include <liburing.h>
@@ -456,26 +457,21 @@ std::unique_ptr<FileIo> open_file_io(const std::filesystem::path& path,
   if (options.read_only && options.create) {
     throw InvalidArgument("open_file_io: " + path.string() + ": create with read_only");
   }
-  int flags = (options.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC;
+  int flags = options.read_only ? O_RDONLY : O_RDWR;
   if (options.create) flags |= O_CREAT;
   bool direct = options.direct;
   std::string direct_note;
-  int fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
+  // Never through a symbolic link, regular files only (detail::open_regular).
+  int fd = detail::open_regular(path, flags | (direct ? O_DIRECT : 0));
   if (fd < 0 && direct && errno == EINVAL) {
     direct_note = "O_DIRECT refused at open: " + errno_text(EINVAL);
     direct = false;
-    fd = ::open(path.c_str(), flags, 0644);
+    fd = detail::open_regular(path, flags);
   }
   if (fd < 0) {
     const int e = errno;
-    throw InvalidArgument("cannot open " + path.string() +
-                          (options.read_only ? " for reading: " : " for reading and writing: ") +
-                          errno_text(e));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw InvalidArgument(path.string() + " is not a regular file");
+    throw InvalidArgument(detail::open_failure(
+        path, e, options.read_only ? "open for reading" : "open for reading and writing"));
   }
   if (!options.direct) direct_note.clear();
 

@@ -203,8 +203,9 @@ TEST_F(DiskStoreTest, BadOptionsAndDirectoriesAreOneLineErrors) {
     f << "{not json";
   }
   EXPECT_THROW((void)DiskStore::open(o), InvalidArgument);
-  // Mis-sized arguments.
-  std::filesystem::remove(dir_.path() / "tier" / "kvport-disk.json");
+  // Mis-sized arguments (a fresh directory: one whose description is gone
+  // is not a store, and its files are not removed for a new one).
+  std::filesystem::remove_all(dir_.path() / "tier");
   auto s = DiskStore::open(o);
   const auto a = chain(4, 2);
   std::vector<std::byte> small(10);

@@ -43,7 +43,8 @@ std::vector<LayoutField> layout_fields(const KvCacheConfig& config);
 struct DiskStoreOptions {
   /// The directory of the store: created when missing (not with read_only);
   /// holds kvport-disk.json (format, geometry, layout key), blocks.dat (the
-  /// slots) and index.log (the records).
+  /// slots), index.log (the records) and kvport-disk.lock. An existing
+  /// directory must be a store (its kvport-disk.json) or empty.
   std::filesystem::path dir;
   /// Blocks the store holds. In [1, kMaxSlots]. An existing directory must
   /// have been made with the same count.
@@ -138,11 +139,22 @@ struct DiskStoreCounters {
 /// Not thread-safe (like the tiers above it).
 class DiskStore {
  public:
-  /// Opens (or creates) the store. Throws InvalidArgument with one line that
+  /// Opens (or creates) the store. Cost: the data file's preallocation
+  /// (fallocate, at every writer's open) and one pass over the index,
+  /// streamed through a 256 KiB buffer (memory O(num_slots) whatever the
+  /// index's size; an index mostly of superseded records is rewritten).
+  /// Every file of the store is opened without following symbolic links and
+  /// must be a regular file. A refused open leaves the directory as it was:
+  /// what this open made (directories, description, lock, data and index
+  /// files) is removed again. Throws InvalidArgument with one line that
   /// names the reason: options out of range, a directory that cannot be
-  /// created or written, one made for another layout (naming the first
-  /// differing field) or slot count, one held by another process, not
-  /// enough space for the data file (ENOSPC at preallocation).
+  /// created or written, a non-empty directory that is not a store (no
+  /// kvport-disk.json: nothing in it is deleted or overwritten), a file of
+  /// the store that is a symbolic link, FIFO, directory or device (naming
+  /// it), a description that is not one (naming the field), one made for
+  /// another layout (naming the first differing field) or slot count, one
+  /// held by another process, not enough space for the data file (ENOSPC at
+  /// preallocation).
   static std::unique_ptr<DiskStore> open(const DiskStoreOptions& options);
   ~DiskStore();
   DiskStore(const DiskStore&) = delete;

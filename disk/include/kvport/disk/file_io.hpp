@@ -162,10 +162,12 @@ class FileIo {
   virtual bool do_read_only() const noexcept = 0;
 };
 
-/// Opens `path` as options say. Throws InvalidArgument naming the path and
-/// the reason when it cannot be opened (missing and not created, not
-/// writable, a directory) or options are out of range, or io_uring was asked
-/// for and is unavailable.
+/// Opens `path` as options say, never through a symbolic link (O_NOFOLLOW)
+/// and only a regular file (checked with fstat after an O_NONBLOCK open, so a
+/// FIFO cannot block it). Throws InvalidArgument naming the path and the
+/// reason when it cannot be opened (missing and not created, not writable, a
+/// symbolic link, a directory, FIFO, socket or device) or options are out of
+/// range, or io_uring was asked for and is unavailable.
 std::unique_ptr<FileIo> open_file_io(const std::filesystem::path& path,
                                      const FileIoOptions& options);
 
