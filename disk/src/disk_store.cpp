@@ -337,6 +337,13 @@ struct DiskStore::State {
   std::vector<Record> pending;  // erase records not yet appended
   FileIoOptions index_io;       // how the index is (re)opened
   bool detached = false;
+  // Why the index could not be written at the last try, if it could not:
+  // no room to reserve for a put's records (cleared by a reservation that
+  // succeeds), or a failed append or sync (cleared by one that succeeds).
+  // Meanwhile puts evict nothing: a good block is never given up for one
+  // that may not be recorded.
+  enum class IndexTrouble : std::uint8_t { none, no_room, failed };
+  IndexTrouble index_trouble = IndexTrouble::none;
   LowerTierStore::Listener* listener = nullptr;
   DiskStoreCounters counters;
 
@@ -417,13 +424,14 @@ struct DiskStore::State {
 
   // A slot for a new block: a free one, else the least recently used
   // block's (dropped from the index before its slot is overwritten).
+  // While the index cannot be written, no block is evicted: free slots only.
   std::optional<std::uint32_t> take_slot() {
     if (!free_slots.empty()) {
       const std::uint32_t slot = free_slots.back();
       free_slots.pop_back();
       return slot;
     }
-    if (lru.empty()) return std::nullopt;
+    if (lru.empty() || index_trouble != IndexTrouble::none) return std::nullopt;
     Slot& victim = lru.front();
     const auto slot = static_cast<std::uint32_t>(&victim - slots.data());
     by_hash.erase(victim.hash);
@@ -484,12 +492,49 @@ struct DiskStore::State {
     const IoRequest req{IoOp::write, index_end, bytes.data(), bytes.size(), 0};
     IoResult res;
     index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
-    bool ok = res.error == 0;
-    if (ok) ok = index->sync() == 0;
+    int error = res.error;
+    if (error == 0) error = index->sync();
     add_elapsed(counters.index_ns, t0);
-    if (!ok) return false;
+    if (error != 0) {
+      index_failed(IndexTrouble::failed, error);
+      return false;
+    }
     index_end += bytes.size();
     pending.clear();
+    index_recovered(IndexTrouble::failed);
+    return true;
+  }
+
+  // The index could not be written (counted; said once until it can be).
+  void index_failed(IndexTrouble why, int error) {
+    ++counters.index_failures;
+    if (index_trouble == IndexTrouble::none) {
+      log::warn(fmt::format(
+          "disk tier {}: the index cannot be written ({}: {}); puts evict nothing and take only "
+          "free slots until it can, and what is stored is still served",
+          dir.string(), why == IndexTrouble::no_room ? "no room for its records" : "append failed",
+          errno_text(error)));
+    }
+    index_trouble = why;
+  }
+
+  void index_recovered(IndexTrouble cleared) {
+    if (index_trouble != cleared) return;
+    index_trouble = IndexTrouble::none;
+    log::info(fmt::format("disk tier {}: the index can be written again", dir.string()));
+  }
+
+  // Room for `records` more records after the pending ones, reserved before
+  // any slot is taken for them: a full file system refuses the put here, with
+  // no block evicted and no data written. False (counted) when refused.
+  bool reserve_index(std::size_t records) {
+    const std::uint64_t bytes = (pending.size() + records) * std::uint64_t{kRecordBytes};
+    const int e = index->reserve(index_end, bytes);
+    if (e != 0) {
+      index_failed(IndexTrouble::no_room, e);
+      return false;
+    }
+    index_recovered(IndexTrouble::no_room);
     return true;
   }
 
@@ -963,8 +1008,8 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
   // While the store runs, the index is bounded too: every put and erase adds
   // a record, and past 4 records a slot it is rewritten with the live ones.
   if (s.index_end / kRecordBytes > 4 * std::uint64_t{s.options.num_slots} + 1024) (void)s.compact();
-  std::vector<State::Item> wave;
-  std::vector<State::Item> written;
+  // The blocks to write: not stored already, admitted.
+  std::vector<std::size_t> todo;
   absl::flat_hash_set<BlockHash, BlockHashHasher> in_batch;
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     const BlockHash& h = hashes[i];
@@ -979,6 +1024,17 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
         continue;
       }
     }
+    in_batch.insert(h);
+    todo.push_back(i);
+  }
+  if (todo.empty()) return 0;
+  if (!s.reserve_index(std::min(todo.size(), s.options.num_slots))) {
+    s.counters.write_failures += todo.size();
+    return 0;
+  }
+  std::vector<State::Item> wave;
+  std::vector<State::Item> written;
+  for (std::size_t i : todo) {
     // Images written straight from the caller's memory need no buffer, and
     // FileIo keeps queue_depth of them in flight: one wave takes them all.
     const bool direct = s.direct_from(images[i].data());
@@ -992,13 +1048,12 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
       ++s.counters.dropped_puts;
       continue;
     }
-    in_batch.insert(h);
     std::optional<std::uint32_t> buf;
     if (!direct) {
       buf = s.free_staging.back();
       s.free_staging.pop_back();
     }
-    wave.push_back(State::Item{*slot, h, images[i].data(), buf, 0});
+    wave.push_back(State::Item{*slot, hashes[i], images[i].data(), buf, 0});
   }
   if (!wave.empty()) s.write_wave(wave, written);
   return s.publish(written);
@@ -1154,6 +1209,9 @@ std::size_t DiskStore::quarantined_slots() const noexcept {
 bool DiskStore::detached() const noexcept {
   return state_->detached;
 }
+bool DiskStore::index_failing() const noexcept {
+  return state_->index_trouble != State::IndexTrouble::none;
+}
 const DiskStoreOptions& DiskStore::options() const noexcept {
   return state_->options;
 }
@@ -1166,6 +1224,7 @@ std::string DiskStore::io_description() const {
   std::string d = s.data->describe();
   if (!s.options.read_only)
     d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+  if (s.index_trouble != State::IndexTrouble::none) d += "; index cannot be written";
   return d;
 }
 

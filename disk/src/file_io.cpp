@@ -84,6 +84,11 @@ int FileIo::allocate(std::uint64_t bytes) {
   if (read_only()) throw InvalidArgument("FileIo::allocate: the file is opened read-only");
   return do_allocate(bytes);
 }
+int FileIo::reserve(std::uint64_t offset, std::uint64_t bytes) {
+  if (read_only()) throw InvalidArgument("FileIo::reserve: the file is opened read-only");
+  if (bytes == 0) return 0;
+  return do_reserve(offset, bytes);
+}
 std::optional<std::uint64_t> FileIo::size() {
   return do_size();
 }
@@ -142,6 +147,16 @@ class PosixFile : public FileIo {
     struct stat st {};
     if (::fstat(fd_, &st) == 0 && st.st_size >= len) return 0;
     return ::ftruncate(fd_, len) == 0 ? 0 : errno;
+  }
+
+  int do_reserve(std::uint64_t offset, std::uint64_t bytes) override {
+    if (::fallocate(fd_, FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                    static_cast<off_t>(bytes)) == 0) {
+      return 0;
+    }
+    const int e = errno;
+    // Nothing to reserve with on this file system: the writes will tell.
+    return e == EOPNOTSUPP || e == ENOSYS ? 0 : e;
   }
 
   std::optional<std::uint64_t> do_size() override {
@@ -606,6 +621,12 @@ int FaultInjectingFileIo::do_allocate(std::uint64_t bytes) {
   int e = 0;
   if (fire(IoStep::allocate, std::nullopt, e)) return e;
   return inner_->allocate(bytes);
+}
+
+int FaultInjectingFileIo::do_reserve(std::uint64_t offset, std::uint64_t bytes) {
+  int e = 0;
+  if (fire(IoStep::allocate, std::nullopt, e)) return e;
+  return inner_->reserve(offset, bytes);
 }
 
 std::optional<std::uint64_t> FaultInjectingFileIo::do_size() {

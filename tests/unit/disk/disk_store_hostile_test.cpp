@@ -2,8 +2,10 @@
 // DiskStore in a directory it cannot trust (issue 31): links and FIFOs planted
 // under the store's names, a directory of someone else's files, a description
 // that is not one, an index far larger than the store could have written, a
-// refused open. The store reads and writes only regular files of its own,
-// deletes nothing it did not make, and leaves nothing behind when it refuses.
+// refused open, an index that cannot be written. The store reads and writes
+// only regular files of its own, deletes nothing it did not make, leaves
+// nothing behind when it refuses, and never gives up a good block for one it
+// cannot record.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -316,6 +318,74 @@ TEST_F(HostileDirTest, AHugeIndexIsStreamedInBoundedMemoryAndCompacted) {
     return put(*s, chain(5, 2)) == 2 ? 0 : 7;
   }));
 #endif
+}
+
+// ---- an index that cannot be written ------------------------------------------------------
+
+class IndexFailureTest : public HostileDirTest {
+ protected:
+  // A full store of 4 good blocks, its index file wrapped for faults.
+  std::unique_ptr<DiskStore> full_store() {
+    auto o = options(4);
+    o.wrap_io = [this](std::string_view file,
+                       std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
+      if (file != "index") return io;
+      auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
+      index_ = f.get();
+      return f;
+    };
+    auto s = DiskStore::open(o);
+    EXPECT_EQ(put(*s, good_), 4u);
+    return s;
+  }
+  const std::vector<BlockHash> good_ = chain(6, 4);
+  FaultInjectingFileIo* index_ = nullptr;
+};
+
+TEST_F(IndexFailureTest, NoRoomForRecordsRefusesPutsWithoutEvictingAGoodBlock) {
+  auto s = full_store();
+  // A file system with room for the data (preallocated) but not the index.
+  index_->plan(IoFault{IoStep::allocate, std::nullopt, ENOSPC, 0, 1000});
+  index_->plan(IoFault{IoStep::complete, IoOp::write, ENOSPC, 0, 1000});
+  for (std::uint32_t k = 0; k < 5; ++k)
+    EXPECT_EQ(put(*s, chain(100 + k, 1)), 0u);
+  EXPECT_EQ(s->counters().evictions, 0u);
+  EXPECT_EQ(s->counters().index_failures, 5u);
+  EXPECT_EQ(s->counters().write_failures, 5u);
+  EXPECT_EQ(s->counters().writes, 4u) << "a put wrote data it could not record";
+  EXPECT_TRUE(s->index_failing());
+  EXPECT_NE(s->io_description().find("index cannot be written"), std::string::npos);
+  EXPECT_EQ(get(*s, good_), 4u);  // what is durable is still served
+  EXPECT_TRUE(s->check_invariants().empty());
+  // Room again: the store goes on.
+  index_->clear();
+  EXPECT_EQ(put(*s, chain(200, 1)), 1u);
+  EXPECT_FALSE(s->index_failing());
+  EXPECT_EQ(s->counters().evictions, 1u);
+}
+
+TEST_F(IndexFailureTest, AFailingAppendStopsEvictionUntilAnAppendSucceeds) {
+  auto s = full_store();
+  // Room is reserved, but every append fails (EIO): the first put's slot
+  // was taken before the failure could be known; after it, none is: puts of
+  // 2 and 3 blocks take the one free slot and evict nothing more.
+  index_->plan(IoFault{IoStep::complete, IoOp::write, EIO, 0, 1000});
+  for (std::uint32_t k = 0; k < 3; ++k)
+    EXPECT_EQ(put(*s, chain(300 + k, k + 1)), 0u);
+  EXPECT_EQ(s->counters().evictions, 1u);
+  EXPECT_EQ(s->counters().dropped_puts, 1u + 2u);  // no slot to take without evicting
+  EXPECT_TRUE(s->index_failing());
+  EXPECT_EQ(s->counters().index_failures, 3u);
+  const std::vector<BlockHash> kept(good_.begin() + 1, good_.end());
+  for (const BlockHash& h : kept)
+    EXPECT_TRUE(s->contains(h));
+  EXPECT_EQ(get(*s, kept), 3u);
+  EXPECT_TRUE(s->check_invariants().empty());
+  index_->clear();
+  EXPECT_EQ(put(*s, chain(400, 1)), 1u);  // into the free slot: a successful append
+  EXPECT_FALSE(s->index_failing());
+  EXPECT_EQ(put(*s, chain(401, 1)), 1u);  // evicting again
+  EXPECT_EQ(s->counters().evictions, 2u);
 }
 
 }  // namespace

@@ -559,6 +559,7 @@ class OrphaningFileIo final : public FileIo {
   }
   int do_sync() override { return inner_->sync(); }
   int do_allocate(std::uint64_t b) override { return inner_->allocate(b); }
+  int do_reserve(std::uint64_t o, std::uint64_t b) override { return inner_->reserve(o, b); }
   std::optional<std::uint64_t> do_size() override { return inner_->size(); }
   bool do_linked() override { return inner_->linked(); }
   std::vector<std::uint64_t> do_reap_orphans(bool) override { return std::exchange(pending_, {}); }

@@ -92,7 +92,9 @@ struct DiskStoreCounters {
   std::uint64_t write_bytes = 0;  ///< bytes of those (block_bytes each)
   std::uint64_t reads = 0;        ///< blocks read, verified and returned
   std::uint64_t read_bytes = 0;
-  std::uint64_t write_failures = 0;     ///< blocks whose write or sync failed: not published
+  /// Blocks not published because their write, a sync or the index failed
+  /// (a put refused for want of room for its records counts its blocks here).
+  std::uint64_t write_failures = 0;
   std::uint64_t read_failures = 0;      ///< blocks whose read failed or came short: dropped
   std::uint64_t checksum_failures = 0;  ///< blocks read whose bytes did not match: dropped
   std::uint64_t timeouts = 0;           ///< block I/Os past io_timeout
@@ -109,6 +111,10 @@ struct DiskStoreCounters {
   /// process (the store then serves and takes nothing).
   std::uint64_t dropped_detached = 0;
   std::uint64_t journal_compactions = 0;
+  /// Times the index could not be written: no room to reserve for a put's
+  /// records (the put is refused before it evicts or writes anything), or an
+  /// append or its sync failed. See DiskStore::index_failing().
+  std::uint64_t index_failures = 0;
   std::uint64_t write_ns = 0;  ///< time in data writes and their syncs
   std::uint64_t read_ns = 0;   ///< time in data reads
   std::uint64_t index_ns = 0;  ///< time appending and syncing index records
@@ -201,8 +207,17 @@ class DiskStore {
   std::size_t quarantined_slots() const noexcept;
   /// Whether a file of the store was found deleted under the process.
   bool detached() const noexcept;
+  /// Whether the index could not be written at the last try (no room for a
+  /// put's records, or an append or sync failed). Meanwhile put() evicts no
+  /// stored block (it takes free slots only, and a put whose records find
+  /// no room is refused before it writes anything), get_prefix() serves
+  /// what is durable, and the first append or reservation that succeeds
+  /// ends it. O(1).
+  bool index_failing() const noexcept;
   /// "io_uring (queue depth 16), O_DIRECT; preallocated": the data file's I/O
-  /// path and any fallback in use, with its reason.
+  /// path and any fallback in use, with its reason ("; sparse (no
+  /// fallocate)" where the file system has none; "; index cannot be
+  /// written" while index_failing()).
   std::string io_description() const;
   const DiskStoreOptions& options() const noexcept;
   const DiskStoreCounters& counters() const noexcept;

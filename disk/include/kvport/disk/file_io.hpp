@@ -122,6 +122,13 @@ class FileIo {
   /// preallocated() turns false. 0 or the errno value (ENOSPC: not enough
   /// space).
   int allocate(std::uint64_t bytes);
+  /// Reserves space for `bytes` at `offset` without changing the file's
+  /// size (fallocate with FALLOC_FL_KEEP_SIZE), so that writes there cannot
+  /// find the file system full. One system call. 0 (also where the file
+  /// system cannot reserve: nothing reserved, the writes will tell) or the
+  /// errno value (ENOSPC: not enough space). Throws InvalidArgument on a
+  /// read-only file.
+  int reserve(std::uint64_t offset, std::uint64_t bytes);
   /// The file's size in bytes, or nullopt when fstat fails.
   std::optional<std::uint64_t> size();
   /// Whether the file still has a name (fstat's link count > 0): a file
@@ -152,6 +159,7 @@ class FileIo {
                       std::chrono::milliseconds deadline, const IoHooks& hooks) = 0;
   virtual int do_sync() = 0;
   virtual int do_allocate(std::uint64_t bytes) = 0;
+  virtual int do_reserve(std::uint64_t offset, std::uint64_t bytes) = 0;
   virtual std::optional<std::uint64_t> do_size() = 0;
   virtual bool do_linked() = 0;
   virtual std::vector<std::uint64_t> do_reap_orphans(bool wait) = 0;
@@ -183,7 +191,7 @@ enum class IoStep : std::uint8_t {
   short_io,  ///< the request is issued, reported as having moved half its bytes
   timeout,   ///< the request is not issued and reported as past its deadline
   sync,      ///< sync() returns the error
-  allocate,  ///< allocate() returns the error
+  allocate,  ///< allocate() or reserve() returns the error
 };
 
 /// One planned fault: the (skip + 1)-th event of `step` (restricted to `op`
@@ -222,6 +230,7 @@ class FaultInjectingFileIo final : public FileIo {
               std::chrono::milliseconds deadline, const IoHooks& hooks) override;
   int do_sync() override;
   int do_allocate(std::uint64_t bytes) override;
+  int do_reserve(std::uint64_t offset, std::uint64_t bytes) override;
   std::optional<std::uint64_t> do_size() override;
   bool do_linked() override;
   std::vector<std::uint64_t> do_reap_orphans(bool wait) override;
