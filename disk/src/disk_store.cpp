@@ -512,7 +512,8 @@ struct DiskStore::State {
       log::warn(fmt::format(
           "disk tier {}: the index cannot be written ({}: {}); puts evict nothing and take only "
           "free slots until it can, and what is stored is still served",
-          dir.string(), why == IndexTrouble::no_room ? "no room for its records" : "append failed",
+          dir.string(),
+          why == IndexTrouble::no_room ? "no room for its records" : "append or sync failed",
           errno_text(error)));
     }
     index_trouble = why;
@@ -529,7 +530,9 @@ struct DiskStore::State {
   // no block evicted and no data written. False (counted) when refused.
   bool reserve_index(std::size_t records) {
     const std::uint64_t bytes = (pending.size() + records) * std::uint64_t{kRecordBytes};
+    const auto t0 = Clock::now();
     const int e = index->reserve(index_end, bytes);
+    add_elapsed(counters.index_ns, t0);
     if (e != 0) {
       index_failed(IndexTrouble::no_room, e);
       return false;

@@ -117,7 +117,7 @@ struct DiskStoreCounters {
   std::uint64_t index_failures = 0;
   std::uint64_t write_ns = 0;  ///< time in data writes and their syncs
   std::uint64_t read_ns = 0;   ///< time in data reads
-  std::uint64_t index_ns = 0;  ///< time appending and syncing index records
+  std::uint64_t index_ns = 0;  ///< time reserving, appending and syncing index records
 };
 
 /// KV-cache blocks on disk.
