@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "kvport/platform/error.hpp"
 
@@ -33,6 +34,14 @@ int open_regular(const std::filesystem::path& path, int flags, mode_t mode) {
     ::close(fd);
     throw InvalidArgument(path.string() + " is " + kind +
                           ", not a regular file: a disk store uses only regular files of its own "
+                          "(refused)");
+  }
+  // A file opened for writing must have no other name: a hard link is a
+  // regular file too, and would carry the store's writes to a file outside.
+  if ((flags & O_ACCMODE) != O_RDONLY && st.st_nlink > 1) {
+    ::close(fd);
+    throw InvalidArgument(path.string() + " has " + std::to_string(st.st_nlink) +
+                          " names (hard links): a disk store writes only files of its own "
                           "(refused)");
   }
   // Back to blocking I/O (io_uring would otherwise answer EAGAIN where the

@@ -22,7 +22,8 @@ std::string file_kind(mode_t mode);
 /// O_NONBLOCK. Returns the descriptor, or -1 with errno set when open(2)
 /// failed (ELOOP: `path` is a symbolic link). Throws InvalidArgument naming
 /// the path and what it is when it opened something other than a regular
-/// file. One open and one fstat.
+/// file, or, for writing, a file with another name (a hard link). One open
+/// and one fstat.
 int open_regular(const std::filesystem::path& path, int flags, mode_t mode = 0644);
 
 /// The one-line reason why open_regular(path) failed with `error`, for a

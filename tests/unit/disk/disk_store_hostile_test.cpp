@@ -127,6 +127,21 @@ TEST_F(HostileDirTest, AStoreFileThatIsASymbolicLinkIsRefusedAndItsTargetUntouch
   }
 }
 
+TEST_F(HostileDirTest, AStoreFileWithAnotherNameIsNotWrittenThrough) {
+  for (const char* name : {"blocks.dat", "index.log"}) {
+    SCOPED_TRACE(name);
+    fs::remove_all(tier());
+    { auto s = DiskStore::open(options()); }
+    const fs::path target = victim();
+    fs::remove(tier() / name);
+    fs::create_hard_link(target, tier() / name);  // a regular file, with two names
+    const std::string why = refusal(options());
+    EXPECT_TRUE(contains(why, (tier() / name).string()) && contains(why, "hard links")) << why;
+    EXPECT_EQ(text_of(target), kPrecious) << "the store wrote through the hard link";
+    fs::remove(tier() / name);
+  }
+}
+
 TEST_F(HostileDirTest, ALinkPlantedAsTheTemporaryFileIsReplacedNotWrittenThrough) {
   // The description's temporary, in a directory being made a store.
   fs::create_directories(tier());
