@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -29,6 +30,7 @@
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "store_file.hpp"
 
 namespace kvport::disk {
 
@@ -51,6 +53,8 @@ constexpr const char* kHashScheme = "xxh3-128 chained, unseeded";
 // hash high, checksum of the block's bytes, reserved, checksum of the 56
 // bytes before it.
 constexpr std::size_t kRecordBytes = 64;
+// Records read at once when the index is replayed at open (256 KiB).
+constexpr std::uint64_t kIndexChunkRecords = 4096;
 constexpr std::uint32_t kRecordMagic = 0x5244564Bu;  // "KVDR"
 enum class RecordKind : std::uint8_t { put = 1, erase = 2 };
 
@@ -138,11 +142,16 @@ struct AlignedFree {
 };
 
 // Writes a whole small file durably: a temporary beside it, fsync, rename,
-// fsync of the directory.
+// fsync of the directory. The temporary is the store's own name: whatever is
+// there (a leftover of a crash, a link planted there) is unlinked first and
+// the file made anew (O_EXCL, never through a link).
 void write_file_durably(const fs::path& path, const std::string& text) {
   const fs::path tmp = path.string() + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw InvalidArgument("cannot write " + tmp.string() + ": " + errno_text(errno));
+  if (::unlink(tmp.c_str()) != 0 && errno != ENOENT) {
+    throw InvalidArgument("cannot remove " + tmp.string() + ": " + errno_text(errno));
+  }
+  const int fd = detail::open_regular(tmp, O_WRONLY | O_CREAT | O_EXCL);
+  if (fd < 0) throw InvalidArgument(detail::open_failure(tmp, errno, "write"));
   std::size_t done = 0;
   while (done < text.size()) {
     const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
@@ -150,6 +159,7 @@ void write_file_durably(const fs::path& path, const std::string& text) {
     if (n <= 0) {
       const int e = n < 0 ? errno : EIO;
       ::close(fd);
+      (void)::unlink(tmp.c_str());
       throw InvalidArgument("cannot write " + tmp.string() + ": " + errno_text(e));
     }
     done += static_cast<std::size_t>(n);
@@ -157,15 +167,55 @@ void write_file_durably(const fs::path& path, const std::string& text) {
   const bool synced = ::fsync(fd) == 0;
   const int sync_error = errno;
   ::close(fd);
-  if (!synced) throw InvalidArgument("cannot sync " + tmp.string() + ": " + errno_text(sync_error));
+  if (!synced) {
+    (void)::unlink(tmp.c_str());
+    throw InvalidArgument("cannot sync " + tmp.string() + ": " + errno_text(sync_error));
+  }
   std::error_code ec;
   fs::rename(tmp, path, ec);
-  if (ec) throw InvalidArgument("cannot rename " + tmp.string() + ": " + ec.message());
+  if (ec) {
+    (void)::unlink(tmp.c_str());
+    throw InvalidArgument("cannot rename " + tmp.string() + ": " + ec.message());
+  }
   const int dfd = ::open(path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     (void)::fsync(dfd);
     ::close(dfd);
   }
+}
+
+// The description file's text: a regular file (never through a link, never
+// a FIFO) of at most kMaxMetaBytes.
+constexpr std::size_t kMaxMetaBytes = 1 << 20;
+std::string read_description(const fs::path& path) {
+  const int fd = detail::open_regular(path, O_RDONLY);
+  if (fd < 0) throw InvalidArgument(detail::open_failure(path, errno, "read"));
+  std::string text;
+  std::array<char, 4096> chunk{};
+  for (;;) {
+    const ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      throw InvalidArgument("cannot read " + path.string() + ": " + errno_text(e));
+    }
+    if (n == 0) break;
+    text.append(chunk.data(), static_cast<std::size_t>(n));
+    if (text.size() > kMaxMetaBytes) {
+      ::close(fd);
+      throw InvalidArgument(fmt::format("{} is larger than {} bytes: not a disk store description",
+                                        path.string(), kMaxMetaBytes));
+    }
+  }
+  ::close(fd);
+  return text;
+}
+
+// Whether something (of any kind, a dangling link included) has this name.
+bool name_taken(const fs::path& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0;
 }
 
 nlohmann::json meta_json(const DiskStoreOptions& o, std::size_t stride) {
@@ -190,6 +240,18 @@ std::string first_difference(const nlohmann::json& disk, const nlohmann::json& h
   const nlohmann::json& a = disk.contains("layout") ? disk.at("layout") : nlohmann::json::array();
   const nlohmann::json& b = here.at("layout");
   if (!a.is_array()) return "field 'layout' is not a list in the directory";
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const nlohmann::json& e = a[i];
+    if (!e.is_object() || !e.contains("name") || !e.at("name").is_string() ||
+        !e.contains("value") || !e.at("value").is_string()) {
+      std::string text = e.dump();
+      if (text.size() > 60) text = text.substr(0, 57) + "...";
+      return fmt::format(
+          "field 'layout' entry {} is {} in the directory, not an object with a string 'name' "
+          "and 'value'",
+          i, text);
+    }
+  }
   const std::size_t n = std::max(a.size(), b.size());
   for (std::size_t i = 0; i < n; ++i) {
     if (i >= a.size()) {
@@ -275,6 +337,13 @@ struct DiskStore::State {
   std::vector<Record> pending;  // erase records not yet appended
   FileIoOptions index_io;       // how the index is (re)opened
   bool detached = false;
+  // Why the index could not be written at the last try, if it could not:
+  // no room to reserve for a put's records (cleared by a reservation that
+  // succeeds), or a failed append or sync (cleared by one that succeeds).
+  // Meanwhile puts evict nothing: a good block is never given up for one
+  // that may not be recorded.
+  enum class IndexTrouble : std::uint8_t { none, no_room, failed };
+  IndexTrouble index_trouble = IndexTrouble::none;
   LowerTierStore::Listener* listener = nullptr;
   DiskStoreCounters counters;
 
@@ -355,13 +424,14 @@ struct DiskStore::State {
 
   // A slot for a new block: a free one, else the least recently used
   // block's (dropped from the index before its slot is overwritten).
+  // While the index cannot be written, no block is evicted: free slots only.
   std::optional<std::uint32_t> take_slot() {
     if (!free_slots.empty()) {
       const std::uint32_t slot = free_slots.back();
       free_slots.pop_back();
       return slot;
     }
-    if (lru.empty()) return std::nullopt;
+    if (lru.empty() || index_trouble != IndexTrouble::none) return std::nullopt;
     Slot& victim = lru.front();
     const auto slot = static_cast<std::uint32_t>(&victim - slots.data());
     by_hash.erase(victim.hash);
@@ -422,12 +492,52 @@ struct DiskStore::State {
     const IoRequest req{IoOp::write, index_end, bytes.data(), bytes.size(), 0};
     IoResult res;
     index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
-    bool ok = res.error == 0;
-    if (ok) ok = index->sync() == 0;
+    int error = res.error;
+    if (error == 0) error = index->sync();
     add_elapsed(counters.index_ns, t0);
-    if (!ok) return false;
+    if (error != 0) {
+      index_failed(IndexTrouble::failed, error);
+      return false;
+    }
     index_end += bytes.size();
     pending.clear();
+    index_recovered(IndexTrouble::failed);
+    return true;
+  }
+
+  // The index could not be written (counted; said once until it can be).
+  void index_failed(IndexTrouble why, int error) {
+    ++counters.index_failures;
+    if (index_trouble == IndexTrouble::none) {
+      log::warn(fmt::format(
+          "disk tier {}: the index cannot be written ({}: {}); puts evict nothing and take only "
+          "free slots until it can, and what is stored is still served",
+          dir.string(),
+          why == IndexTrouble::no_room ? "no room for its records" : "append or sync failed",
+          errno_text(error)));
+    }
+    index_trouble = why;
+  }
+
+  void index_recovered(IndexTrouble cleared) {
+    if (index_trouble != cleared) return;
+    index_trouble = IndexTrouble::none;
+    log::info(fmt::format("disk tier {}: the index can be written again", dir.string()));
+  }
+
+  // Room for `records` more records after the pending ones, reserved before
+  // any slot is taken for them: a full file system refuses the put here, with
+  // no block evicted and no data written. False (counted) when refused.
+  bool reserve_index(std::size_t records) {
+    const std::uint64_t bytes = (pending.size() + records) * std::uint64_t{kRecordBytes};
+    const auto t0 = Clock::now();
+    const int e = index->reserve(index_end, bytes);
+    add_elapsed(counters.index_ns, t0);
+    if (e != 0) {
+      index_failed(IndexTrouble::no_room, e);
+      return false;
+    }
+    index_recovered(IndexTrouble::no_room);
     return true;
   }
 
@@ -576,8 +686,60 @@ void check_options(const DiskStoreOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// What one open made (directories, files), removed again when the open is
+// refused: a refused open leaves the directory as it found it. Only what
+// this open created is ever removed.
+class Undo {
+ public:
+  Undo() = default;
+  Undo(const Undo&) = delete;
+  Undo& operator=(const Undo&) = delete;
+  ~Undo() {
+    if (done_) return;
+    std::error_code ec;
+    for (auto it = made_.rbegin(); it != made_.rend(); ++it)
+      fs::remove(*it, ec);  // a directory only when empty again
+  }
+  void made(const fs::path& path) { made_.push_back(path); }
+  void keep() noexcept { done_ = true; }
+
+ private:
+  std::vector<fs::path> made_;
+  bool done_ = false;
+};
+
+// Names a store may hold before its description exists: the lock and the
+// description's temporary (a crash while the store was being made).
+bool part_of_a_new_store(const fs::path& name) {
+  return name == kLockName || name == std::string(kMetaName) + ".tmp";
+}
+
+// The entries of `dir` that no new store would have made, at most 3 names
+// (for the message) and whether there are more.
+std::vector<std::string> foreign_entries(const fs::path& dir, bool& more) {
+  std::vector<std::string> names;
+  more = false;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path name = it->path().filename();
+    if (part_of_a_new_store(name)) continue;
+    if (names.size() == 3) {
+      more = true;
+      break;
+    }
+    names.push_back(name.string());
+  }
+  if (ec) names.push_back("(cannot list it: " + ec.message() + ")");
+  return names;
+}
+
+}  // namespace
+
 std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   check_options(options);
+  Undo undo;  // declared first: runs after the state (its files) is closed
   auto st = std::make_unique<State>();
   State& s = *st;
   s.options = options;
@@ -589,24 +751,52 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   std::error_code ec;
   if (!fs::exists(s.dir, ec)) {
     if (options.read_only) throw InvalidArgument(where + ": no such directory");
+    // The directories this open makes, outermost first.
+    std::vector<fs::path> missing;
+    for (fs::path p = s.dir; !p.empty() && !name_taken(p); p = p.parent_path()) {
+      missing.push_back(p);
+      if (p == p.parent_path()) break;
+    }
     fs::create_directories(s.dir, ec);
     if (ec) throw InvalidArgument(where + ": cannot create the directory: " + ec.message());
+    for (auto it = missing.rbegin(); it != missing.rend(); ++it)
+      undo.made(*it);
   }
   if (!fs::is_directory(s.dir, ec)) throw InvalidArgument(where + ": not a directory");
   if (!options.read_only && ::access(s.dir.c_str(), W_OK) != 0) {
     throw InvalidArgument(where + ": the directory is not writable: " + errno_text(errno));
   }
 
+  // A directory without a description is a store only when it is empty (or
+  // holds what a store being made had made): kvport never deletes or
+  // overwrites a file it did not make.
+  const fs::path meta_path = s.dir / kMetaName;
+  const auto refuse_foreign = [&] {
+    bool more = false;
+    const std::vector<std::string> names = foreign_entries(s.dir, more);
+    if (names.empty()) return;
+    std::string list;
+    for (const std::string& n : names)
+      list += (list.empty() ? "'" : ", '") + n + "'";
+    throw InvalidArgument(fmt::format(
+        "{}: not a kvport disk store (no {}) and not empty: it holds {}{}; refused (kvport never "
+        "deletes or overwrites files it did not make: give an empty or new directory)",
+        where, kMetaName, list, more ? " and more" : ""));
+  };
+  if (!options.read_only && !name_taken(meta_path)) refuse_foreign();
+
   // One writer, or any number of readers.
   const fs::path lock_path = s.dir / kLockName;
-  s.lock_fd = ::open(lock_path.c_str(),
-                     (options.read_only ? O_RDONLY : O_RDWR | O_CREAT) | O_CLOEXEC, 0644);
+  const bool lock_existed = name_taken(lock_path);
+  s.lock_fd = detail::open_regular(lock_path, options.read_only ? O_RDONLY : O_RDWR | O_CREAT);
   if (s.lock_fd < 0) {
-    throw InvalidArgument(where +
-                          (options.read_only ? ": not a disk tier (no lock file): "
-                                             : ": cannot create its lock file: ") +
-                          errno_text(errno));
+    const int e = errno;
+    if (options.read_only && e == ENOENT) {
+      throw InvalidArgument(where + ": not a disk tier (no lock file): " + errno_text(e));
+    }
+    throw InvalidArgument(where + ": " + detail::open_failure(lock_path, e, "open its lock file"));
   }
+  if (!lock_existed) undo.made(lock_path);
   if (::flock(s.lock_fd, (options.read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
     throw InvalidArgument(where + ": in use by another process (" +
                           (options.read_only ? "writing" : "reading or writing") + ")");
@@ -614,12 +804,16 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
 
   // The description: compared when present, written when new.
   const nlohmann::json here = meta_json(options, s.stride);
-  const fs::path meta_path = s.dir / kMetaName;
-  if (fs::exists(meta_path, ec)) {
+  if (name_taken(meta_path)) {
+    std::string text;
+    try {
+      text = read_description(meta_path);
+    } catch (const InvalidArgument& e) {
+      throw InvalidArgument(where + ": " + e.what());
+    }
     nlohmann::json disk;
     try {
-      std::ifstream in(meta_path);
-      disk = nlohmann::json::parse(in);
+      disk = nlohmann::json::parse(text);
     } catch (const std::exception& e) {
       throw InvalidArgument(where + ": " + kMetaName + " is not valid JSON: " + e.what());
     }
@@ -628,10 +822,9 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   } else {
     if (options.read_only)
       throw InvalidArgument(where + ": not a disk tier (no " + kMetaName + ")");
-    // A directory without its description holds nothing valid.
-    fs::remove(s.dir / kDataName, ec);
-    fs::remove(s.dir / kIndexName, ec);
+    refuse_foreign();  // again, under the lock
     write_file_durably(meta_path, here.dump(2) + "\n");
+    undo.made(meta_path);
   }
 
   auto wrap = [&](std::string_view name, std::unique_ptr<FileIo> io) {
@@ -643,76 +836,84 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   data_io.read_only = options.read_only;
   data_io.create = !options.read_only;
   data_io.queue_depth = options.queue_depth;
+  const bool data_existed = name_taken(s.dir / kDataName);
   s.data = wrap("data", open_file_io(s.dir / kDataName, data_io));
+  if (!data_existed) undo.made(s.dir / kDataName);
   FileIoOptions index_io = data_io;
   index_io.direct = false;  // 64-byte records
   index_io.engine = IoEngine::sync;
   index_io.queue_depth = 1;
+  const bool index_existed = name_taken(s.dir / kIndexName);
   s.index = wrap("index", open_file_io(s.dir / kIndexName, index_io));
+  if (!index_existed) undo.made(s.dir / kIndexName);
 
   if (!options.read_only) {
-    const std::optional<std::uint64_t> size = s.data->size();
-    if (!size || *size < data_bytes) {
-      const std::uint64_t had = size.value_or(0);
-      struct statvfs vfs {};
-      const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
-      const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
-      const auto refuse = [&](int e) {
-        throw InvalidArgument(
-            fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}", where,
-                        options.num_slots, s.stride, data_bytes,
-                        known ? fmt::format(", {} bytes free", free_bytes) : "", errno_text(e)));
-      };
-      // Refused before allocating: a file system that cannot hold the file
-      // is never filled up to the last block on the way to ENOSPC.
-      if (known && data_bytes - had > free_bytes) refuse(ENOSPC);
-      const int e = s.data->allocate(data_bytes);
-      if (e != 0) {
-        // A failed fallocate may keep what it allocated: give it back.
-        if (had == 0) {
-          fs::remove(s.dir / kDataName, ec);
-        } else {
-          (void)::truncate((s.dir / kDataName).c_str(), static_cast<off_t>(had));
-        }
-        refuse(e);
+    // Allocated at every writer's open, not only at creation: a file made
+    // sparse (truncated, holes punched) gets its blocks again, and
+    // preallocated() says what is true of this file now.
+    const std::uint64_t had = s.data->size().value_or(0);
+    struct statvfs vfs {};
+    const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
+    const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
+    const auto refuse = [&](int e) {
+      throw InvalidArgument(fmt::format("{}: cannot allocate {} slots of {} bytes ({} bytes{}): {}",
+                                        where, options.num_slots, s.stride, data_bytes,
+                                        known ? fmt::format(", {} bytes free", free_bytes) : "",
+                                        errno_text(e)));
+    };
+    // Refused before allocating: a file system that cannot hold the file
+    // is never filled up to the last block on the way to ENOSPC.
+    if (known && had < data_bytes && data_bytes - had > free_bytes) refuse(ENOSPC);
+    const int e = s.data->allocate(data_bytes);
+    if (e != 0) {
+      // A failed fallocate may keep what it allocated: give it back (a file
+      // this open made is removed by `undo`).
+      if (data_existed && had < data_bytes) {
+        (void)::truncate((s.dir / kDataName).c_str(), static_cast<off_t>(had));
       }
+      refuse(e);
     }
   }
   const std::uint64_t data_size = s.data->size().value_or(0);
 
-  // Replay the index: each slot belongs to its last valid put record (unless
-  // an erase of the same block follows it).
+  // Replay the index, streamed through a bounded buffer (an index of any
+  // size costs kIndexChunkRecords records of memory): each slot belongs to
+  // its last valid put record (unless an erase of the same block follows it).
   s.slots = std::vector<Slot>(options.num_slots);
   const std::uint64_t index_size = s.index->size().value_or(0);
   const std::uint64_t whole = index_size / kRecordBytes * kRecordBytes;
   if (index_size != whole) ++s.counters.dropped_at_open;  // a torn last record
-  std::vector<std::byte> bytes(static_cast<std::size_t>(whole));
-  if (whole > 0) {
-    const IoRequest req{IoOp::read, 0, bytes.data(), bytes.size(), 0};
+  s.index_end = whole;
+  const std::uint64_t n_records = whole / kRecordBytes;
+  std::vector<Record> owner(options.num_slots);
+  std::vector<bool> owned(options.num_slots, false);
+  std::vector<std::byte> chunk(
+      static_cast<std::size_t>(std::min<std::uint64_t>(n_records, kIndexChunkRecords)) *
+      kRecordBytes);
+  for (std::uint64_t at = 0; at < whole;) {
+    const auto len = static_cast<std::size_t>(std::min<std::uint64_t>(chunk.size(), whole - at));
+    const IoRequest req{IoOp::read, at, chunk.data(), len, 0};
     IoResult res;
     s.index->run(std::span(&req, 1), std::span(&res, 1), options.io_timeout);
     if (res.error != 0) {
       throw InvalidArgument(where + ": cannot read " + kIndexName + ": " + errno_text(res.error));
     }
-  }
-  s.index_end = whole;
-  const std::size_t n_records = static_cast<std::size_t>(whole / kRecordBytes);
-  std::vector<Record> owner(options.num_slots);
-  std::vector<bool> owned(options.num_slots, false);
-  for (std::size_t i = 0; i < n_records; ++i) {
-    const std::optional<Record> r = decode(bytes.data() + i * kRecordBytes);
-    if (!r || r->slot >= options.num_slots || r->bytes != options.block_bytes) {
-      ++s.counters.dropped_at_open;
-      continue;
+    for (std::size_t off = 0; off < len; off += kRecordBytes) {
+      const std::optional<Record> r = decode(chunk.data() + off);
+      if (!r || r->slot >= options.num_slots || r->bytes != options.block_bytes) {
+        ++s.counters.dropped_at_open;
+        continue;
+      }
+      s.next_seq = std::max(s.next_seq, r->seq + 1);
+      if (owned[r->slot] && owner[r->slot].seq > r->seq) continue;  // older than what we have
+      if (r->kind == RecordKind::put) {
+        owner[r->slot] = *r;
+        owned[r->slot] = true;
+      } else if (owned[r->slot] && owner[r->slot].hash == r->hash) {
+        owned[r->slot] = false;
+      }
     }
-    s.next_seq = std::max(s.next_seq, r->seq + 1);
-    if (owned[r->slot] && owner[r->slot].seq > r->seq) continue;  // older than what we have
-    if (r->kind == RecordKind::put) {
-      owner[r->slot] = *r;
-      owned[r->slot] = true;
-    } else if (owned[r->slot] && owner[r->slot].hash == r->hash) {
-      owned[r->slot] = false;
-    }
+    at += len;
   }
   // Records past the end of a truncated data file, and the older copy of a
   // block stored twice, are dropped.
@@ -776,6 +977,7 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
                     "the data file); {} blocks recovered",
                     where, s.counters.dropped_at_open, s.counters.recovered));
   }
+  undo.keep();
   return std::unique_ptr<DiskStore>(new DiskStore(std::move(st)));
 }
 
@@ -809,8 +1011,8 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
   // While the store runs, the index is bounded too: every put and erase adds
   // a record, and past 4 records a slot it is rewritten with the live ones.
   if (s.index_end / kRecordBytes > 4 * std::uint64_t{s.options.num_slots} + 1024) (void)s.compact();
-  std::vector<State::Item> wave;
-  std::vector<State::Item> written;
+  // The blocks to write: not stored already, admitted.
+  std::vector<std::size_t> todo;
   absl::flat_hash_set<BlockHash, BlockHashHasher> in_batch;
   for (std::size_t i = 0; i < hashes.size(); ++i) {
     const BlockHash& h = hashes[i];
@@ -825,6 +1027,17 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
         continue;
       }
     }
+    in_batch.insert(h);
+    todo.push_back(i);
+  }
+  if (todo.empty()) return 0;
+  if (!s.reserve_index(std::min(todo.size(), s.options.num_slots))) {
+    s.counters.write_failures += todo.size();
+    return 0;
+  }
+  std::vector<State::Item> wave;
+  std::vector<State::Item> written;
+  for (std::size_t i : todo) {
     // Images written straight from the caller's memory need no buffer, and
     // FileIo keeps queue_depth of them in flight: one wave takes them all.
     const bool direct = s.direct_from(images[i].data());
@@ -838,13 +1051,12 @@ std::size_t DiskStore::put(std::span<const BlockHash> hashes,
       ++s.counters.dropped_puts;
       continue;
     }
-    in_batch.insert(h);
     std::optional<std::uint32_t> buf;
     if (!direct) {
       buf = s.free_staging.back();
       s.free_staging.pop_back();
     }
-    wave.push_back(State::Item{*slot, h, images[i].data(), buf, 0});
+    wave.push_back(State::Item{*slot, hashes[i], images[i].data(), buf, 0});
   }
   if (!wave.empty()) s.write_wave(wave, written);
   return s.publish(written);
@@ -1000,6 +1212,9 @@ std::size_t DiskStore::quarantined_slots() const noexcept {
 bool DiskStore::detached() const noexcept {
   return state_->detached;
 }
+bool DiskStore::index_failing() const noexcept {
+  return state_->index_trouble != State::IndexTrouble::none;
+}
 const DiskStoreOptions& DiskStore::options() const noexcept {
   return state_->options;
 }
@@ -1012,6 +1227,7 @@ std::string DiskStore::io_description() const {
   std::string d = s.data->describe();
   if (!s.options.read_only)
     d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+  if (s.index_trouble != State::IndexTrouble::none) d += "; index cannot be written";
   return d;
 }
 

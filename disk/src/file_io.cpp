@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "kvport/platform/error.hpp"
+#include "store_file.hpp"
 
 #if KVPORT_HAVE_LIBURING
 #include <liburing.h>
@@ -83,6 +84,11 @@ int FileIo::allocate(std::uint64_t bytes) {
   if (read_only()) throw InvalidArgument("FileIo::allocate: the file is opened read-only");
   return do_allocate(bytes);
 }
+int FileIo::reserve(std::uint64_t offset, std::uint64_t bytes) {
+  if (read_only()) throw InvalidArgument("FileIo::reserve: the file is opened read-only");
+  if (bytes == 0) return 0;
+  return do_reserve(offset, bytes);
+}
 std::optional<std::uint64_t> FileIo::size() {
   return do_size();
 }
@@ -141,6 +147,16 @@ class PosixFile : public FileIo {
     struct stat st {};
     if (::fstat(fd_, &st) == 0 && st.st_size >= len) return 0;
     return ::ftruncate(fd_, len) == 0 ? 0 : errno;
+  }
+
+  int do_reserve(std::uint64_t offset, std::uint64_t bytes) override {
+    if (::fallocate(fd_, FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+                    static_cast<off_t>(bytes)) == 0) {
+      return 0;
+    }
+    const int e = errno;
+    // Nothing to reserve with on this file system: the writes will tell.
+    return e == EOPNOTSUPP || e == ENOSYS ? 0 : e;
   }
 
   std::optional<std::uint64_t> do_size() override {
@@ -456,26 +472,21 @@ std::unique_ptr<FileIo> open_file_io(const std::filesystem::path& path,
   if (options.read_only && options.create) {
     throw InvalidArgument("open_file_io: " + path.string() + ": create with read_only");
   }
-  int flags = (options.read_only ? O_RDONLY : O_RDWR) | O_CLOEXEC;
+  int flags = options.read_only ? O_RDONLY : O_RDWR;
   if (options.create) flags |= O_CREAT;
   bool direct = options.direct;
   std::string direct_note;
-  int fd = ::open(path.c_str(), flags | (direct ? O_DIRECT : 0), 0644);
+  // Never through a symbolic link, regular files only (detail::open_regular).
+  int fd = detail::open_regular(path, flags | (direct ? O_DIRECT : 0));
   if (fd < 0 && direct && errno == EINVAL) {
     direct_note = "O_DIRECT refused at open: " + errno_text(EINVAL);
     direct = false;
-    fd = ::open(path.c_str(), flags, 0644);
+    fd = detail::open_regular(path, flags);
   }
   if (fd < 0) {
     const int e = errno;
-    throw InvalidArgument("cannot open " + path.string() +
-                          (options.read_only ? " for reading: " : " for reading and writing: ") +
-                          errno_text(e));
-  }
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw InvalidArgument(path.string() + " is not a regular file");
+    throw InvalidArgument(detail::open_failure(
+        path, e, options.read_only ? "open for reading" : "open for reading and writing"));
   }
   if (!options.direct) direct_note.clear();
 
@@ -610,6 +621,12 @@ int FaultInjectingFileIo::do_allocate(std::uint64_t bytes) {
   int e = 0;
   if (fire(IoStep::allocate, std::nullopt, e)) return e;
   return inner_->allocate(bytes);
+}
+
+int FaultInjectingFileIo::do_reserve(std::uint64_t offset, std::uint64_t bytes) {
+  int e = 0;
+  if (fire(IoStep::allocate, std::nullopt, e)) return e;
+  return inner_->reserve(offset, bytes);
 }
 
 std::optional<std::uint64_t> FaultInjectingFileIo::do_size() {

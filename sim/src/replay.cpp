@@ -233,7 +233,9 @@ class ReplayWorkload final : public Workload {
     RequestState& state = state_[id];
     BlockTable& table = *state.table;
     const TokenId token = unique_token(id, table.num_tokens());
-    table.append_tokens({&token, 1}, stream_);       // a full block is registered in the cache
+    const std::size_t full = table.num_tokens() / bs_;
+    table.append_tokens({&token, 1}, stream_);  // a full block is registered in the cache
+    write_contents(table, full);
     if (table.last_block_fill() == 1) track_peak();  // took a new block
     ++state.generated;
     ++result_.generated_tokens;
@@ -264,7 +266,9 @@ class ReplayWorkload final : public Workload {
       table.release();
       return false;
     }
+    const std::size_t full = table.num_tokens() / bs_;
     table.append_tokens(rest, stream_);
+    write_contents(table, full);
     track_peak();
     if (!state.admitted) {
       state.admitted = true;
@@ -356,6 +360,34 @@ class ReplayWorkload final : public Workload {
     return div_ceil(context, bs_) - on_device <= prefix_.num_available_blocks();
   }
 
+  // With a lower tier the blocks reach a disk, where a reader (a restarted
+  // run, a test) checks what it finds: each block that became full from
+  // block `first` on, and is cached under a hash, gets its content: every K
+  // and V block of it holds that hash (low then high, little-endian)
+  // repeated. The cache's memory is otherwise never written: the blocks
+  // would carry whatever the heap held.
+  void write_contents(const BlockTable& table, std::size_t first) {
+    if (!options_.lower_tier) return;
+    PagedKvCache& kv = prefix_.kv_cache();
+    for (std::size_t i = first; i < table.num_tokens() / bs_; ++i) {
+      const BlockId block = table.blocks()[i];
+      const std::optional<BlockHash> hash = prefix_.hash_of(block);
+      if (!hash) continue;  // another block holds its hash: this one never leaves
+      for (std::size_t layer = 0; layer < kv.num_layers(); ++layer) {
+        const auto fill = [&](std::vector<std::uint8_t>& bytes, std::size_t n) {
+          bytes.resize(n);
+          for (std::size_t j = 0; j < n; ++j) {
+            const std::uint64_t word = j % 16 < 8 ? hash->low : hash->high;
+            bytes[j] = static_cast<std::uint8_t>(word >> (8 * (j % 8)));
+          }
+        };
+        fill(k_content_, kv.k_block_bytes(layer));
+        fill(v_content_, kv.v_block_bytes(layer));
+        kv.write_block(layer, block, k_content_, v_content_, stream_);
+      }
+    }
+  }
+
   ReplayProgress progress(const Scheduler& scheduler) const {
     ReplayProgress p;
     p.now_ms = scheduler.now_ms();
@@ -410,6 +442,8 @@ class ReplayWorkload final : public Workload {
   std::size_t finished_ = 0;  // completed or rejected
   std::size_t admitted_ = 0;  // requests admitted at least once
   std::vector<TokenId> scratch_;
+  std::vector<std::uint8_t> k_content_;  // write_contents' buffers
+  std::vector<std::uint8_t> v_content_;
   ReplayResult result_;
 };
 

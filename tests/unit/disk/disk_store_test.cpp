@@ -203,8 +203,9 @@ TEST_F(DiskStoreTest, BadOptionsAndDirectoriesAreOneLineErrors) {
     f << "{not json";
   }
   EXPECT_THROW((void)DiskStore::open(o), InvalidArgument);
-  // Mis-sized arguments.
-  std::filesystem::remove(dir_.path() / "tier" / "kvport-disk.json");
+  // Mis-sized arguments (a fresh directory: one whose description is gone
+  // is not a store, and its files are not removed for a new one).
+  std::filesystem::remove_all(dir_.path() / "tier");
   auto s = DiskStore::open(o);
   const auto a = chain(4, 2);
   std::vector<std::byte> small(10);
@@ -558,6 +559,7 @@ class OrphaningFileIo final : public FileIo {
   }
   int do_sync() override { return inner_->sync(); }
   int do_allocate(std::uint64_t b) override { return inner_->allocate(b); }
+  int do_reserve(std::uint64_t o, std::uint64_t b) override { return inner_->reserve(o, b); }
   std::optional<std::uint64_t> do_size() override { return inner_->size(); }
   bool do_linked() override { return inner_->linked(); }
   std::vector<std::uint64_t> do_reap_orphans(bool) override { return std::exchange(pending_, {}); }

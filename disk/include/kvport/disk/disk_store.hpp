@@ -43,7 +43,8 @@ std::vector<LayoutField> layout_fields(const KvCacheConfig& config);
 struct DiskStoreOptions {
   /// The directory of the store: created when missing (not with read_only);
   /// holds kvport-disk.json (format, geometry, layout key), blocks.dat (the
-  /// slots) and index.log (the records).
+  /// slots), index.log (the records) and kvport-disk.lock. An existing
+  /// directory must be a store (its kvport-disk.json) or empty.
   std::filesystem::path dir;
   /// Blocks the store holds. In [1, kMaxSlots]. An existing directory must
   /// have been made with the same count.
@@ -91,7 +92,9 @@ struct DiskStoreCounters {
   std::uint64_t write_bytes = 0;  ///< bytes of those (block_bytes each)
   std::uint64_t reads = 0;        ///< blocks read, verified and returned
   std::uint64_t read_bytes = 0;
-  std::uint64_t write_failures = 0;     ///< blocks whose write or sync failed: not published
+  /// Blocks not published because their write, a sync or the index failed
+  /// (a put refused for want of room for its records counts its blocks here).
+  std::uint64_t write_failures = 0;
   std::uint64_t read_failures = 0;      ///< blocks whose read failed or came short: dropped
   std::uint64_t checksum_failures = 0;  ///< blocks read whose bytes did not match: dropped
   std::uint64_t timeouts = 0;           ///< block I/Os past io_timeout
@@ -108,9 +111,13 @@ struct DiskStoreCounters {
   /// process (the store then serves and takes nothing).
   std::uint64_t dropped_detached = 0;
   std::uint64_t journal_compactions = 0;
+  /// Times the index could not be written: no room to reserve for a put's
+  /// records (the put is refused before it evicts or writes anything), or an
+  /// append or its sync failed. See DiskStore::index_failing().
+  std::uint64_t index_failures = 0;
   std::uint64_t write_ns = 0;  ///< time in data writes and their syncs
   std::uint64_t read_ns = 0;   ///< time in data reads
-  std::uint64_t index_ns = 0;  ///< time appending and syncing index records
+  std::uint64_t index_ns = 0;  ///< time reserving, appending and syncing index records
 };
 
 /// KV-cache blocks on disk.
@@ -138,11 +145,22 @@ struct DiskStoreCounters {
 /// Not thread-safe (like the tiers above it).
 class DiskStore {
  public:
-  /// Opens (or creates) the store. Throws InvalidArgument with one line that
+  /// Opens (or creates) the store. Cost: the data file's preallocation
+  /// (fallocate, at every writer's open) and one pass over the index,
+  /// streamed through a 256 KiB buffer (memory O(num_slots) whatever the
+  /// index's size; an index mostly of superseded records is rewritten).
+  /// Every file of the store is opened without following symbolic links and
+  /// must be a regular file. A refused open leaves the directory as it was:
+  /// what this open made (directories, description, lock, data and index
+  /// files) is removed again. Throws InvalidArgument with one line that
   /// names the reason: options out of range, a directory that cannot be
-  /// created or written, one made for another layout (naming the first
-  /// differing field) or slot count, one held by another process, not
-  /// enough space for the data file (ENOSPC at preallocation).
+  /// created or written, a non-empty directory that is not a store (no
+  /// kvport-disk.json: nothing in it is deleted or overwritten), a file of
+  /// the store that is a symbolic link, FIFO, directory or device (naming
+  /// it), a description that is not one (naming the field), one made for
+  /// another layout (naming the first differing field) or slot count, one
+  /// held by another process, not enough space for the data file (ENOSPC at
+  /// preallocation).
   static std::unique_ptr<DiskStore> open(const DiskStoreOptions& options);
   ~DiskStore();
   DiskStore(const DiskStore&) = delete;
@@ -189,8 +207,17 @@ class DiskStore {
   std::size_t quarantined_slots() const noexcept;
   /// Whether a file of the store was found deleted under the process.
   bool detached() const noexcept;
+  /// Whether the index could not be written at the last try (no room for a
+  /// put's records, or an append or sync failed). Meanwhile put() evicts no
+  /// stored block (it takes free slots only, and a put whose records find
+  /// no room is refused before it writes anything), get_prefix() serves
+  /// what is durable, and the first append or reservation that succeeds
+  /// ends it. O(1).
+  bool index_failing() const noexcept;
   /// "io_uring (queue depth 16), O_DIRECT; preallocated": the data file's I/O
-  /// path and any fallback in use, with its reason.
+  /// path and any fallback in use, with its reason ("; sparse (no
+  /// fallocate)" where the file system has none; "; index cannot be
+  /// written" while index_failing()).
   std::string io_description() const;
   const DiskStoreOptions& options() const noexcept;
   const DiskStoreCounters& counters() const noexcept;

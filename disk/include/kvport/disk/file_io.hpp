@@ -122,6 +122,13 @@ class FileIo {
   /// preallocated() turns false. 0 or the errno value (ENOSPC: not enough
   /// space).
   int allocate(std::uint64_t bytes);
+  /// Reserves space for `bytes` at `offset` without changing the file's
+  /// size (fallocate with FALLOC_FL_KEEP_SIZE), so that writes there cannot
+  /// find the file system full. One system call. 0 (also where the file
+  /// system cannot reserve: nothing reserved, the writes will tell) or the
+  /// errno value (ENOSPC: not enough space). Throws InvalidArgument on a
+  /// read-only file.
+  int reserve(std::uint64_t offset, std::uint64_t bytes);
   /// The file's size in bytes, or nullopt when fstat fails.
   std::optional<std::uint64_t> size();
   /// Whether the file still has a name (fstat's link count > 0): a file
@@ -152,6 +159,7 @@ class FileIo {
                       std::chrono::milliseconds deadline, const IoHooks& hooks) = 0;
   virtual int do_sync() = 0;
   virtual int do_allocate(std::uint64_t bytes) = 0;
+  virtual int do_reserve(std::uint64_t offset, std::uint64_t bytes) = 0;
   virtual std::optional<std::uint64_t> do_size() = 0;
   virtual bool do_linked() = 0;
   virtual std::vector<std::uint64_t> do_reap_orphans(bool wait) = 0;
@@ -162,10 +170,12 @@ class FileIo {
   virtual bool do_read_only() const noexcept = 0;
 };
 
-/// Opens `path` as options say. Throws InvalidArgument naming the path and
-/// the reason when it cannot be opened (missing and not created, not
-/// writable, a directory) or options are out of range, or io_uring was asked
-/// for and is unavailable.
+/// Opens `path` as options say, never through a symbolic link (O_NOFOLLOW)
+/// and only a regular file (checked with fstat after an O_NONBLOCK open, so a
+/// FIFO cannot block it). Throws InvalidArgument naming the path and the
+/// reason when it cannot be opened (missing and not created, not writable, a
+/// symbolic link, a directory, FIFO, socket or device) or options are out of
+/// range, or io_uring was asked for and is unavailable.
 std::unique_ptr<FileIo> open_file_io(const std::filesystem::path& path,
                                      const FileIoOptions& options);
 
@@ -181,7 +191,7 @@ enum class IoStep : std::uint8_t {
   short_io,  ///< the request is issued, reported as having moved half its bytes
   timeout,   ///< the request is not issued and reported as past its deadline
   sync,      ///< sync() returns the error
-  allocate,  ///< allocate() returns the error
+  allocate,  ///< allocate() or reserve() returns the error
 };
 
 /// One planned fault: the (skip + 1)-th event of `step` (restricted to `op`
@@ -220,6 +230,7 @@ class FaultInjectingFileIo final : public FileIo {
               std::chrono::milliseconds deadline, const IoHooks& hooks) override;
   int do_sync() override;
   int do_allocate(std::uint64_t bytes) override;
+  int do_reserve(std::uint64_t offset, std::uint64_t bytes) override;
   std::optional<std::uint64_t> do_size() override;
   bool do_linked() override;
   std::vector<std::uint64_t> do_reap_orphans(bool wait) override;
