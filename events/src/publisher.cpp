@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <span>
@@ -80,7 +81,10 @@ void bind_or_throw(zmq::socket_t& s, const std::string& endpoint, const char* wh
 // half the buffer while it polls: see run()), and on flush and stop.
 
 struct EventHeader {
-  enum Kind : std::uint8_t { store, remove, clear, next_chunk };
+  // store, remove, clear: events. loss: events were dropped here (the thread
+  // skips a sequence number). resync: the cached set is replaced here by the
+  // one `parent` points to (Publisher::resync). next_chunk: read on in the next chunk.
+  enum Kind : std::uint8_t { store, remove, clear, next_chunk, loss, resync };
   std::uint8_t kind = store;
   std::uint8_t has_parent = 0;
   std::uint16_t source = 0;
@@ -354,6 +358,7 @@ struct Publisher::Impl {
   std::uint64_t produced_bytes = 0;
   std::uint16_t last_source = 0;
   std::size_t n_sources = 0;
+  bool loss_marked = false;  // the last item appended is a loss marker
   // Published with release: every event before it is readable.
   std::atomic<std::uint64_t> accepted{0};
   // When the first event not yet taken arrived (steady clock, ns).
@@ -387,9 +392,21 @@ struct Publisher::Impl {
   std::string payload;
   std::deque<std::pair<std::uint64_t, std::string>> ring;
   CachedSet cached;
+  // The cached set misses what was dropped since the last resync marker: no
+  // snapshot is served (it would not be exact).
+  bool stale = false;
+  // A sequence number was skipped and no batch has been sent since: the
+  // take ends with an empty batch, so that every subscriber sees the gap now.
+  bool gap_unseen = false;
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
-      bad_requests{0}, next_seq{0};
+      bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0};
+  // Markers (loss, resync) among the accepted items: not events.
+  std::atomic<std::uint64_t> markers{0};
+  // Set on every drop (with a replay socket), cleared by resync(): the
+  // caches should re-announce their sets (Publisher::needs_resync).
+  std::atomic<bool> resync_wanted{false};
+  bool keeps_set = false;  // a replay socket: the cached set is kept (const once running)
   std::atomic<bool> stop_flag{false};
   std::atomic<bool> flush_asked{false};
 
@@ -417,6 +434,26 @@ struct Publisher::Impl {
   }
 
   void drop() noexcept { dropped.fetch_add(1, std::memory_order_relaxed); }
+  // An event is dropped, under the producer lock: unless the last item is a
+  // loss marker already, one is appended (past the buffer's bounds: at most
+  // one per accepted event, plus one), so that the thread skips a sequence
+  // number exactly there and every subscriber sees a gap.
+  void lose_locked() noexcept {
+    drop();
+    if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
+    if (loss_marked || stop) return;
+    EventHeader h;
+    h.kind = EventHeader::loss;
+    if (append_locked(h, 0, 0, [](std::byte*) {})) {
+      loss_marked = true;
+      markers.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  void lose() noexcept {
+    lock();
+    lose_locked();
+    unlock();
+  }
   bool surely_full() const noexcept {
     return accepted.load(std::memory_order_relaxed) - taken.load(std::memory_order_relaxed) >=
            opt.buffer_events;
@@ -500,31 +537,49 @@ struct Publisher::Impl {
   }
 
   // Appends one event: `write` fills its `raw` bytes after the header. Drops
-  // (counted) when stopped, full, out of sources or out of memory.
+  // (counted, and marked for the thread) when stopped, full, out of sources
+  // or out of memory.
   template <class Write>
   void push(EventHeader h, std::size_t lora, const EventSource& source, Write&& write) noexcept {
-    const std::size_t raw = raw_size(h.n_hashes, h.n_tokens, lora);
     const std::size_t bytes = accounted_bytes(h.n_hashes, h.n_tokens);
     lock();
     const std::uint64_t pending = produced - taken.load(std::memory_order_acquire);
     if (stop || pending >= opt.buffer_events ||
         produced_bytes - taken_bytes.load(std::memory_order_acquire) + bytes > opt.buffer_bytes) {
+      lose_locked();
       unlock();
-      return drop();
+      return;
     }
     const int src = intern(source);
     if (src < 0) {
+      lose_locked();
       unlock();
-      return drop();
+      return;
     }
     h.source = static_cast<std::uint16_t>(src);
+    if (!append_locked(h, lora, bytes, write)) {
+      lose_locked();
+      unlock();
+      return;
+    }
+    loss_marked = false;
+    unlock();
+    filled(pending + 1);
+  }
+
+  // Appends one item (an event or a marker) after every bound was checked,
+  // under the producer lock; false when out of memory (nothing appended).
+  template <class Write>
+  bool append_locked(const EventHeader& h, std::size_t lora, std::size_t bytes,
+                     Write&& write) noexcept {
+    const std::size_t raw = raw_size(h.n_hashes, h.n_tokens, lora);
+    const std::uint64_t pending = produced - taken.load(std::memory_order_acquire);
     if (tail_used + raw + sizeof(EventHeader) > tail->capacity) {
       Chunk* c = nullptr;
       try {
         c = new_chunk(raw + sizeof(EventHeader));
       } catch (...) {
-        unlock();
-        return drop();
+        return false;
       }
       EventHeader end;
       end.kind = EventHeader::next_chunk;
@@ -545,8 +600,7 @@ struct Publisher::Impl {
     produced_bytes += bytes;
     if (pending == 0) first_pending_ns.store(steady_ns(), std::memory_order_relaxed);
     accepted.store(++produced, std::memory_order_release);
-    unlock();
-    filled(pending + 1);
+    return true;
   }
 
   // ---- the publisher thread ----
@@ -619,17 +673,42 @@ struct Publisher::Impl {
     send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank));
   }
 
-  // Reads `n` accepted events, publishing them in batches of at most
-  // max_batch_events, and hands the chunks it leaves back.
+  // A sequence number is skipped for events that were dropped (or lost to an
+  // allocation): every subscriber sees the gap, and the replay never has it.
+  // The cached set misses them from here until a resync marker.
+  void skip_seq() noexcept {
+    next_seq.store(next_seq.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    loss_gaps.fetch_add(1, std::memory_order_relaxed);
+    stale = true;
+    gap_unseen = true;
+  }
+
+  // Publishes batch_events (possibly none: an empty batch that shows a gap).
+  void publish_or_skip() noexcept {
+    try {
+      publish_batch();
+      gap_unseen = false;
+    } catch (...) {  // out of memory: these events are lost, counted, and a gap
+      dropped.fetch_add(batch_events.size(), std::memory_order_relaxed);
+      lost.fetch_add(batch_events.size(), std::memory_order_relaxed);
+      if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
+      skip_seq();
+    }
+  }
+
+  // Reads `n` accepted items, publishing the events in batches of at most
+  // max_batch_events (a marker ends a batch: the loss's gap, or the resync,
+  // lies exactly between the events before and after it), and hands the
+  // chunks it leaves back.
   void take(std::uint64_t n) {
     std::uint64_t done = 0;
     while (done < n) {
-      const std::size_t k =
-          static_cast<std::size_t>(std::min<std::uint64_t>(n - done, opt.max_batch_events));
       Chunk* const first = head;
       std::uint64_t bytes = 0;
+      std::uint64_t items = 0;
+      std::optional<EventHeader> marker;
       batch_events.clear();
-      for (std::size_t i = 0; i < k; ++i) {
+      while (done + items < n && batch_events.size() < opt.max_batch_events) {
         EventHeader h;
         std::memcpy(&h, head->data + head_used, sizeof h);
         if (h.kind == EventHeader::next_chunk) {
@@ -637,26 +716,39 @@ struct Publisher::Impl {
           head_used = 0;
           std::memcpy(&h, head->data, sizeof h);
         }
-        batch_events.push_back(head->data + head_used);  // reserved: never throws
+        const std::byte* const p = head->data + head_used;
         const std::size_t lora = h.lora_len == 0 ? 0 : h.lora_len - 1;
         head_used += raw_size(h.n_hashes, h.n_tokens, lora);
+        ++items;
+        if (h.kind == EventHeader::loss || h.kind == EventHeader::resync) {
+          marker = h;
+          break;
+        }
+        batch_events.push_back(p);  // reserved: never throws
         bytes += accounted_bytes(h.n_hashes, h.n_tokens);
       }
-      try {
-        publish_batch();
-      } catch (...) {  // out of memory: these events are lost, counted
-        dropped.fetch_add(k, std::memory_order_relaxed);
-        lost.fetch_add(k, std::memory_order_relaxed);
+      if (!batch_events.empty()) publish_or_skip();
+      if (marker && marker->kind == EventHeader::loss) {
+        skip_seq();
+      } else if (marker) {
+        std::unique_ptr<CachedSet> fresh(reinterpret_cast<CachedSet*>(marker->parent));
+        cached = std::move(*fresh);
+        stale = false;
+        resyncs.fetch_add(1, std::memory_order_relaxed);
       }
       for (Chunk* c = first; c != head;) {
         Chunk* next = c->next;
         recycle(c);
         c = next;
       }
-      done += k;
+      done += items;
       taken_bytes.store(taken_bytes.load(std::memory_order_relaxed) + bytes,
                         std::memory_order_release);
-      taken.store(taken.load(std::memory_order_relaxed) + k, std::memory_order_release);
+      taken.store(taken.load(std::memory_order_relaxed) + items, std::memory_order_release);
+    }
+    if (gap_unseen) {
+      batch_events.clear();
+      publish_or_skip();
     }
     std::lock_guard lk(flush_mu);
     published += n;
@@ -690,7 +782,13 @@ struct Publisher::Impl {
         const zmq::message_t& req = frames.back();
         const std::string_view body(req.data<char>(), req.size());
         const auto end = encode_seq(end_of_replay_seq);
-        if (body == snapshot_request) {
+        if (body == snapshot_request && stale) {
+          // Not exact after a loss until the caches resync it: the
+          // terminator alone (as a publisher without snapshots answers),
+          // which a client asks again later.
+          snapshots_unavailable.fetch_add(1, std::memory_order_relaxed);
+          reply(frames, end, "");
+        } else if (body == snapshot_request) {
           EventBatch snap;
           snap.seq = next_seq.load(std::memory_order_relaxed);
           snap.ts = wall_seconds();
@@ -817,6 +915,7 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
   bind_or_throw(m.pub, m.opt.endpoint, "PUB");
   m.bound = last_endpoint(m.pub);
   if (!m.opt.replay_endpoint.empty()) {
+    m.keeps_set = true;
     m.router.emplace(m.ctx, zmq::socket_type::router);
     m.router->set(zmq::sockopt::linger, linger);
     // An answer is sent without waiting: the whole ring and its terminator
@@ -851,7 +950,7 @@ Publisher::~Publisher() {
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::store;
   h.block_size = blocks.block_size;
@@ -877,7 +976,7 @@ void Publisher::stored(const EventSource& source, const BlockStoredView& blocks)
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::remove;
   h.n_hashes = static_cast<std::uint32_t>(hashes.size());
@@ -892,7 +991,7 @@ void Publisher::removed(const EventSource& source, std::span<const BlockHash> ha
 
 void Publisher::cleared(const EventSource& source) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::clear;
   m.push(h, 0, source, [](std::byte*) {});
@@ -907,6 +1006,94 @@ bool Publisher::flush(std::chrono::milliseconds timeout) {
   return m.flush_cv.wait_for(lk, timeout, [&] { return m.published >= target; });
 }
 
+bool Publisher::needs_resync() const noexcept {
+  return impl_->resync_wanted.load(std::memory_order_relaxed);
+}
+
+bool Publisher::resync(const std::function<void(CacheEventSink&)>& announce) {
+  Impl& m = *impl_;
+  if (!m.keeps_set) return true;  // no snapshots: nothing to rebuild
+  // Collects the caches' snapshots into a fresh set, under the producer lock
+  // (sources are interned as a producer does).
+  class Collector final : public CacheEventSink {
+   public:
+    Collector(Impl& m, CachedSet& set) : m_(m), set_(set) {}
+    void stored(const EventSource& source, const BlockStoredView& v) noexcept override {
+      const int src = m_.intern(source);
+      if (src < 0) {
+        failed = true;
+        return;
+      }
+      try {
+        hashes_.clear();
+        for (const BlockHash& h : v.hashes)
+          hashes_.push_back(event_hash(h));
+        EventRef e;
+        e.h.source = static_cast<std::uint16_t>(src);
+        e.h.block_size = v.block_size;
+        e.h.has_parent = v.parent ? 1 : 0;
+        e.h.parent = v.parent ? event_hash(*v.parent) : 0;
+        e.hashes = hashes_;
+        e.tokens = v.tokens;
+        e.lora = v.lora_name;
+        set_.stored(source, e);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    void removed(const EventSource& source, std::span<const BlockHash> hs) noexcept override {
+      try {
+        hashes_.clear();
+        for (const BlockHash& h : hs)
+          hashes_.push_back(event_hash(h));
+        set_.removed(source, hashes_);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    void cleared(const EventSource& source) noexcept override {
+      try {
+        set_.cleared(source);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    bool failed = false;
+
+   private:
+    Impl& m_;
+    CachedSet& set_;
+    std::vector<std::uint64_t> hashes_;
+  };
+  auto fresh = std::make_unique<CachedSet>();
+  Collector collector(m, *fresh);
+  m.lock();
+  struct Unlock {
+    Impl& m;
+    ~Unlock() { m.unlock(); }
+  } unlock{m};
+  if (m.stop) return false;
+  // Cleared first: a drop while the caches announce sets it again.
+  m.resync_wanted.store(false, std::memory_order_relaxed);
+  try {
+    announce(collector);
+  } catch (...) {
+    m.resync_wanted.store(true, std::memory_order_relaxed);
+    throw;
+  }
+  EventHeader h;
+  h.kind = EventHeader::resync;
+  h.parent = reinterpret_cast<std::uintptr_t>(fresh.get());
+  if (collector.failed || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
+    m.resync_wanted.store(true, std::memory_order_relaxed);
+    return false;
+  }
+  (void)fresh.release();  // the thread owns it from the marker on
+  m.markers.fetch_add(1, std::memory_order_relaxed);
+  m.loss_marked = false;
+  return true;
+}
+
 const std::string& Publisher::endpoint() const noexcept {
   return impl_->bound;
 }
@@ -917,7 +1104,7 @@ const std::string& Publisher::replay_endpoint() const noexcept {
 PublisherStats Publisher::stats() const noexcept {
   const Impl& m = *impl_;
   PublisherStats s;
-  s.events_accepted = m.accepted.load() - m.lost.load();
+  s.events_accepted = m.accepted.load() - m.markers.load() - m.lost.load();
   s.events_dropped = m.dropped.load();
   s.batches_sent = m.sent.load();
   s.send_failures = m.send_failures.load();
@@ -925,6 +1112,9 @@ PublisherStats Publisher::stats() const noexcept {
   s.snapshots = m.snapshots.load();
   s.bad_requests = m.bad_requests.load();
   s.next_seq = m.next_seq.load();
+  s.loss_gaps = m.loss_gaps.load();
+  s.resyncs = m.resyncs.load();
+  s.snapshots_unavailable = m.snapshots_unavailable.load();
   return s;
 }
 

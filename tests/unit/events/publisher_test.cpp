@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <tuple>
 #include <zmq.hpp>
@@ -172,8 +173,12 @@ TEST(Publisher, FullBufferDropsCountedWithoutBlocking) {
   EXPECT_EQ(st.events_dropped, 996u);
   ASSERT_TRUE(pub.flush(scaled(2s)));
   st = pub.stats();
-  EXPECT_EQ(st.next_seq, 1u);  // one batch of the four
-  EXPECT_EQ(st.batches_sent + st.send_failures, 1u);
+  // One batch of the four (seq 0), one sequence number skipped for the 996
+  // dropped (seq 1: a gap), and an empty batch (seq 2) that shows the gap
+  // now rather than at the next event.
+  EXPECT_EQ(st.next_seq, 3u);
+  EXPECT_EQ(st.loss_gaps, 1u);
+  EXPECT_EQ(st.batches_sent + st.send_failures, 2u);
 }
 
 TEST(Publisher, ByteBoundDrops) {
@@ -295,6 +300,106 @@ TEST(Publisher, ReplayFromASequenceAndAMiss) {
   const PublisherStats st = pub.stats();
   EXPECT_EQ(st.replay_requests, 3u);
   EXPECT_EQ(st.bad_requests, 1u);
+}
+
+// The set a snapshot answer holds: (hash, medium) of each BlockStored.
+std::set<std::pair<std::uint64_t, std::string>> snapshot_set(const std::string& payload) {
+  std::set<std::pair<std::uint64_t, std::string>> out;
+  const DecodeResult r = decode_batch(payload);
+  EXPECT_TRUE(r.ok()) << r.error;
+  if (!r.ok()) return out;
+  for (const CacheEvent& e : r.batch->events)
+    for (auto h : std::get<BlockStored>(e).block_hashes)
+      out.emplace(h, std::get<BlockStored>(e).medium);
+  return out;
+}
+
+// A drop is never hidden: the sequence skips a number exactly where events
+// are missing (the ring never has it), the snapshot is refused while it
+// would not be exact, and a resync from the cache's own set makes it exact
+// again at that point of the stream.
+TEST(Publisher, DropsSkipASequenceNumberAndSnapshotsWaitForAResync) {
+  PublisherOptions o = local_options();
+  o.buffer_events = 1;     // the hand-off queue: every second event drops
+  o.batch_interval = 10s;  // nothing is taken before flush()
+  o.max_batch_events = 100;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  const std::vector<TokenId> tokens = {1};
+  auto put = [&](std::uint64_t h) {
+    const std::vector<BlockHash> hs = {bh(h)};
+    pub.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+  };
+  put(1);  // accepted
+  put(2);  // dropped: the cache holds 1 and 2, the stream will say only 1
+  put(3);  // dropped: one gap for the run
+  EXPECT_TRUE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  PublisherStats st = pub.stats();
+  EXPECT_EQ(st.events_accepted, 1u);
+  EXPECT_EQ(st.events_dropped, 2u);
+  EXPECT_EQ(st.loss_gaps, 1u);
+  ASSERT_EQ(st.next_seq, 3u);  // 0: event 1; 1: skipped; 2: empty, shows the gap
+  ReplayClient c(pub.replay_endpoint());
+  auto got = c.replay(0);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].first, 0u);
+  EXPECT_EQ(got[1].first, 2u) << "seq 1 is the dropped events' gap: never sent, never kept";
+  const DecodeResult empty = decode_batch(got[1].second);
+  ASSERT_TRUE(empty.ok()) << empty.error;
+  EXPECT_TRUE(empty.batch->events.empty());
+  // The set it keeps misses block 2 and 3: no snapshot rather than a wrong one.
+  EXPECT_TRUE(c.ask(snapshot_request).empty());
+  EXPECT_EQ(pub.stats().snapshots_unavailable, 1u);
+
+  // The cache re-announces what it holds (1, 2, 3); the publisher's set is
+  // that from here on.
+  ASSERT_TRUE(pub.resync([&](CacheEventSink& sink) {
+    for (std::uint64_t h : {1, 2, 3}) {
+      const std::vector<BlockHash> hs = {bh(h)};
+      sink.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+    }
+  }));
+  EXPECT_FALSE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));  // the marker holds the buffer's one slot
+  put(4);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  st = pub.stats();
+  EXPECT_EQ(st.resyncs, 1u);
+  EXPECT_EQ(st.events_accepted, 2u) << "markers are not events";
+  EXPECT_EQ(st.next_seq, 4u);
+  got = c.ask(snapshot_request);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].first, 4u);
+  const std::set<std::pair<std::uint64_t, std::string>> want = {
+      {1, "GPU"}, {2, "GPU"}, {3, "GPU"}, {4, "GPU"}};
+  EXPECT_EQ(snapshot_set(got[0].second), want);
+
+  // A throwing announce changes nothing and leaves the need.
+  put(5);
+  put(6);  // dropped
+  ASSERT_TRUE(pub.needs_resync());
+  EXPECT_THROW(pub.resync([](CacheEventSink&) { throw std::runtime_error("cache gone"); }),
+               std::runtime_error);
+  EXPECT_TRUE(pub.needs_resync());
+}
+
+// Without a replay endpoint no set is kept: drops still skip a sequence
+// number, and there is nothing to resync.
+TEST(Publisher, DropsWithoutReplaySocketStillShowAGap) {
+  PublisherOptions o = local_options();
+  o.buffer_events = 1;
+  o.batch_interval = 10s;
+  Publisher pub(o);
+  const std::vector<TokenId> tokens = {1};
+  const std::vector<BlockHash> hs = {bh(1)};
+  for (int k = 0; k < 3; ++k)
+    pub.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+  EXPECT_FALSE(pub.needs_resync());
+  EXPECT_TRUE(pub.resync([](CacheEventSink&) { FAIL() << "not called without a set"; }));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  EXPECT_EQ(pub.stats().loss_gaps, 1u);
+  EXPECT_EQ(pub.stats().next_seq, 3u);
 }
 
 // A replay longer than ZeroMQ's default high water mark (1,000 messages)

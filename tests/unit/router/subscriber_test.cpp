@@ -17,13 +17,18 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/block_table.hpp"
 #include "kvport/core/cache_events.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/events/publisher.hpp"
 #include "kvport/events/wire.hpp"
 #include "kvport/platform/error.hpp"
@@ -307,6 +312,92 @@ TEST(SubscriberPublisher, LossAtTheTailReplayedByWaitFor) {
   EXPECT_EQ(sub.stats().replayed_batches, next);
   EXPECT_EQ(sub.stats().messages, 0u);
   EXPECT_EQ(index.counters().gaps, 0u);
+}
+
+// The hashes a cache's own snapshot announces (PrefixCache::snapshot), as
+// the index keys them.
+class SnapshotHashes final : public CacheEventSink {
+ public:
+  void stored(const EventSource& source, const BlockStoredView& v) noexcept override {
+    for (const BlockHash& h : v.hashes)
+      blocks.emplace_back(event_hash(h), tier_of_medium(to_string(source.medium)));
+  }
+  void removed(const EventSource&, std::span<const BlockHash>) noexcept override {}
+  void cleared(const EventSource&) noexcept override {}
+  Blocks sorted() {
+    std::sort(blocks.begin(), blocks.end());
+    return blocks;
+  }
+  Blocks blocks;
+};
+
+// Issue 31's core: a publisher whose hand-off queue is tiny drops events
+// under a cache's stream of registrations and evictions. The drops show as
+// sequence gaps, the replay cannot close them (the ring never had them), the
+// snapshot is refused until the cache resyncs the publisher's set, and then
+// the router's index of the instance equals the cache's own snapshot.
+TEST(SubscriberPublisher, DroppedEventsShowAsGapsAndTheIndexEndsEqualToTheCache) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  std::unique_ptr<Backend> backend = make_host_backend(HostBackendOptions{64u << 20});
+  KvCacheConfig cfg;
+  cfg.num_layers = 1;
+  cfg.block_size = kBs;
+  cfg.num_kv_heads = 1;
+  cfg.head_dim_k = 8;
+  cfg.head_dim_v = 8;
+  cfg.dtype = KvCacheDtype::bf16;
+  PagedKvCache cache(cfg, 24, *backend);
+  PrefixCache pc(cache);
+  events::PublisherOptions po = publisher_options();
+  po.buffer_events = 2;  // the hand-off queue: drops are certain
+  po.max_batch_events = 64;
+  po.batch_interval = 20ms;
+  events::Publisher pub(po);
+  pc.set_event_sink(&pub);
+
+  RouterIndex index(index_options());
+  SubscriberOptions so;
+  so.request_timeout = scaled(200ms);
+  so.tail_timeout = scaled(30ms);
+  Subscriber sub(index, so);
+  sub.add_instance(0, {pub.endpoint(), pub.replay_endpoint()}, Clock::now());
+
+  const StreamView stream = cache.backend().default_stream();
+  std::mt19937 rng(31);
+  for (int op = 0; op < 600; ++op) {
+    // Prompts of one of 12 documents' first 1..4 blocks: registrations,
+    // and evictions once the 24 blocks are full.
+    std::vector<TokenId> p((1 + rng() % 4) * kBs);
+    std::iota(p.begin(), p.end(), static_cast<TokenId>((rng() % 12) * 1000));
+    BlockTable t(pc);
+    const std::size_t hit = t.reuse_cached_prefix(p, stream);
+    const auto rest = std::span<const TokenId>(p).subspan(hit);
+    if (t.blocks_needed(rest.size()) <= pc.num_available_blocks()) t.append_tokens(rest, stream);
+    if (op % 50 == 0) sub.poll(0ms);
+  }
+  const events::PublisherStats mid = pub.stats();
+  ASSERT_GT(mid.events_dropped, 0u) << "the test needs drops";
+  // The owner resyncs the publisher's set from the cache (kvport replay and
+  // cluster do so between steps when needs_resync()).
+  for (int k = 0; k < 10 && pub.needs_resync(); ++k) {
+    ASSERT_TRUE(pub.resync([&](CacheEventSink& s) { pc.snapshot(s); }));
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+  }
+  ASSERT_FALSE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  ASSERT_TRUE(sub.wait_for(0, pub.stats().next_seq, scaled(5s)));
+
+  SnapshotHashes own;
+  pc.snapshot(own);
+  const Blocks want = own.sorted();
+  EXPECT_FALSE(want.empty());
+  EXPECT_EQ(index.blocks_of(0), want);
+  const events::PublisherStats st = pub.stats();
+  EXPECT_GE(st.loss_gaps, 1u);
+  EXPECT_GE(st.resyncs, 1u);
+  EXPECT_GE(sub.stats().snapshots_applied, 1u) << "the gap was closed by a snapshot";
+  EXPECT_GE(sub.stats().replay_misses, 1u) << "the replay cannot hold what was dropped";
+  pc.set_event_sink(nullptr);
 }
 
 TEST(SubscriberPublisher, RestartedOnTheSamePortsFollowsTheNewStream) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -68,6 +69,15 @@ struct PublisherStats {
   std::uint64_t snapshots = 0;
   std::uint64_t bad_requests = 0;  ///< replay socket requests of neither form
   std::uint64_t next_seq = 0;      ///< sequence the next batch will carry
+  /// Sequence numbers skipped for dropped events: each run of drops (and
+  /// each batch lost to an allocation failure) skips one, so that every
+  /// subscriber sees a gap exactly where events are missing.
+  std::uint64_t loss_gaps = 0;
+  /// Resyncs applied by the publisher thread (Publisher::resync).
+  std::uint64_t resyncs = 0;
+  /// Snapshot requests answered with the terminator alone because the
+  /// publisher's set was not exact (a loss since the last resync).
+  std::uint64_t snapshots_unavailable = 0;
 };
 
 /// The request frame that asks the replay socket for a snapshot (any other
@@ -115,6 +125,28 @@ class Publisher final : public CacheEventSink {
   /// Waits until every event accepted before the call has been published
   /// (sent or failed); false if that took longer than `timeout`.
   bool flush(std::chrono::milliseconds timeout);
+
+  /// True when events were dropped (with a replay endpoint) since the last
+  /// resync(): the publisher's cached set, which snapshots are served from,
+  /// misses them, and snapshot requests are answered without one until the
+  /// caches re-announce their sets through resync(). One relaxed load: cheap
+  /// enough to test after every cache operation. Always false without a
+  /// replay endpoint (no set is kept).
+  bool needs_resync() const noexcept;
+  /// Rebuilds the cached set from the caches: calls `announce(sink)`, which
+  /// must make every cache this publisher is the sink of announce its whole
+  /// set to `sink` (PrefixCache::snapshot(sink), HostTier::snapshot(sink),
+  /// ...; never this publisher itself: the calls hold the producers' lock),
+  /// then hands the set to the publisher thread at this point of the stream:
+  /// snapshots are exact again from the batches after it. Call it where the
+  /// caches are quiescent (on their thread, between operations); the
+  /// producers' sink calls wait meanwhile. Costs O(cached blocks) on the
+  /// caller's thread and memory for a second copy of the set until the
+  /// thread takes it. Returns false (needs_resync() stays true) when the
+  /// publisher is being destroyed, is out of memory or out of sources. Throws
+  /// what `announce` throws (nothing changed). Without a replay endpoint it
+  /// does nothing and returns true.
+  bool resync(const std::function<void(CacheEventSink&)>& announce);
 
   /// The PUB socket's bound endpoint (ZMQ_LAST_ENDPOINT: the real port).
   const std::string& endpoint() const noexcept;
