@@ -333,6 +333,40 @@ zmq::const_buffer as_buffer(const std::array<std::byte, 8>& a) {
   return zmq::buffer(a.data(), a.size());
 }
 
+// A payload shared by the ring and the answers that send it.
+using Shared = std::shared_ptr<const std::string>;
+
+// A zero-copy message of `body`: ZeroMQ holds a reference until it is sent.
+zmq::message_t shared_message(const Shared& body) {
+  auto hint = std::make_unique<Shared>(body);
+  zmq::message_t m(
+      const_cast<char*>(body->data()), body->size(),
+      [](void*, void* h) { delete static_cast<Shared*>(h); }, hint.get());
+  (void)hint.release();
+  return m;
+}
+
+// One request being answered on the replay socket.
+struct Answer {
+  enum class Kind : std::uint8_t { replay, snapshot, terminator };
+  Kind kind = Kind::terminator;
+  std::vector<std::string> prefix;  // the routing frames: identity [, ""]
+  std::uint64_t cursor = 0;         // replay: the next seq to send
+  std::uint64_t end = 0;            // replay: sends seq < end (published when asked)
+  std::int64_t last_progress_ns = 0;
+};
+
+// Answer frames sent per turn of the publisher thread, over all answers,
+// between which live batches go out.
+constexpr std::size_t answer_frames_per_turn = 64;
+
+// Estimated encoded bytes of an event (for max_batch_bytes): keys and
+// scalars, 9 per hash, up to 5 per token, the lora name.
+constexpr std::size_t encoded_bound(std::size_t hashes, std::size_t tokens,
+                                    std::size_t lora) noexcept {
+  return 256 + 9 * hashes + 5 * tokens + lora;
+}
+
 }  // namespace
 
 struct Publisher::Impl {
@@ -390,7 +424,21 @@ struct Publisher::Impl {
   std::size_t head_used = 0;
   std::vector<const std::byte*> batch_events;  // one batch's, reused
   std::string payload;
-  std::deque<std::pair<std::uint64_t, std::string>> ring;
+  // The replay ring: batches shared with the answers that still send them
+  // (zero-copy messages), bounded by replay_ring_batches and _bytes.
+  std::deque<std::pair<std::uint64_t, Shared>> ring;
+  std::size_t ring_bytes = 0;
+  // Answers being sent, a few frames a turn, as each client's pipe has room.
+  std::deque<Answer> answers;
+  // The last snapshot built (payload, its S, when): served again to clients
+  // that ask before snapshot_interval has passed, while it stays usable.
+  Shared snapshot_payload;
+  std::uint64_t snapshot_seq = 0;
+  std::int64_t snapshot_built_ns = 0;
+  bool snapshot_ever_built = false;
+  // Requests' token bucket (max_requests_per_second).
+  double request_tokens = 0;
+  std::int64_t request_tokens_ns = 0;
   CachedSet cached;
   // The cached set misses what was dropped since the last resync marker: no
   // snapshot is served (it would not be exact).
@@ -400,7 +448,8 @@ struct Publisher::Impl {
   bool gap_unseen = false;
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
-      bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0};
+      bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0},
+      requests_refused{0}, answers_abandoned{0};
   // Markers (loss, resync) among the accepted items: not events.
   std::atomic<std::uint64_t> markers{0};
   // Set on every drop (with a replay socket), cleared by resync(): the
@@ -625,9 +674,13 @@ struct Publisher::Impl {
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
     next_seq.store(seq + 1, std::memory_order_relaxed);
     if (router) {
-      ring.emplace_back(seq, std::string(body));
-      while (ring.size() > opt.replay_ring_batches)
+      ring.emplace_back(seq, std::make_shared<const std::string>(body));
+      ring_bytes += body.size();
+      while (!ring.empty() &&
+             (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
+        ring_bytes -= ring.front().second->size();
         ring.pop_front();
+      }
     }
   }
 
@@ -681,6 +734,7 @@ struct Publisher::Impl {
     loss_gaps.fetch_add(1, std::memory_order_relaxed);
     stale = true;
     gap_unseen = true;
+    snapshot_payload.reset();  // exact at its S, but a replay from S meets this gap
   }
 
   // Publishes batch_events (possibly none: an empty batch that shows a gap).
@@ -707,6 +761,7 @@ struct Publisher::Impl {
       std::uint64_t bytes = 0;
       std::uint64_t items = 0;
       std::optional<EventHeader> marker;
+      std::size_t batch_bytes = 0;
       batch_events.clear();
       while (done + items < n && batch_events.size() < opt.max_batch_events) {
         EventHeader h;
@@ -718,6 +773,13 @@ struct Publisher::Impl {
         }
         const std::byte* const p = head->data + head_used;
         const std::size_t lora = h.lora_len == 0 ? 0 : h.lora_len - 1;
+        const std::size_t encoded = encoded_bound(h.n_hashes, h.n_tokens, lora);
+        // A batch ends before the event that would take it past
+        // max_batch_bytes (an event alone larger than that is sent alone).
+        if (!batch_events.empty() && h.kind <= EventHeader::clear &&
+            batch_bytes + encoded > opt.max_batch_bytes)
+          break;
+        batch_bytes += encoded;
         head_used += raw_size(h.n_hashes, h.n_tokens, lora);
         ++items;
         if (h.kind == EventHeader::loss || h.kind == EventHeader::resync) {
@@ -755,65 +817,200 @@ struct Publisher::Impl {
     flush_cv.notify_all();
   }
 
-  void reply(const std::vector<zmq::message_t>& request, std::span<const std::byte> seq,
-             std::string_view body) {
-    // Echo the routing prefix: [identity] or [identity, ""] (REQ, or a
-    // DEALER that sends the empty delimiter as vLLM's clients do).
-    for (std::size_t k = 0; k + 1 < request.size(); ++k) {
-      router->send(zmq::buffer(request[k].data(), request[k].size()),
-                   zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+  enum class SendResult : std::uint8_t { sent, blocked, gone };
+
+  // Sends one answer frame [prefix..., seq, body] to the answer's client
+  // without waiting: `blocked` when its pipe is at the high water mark
+  // (ZMQ_ROUTER_MANDATORY: nothing was sent), `gone` when the client is.
+  SendResult send_answer(const Answer& a, std::uint64_t seq, const Shared& body) noexcept {
+    try {
+      if (!router->send(zmq::buffer(a.prefix[0]),
+                        zmq::send_flags::sndmore | zmq::send_flags::dontwait))
+        return SendResult::blocked;
+      // After the first frame ZeroMQ takes the whole message.
+      for (std::size_t k = 1; k < a.prefix.size(); ++k)
+        router->send(zmq::buffer(a.prefix[k]), zmq::send_flags::sndmore);
+      const auto seq_frame = encode_seq(seq);
+      router->send(as_buffer(seq_frame), zmq::send_flags::sndmore);
+      if (body && !body->empty()) {
+        router->send(shared_message(body), zmq::send_flags::none);
+      } else {
+        router->send(zmq::message_t(), zmq::send_flags::none);
+      }
+      return SendResult::sent;
+    } catch (...) {  // EHOSTUNREACH (the client left), out of memory
+      return SendResult::gone;
     }
-    router->send(zmq::buffer(seq.data(), seq.size()),
-                 zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-    router->send(zmq::buffer(body), zmq::send_flags::dontwait);
   }
 
-  void serve_requests() {
+  // A snapshot exact now, built at most once per snapshot_interval; nullptr
+  // while the set is stale or the interval has not passed (the answer
+  // waits). A built one is served again while a replay from its S is
+  // possible (the ring still holds every batch from S on).
+  const Shared* snapshot_now(std::int64_t now) {
+    if (snapshot_payload && (snapshot_seq == next_seq.load(std::memory_order_relaxed) ||
+                             (!ring.empty() && ring.front().first <= snapshot_seq)))
+      return &snapshot_payload;
+    if (snapshot_ever_built &&
+        now - snapshot_built_ns <
+            std::chrono::duration_cast<std::chrono::nanoseconds>(opt.snapshot_interval).count())
+      return nullptr;
+    EventBatch snap;
+    snap.seq = next_seq.load(std::memory_order_relaxed);
+    snap.ts = wall_seconds();
+    snap.data_parallel_rank = opt.data_parallel_rank;
+    snap.events =
+        cached.as_events([this](std::size_t i) -> const EventSource& { return source_at(i); });
+    snapshot_payload = std::make_shared<const std::string>(encode_batch(snap, opt.form));
+    snapshot_seq = snap.seq;
+    snapshot_built_ns = steady_ns();
+    snapshot_ever_built = true;
+    return &snapshot_payload;
+  }
+
+  // Sends what the answers have to send, a few frames a turn (so that live
+  // batches keep going out between them), each as far as its client's pipe
+  // has room; drops answers whose client left or made no progress for
+  // answer_timeout.
+  void serve_answers() {
+    static const Shared none;
+    std::size_t budget = answer_frames_per_turn;
+    const std::int64_t now = steady_ns();
+    const std::int64_t give_up =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(opt.answer_timeout).count();
+    for (auto it = answers.begin(); it != answers.end();) {
+      Answer& a = *it;
+      bool done = false;
+      SendResult r = SendResult::sent;
+      while (budget > 0 && !done && r == SendResult::sent) {
+        if (a.kind == Answer::Kind::replay) {
+          const auto next = std::lower_bound(
+              ring.begin(), ring.end(), a.cursor,
+              [](const auto& entry, std::uint64_t seq) { return entry.first < seq; });
+          if (next == ring.end() || next->first >= a.end) {
+            r = send_answer(a, end_of_replay_seq, none);
+            done = r == SendResult::sent;
+          } else if ((r = send_answer(a, next->first, next->second)) == SendResult::sent) {
+            a.cursor = next->first + 1;
+          }
+        } else if (a.kind == Answer::Kind::snapshot) {
+          if (stale) {  // not exact: the terminator alone (the client asks again)
+            snapshots_unavailable.fetch_add(1, std::memory_order_relaxed);
+            a.kind = Answer::Kind::terminator;
+            continue;
+          }
+          const Shared* snap = snapshot_now(now);
+          if (snap == nullptr) break;  // waits for snapshot_interval
+          if ((r = send_answer(a, snapshot_seq, *snap)) == SendResult::sent) {
+            snapshots.fetch_add(1, std::memory_order_relaxed);
+            a.kind = Answer::Kind::terminator;
+          }
+        } else {
+          r = send_answer(a, end_of_replay_seq, none);
+          done = r == SendResult::sent;
+        }
+        if (r == SendResult::sent) {
+          --budget;
+          a.last_progress_ns = now;
+        }
+      }
+      if (done) {
+        it = answers.erase(it);
+      } else if (r == SendResult::gone || now - a.last_progress_ns > give_up) {
+        answers_abandoned.fetch_add(1, std::memory_order_relaxed);
+        it = answers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // A request may be answered now (max_requests_per_second, a bucket of
+  // one second's worth).
+  bool take_request_token(std::int64_t now) noexcept {
+    const double rate = static_cast<double>(opt.max_requests_per_second);
+    request_tokens =
+        std::min(rate, request_tokens + rate * 1e-9 * static_cast<double>(now - request_tokens_ns));
+    request_tokens_ns = now;
+    if (request_tokens < 1) return false;
+    request_tokens -= 1;
+    return true;
+  }
+
+  // Receives the requests queued on the replay socket (at most 64 a turn),
+  // each of at most 4 frames (the rest of a longer one is discarded as it
+  // is read), and queues their answers: refused (not answered, counted)
+  // past max_requests_per_second or max_pending_answers.
+  void take_requests() {
     for (int served = 0; served < 64; ++served) {
       std::vector<zmq::message_t> frames;
+      bool too_long = false;
       try {
-        if (!zmq::recv_multipart(*router, std::back_inserter(frames), zmq::recv_flags::dontwait))
-          return;
-        if (frames.size() < 2 || frames.size() > 3 ||
-            (frames.size() == 3 && frames[1].size() != 0)) {
-          bad_requests.fetch_add(1, std::memory_order_relaxed);
-          continue;
-        }
-        const zmq::message_t& req = frames.back();
-        const std::string_view body(req.data<char>(), req.size());
-        const auto end = encode_seq(end_of_replay_seq);
-        if (body == snapshot_request && stale) {
-          // Not exact after a loss until the caches resync it: the
-          // terminator alone (as a publisher without snapshots answers),
-          // which a client asks again later.
-          snapshots_unavailable.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, end, "");
-        } else if (body == snapshot_request) {
-          EventBatch snap;
-          snap.seq = next_seq.load(std::memory_order_relaxed);
-          snap.ts = wall_seconds();
-          snap.data_parallel_rank = opt.data_parallel_rank;
-          snap.events = cached.as_events(
-              [this](std::size_t i) -> const EventSource& { return source_at(i); });
-          const std::string snap_payload = encode_batch(snap, opt.form);
-          // Counted first: a client that has the answer sees it counted.
-          snapshots.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, encode_seq(snap.seq), snap_payload);
-          reply(frames, end, "");
-        } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
-          for (const auto& [seq, kept] : ring) {
-            if (seq >= *start) reply(frames, encode_seq(seq), kept);
+        zmq::message_t part;
+        if (!router->recv(part, zmq::recv_flags::dontwait)) return;
+        while (true) {
+          const bool more = part.more();
+          if (frames.size() < 4) {
+            frames.push_back(std::move(part));
+          } else {
+            too_long = true;
           }
-          replays.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, end, "");
-        } else {
-          bad_requests.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, end, "");
+          if (!more) break;
+          part = zmq::message_t();
+          (void)router->recv(part, zmq::recv_flags::none);  // the rest is there already
         }
       } catch (const zmq::error_t&) {
         bad_requests.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      if (too_long || frames.size() < 2 || frames.size() > 3 ||
+          (frames.size() == 3 && frames[1].size() != 0)) {
+        bad_requests.fetch_add(1, std::memory_order_relaxed);  // not answered: no return address
+        continue;
+      }
+      const std::int64_t now = steady_ns();
+      if (answers.size() >= opt.max_pending_answers || !take_request_token(now)) {
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      Answer a;
+      a.last_progress_ns = now;
+      for (std::size_t k = 0; k + 1 < frames.size(); ++k)
+        a.prefix.emplace_back(frames[k].data<char>(), frames[k].size());
+      const zmq::message_t& req = frames.back();
+      const std::string_view body(req.data<char>(), req.size());
+      if (body == snapshot_request) {
+        a.kind = Answer::Kind::snapshot;
+      } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
+        // Counted first: a client that has the answer sees it counted.
+        replays.fetch_add(1, std::memory_order_relaxed);
+        a.kind = Answer::Kind::replay;
+        a.cursor = *start;
+        a.end = next_seq.load(std::memory_order_relaxed);  // what was published when asked
+      } else {
+        bad_requests.fetch_add(1, std::memory_order_relaxed);
+        a.kind = Answer::Kind::terminator;  // neither form: the terminator alone
+      }
+      try {
+        answers.push_back(std::move(a));
+      } catch (...) {
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
       }
     }
+  }
+
+  void serve_requests() {
+    take_requests();
+    serve_answers();
+  }
+
+  // ZMQ_SNDHWM in messages for a byte bound: send_queue_bytes of batches of
+  // at most max_batch_bytes, and at most send_high_water_mark.
+  int send_hwm() const noexcept {
+    const std::size_t by_bytes =
+        std::max<std::size_t>(1, opt.send_queue_bytes / opt.max_batch_bytes);
+    return static_cast<int>(std::min<std::size_t>(
+        {by_bytes, static_cast<std::size_t>(opt.send_high_water_mark), INT32_MAX}));
   }
 
   // Events accepted and not yet taken.
@@ -859,6 +1056,8 @@ struct Publisher::Impl {
               first_pending_ns.load(std::memory_order_relaxed) + interval_ns - steady_ns();
           timeout_ms = std::clamp<std::int64_t>((left + 999'999) / 1'000'000, 0, timeout_ms);
         }
+        // Answers wait for their clients' pipes: tried again each millisecond.
+        if (!answers.empty()) timeout_ms = std::min<std::int64_t>(timeout_ms, 1);
         zmq::pollitem_t items[2] = {{nullptr, wake_fd, ZMQ_POLLIN, 0},
                                     {router ? router->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
         try {
@@ -906,10 +1105,21 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
         "events publisher: replay_ring_batches must be > 0 with a replay endpoint");
   if (options.send_high_water_mark < 0)
     throw InvalidArgument("events publisher: send_high_water_mark must be >= 0");
+  if (options.max_batch_bytes == 0 || options.send_queue_bytes == 0)
+    throw InvalidArgument("events publisher: max_batch_bytes and send_queue_bytes must be > 0");
+  if (!options.replay_endpoint.empty() &&
+      (options.replay_ring_bytes == 0 || options.max_requests_per_second == 0 ||
+       options.max_pending_answers == 0 || options.answer_timeout.count() <= 0 ||
+       options.snapshot_interval.count() < 0))
+    throw InvalidArgument(
+        "events publisher: with a replay endpoint, replay_ring_bytes, max_requests_per_second, "
+        "max_pending_answers and answer_timeout must be > 0 and snapshot_interval >= 0");
   m.opt = std::move(options);
   const int linger = static_cast<int>(std::min<std::int64_t>(m.opt.linger.count(), INT32_MAX));
   m.pub.set(zmq::sockopt::linger, linger);
-  m.pub.set(zmq::sockopt::sndhwm, m.opt.send_high_water_mark);
+  // Each subscriber's queue holds at most send_queue_bytes: that many
+  // batches of max_batch_bytes (ZeroMQ counts messages, not bytes).
+  m.pub.set(zmq::sockopt::sndhwm, m.send_hwm());
   // A full subscriber makes send() fail (counted) instead of dropping silently.
   m.pub.set(zmq::sockopt::xpub_nodrop, 1);
   bind_or_throw(m.pub, m.opt.endpoint, "PUB");
@@ -918,12 +1128,17 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
     m.keeps_set = true;
     m.router.emplace(m.ctx, zmq::socket_type::router);
     m.router->set(zmq::sockopt::linger, linger);
-    // An answer is sent without waiting: the whole ring and its terminator
-    // must fit under the high water mark (ZeroMQ's default, 1,000, cut a
-    // longer replay short, terminator included), for a few clients at once.
-    m.router->set(zmq::sockopt::sndhwm,
-                  static_cast<int>(std::min<std::uint64_t>(
-                      INT32_MAX, 4 * (static_cast<std::uint64_t>(m.opt.replay_ring_batches) + 2))));
+    // Answers are sent as each client's pipe has room (ROUTER_MANDATORY
+    // makes a full pipe refuse a message instead of dropping it), so a
+    // client that never reads holds at most send_queue_bytes of batches
+    // (the ring's, shared) and one snapshot, and an answer is never cut.
+    m.router->set(zmq::sockopt::router_mandatory, 1);
+    m.router->set(zmq::sockopt::sndhwm, std::max(m.send_hwm(), 4));
+    m.router->set(zmq::sockopt::rcvhwm, 64);
+    // A request is a few bytes: a larger frame disconnects its sender.
+    m.router->set(zmq::sockopt::maxmsgsize, std::int64_t{256});
+    m.request_tokens = static_cast<double>(m.opt.max_requests_per_second);
+    m.request_tokens_ns = steady_ns();
     bind_or_throw(*m.router, m.opt.replay_endpoint, "replay");
     m.replay_bound = last_endpoint(*m.router);
   }
@@ -1115,6 +1330,8 @@ PublisherStats Publisher::stats() const noexcept {
   s.loss_gaps = m.loss_gaps.load();
   s.resyncs = m.resyncs.load();
   s.snapshots_unavailable = m.snapshots_unavailable.load();
+  s.requests_refused = m.requests_refused.load();
+  s.answers_abandoned = m.answers_abandoned.load();
   return s;
 }
 

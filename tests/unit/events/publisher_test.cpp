@@ -424,6 +424,146 @@ TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
     ASSERT_EQ(got[k].first, k);
 }
 
+// ---- hostile peers: every bound proven by a counter ------------------------------
+
+// Batches of one event of `tokens` large token ids (5 bytes each on the wire).
+void store_big(Publisher& pub, std::uint64_t hash, std::size_t tokens) {
+  const std::vector<BlockHash> hs = {bh(hash)};
+  const std::vector<TokenId> toks(tokens, 0x7fff'0000u);
+  pub.stored(EventSource{}, view(hs, std::nullopt, toks, static_cast<std::uint32_t>(tokens)));
+}
+
+// A subscriber that joins and then never reads holds at most
+// send_queue_bytes in ZeroMQ: past it the sends fail (counted), a gap.
+TEST(PublisherHostile, SubscriberThatNeverReadsIsBoundedBySendQueueBytes) {
+  PublisherOptions o = local_options();
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 128u << 10;  // a high water mark of 2 batches
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  Subscriber s(pub.endpoint(), "");
+  join(pub, s);  // from here on it reads nothing
+  // 400 batches of ~60 KB (24 MB): more than the kernel's socket buffers
+  // and the queue's 2 batches.
+  for (std::uint64_t k = 0; k < 400; ++k) {
+    store_big(pub, k, 12'000);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+  }
+  const PublisherStats st = pub.stats();
+  EXPECT_GT(st.send_failures, 0u) << "the queue to a reader that never reads is bounded";
+  EXPECT_LT(st.batches_sent, st.next_seq);
+}
+
+// The replay ring keeps at most replay_ring_bytes: older batches go first.
+TEST(PublisherHostile, ReplayRingBoundedInBytes) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.replay_ring_bytes = 3 * 5'200;  // three batches of ~5 KB
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 10; ++k)
+    store_big(pub, k, 1'000);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  ASSERT_EQ(pub.stats().next_seq, 10u);
+  ReplayClient c(pub.replay_endpoint());
+  const auto got = c.replay(0);
+  ASSERT_FALSE(got.empty());
+  EXPECT_LE(got.size(), 3u);
+  std::size_t bytes = 0;
+  for (const auto& [seq, payload] : got)
+    bytes += payload.size();
+  EXPECT_LE(bytes, o.replay_ring_bytes);
+  EXPECT_EQ(got.back().first, 9u);
+  EXPECT_GT(got.front().first, 0u) << "the oldest were dropped: a miss the client sees";
+}
+
+// A flood of replay requests from a client that never reads: at most
+// max_pending_answers are answered (each stuck at the client's high water
+// mark), the rest refused and counted, and live publishing goes on.
+TEST(PublisherHostile, ReplayFloodIsRefusedAndLivePublishingGoesOn) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 256u << 10;  // 4 answer frames queued per client
+  o.max_pending_answers = 4;
+  o.answer_timeout = std::chrono::minutes(10);  // never abandoned here
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);  // 24 MB: one answer fills the kernel's buffers too
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t d{ctx, zmq::socket_type::dealer};
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvhwm, 1);
+  d.connect(pub.replay_endpoint());
+  constexpr int kRequests = 1'000;
+  const auto start = encode_seq(0);
+  for (int k = 0; k < kRequests; ++k) {
+    d.send(zmq::message_t(), zmq::send_flags::sndmore);
+    d.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + scaled(10s);
+  while (pub.stats().replay_requests + pub.stats().requests_refused < kRequests &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  PublisherStats st = pub.stats();
+  ASSERT_EQ(st.replay_requests + st.requests_refused, static_cast<std::uint64_t>(kRequests));
+  EXPECT_LE(st.replay_requests, 4u);
+  EXPECT_GE(st.requests_refused, static_cast<std::uint64_t>(kRequests - 4));
+  // Live batches still go out while the answers wait for a reader.
+  const std::uint64_t before = st.next_seq;
+  for (std::uint64_t k = 0; k < 10; ++k)
+    store_big(pub, 1000 + k, 10);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  EXPECT_EQ(pub.stats().next_seq, before + 10);
+}
+
+// An answer whose client takes nothing for answer_timeout is dropped.
+TEST(PublisherHostile, StuckAnswerAbandoned) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 256u << 10;
+  o.answer_timeout = 20ms;
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);  // 24 MB: more than the kernel's socket buffers
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t d{ctx, zmq::socket_type::dealer};
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvhwm, 1);
+  d.connect(pub.replay_endpoint());
+  const auto start = encode_seq(0);
+  d.send(zmq::message_t(), zmq::send_flags::sndmore);
+  d.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  const auto deadline = std::chrono::steady_clock::now() + scaled(10s);
+  while (pub.stats().answers_abandoned == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pub.stats().answers_abandoned, 1u);
+  EXPECT_EQ(pub.stats().replay_requests, 1u);
+}
+
+// A request of more than 3 frames is read frame by frame, its tail
+// discarded as read (never all held), counted and not answered; the next
+// good request is answered.
+TEST(PublisherHostile, RequestWithTooManyFramesCountedNotAnswered) {
+  PublisherOptions o = local_options();
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  ReplayClient c(pub.replay_endpoint());
+  for (int k = 0; k < 10'000; ++k)
+    c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::sndmore);
+  c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::none);
+  EXPECT_TRUE(c.replay(0).empty());  // answered: the terminator alone
+  EXPECT_EQ(pub.stats().bad_requests, 1u);
+  EXPECT_EQ(pub.stats().replay_requests, 1u);
+}
+
 using BlockTuple = std::tuple<std::string, std::optional<std::uint32_t>, std::uint64_t,
                               std::optional<std::uint64_t>, std::vector<TokenId>>;
 

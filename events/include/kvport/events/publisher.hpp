@@ -46,15 +46,41 @@ struct PublisherOptions {
   bool single_producer = false;
   /// Map-tagged events (vLLM since mid-2026) or the older positional arrays.
   EventForm form = EventForm::map;
-  /// ZMQ_SNDHWM of the PUB socket, in messages: past it a send is dropped
-  /// (counted as a send failure), never waited for.
+  /// ZMQ_SNDHWM of the PUB socket, in messages, at most: past it a send is
+  /// refused (counted as a send failure, and a gap for that subscriber),
+  /// never waited for. The byte bound below usually sets a lower one.
   int send_high_water_mark = 100'000;
+  /// A batch ends before an event that would take its payload past this
+  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event; an
+  /// event larger than that goes alone). > 0.
+  std::size_t max_batch_bytes = 128u << 10;
+  /// The memory one subscriber (PUB) or one replay client (ROUTER) may hold
+  /// queued in ZeroMQ: its high water mark is send_queue_bytes /
+  /// max_batch_bytes messages (512 by default; at least 1, 4 on the replay
+  /// socket). A subscriber that never reads costs at most this. > 0.
+  std::size_t send_queue_bytes = 64u << 20;
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
-  /// Batches the replay ring keeps (vLLM: 10,000).
-  /// The replay socket queues up to 4 x (this + 2) messages per client, so
-  /// that a replay of the whole ring and its terminator is never cut short.
+  /// Batches the replay ring keeps (vLLM: 10,000) ...
   std::size_t replay_ring_batches = 10'000;
+  /// ... and bytes of their payloads it keeps at most (the oldest go first).
+  std::size_t replay_ring_bytes = 64u << 20;
+  /// Replay and snapshot requests answered per second at most (a bucket of
+  /// one second's worth); the others are refused: not answered, counted
+  /// (PublisherStats::requests_refused). Their answers are sent a few
+  /// frames per turn of the thread, between live batches, each as fast as
+  /// its client reads.
+  std::size_t max_requests_per_second = 100;
+  /// Answers in progress at most; a request beyond is refused.
+  std::size_t max_pending_answers = 16;
+  /// An answer whose client has not taken a frame for this long is dropped
+  /// (PublisherStats::answers_abandoned).
+  std::chrono::milliseconds answer_timeout{5'000};
+  /// A snapshot is built (O(cached blocks), on the publisher thread, which
+  /// sends nothing meanwhile) at most once per this; requests in between
+  /// get the last one while it is usable (the ring still holds every batch
+  /// after it), or wait.
+  std::chrono::milliseconds snapshot_interval{1'000};
   /// How long the destructor waits for sends still queued in ZeroMQ.
   std::chrono::milliseconds linger{1'000};
 };
@@ -67,8 +93,11 @@ struct PublisherStats {
   std::uint64_t send_failures = 0;  ///< batches ZeroMQ refused (high water mark)
   std::uint64_t replay_requests = 0;
   std::uint64_t snapshots = 0;
-  std::uint64_t bad_requests = 0;  ///< replay socket requests of neither form
-  std::uint64_t next_seq = 0;      ///< sequence the next batch will carry
+  /// Replay-socket requests of neither form (a body that is neither a start
+  /// sequence nor the snapshot request: answered with the terminator alone;
+  /// a wrong frame count: not answered).
+  std::uint64_t bad_requests = 0;
+  std::uint64_t next_seq = 0;  ///< sequence the next batch will carry
   /// Sequence numbers skipped for dropped events: each run of drops (and
   /// each batch lost to an allocation failure) skips one, so that every
   /// subscriber sees a gap exactly where events are missing.
@@ -78,6 +107,11 @@ struct PublisherStats {
   /// Snapshot requests answered with the terminator alone because the
   /// publisher's set was not exact (a loss since the last resync).
   std::uint64_t snapshots_unavailable = 0;
+  /// Replay-socket requests not answered: over max_requests_per_second or
+  /// max_pending_answers.
+  std::uint64_t requests_refused = 0;
+  /// Answers dropped: the client left, or took nothing for answer_timeout.
+  std::uint64_t answers_abandoned = 0;
 };
 
 /// The request frame that asks the replay socket for a snapshot (any other
