@@ -707,9 +707,6 @@ TEST(SubscriberFake, MalformedMessagesAreCountedAndSkipped) {
   fake.send_frames({"", seq_bytes(1).substr(1), good});  // a 7-byte seq
   fake.send_frames({"", seq_bytes(1), "\xc1 not msgpack"});
   fake.send_frames({"", seq_bytes(1), good, "a fourth frame"});
-  BlockStored big = stored({99});
-  big.token_ids.assign(2000, 100000);  // 5 bytes each: > 4096 bytes encoded
-  fake.send(batch(1, {big}, 2.0));
   // [ts, [{"type": "Foo"}], nil]: an event type unknown to the decoder.
   std::string unknown = "\x93\xcb";
   const double ts = 1.5;
@@ -722,12 +719,100 @@ TEST(SubscriberFake, MalformedMessagesAreCountedAndSkipped) {
       "Foo\xc0";
   fake.send_frames({"", seq_bytes(1), unknown});
   fake.send_frames({"", seq_bytes(2), good});
-  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().messages == before + 8; }));
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().messages == before + 7; }));
   const SubscriberStats st = sub.stats();
-  EXPECT_EQ(st.malformed, 6u);
+  EXPECT_EQ(st.malformed, 5u);
   EXPECT_EQ(st.unknown_events, 1u);
   EXPECT_EQ(index.status(0).last_seq, 2u);  // 1 (no events) and 2 applied
   EXPECT_EQ(index.blocks_of(0), gpu({1, 11}));
+}
+
+// ---- hostile publishers: bounded by a counter or an error ------------------------
+
+// A message of 100,000 frames: read frame by frame, all but 4 discarded as
+// read, counted; the stream goes on.
+TEST(SubscriberHostile, MessageOfEndlessFramesIsCountedAndDiscarded) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  Subscriber sub(index);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  for (int k = 0; k < 100'000; ++k)
+    fake.pub.send(zmq::buffer(std::string_view("x")), zmq::send_flags::sndmore);
+  fake.pub.send(zmq::buffer(std::string_view("x")), zmq::send_flags::none);
+  fake.send(batch(1, {stored({11})}, 2.0));
+  ASSERT_TRUE(poll_until(sub, [&] { return index.status(0).last_seq == 1u; }));
+  EXPECT_EQ(sub.stats().too_many_parts, 1u);
+  EXPECT_EQ(sub.stats().malformed, 1u);
+  EXPECT_EQ(index.blocks_of(0), gpu({1, 11}));
+}
+
+// A publisher that floods: no poll() handles more than max_poll_messages,
+// the rest waits for the next call (counted), and everything applies in
+// the end.
+TEST(SubscriberHostile, PollDoesAtMostItsBudget) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.max_poll_messages = 10;
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  for (std::uint64_t seq = 1; seq <= 200; ++seq)
+    fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
+  const auto deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 200u && Clock::now() < deadline)
+    ASSERT_LE(sub.poll(5ms), 10u);
+  EXPECT_EQ(index.status(0).last_seq, 200u);
+  EXPECT_GT(sub.stats().budget_stops, 0u);
+}
+
+// A frame larger than max_message_bytes is never read: ZeroMQ drops the
+// connection that carries it (seen here on the publisher's side as a
+// disconnect) and, a protocol error, does not reconnect to that publisher.
+TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  ASSERT_EQ(
+      zmq_socket_monitor(fake.pub.handle(), "inproc://kvport-pub-monitor", ZMQ_EVENT_DISCONNECTED),
+      0);
+  zmq::socket_t monitor{fake.ctx, zmq::socket_type::pair};
+  monitor.set(zmq::sockopt::linger, 0);
+  monitor.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(5000ms).count()));
+  monitor.connect("inproc://kvport-pub-monitor");
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.max_message_bytes = 4096;
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  BlockStored big = stored({99});
+  big.token_ids.assign(200'000, 100000);  // ~1 MB: far past 4096 bytes
+  fake.send(batch(1, {big}, 2.0));
+  const std::uint64_t messages = sub.stats().messages;
+  std::vector<zmq::message_t> event;
+  // Polled while waiting, so the subscriber's side reads what it can.
+  bool disconnected = false;
+  monitor.set(zmq::sockopt::rcvtimeo, 5);
+  const auto deadline = Clock::now() + scaled(5s);
+  while (!disconnected && Clock::now() < deadline) {
+    sub.poll(5ms);
+    event.clear();
+    disconnected = zmq::recv_multipart(monitor, std::back_inserter(event)).has_value();
+  }
+  EXPECT_TRUE(disconnected) << "ZeroMQ refuses the frame by dropping the connection";
+  EXPECT_EQ(sub.stats().messages, messages) << "the large frame was never received";
+  // ZeroMQ does not reconnect after a protocol error: the instance is
+  // silent from here (expired by instance_timeout, docs/reliability.md).
+  for (int k = 0; k < 40; ++k) {  // past ZeroMQ's reconnect interval (100 ms)
+    fake.send(batch(2, {stored({12})}, 3.0));
+    sub.poll(10ms);
+  }
+  EXPECT_EQ(sub.stats().messages, messages);
+  EXPECT_EQ(sub.stats().malformed, 0u);
+  EXPECT_EQ(index.blocks_of(0), gpu({1}));
 }
 
 TEST(SubscriberFake, MalformedReplayAnswersAreCountedAndTheMissAsksASnapshot) {
@@ -856,6 +941,12 @@ TEST(SubscriberApi, BadOptionsThrow) {
   EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_message_bytes = 0; })), InvalidArgument);
   EXPECT_THROW(Subscriber(index, with([](auto& o) { o.receive_high_water_mark = -1; })),
                InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.receive_high_water_mark = 0; })),
+               InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_snapshot_bytes = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_poll_messages = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_poll_bytes = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.poll_work_budget = 0ms; })), InvalidArgument);
   EXPECT_NO_THROW(Subscriber(index, with([](auto& o) { o.topic = "kv@"; })));
 }
 
