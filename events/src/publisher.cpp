@@ -449,7 +449,12 @@ struct Publisher::Impl {
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
       bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0},
-      requests_refused{0}, answers_abandoned{0};
+      requests_refused{0}, answers_abandoned{0}, events_unsent{0};
+  // Events of the last batches sent (at most a subscriber queue's worth),
+  // the thread's until it is joined.
+  std::deque<std::uint32_t> recent_batches;
+  std::uint64_t recent_events = 0;
+  std::optional<CloseReport> closed;  // close() ran
   // Markers (loss, resync) among the accepted items: not events.
   std::atomic<std::uint64_t> markers{0};
   // Set on every drop (with a replay socket), cleared by resync(): the
@@ -656,7 +661,7 @@ struct Publisher::Impl {
 
   // Sends `body` (the reused payload buffer) and, with a replay socket, keeps
   // an exact copy in the ring (the buffer itself grew past its size).
-  void send(std::uint64_t seq, std::string_view body) {
+  void send(std::uint64_t seq, std::string_view body, std::size_t n_events) {
     const auto seq_frame = encode_seq(seq);
     bool ok = false;
     try {
@@ -673,6 +678,18 @@ struct Publisher::Impl {
     }
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
     next_seq.store(seq + 1, std::memory_order_relaxed);
+    if (!ok) {
+      events_unsent.fetch_add(n_events, std::memory_order_relaxed);
+    } else {
+      // The last batches sent, as many as a subscriber's queue holds: what
+      // an exit's linger may still discard (close()).
+      recent_events += n_events;
+      recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      if (recent_batches.size() > static_cast<std::size_t>(send_hwm())) {
+        recent_events -= recent_batches.front();
+        recent_batches.pop_front();
+      }
+    }
     if (router) {
       ring.emplace_back(seq, std::make_shared<const std::string>(body));
       ring_bytes += body.size();
@@ -723,7 +740,8 @@ struct Publisher::Impl {
           break;
       }
     }
-    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank));
+    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank),
+         batch_events.size());
   }
 
   // A sequence number is skipped for events that were dropped (or lost to an
@@ -1105,6 +1123,11 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
         "events publisher: replay_ring_batches must be > 0 with a replay endpoint");
   if (options.send_high_water_mark < 0)
     throw InvalidArgument("events publisher: send_high_water_mark must be >= 0");
+  if (options.data_parallel_rank &&
+      (*options.data_parallel_rank < 0 || *options.data_parallel_rank > INT32_MAX))
+    throw InvalidArgument("events publisher: data_parallel_rank " +
+                          std::to_string(*options.data_parallel_rank) +
+                          " is outside [0, 2^31 - 1] (Dynamo reads the rank as an i32)");
   if (options.max_batch_bytes == 0 || options.send_queue_bytes == 0)
     throw InvalidArgument("events publisher: max_batch_bytes and send_queue_bytes must be > 0");
   if (!options.replay_endpoint.empty() &&
@@ -1151,16 +1174,46 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
 }
 
 Publisher::~Publisher() {
+  if (!impl_->closed) (void)close(impl_->opt.linger);
+}
+
+CloseReport Publisher::close(std::chrono::milliseconds timeout) noexcept {
   Impl& m = *impl_;
+  if (m.closed) return *m.closed;
+  const auto start = std::chrono::steady_clock::now();
+  CloseReport r;
+  try {
+    r.flushed = flush(timeout);
+  } catch (...) {  // a lock or wait that failed: the stop below publishes it all
+  }
   m.lock();
   m.stop = true;  // no producer accepts from here on
   m.unlock();
   m.stop_flag.store(true, std::memory_order_release);
   m.signal();
-  if (m.thread.joinable()) m.thread.join();
+  if (m.thread.joinable()) m.thread.join();  // publishes what is still buffered
+  const auto left = std::max(std::chrono::milliseconds(0),
+                             timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           std::chrono::steady_clock::now() - start));
+  const int linger = static_cast<int>(std::min<std::int64_t>(left.count(), INT32_MAX));
+  try {
+    m.pub.set(zmq::sockopt::linger, linger);
+    if (m.router) m.router->set(zmq::sockopt::linger, 0);  // answers in flight: not waited for
+  } catch (const zmq::error_t&) {  // the option stays as bound: options.linger
+  }
   m.pub.close();
   if (m.router) m.router->close();
-  m.ctx.close();  // waits up to `linger` for queued messages
+  const auto before_term = std::chrono::steady_clock::now();
+  m.ctx.close();  // returns once every queued message is sent, or at the linger
+  // Returned before the linger ran out: ZeroMQ had nothing left to discard.
+  r.drained = m.sent.load() == 0 ||
+              std::chrono::steady_clock::now() - before_term < std::chrono::milliseconds(linger);
+  const PublisherStats st = stats();
+  r.events_dropped = st.events_dropped;
+  r.events_unsent = st.events_unsent;
+  r.events_maybe_discarded = r.drained ? 0 : m.recent_events;
+  m.closed = r;
+  return r;
 }
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
@@ -1331,6 +1384,7 @@ PublisherStats Publisher::stats() const noexcept {
   s.resyncs = m.resyncs.load();
   s.snapshots_unavailable = m.snapshots_unavailable.load();
   s.requests_refused = m.requests_refused.load();
+  s.events_unsent = m.events_unsent.load();
   s.answers_abandoned = m.answers_abandoned.load();
   return s;
 }

@@ -50,8 +50,12 @@ BlockStoredView view(std::span<const BlockHash> hashes, std::optional<BlockHash>
 struct Subscriber {
   zmq::context_t ctx{1};
   zmq::socket_t sub{ctx, zmq::socket_type::sub};
-  Subscriber(const std::string& endpoint, const std::string& topic) {
+  // `rcvhwm`: ZeroMQ's queue on this side (a SUB whose application never
+  // reads still has its I/O thread fill this queue).
+  Subscriber(const std::string& endpoint, const std::string& topic, int rcvhwm = 1000) {
     sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvhwm, rcvhwm);
+    sub.set(zmq::sockopt::rcvbuf, rcvhwm < 1000 ? 64 << 10 : -1);
     sub.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
     sub.set(zmq::sockopt::subscribe, topic);
     sub.connect(endpoint);
@@ -216,6 +220,35 @@ TEST(Publisher, BadOptionsAreInvalidArgument) {
     o.replay_ring_batches = 0;
   });
   bad([](PublisherOptions& o) { o.replay_endpoint = "bogus://x"; });
+  bad([](PublisherOptions& o) { o.max_batch_bytes = 0; });
+  bad([](PublisherOptions& o) { o.send_queue_bytes = 0; });
+  for (auto tweak : std::vector<void (*)(PublisherOptions&)>{
+           [](PublisherOptions& o) { o.replay_ring_bytes = 0; },
+           [](PublisherOptions& o) { o.max_requests_per_second = 0; },
+           [](PublisherOptions& o) { o.max_pending_answers = 0; },
+           [](PublisherOptions& o) { o.answer_timeout = 0ms; },
+           [](PublisherOptions& o) { o.snapshot_interval = -1ms; }}) {
+    bad([&](PublisherOptions& o) {
+      o.replay_endpoint = "tcp://127.0.0.1:0";
+      tweak(o);
+    });
+  }
+  // Dynamo reads the rank as an i32: a rank past it is refused, naming it.
+  bad([](PublisherOptions& o) { o.data_parallel_rank = std::int64_t{1} << 31; });
+  bad([](PublisherOptions& o) { o.data_parallel_rank = -1; });
+  try {
+    PublisherOptions o = local_options();
+    o.data_parallel_rank = std::int64_t{1} << 31;
+    Publisher p(o);
+    ADD_FAILURE() << "rank 2^31 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("i32"), std::string::npos) << e.what();
+  }
+  {
+    PublisherOptions o = local_options();
+    o.data_parallel_rank = INT32_MAX;  // the largest Dynamo reads
+    EXPECT_NO_THROW(Publisher{o});
+  }
   // A port already bound.
   Publisher first(local_options());
   PublisherOptions o = local_options();
@@ -441,7 +474,7 @@ TEST(PublisherHostile, SubscriberThatNeverReadsIsBoundedBySendQueueBytes) {
   o.send_queue_bytes = 128u << 10;  // a high water mark of 2 batches
   o.buffer_bytes = 256u << 20;
   Publisher pub(o);
-  Subscriber s(pub.endpoint(), "");
+  Subscriber s(pub.endpoint(), "", 1);
   join(pub, s);  // from here on it reads nothing
   // 400 batches of ~60 KB (24 MB): more than the kernel's socket buffers
   // and the queue's 2 batches.
@@ -452,6 +485,42 @@ TEST(PublisherHostile, SubscriberThatNeverReadsIsBoundedBySendQueueBytes) {
   const PublisherStats st = pub.stats();
   EXPECT_GT(st.send_failures, 0u) << "the queue to a reader that never reads is bounded";
   EXPECT_LT(st.batches_sent, st.next_seq);
+}
+
+// close(): the bounded exit flush. A subscriber that reads everything got
+// it all (drained, nothing undelivered); one that never reads is reported:
+// what was refused at its high water mark and what the linger may discard.
+TEST(PublisherHostile, CloseReportsWhatASlowSubscriberDidNotGet) {
+  {
+    Publisher pub(local_options());
+    Subscriber s(pub.endpoint(), "");
+    join(pub, s);
+    store_big(pub, 1, 100);
+    const CloseReport r = pub.close(scaled(5000ms));
+    EXPECT_TRUE(r.flushed);
+    EXPECT_TRUE(r.drained);
+    EXPECT_EQ(r.not_delivered(), 0u);
+    EXPECT_EQ(pub.close(1ms).drained, r.drained) << "a second call returns the first report";
+  }
+  PublisherOptions o = local_options();
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 8u << 20;  // 128 batches queued: the linger has something to discard
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  Subscriber s(pub.endpoint(), "", 1);
+  join(pub, s);  // then never reads
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);  // 24 MB
+  const CloseReport r = pub.close(200ms);
+  EXPECT_TRUE(r.flushed);
+  EXPECT_FALSE(r.drained);
+  EXPECT_GT(r.events_maybe_discarded, 0u);
+  EXPECT_LE(r.events_maybe_discarded, 128u) << "at most one queue's worth of batches";
+  EXPECT_GT(r.not_delivered(), 0u);
+  EXPECT_EQ(r.events_unsent, pub.stats().events_unsent);
+  // Closed: later events drop, counted, and nothing is left running.
+  store_big(pub, 9999, 1);
+  EXPECT_EQ(pub.stats().events_dropped, 1u);
 }
 
 // The replay ring keeps at most replay_ring_bytes: older batches go first.

@@ -25,7 +25,8 @@ struct PublisherOptions {
   std::string endpoint = "tcp://127.0.0.1:5557";
   /// The first frame of every message (vLLM's default: empty).
   std::string topic;
-  /// The batch's third element (nil when absent).
+  /// The batch's third element (nil when absent); in [0, 2^31 - 1], since
+  /// Dynamo reads it as an i32 (the constructor throws otherwise).
   std::optional<std::int64_t> data_parallel_rank;
   /// A batch is sent when this many events are buffered (up to 100 us
   /// later while events come faster than a batch per wake-up: the thread
@@ -112,6 +113,30 @@ struct PublisherStats {
   std::uint64_t requests_refused = 0;
   /// Answers dropped: the client left, or took nothing for answer_timeout.
   std::uint64_t answers_abandoned = 0;
+  /// Events in the batches ZeroMQ refused (send_failures).
+  std::uint64_t events_unsent = 0;
+};
+
+/// What Publisher::close could not deliver.
+struct CloseReport {
+  /// Every event accepted before close() was published within its timeout.
+  bool flushed = false;
+  /// ZeroMQ sent every queued message before the linger ran out (or nothing
+  /// was ever sent).
+  bool drained = false;
+  /// Events never published: the buffer was full (PublisherStats).
+  std::uint64_t events_dropped = 0;
+  /// Events in batches ZeroMQ refused at a subscriber's high water mark.
+  std::uint64_t events_unsent = 0;
+  /// Not drained: the events of the last batches sent, as many as one
+  /// subscriber's queue holds (send_queue_bytes), which the linger may
+  /// have discarded for a slow subscriber: an upper bound (ZeroMQ does not
+  /// say how many it discarded). 0 when drained.
+  std::uint64_t events_maybe_discarded = 0;
+  /// Every event some subscriber may not have received, at most.
+  std::uint64_t not_delivered() const noexcept {
+    return events_dropped + events_unsent + events_maybe_discarded;
+  }
 };
 
 /// The request frame that asks the replay socket for a snapshot (any other
@@ -144,11 +169,19 @@ class Publisher final : public CacheEventSink {
  public:
   /// Binds the sockets and starts the thread. Throws InvalidArgument on a
   /// bad option (an endpoint ZeroMQ refuses or cannot bind, zero buffer or
-  /// batch size, zero ring with a replay endpoint).
+  /// batch size, zero ring with a replay endpoint, a data_parallel_rank
+  /// outside [0, 2^31 - 1]).
   explicit Publisher(PublisherOptions options);
-  /// Stops the thread after publishing what is buffered, then waits up to
-  /// `linger` for ZeroMQ to send it.
+  /// close(options.linger) unless close() ran.
   ~Publisher() override;
+
+  /// The bounded exit flush: publishes what is buffered (flush), stops the
+  /// thread and closes the sockets, waiting for ZeroMQ to send what is
+  /// queued, all within `timeout`; reports what may not have been
+  /// delivered. The sink calls drop (counted) from then on; stats() still
+  /// works; a second call returns the first report. Costs up to `timeout`
+  /// when a subscriber is slow. Does not throw.
+  CloseReport close(std::chrono::milliseconds timeout) noexcept;
   Publisher(const Publisher&) = delete;
   Publisher& operator=(const Publisher&) = delete;
 
