@@ -333,6 +333,13 @@ zmq::const_buffer as_buffer(const std::array<std::byte, 8>& a) {
   return zmq::buffer(a.data(), a.size());
 }
 
+// The group's kind, which every event of a group source carries (a router
+// that indexes groups by kind applies removals and clears by it too).
+std::optional<std::string_view> kind_of(const EventSource& src) noexcept {
+  if (!src.spec_kind) return std::nullopt;
+  return std::string_view(*src.spec_kind);
+}
+
 // A payload shared by the ring and the answers that send it.
 using Shared = std::shared_ptr<const std::string>;
 
@@ -731,11 +738,11 @@ struct Publisher::Impl {
           break;
         }
         case EventHeader::remove:
-          w.removed(e.hashes, to_string(src.medium), src.group_idx);
+          w.removed(e.hashes, to_string(src.medium), src.group_idx, kind_of(src));
           if (router) cached.removed(src, e.hashes);
           break;
         default:
-          w.cleared(to_string(src.medium), src.group_idx);
+          w.cleared(to_string(src.medium), src.group_idx, kind_of(src));
           if (router) cached.cleared(src);
           break;
       }

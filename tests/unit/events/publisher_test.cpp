@@ -457,6 +457,42 @@ TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
     ASSERT_EQ(got[k].first, k);
 }
 
+// Every event of a group source carries the group's kind, removals and
+// clears included (Dynamo indexes groups by kind and applies removals by
+// it), in both forms; the decoder reads such a batch as before.
+TEST(Publisher, EveryEventOfAGroupCarriesItsKind) {
+  for (EventForm form : {EventForm::map, EventForm::positional}) {
+    PublisherOptions o = local_options();
+    o.form = form;
+    o.replay_endpoint = "tcp://127.0.0.1:0";
+    o.batch_interval = 10s;
+    Publisher pub(o);
+    EventSource src;
+    src.group_idx = 1;
+    src.spec_kind = "full_attention";
+    const std::vector<BlockHash> hs = {bh(1), bh(2)};
+    const std::vector<TokenId> tokens = {1, 2};
+    pub.stored(src, view(hs, std::nullopt, tokens, 1));
+    pub.removed(src, std::span(hs).first(1));
+    pub.cleared(src);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+    ReplayClient c(pub.replay_endpoint());
+    const auto got = c.replay(0);
+    ASSERT_EQ(got.size(), 1u);
+    const std::string& payload = got[0].second;
+    std::size_t kinds = 0;
+    for (std::size_t at = payload.find("full_attention"); at != std::string::npos;
+         at = payload.find("full_attention", at + 1))
+      ++kinds;
+    EXPECT_EQ(kinds, 3u) << "stored, removed and cleared each name the kind";
+    const DecodeResult r = decode_batch(payload);
+    ASSERT_TRUE(r.ok()) << r.error;
+    ASSERT_EQ(r.batch->events.size(), 3u);
+    EXPECT_EQ(std::get<BlockRemoved>(r.batch->events[1]).group_idx, 1u);
+    EXPECT_EQ(std::get<AllBlocksCleared>(r.batch->events[2]).group_idx, 1u);
+  }
+}
+
 // ---- hostile peers: every bound proven by a counter ------------------------------
 
 // Batches of one event of `tokens` large token ids (5 bytes each on the wire).
