@@ -660,13 +660,48 @@ TEST(PublisherHostile, RequestWithTooManyFramesCountedNotAnswered) {
   PublisherOptions o = local_options();
   o.replay_endpoint = "tcp://127.0.0.1:0";
   Publisher pub(o);
+  store_big(pub, 1, 1);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
   ReplayClient c(pub.replay_endpoint());
   for (int k = 0; k < 10'000; ++k)
     c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::sndmore);
   c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::none);
-  EXPECT_TRUE(c.replay(0).empty());  // answered: the terminator alone
+  // Had the bad request been answered, its terminator would come first.
+  EXPECT_EQ(c.replay(0).size(), 1u);
   EXPECT_EQ(pub.stats().bad_requests, 1u);
   EXPECT_EQ(pub.stats().replay_requests, 1u);
+}
+
+// As docs/events.md says: a REQ client gets the answer's first message only
+// (REQ takes one reply per request); a DEALER gets every batch.
+TEST(Publisher, ReqClientGetsOnlyTheFirstMessage) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 3; ++k)
+    store_big(pub, k, 1);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t req{ctx, zmq::socket_type::req};
+  req.set(zmq::sockopt::linger, 0);
+  req.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
+  req.connect(pub.replay_endpoint());
+  const auto start = encode_seq(0);
+  req.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  std::vector<zmq::message_t> first;
+  ASSERT_TRUE(zmq::recv_multipart(req, std::back_inserter(first)));
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(seq_of(first[0]), 0u);
+  // The rest of the answer is discarded by REQ: the next request's reply
+  // (again batch 0) comes next, not batch 1.
+  req.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  std::vector<zmq::message_t> second;
+  ASSERT_TRUE(zmq::recv_multipart(req, std::back_inserter(second)));
+  ASSERT_EQ(second.size(), 2u);
+  EXPECT_EQ(seq_of(second[0]), 0u);
+  ReplayClient dealer(pub.replay_endpoint());
+  EXPECT_EQ(dealer.replay(0).size(), 3u);
 }
 
 using BlockTuple = std::tuple<std::string, std::optional<std::uint32_t>, std::uint64_t,
