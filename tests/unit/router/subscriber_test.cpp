@@ -373,10 +373,14 @@ TEST(SubscriberPublisher, DroppedEventsShowAsGapsAndTheIndexEndsEqualToTheCache)
     const std::size_t hit = t.reuse_cached_prefix(p, stream);
     const auto rest = std::span<const TokenId>(p).subspan(hit);
     if (t.blocks_needed(rest.size()) <= pc.num_available_blocks()) t.append_tokens(rest, stream);
-    if (op % 50 == 0) sub.poll(0ms);
+    if (op % 40 == 39) {  // the thread takes what it holds: live batches between the drops
+      ASSERT_TRUE(pub.flush(scaled(2s)));
+      sub.poll(1ms);
+    }
   }
   const events::PublisherStats mid = pub.stats();
   ASSERT_GT(mid.events_dropped, 0u) << "the test needs drops";
+  ASSERT_GE(mid.loss_gaps, 2u) << "and several gaps between live batches";
   // The owner resyncs the publisher's set from the cache (kvport replay and
   // cluster do so between steps when needs_resync()).
   for (int k = 0; k < 10 && pub.needs_resync(); ++k) {
