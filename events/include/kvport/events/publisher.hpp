@@ -151,13 +151,16 @@ inline constexpr std::string_view snapshot_request = "kvport.snapshot";
 /// throw, and drop (counted) when the buffer is full. A thread of its own
 /// (woken per full batch, or polling every 100 us while events come fast)
 /// batches, encodes, assigns sequence numbers (from 0, +1
-/// per batch, also for a batch whose send failed, so a subscriber sees the
-/// gap), sends three frames [topic, seq as 8 bytes big-endian, payload] on a
-/// PUB socket and answers the replay socket.
+/// per batch, also for a batch whose send failed, and +1 more where events
+/// were dropped, so a subscriber sees every loss as a gap), sends three
+/// frames [topic, seq as 8 bytes big-endian, payload] on a PUB socket and
+/// answers the replay socket (rate-limited, a few frames a turn between live
+/// batches, as fast as each client reads).
 ///
-/// Replay (as vLLM): a DEALER or REQ client sends one frame, a start
-/// sequence as 8 bytes big-endian, and receives [seq, payload] for every
-/// kept batch with seq >= start, then [-1 as 8 bytes (all 0xff), ""]. A
+/// Replay (as vLLM): a DEALER client sends one frame, a start sequence as 8
+/// bytes big-endian, and receives [seq, payload] for every kept batch with
+/// start <= seq < the next sequence when asked, then [-1 as 8 bytes (all
+/// 0xff), ""] (a REQ client gets the first of them only). A
 /// start older than the ring gets what is kept: the first seq returned is
 /// then later than asked (a miss). Snapshot (kvport): the frame
 /// "kvport.snapshot" gets [S, payload] then the terminator, where payload is

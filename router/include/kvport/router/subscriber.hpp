@@ -154,8 +154,9 @@ class Subscriber {
 
   /// Waits up to `timeout` (0: not at all; less when a request's deadline
   /// comes first; the whole `timeout` without instances) until a message is
-  /// there on any socket, then receives everything queued (at most 4,096 messages a
-  /// socket), applies it, and acts on index.needs() for every instance:
+  /// there on any socket, then receives what is queued within its budget
+  /// (max_poll_messages, max_poll_bytes, poll_work_budget; answers first),
+  /// applies it, and acts on index.needs() for every instance:
   /// sends replay and snapshot requests, applies their answers, times them
   /// out. Calls index.expire(now) when expire_silent. Returns the messages
   /// handled (live messages and answer frames).
