@@ -547,7 +547,8 @@ TEST(PublisherHostile, CloseReportsWhatASlowSubscriberDidNotGet) {
   join(pub, s);  // then never reads
   for (std::uint64_t k = 0; k < 400; ++k)
     store_big(pub, k, 12'000);  // 24 MB
-  const CloseReport r = pub.close(200ms);
+  ASSERT_TRUE(pub.flush(scaled(5000ms)));  // so that close()'s own flush is immediate
+  const CloseReport r = pub.close(scaled(200ms));
   EXPECT_TRUE(r.flushed);
   EXPECT_FALSE(r.drained);
   EXPECT_GT(r.events_maybe_discarded, 0u);
