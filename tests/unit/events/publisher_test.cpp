@@ -546,7 +546,7 @@ TEST(PublisherHostile, CloseReportsWhatASlowSubscriberDidNotGet) {
   Subscriber s(pub.endpoint(), "", 1);
   join(pub, s);  // then never reads
   for (std::uint64_t k = 0; k < 400; ++k)
-    store_big(pub, k, 12'000);  // 24 MB
+    store_big(pub, k, 12'000);             // 24 MB
   ASSERT_TRUE(pub.flush(scaled(5000ms)));  // so that close()'s own flush is immediate
   const CloseReport r = pub.close(scaled(200ms));
   EXPECT_TRUE(r.flushed);
@@ -694,13 +694,10 @@ TEST(Publisher, ReqClientGetsOnlyTheFirstMessage) {
   ASSERT_TRUE(zmq::recv_multipart(req, std::back_inserter(first)));
   ASSERT_EQ(first.size(), 2u);
   EXPECT_EQ(seq_of(first[0]), 0u);
-  // The rest of the answer is discarded by REQ: the next request's reply
-  // (again batch 0) comes next, not batch 1.
-  req.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
-  std::vector<zmq::message_t> second;
-  ASSERT_TRUE(zmq::recv_multipart(req, std::back_inserter(second)));
-  ASSERT_EQ(second.size(), 2u);
-  EXPECT_EQ(seq_of(second[0]), 0u);
+  // REQ takes one reply per request: it cannot read the rest of the answer
+  // (ZeroMQ refuses the receive, EFSM, and eats the rest at the next send).
+  std::vector<zmq::message_t> more;
+  EXPECT_THROW((void)zmq::recv_multipart(req, std::back_inserter(more)), zmq::error_t);
   ReplayClient dealer(pub.replay_endpoint());
   EXPECT_EQ(dealer.replay(0).size(), 3u);
 }
