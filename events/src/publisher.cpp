@@ -924,7 +924,11 @@ struct Publisher::Impl {
             a.kind = Answer::Kind::terminator;
             continue;
           }
-          const Shared* snap = snapshot_now(now);
+          const Shared* snap = nullptr;
+          try {
+            snap = snapshot_now(now);
+          } catch (...) {  // out of memory: the answer waits (abandoned at answer_timeout)
+          }
           if (snap == nullptr) break;  // waits for snapshot_interval
           if ((r = send_answer(a, snapshot_seq, *snap)) == SendResult::sent) {
             snapshots.fetch_add(1, std::memory_order_relaxed);
@@ -1000,8 +1004,13 @@ struct Publisher::Impl {
       }
       Answer a;
       a.last_progress_ns = now;
-      for (std::size_t k = 0; k + 1 < frames.size(); ++k)
-        a.prefix.emplace_back(frames[k].data<char>(), frames[k].size());
+      try {
+        for (std::size_t k = 0; k + 1 < frames.size(); ++k)
+          a.prefix.emplace_back(frames[k].data<char>(), frames[k].size());
+      } catch (...) {  // out of memory
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
       const zmq::message_t& req = frames.back();
       const std::string_view body(req.data<char>(), req.size());
       if (body == snapshot_request) {
