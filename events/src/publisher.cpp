@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <span>
@@ -80,7 +81,10 @@ void bind_or_throw(zmq::socket_t& s, const std::string& endpoint, const char* wh
 // half the buffer while it polls: see run()), and on flush and stop.
 
 struct EventHeader {
-  enum Kind : std::uint8_t { store, remove, clear, next_chunk };
+  // store, remove, clear: events. loss: events were dropped here (the thread
+  // skips a sequence number). resync: the cached set is replaced here by the
+  // one `parent` points to (Publisher::resync). next_chunk: read on in the next chunk.
+  enum Kind : std::uint8_t { store, remove, clear, next_chunk, loss, resync };
   std::uint8_t kind = store;
   std::uint8_t has_parent = 0;
   std::uint16_t source = 0;
@@ -329,6 +333,47 @@ zmq::const_buffer as_buffer(const std::array<std::byte, 8>& a) {
   return zmq::buffer(a.data(), a.size());
 }
 
+// The group's kind, which every event of a group source carries (a router
+// that indexes groups by kind applies removals and clears by it too).
+std::optional<std::string_view> kind_of(const EventSource& src) noexcept {
+  if (!src.spec_kind) return std::nullopt;
+  return std::string_view(*src.spec_kind);
+}
+
+// A payload shared by the ring and the answers that send it.
+using Shared = std::shared_ptr<const std::string>;
+
+// A zero-copy message of `body`: ZeroMQ holds a reference until it is sent.
+zmq::message_t shared_message(const Shared& body) {
+  auto hint = std::make_unique<Shared>(body);
+  zmq::message_t m(
+      const_cast<char*>(body->data()), body->size(),
+      [](void*, void* h) { delete static_cast<Shared*>(h); }, hint.get());
+  (void)hint.release();
+  return m;
+}
+
+// One request being answered on the replay socket.
+struct Answer {
+  enum class Kind : std::uint8_t { replay, snapshot, terminator };
+  Kind kind = Kind::terminator;
+  std::vector<std::string> prefix;  // the routing frames: identity [, ""]
+  std::uint64_t cursor = 0;         // replay: the next seq to send
+  std::uint64_t end = 0;            // replay: sends seq < end (published when asked)
+  std::int64_t last_progress_ns = 0;
+};
+
+// Answer frames sent per turn of the publisher thread, over all answers,
+// between which live batches go out.
+constexpr std::size_t answer_frames_per_turn = 64;
+
+// Estimated encoded bytes of an event (for max_batch_bytes): keys and
+// scalars, 9 per hash, up to 5 per token, the lora name.
+constexpr std::size_t encoded_bound(std::size_t hashes, std::size_t tokens,
+                                    std::size_t lora) noexcept {
+  return 256 + 9 * hashes + 5 * tokens + lora;
+}
+
 }  // namespace
 
 struct Publisher::Impl {
@@ -354,6 +399,7 @@ struct Publisher::Impl {
   std::uint64_t produced_bytes = 0;
   std::uint16_t last_source = 0;
   std::size_t n_sources = 0;
+  bool loss_marked = false;  // the last item appended is a loss marker
   // Published with release: every event before it is readable.
   std::atomic<std::uint64_t> accepted{0};
   // When the first event not yet taken arrived (steady clock, ns).
@@ -385,11 +431,43 @@ struct Publisher::Impl {
   std::size_t head_used = 0;
   std::vector<const std::byte*> batch_events;  // one batch's, reused
   std::string payload;
-  std::deque<std::pair<std::uint64_t, std::string>> ring;
+  // The replay ring: batches shared with the answers that still send them
+  // (zero-copy messages), bounded by replay_ring_batches and _bytes.
+  std::deque<std::pair<std::uint64_t, Shared>> ring;
+  std::size_t ring_bytes = 0;
+  // Answers being sent, a few frames a turn, as each client's pipe has room.
+  std::deque<Answer> answers;
+  // The last snapshot built (payload, its S, when): served again to clients
+  // that ask before snapshot_interval has passed, while it stays usable.
+  Shared snapshot_payload;
+  std::uint64_t snapshot_seq = 0;
+  std::int64_t snapshot_built_ns = 0;
+  bool snapshot_ever_built = false;
+  // Requests' token bucket (max_requests_per_second).
+  double request_tokens = 0;
+  std::int64_t request_tokens_ns = 0;
   CachedSet cached;
+  // The cached set misses what was dropped since the last resync marker: no
+  // snapshot is served (it would not be exact).
+  bool stale = false;
+  // A sequence number was skipped and no batch has been sent since: the
+  // take ends with an empty batch, so that every subscriber sees the gap now.
+  bool gap_unseen = false;
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
-      bad_requests{0}, next_seq{0};
+      bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0},
+      requests_refused{0}, answers_abandoned{0}, events_unsent{0};
+  // Events of the last batches sent (at most a subscriber queue's worth),
+  // the thread's until it is joined.
+  std::deque<std::uint32_t> recent_batches;
+  std::uint64_t recent_events = 0;
+  std::optional<CloseReport> closed;  // close() ran
+  // Markers (loss, resync) among the accepted items: not events.
+  std::atomic<std::uint64_t> markers{0};
+  // Set on every drop (with a replay socket), cleared by resync(): the
+  // caches should re-announce their sets (Publisher::needs_resync).
+  std::atomic<bool> resync_wanted{false};
+  bool keeps_set = false;  // a replay socket: the cached set is kept (const once running)
   std::atomic<bool> stop_flag{false};
   std::atomic<bool> flush_asked{false};
 
@@ -417,6 +495,26 @@ struct Publisher::Impl {
   }
 
   void drop() noexcept { dropped.fetch_add(1, std::memory_order_relaxed); }
+  // An event is dropped, under the producer lock: unless the last item is a
+  // loss marker already, one is appended (past the buffer's bounds: at most
+  // one per accepted event, plus one), so that the thread skips a sequence
+  // number exactly there and every subscriber sees a gap.
+  void lose_locked() noexcept {
+    drop();
+    if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
+    if (loss_marked || stop) return;
+    EventHeader h;
+    h.kind = EventHeader::loss;
+    if (append_locked(h, 0, 0, [](std::byte*) {})) {
+      loss_marked = true;
+      markers.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  void lose() noexcept {
+    lock();
+    lose_locked();
+    unlock();
+  }
   bool surely_full() const noexcept {
     return accepted.load(std::memory_order_relaxed) - taken.load(std::memory_order_relaxed) >=
            opt.buffer_events;
@@ -500,31 +598,49 @@ struct Publisher::Impl {
   }
 
   // Appends one event: `write` fills its `raw` bytes after the header. Drops
-  // (counted) when stopped, full, out of sources or out of memory.
+  // (counted, and marked for the thread) when stopped, full, out of sources
+  // or out of memory.
   template <class Write>
   void push(EventHeader h, std::size_t lora, const EventSource& source, Write&& write) noexcept {
-    const std::size_t raw = raw_size(h.n_hashes, h.n_tokens, lora);
     const std::size_t bytes = accounted_bytes(h.n_hashes, h.n_tokens);
     lock();
     const std::uint64_t pending = produced - taken.load(std::memory_order_acquire);
     if (stop || pending >= opt.buffer_events ||
         produced_bytes - taken_bytes.load(std::memory_order_acquire) + bytes > opt.buffer_bytes) {
+      lose_locked();
       unlock();
-      return drop();
+      return;
     }
     const int src = intern(source);
     if (src < 0) {
+      lose_locked();
       unlock();
-      return drop();
+      return;
     }
     h.source = static_cast<std::uint16_t>(src);
+    if (!append_locked(h, lora, bytes, write)) {
+      lose_locked();
+      unlock();
+      return;
+    }
+    loss_marked = false;
+    unlock();
+    filled(pending + 1);
+  }
+
+  // Appends one item (an event or a marker) after every bound was checked,
+  // under the producer lock; false when out of memory (nothing appended).
+  template <class Write>
+  bool append_locked(const EventHeader& h, std::size_t lora, std::size_t bytes,
+                     Write&& write) noexcept {
+    const std::size_t raw = raw_size(h.n_hashes, h.n_tokens, lora);
+    const std::uint64_t pending = produced - taken.load(std::memory_order_acquire);
     if (tail_used + raw + sizeof(EventHeader) > tail->capacity) {
       Chunk* c = nullptr;
       try {
         c = new_chunk(raw + sizeof(EventHeader));
       } catch (...) {
-        unlock();
-        return drop();
+        return false;
       }
       EventHeader end;
       end.kind = EventHeader::next_chunk;
@@ -545,15 +661,14 @@ struct Publisher::Impl {
     produced_bytes += bytes;
     if (pending == 0) first_pending_ns.store(steady_ns(), std::memory_order_relaxed);
     accepted.store(++produced, std::memory_order_release);
-    unlock();
-    filled(pending + 1);
+    return true;
   }
 
   // ---- the publisher thread ----
 
   // Sends `body` (the reused payload buffer) and, with a replay socket, keeps
   // an exact copy in the ring (the buffer itself grew past its size).
-  void send(std::uint64_t seq, std::string_view body) {
+  void send(std::uint64_t seq, std::string_view body, std::size_t n_events) {
     const auto seq_frame = encode_seq(seq);
     bool ok = false;
     try {
@@ -570,10 +685,26 @@ struct Publisher::Impl {
     }
     (ok ? sent : send_failures).fetch_add(1, std::memory_order_relaxed);
     next_seq.store(seq + 1, std::memory_order_relaxed);
+    if (!ok) {
+      events_unsent.fetch_add(n_events, std::memory_order_relaxed);
+    } else {
+      // The last batches sent, as many as a subscriber's queue holds: what
+      // an exit's linger may still discard (close()).
+      recent_events += n_events;
+      recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      if (recent_batches.size() > static_cast<std::size_t>(send_hwm())) {
+        recent_events -= recent_batches.front();
+        recent_batches.pop_front();
+      }
+    }
     if (router) {
-      ring.emplace_back(seq, std::string(body));
-      while (ring.size() > opt.replay_ring_batches)
+      ring.emplace_back(seq, std::make_shared<const std::string>(body));
+      ring_bytes += body.size();
+      while (!ring.empty() &&
+             (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
+        ring_bytes -= ring.front().second->size();
         ring.pop_front();
+      }
     }
   }
 
@@ -607,29 +738,57 @@ struct Publisher::Impl {
           break;
         }
         case EventHeader::remove:
-          w.removed(e.hashes, to_string(src.medium), src.group_idx);
+          w.removed(e.hashes, to_string(src.medium), src.group_idx, kind_of(src));
           if (router) cached.removed(src, e.hashes);
           break;
         default:
-          w.cleared(to_string(src.medium), src.group_idx);
+          w.cleared(to_string(src.medium), src.group_idx, kind_of(src));
           if (router) cached.cleared(src);
           break;
       }
     }
-    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank));
+    send(next_seq.load(std::memory_order_relaxed), w.finish_view(opt.data_parallel_rank),
+         batch_events.size());
   }
 
-  // Reads `n` accepted events, publishing them in batches of at most
-  // max_batch_events, and hands the chunks it leaves back.
+  // A sequence number is skipped for events that were dropped (or lost to an
+  // allocation): every subscriber sees the gap, and the replay never has it.
+  // The cached set misses them from here until a resync marker.
+  void skip_seq() noexcept {
+    next_seq.store(next_seq.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    loss_gaps.fetch_add(1, std::memory_order_relaxed);
+    stale = true;
+    gap_unseen = true;
+    snapshot_payload.reset();  // exact at its S, but a replay from S meets this gap
+  }
+
+  // Publishes batch_events (possibly none: an empty batch that shows a gap).
+  void publish_or_skip() noexcept {
+    try {
+      publish_batch();
+      gap_unseen = false;
+    } catch (...) {  // out of memory: these events are lost, counted, and a gap
+      dropped.fetch_add(batch_events.size(), std::memory_order_relaxed);
+      lost.fetch_add(batch_events.size(), std::memory_order_relaxed);
+      if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
+      skip_seq();
+    }
+  }
+
+  // Reads `n` accepted items, publishing the events in batches of at most
+  // max_batch_events (a marker ends a batch: the loss's gap, or the resync,
+  // lies exactly between the events before and after it), and hands the
+  // chunks it leaves back.
   void take(std::uint64_t n) {
     std::uint64_t done = 0;
     while (done < n) {
-      const std::size_t k =
-          static_cast<std::size_t>(std::min<std::uint64_t>(n - done, opt.max_batch_events));
       Chunk* const first = head;
       std::uint64_t bytes = 0;
+      std::uint64_t items = 0;
+      std::optional<EventHeader> marker;
+      std::size_t batch_bytes = 0;
       batch_events.clear();
-      for (std::size_t i = 0; i < k; ++i) {
+      while (done + items < n && batch_events.size() < opt.max_batch_events) {
         EventHeader h;
         std::memcpy(&h, head->data + head_used, sizeof h);
         if (h.kind == EventHeader::next_chunk) {
@@ -637,85 +796,255 @@ struct Publisher::Impl {
           head_used = 0;
           std::memcpy(&h, head->data, sizeof h);
         }
-        batch_events.push_back(head->data + head_used);  // reserved: never throws
+        const std::byte* const p = head->data + head_used;
         const std::size_t lora = h.lora_len == 0 ? 0 : h.lora_len - 1;
+        const std::size_t encoded = encoded_bound(h.n_hashes, h.n_tokens, lora);
+        // A batch ends before the event that would take it past
+        // max_batch_bytes (an event alone larger than that is sent alone).
+        if (!batch_events.empty() && h.kind <= EventHeader::clear &&
+            batch_bytes + encoded > opt.max_batch_bytes)
+          break;
+        batch_bytes += encoded;
         head_used += raw_size(h.n_hashes, h.n_tokens, lora);
+        ++items;
+        if (h.kind == EventHeader::loss || h.kind == EventHeader::resync) {
+          marker = h;
+          break;
+        }
+        batch_events.push_back(p);  // reserved: never throws
         bytes += accounted_bytes(h.n_hashes, h.n_tokens);
       }
-      try {
-        publish_batch();
-      } catch (...) {  // out of memory: these events are lost, counted
-        dropped.fetch_add(k, std::memory_order_relaxed);
-        lost.fetch_add(k, std::memory_order_relaxed);
+      if (!batch_events.empty()) publish_or_skip();
+      if (marker && marker->kind == EventHeader::loss) {
+        skip_seq();
+      } else if (marker) {
+        std::unique_ptr<CachedSet> fresh(reinterpret_cast<CachedSet*>(marker->parent));
+        cached = std::move(*fresh);
+        stale = false;
+        resyncs.fetch_add(1, std::memory_order_relaxed);
       }
       for (Chunk* c = first; c != head;) {
         Chunk* next = c->next;
         recycle(c);
         c = next;
       }
-      done += k;
+      done += items;
       taken_bytes.store(taken_bytes.load(std::memory_order_relaxed) + bytes,
                         std::memory_order_release);
-      taken.store(taken.load(std::memory_order_relaxed) + k, std::memory_order_release);
+      taken.store(taken.load(std::memory_order_relaxed) + items, std::memory_order_release);
+    }
+    if (gap_unseen) {
+      batch_events.clear();
+      publish_or_skip();
     }
     std::lock_guard lk(flush_mu);
     published += n;
     flush_cv.notify_all();
   }
 
-  void reply(const std::vector<zmq::message_t>& request, std::span<const std::byte> seq,
-             std::string_view body) {
-    // Echo the routing prefix: [identity] or [identity, ""] (REQ, or a
-    // DEALER that sends the empty delimiter as vLLM's clients do).
-    for (std::size_t k = 0; k + 1 < request.size(); ++k) {
-      router->send(zmq::buffer(request[k].data(), request[k].size()),
-                   zmq::send_flags::sndmore | zmq::send_flags::dontwait);
+  enum class SendResult : std::uint8_t { sent, blocked, gone };
+
+  // Sends one answer frame [prefix..., seq, body] to the answer's client
+  // without waiting: `blocked` when its pipe is at the high water mark
+  // (ZMQ_ROUTER_MANDATORY: nothing was sent), `gone` when the client is.
+  SendResult send_answer(const Answer& a, std::uint64_t seq, const Shared& body) noexcept {
+    try {
+      if (!router->send(zmq::buffer(a.prefix[0]),
+                        zmq::send_flags::sndmore | zmq::send_flags::dontwait))
+        return SendResult::blocked;
+      // After the first frame ZeroMQ takes the whole message.
+      for (std::size_t k = 1; k < a.prefix.size(); ++k)
+        router->send(zmq::buffer(a.prefix[k]), zmq::send_flags::sndmore);
+      const auto seq_frame = encode_seq(seq);
+      router->send(as_buffer(seq_frame), zmq::send_flags::sndmore);
+      if (body && !body->empty()) {
+        router->send(shared_message(body), zmq::send_flags::none);
+      } else {
+        router->send(zmq::message_t(), zmq::send_flags::none);
+      }
+      return SendResult::sent;
+    } catch (...) {  // EHOSTUNREACH (the client left), out of memory
+      return SendResult::gone;
     }
-    router->send(zmq::buffer(seq.data(), seq.size()),
-                 zmq::send_flags::sndmore | zmq::send_flags::dontwait);
-    router->send(zmq::buffer(body), zmq::send_flags::dontwait);
   }
 
-  void serve_requests() {
+  // A snapshot exact now, built at most once per snapshot_interval; nullptr
+  // while the set is stale or the interval has not passed (the answer
+  // waits). A built one is served again while a replay from its S is
+  // possible (the ring still holds every batch from S on).
+  const Shared* snapshot_now(std::int64_t now) {
+    if (snapshot_payload && (snapshot_seq == next_seq.load(std::memory_order_relaxed) ||
+                             (!ring.empty() && ring.front().first <= snapshot_seq)))
+      return &snapshot_payload;
+    if (snapshot_ever_built &&
+        now - snapshot_built_ns <
+            std::chrono::duration_cast<std::chrono::nanoseconds>(opt.snapshot_interval).count())
+      return nullptr;
+    EventBatch snap;
+    snap.seq = next_seq.load(std::memory_order_relaxed);
+    snap.ts = wall_seconds();
+    snap.data_parallel_rank = opt.data_parallel_rank;
+    snap.events =
+        cached.as_events([this](std::size_t i) -> const EventSource& { return source_at(i); });
+    snapshot_payload = std::make_shared<const std::string>(encode_batch(snap, opt.form));
+    snapshot_seq = snap.seq;
+    snapshot_built_ns = steady_ns();
+    snapshot_ever_built = true;
+    return &snapshot_payload;
+  }
+
+  // Sends what the answers have to send, a few frames a turn (so that live
+  // batches keep going out between them), each as far as its client's pipe
+  // has room; drops answers whose client left or made no progress for
+  // answer_timeout.
+  void serve_answers() {
+    static const Shared none;
+    std::size_t budget = answer_frames_per_turn;
+    const std::int64_t now = steady_ns();
+    const std::int64_t give_up =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(opt.answer_timeout).count();
+    for (auto it = answers.begin(); it != answers.end();) {
+      Answer& a = *it;
+      bool done = false;
+      SendResult r = SendResult::sent;
+      while (budget > 0 && !done && r == SendResult::sent) {
+        if (a.kind == Answer::Kind::replay) {
+          const auto next = std::lower_bound(
+              ring.begin(), ring.end(), a.cursor,
+              [](const auto& entry, std::uint64_t seq) { return entry.first < seq; });
+          if (next == ring.end() || next->first >= a.end) {
+            r = send_answer(a, end_of_replay_seq, none);
+            done = r == SendResult::sent;
+          } else if ((r = send_answer(a, next->first, next->second)) == SendResult::sent) {
+            a.cursor = next->first + 1;
+          }
+        } else if (a.kind == Answer::Kind::snapshot) {
+          if (stale) {  // not exact: the terminator alone (the client asks again)
+            snapshots_unavailable.fetch_add(1, std::memory_order_relaxed);
+            a.kind = Answer::Kind::terminator;
+            continue;
+          }
+          const Shared* snap = nullptr;
+          try {
+            snap = snapshot_now(now);
+          } catch (...) {  // out of memory: the answer waits (abandoned at answer_timeout)
+          }
+          if (snap == nullptr) break;  // waits for snapshot_interval
+          if ((r = send_answer(a, snapshot_seq, *snap)) == SendResult::sent) {
+            snapshots.fetch_add(1, std::memory_order_relaxed);
+            a.kind = Answer::Kind::terminator;
+          }
+        } else {
+          r = send_answer(a, end_of_replay_seq, none);
+          done = r == SendResult::sent;
+        }
+        if (r == SendResult::sent) {
+          --budget;
+          a.last_progress_ns = now;
+        }
+      }
+      if (done) {
+        it = answers.erase(it);
+      } else if (r == SendResult::gone || now - a.last_progress_ns > give_up) {
+        answers_abandoned.fetch_add(1, std::memory_order_relaxed);
+        it = answers.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // A request may be answered now (max_requests_per_second, a bucket of
+  // one second's worth).
+  bool take_request_token(std::int64_t now) noexcept {
+    const double rate = static_cast<double>(opt.max_requests_per_second);
+    request_tokens =
+        std::min(rate, request_tokens + rate * 1e-9 * static_cast<double>(now - request_tokens_ns));
+    request_tokens_ns = now;
+    if (request_tokens < 1) return false;
+    request_tokens -= 1;
+    return true;
+  }
+
+  // Receives the requests queued on the replay socket (at most 64 a turn),
+  // each of at most 4 frames (the rest of a longer one is discarded as it
+  // is read), and queues their answers: refused (not answered, counted)
+  // past max_requests_per_second or max_pending_answers.
+  void take_requests() {
     for (int served = 0; served < 64; ++served) {
       std::vector<zmq::message_t> frames;
+      bool too_long = false;
       try {
-        if (!zmq::recv_multipart(*router, std::back_inserter(frames), zmq::recv_flags::dontwait))
-          return;
-        if (frames.size() < 2 || frames.size() > 3 ||
-            (frames.size() == 3 && frames[1].size() != 0)) {
-          bad_requests.fetch_add(1, std::memory_order_relaxed);
-          continue;
-        }
-        const zmq::message_t& req = frames.back();
-        const std::string_view body(req.data<char>(), req.size());
-        const auto end = encode_seq(end_of_replay_seq);
-        if (body == snapshot_request) {
-          EventBatch snap;
-          snap.seq = next_seq.load(std::memory_order_relaxed);
-          snap.ts = wall_seconds();
-          snap.data_parallel_rank = opt.data_parallel_rank;
-          snap.events = cached.as_events(
-              [this](std::size_t i) -> const EventSource& { return source_at(i); });
-          const std::string snap_payload = encode_batch(snap, opt.form);
-          // Counted first: a client that has the answer sees it counted.
-          snapshots.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, encode_seq(snap.seq), snap_payload);
-          reply(frames, end, "");
-        } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
-          for (const auto& [seq, kept] : ring) {
-            if (seq >= *start) reply(frames, encode_seq(seq), kept);
+        zmq::message_t part;
+        if (!router->recv(part, zmq::recv_flags::dontwait)) return;
+        while (true) {
+          const bool more = part.more();
+          if (frames.size() < 4) {
+            frames.push_back(std::move(part));
+          } else {
+            too_long = true;
           }
-          replays.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, end, "");
-        } else {
-          bad_requests.fetch_add(1, std::memory_order_relaxed);
-          reply(frames, end, "");
+          if (!more) break;
+          part = zmq::message_t();
+          (void)router->recv(part, zmq::recv_flags::none);  // the rest is there already
         }
       } catch (const zmq::error_t&) {
         bad_requests.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+      if (too_long || frames.size() < 2 || frames.size() > 3 ||
+          (frames.size() == 3 && frames[1].size() != 0)) {
+        bad_requests.fetch_add(1, std::memory_order_relaxed);  // not answered: no return address
+        continue;
+      }
+      const std::int64_t now = steady_ns();
+      if (answers.size() >= opt.max_pending_answers || !take_request_token(now)) {
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      Answer a;
+      a.last_progress_ns = now;
+      try {
+        for (std::size_t k = 0; k + 1 < frames.size(); ++k)
+          a.prefix.emplace_back(frames[k].data<char>(), frames[k].size());
+      } catch (...) {  // out of memory
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
+        continue;
+      }
+      const zmq::message_t& req = frames.back();
+      const std::string_view body(req.data<char>(), req.size());
+      if (body == snapshot_request) {
+        a.kind = Answer::Kind::snapshot;
+      } else if (auto start = decode_seq(std::as_bytes(std::span(body.data(), body.size())))) {
+        // Counted first: a client that has the answer sees it counted.
+        replays.fetch_add(1, std::memory_order_relaxed);
+        a.kind = Answer::Kind::replay;
+        a.cursor = *start;
+        a.end = next_seq.load(std::memory_order_relaxed);  // what was published when asked
+      } else {
+        bad_requests.fetch_add(1, std::memory_order_relaxed);
+        a.kind = Answer::Kind::terminator;  // neither form: the terminator alone
+      }
+      try {
+        answers.push_back(std::move(a));
+      } catch (...) {
+        requests_refused.fetch_add(1, std::memory_order_relaxed);
       }
     }
+  }
+
+  void serve_requests() {
+    take_requests();
+    serve_answers();
+  }
+
+  // ZMQ_SNDHWM in messages for a byte bound: send_queue_bytes of batches of
+  // at most max_batch_bytes, and at most send_high_water_mark.
+  int send_hwm() const noexcept {
+    const std::size_t by_bytes =
+        std::max<std::size_t>(1, opt.send_queue_bytes / opt.max_batch_bytes);
+    return static_cast<int>(std::min<std::size_t>(
+        {by_bytes, static_cast<std::size_t>(opt.send_high_water_mark), INT32_MAX}));
   }
 
   // Events accepted and not yet taken.
@@ -761,6 +1090,8 @@ struct Publisher::Impl {
               first_pending_ns.load(std::memory_order_relaxed) + interval_ns - steady_ns();
           timeout_ms = std::clamp<std::int64_t>((left + 999'999) / 1'000'000, 0, timeout_ms);
         }
+        // Answers wait for their clients' pipes: tried again each millisecond.
+        if (!answers.empty()) timeout_ms = std::min<std::int64_t>(timeout_ms, 1);
         zmq::pollitem_t items[2] = {{nullptr, wake_fd, ZMQ_POLLIN, 0},
                                     {router ? router->handle() : nullptr, 0, ZMQ_POLLIN, 0}};
         try {
@@ -808,23 +1139,45 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
         "events publisher: replay_ring_batches must be > 0 with a replay endpoint");
   if (options.send_high_water_mark < 0)
     throw InvalidArgument("events publisher: send_high_water_mark must be >= 0");
+  if (options.data_parallel_rank &&
+      (*options.data_parallel_rank < 0 || *options.data_parallel_rank > INT32_MAX))
+    throw InvalidArgument("events publisher: data_parallel_rank " +
+                          std::to_string(*options.data_parallel_rank) +
+                          " is outside [0, 2^31 - 1] (Dynamo reads the rank as an i32)");
+  if (options.max_batch_bytes == 0 || options.send_queue_bytes == 0)
+    throw InvalidArgument("events publisher: max_batch_bytes and send_queue_bytes must be > 0");
+  if (!options.replay_endpoint.empty() &&
+      (options.replay_ring_bytes == 0 || options.max_requests_per_second == 0 ||
+       options.max_pending_answers == 0 || options.answer_timeout.count() <= 0 ||
+       options.snapshot_interval.count() < 0))
+    throw InvalidArgument(
+        "events publisher: with a replay endpoint, replay_ring_bytes, max_requests_per_second, "
+        "max_pending_answers and answer_timeout must be > 0 and snapshot_interval >= 0");
   m.opt = std::move(options);
   const int linger = static_cast<int>(std::min<std::int64_t>(m.opt.linger.count(), INT32_MAX));
   m.pub.set(zmq::sockopt::linger, linger);
-  m.pub.set(zmq::sockopt::sndhwm, m.opt.send_high_water_mark);
+  // Each subscriber's queue holds at most send_queue_bytes: that many
+  // batches of max_batch_bytes (ZeroMQ counts messages, not bytes).
+  m.pub.set(zmq::sockopt::sndhwm, m.send_hwm());
   // A full subscriber makes send() fail (counted) instead of dropping silently.
   m.pub.set(zmq::sockopt::xpub_nodrop, 1);
   bind_or_throw(m.pub, m.opt.endpoint, "PUB");
   m.bound = last_endpoint(m.pub);
   if (!m.opt.replay_endpoint.empty()) {
+    m.keeps_set = true;
     m.router.emplace(m.ctx, zmq::socket_type::router);
     m.router->set(zmq::sockopt::linger, linger);
-    // An answer is sent without waiting: the whole ring and its terminator
-    // must fit under the high water mark (ZeroMQ's default, 1,000, cut a
-    // longer replay short, terminator included), for a few clients at once.
-    m.router->set(zmq::sockopt::sndhwm,
-                  static_cast<int>(std::min<std::uint64_t>(
-                      INT32_MAX, 4 * (static_cast<std::uint64_t>(m.opt.replay_ring_batches) + 2))));
+    // Answers are sent as each client's pipe has room (ROUTER_MANDATORY
+    // makes a full pipe refuse a message instead of dropping it), so a
+    // client that never reads holds at most send_queue_bytes of batches
+    // (the ring's, shared) and one snapshot, and an answer is never cut.
+    m.router->set(zmq::sockopt::router_mandatory, 1);
+    m.router->set(zmq::sockopt::sndhwm, std::max(m.send_hwm(), 4));
+    m.router->set(zmq::sockopt::rcvhwm, 64);
+    // A request is a few bytes: a larger frame disconnects its sender.
+    m.router->set(zmq::sockopt::maxmsgsize, std::int64_t{256});
+    m.request_tokens = static_cast<double>(m.opt.max_requests_per_second);
+    m.request_tokens_ns = steady_ns();
     bind_or_throw(*m.router, m.opt.replay_endpoint, "replay");
     m.replay_bound = last_endpoint(*m.router);
   }
@@ -837,21 +1190,51 @@ Publisher::Publisher(PublisherOptions options) : impl_(std::make_unique<Impl>())
 }
 
 Publisher::~Publisher() {
+  if (!impl_->closed) (void)close(impl_->opt.linger);
+}
+
+CloseReport Publisher::close(std::chrono::milliseconds timeout) noexcept {
   Impl& m = *impl_;
+  if (m.closed) return *m.closed;
+  const auto start = std::chrono::steady_clock::now();
+  CloseReport r;
+  try {
+    r.flushed = flush(timeout);
+  } catch (...) {  // a lock or wait that failed: the stop below publishes it all
+  }
   m.lock();
   m.stop = true;  // no producer accepts from here on
   m.unlock();
   m.stop_flag.store(true, std::memory_order_release);
   m.signal();
-  if (m.thread.joinable()) m.thread.join();
+  if (m.thread.joinable()) m.thread.join();  // publishes what is still buffered
+  const auto left = std::max(std::chrono::milliseconds(0),
+                             timeout - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                           std::chrono::steady_clock::now() - start));
+  const int linger = static_cast<int>(std::min<std::int64_t>(left.count(), INT32_MAX));
+  try {
+    m.pub.set(zmq::sockopt::linger, linger);
+    if (m.router) m.router->set(zmq::sockopt::linger, 0);  // answers in flight: not waited for
+  } catch (const zmq::error_t&) {  // the option stays as bound: options.linger
+  }
   m.pub.close();
   if (m.router) m.router->close();
-  m.ctx.close();  // waits up to `linger` for queued messages
+  const auto before_term = std::chrono::steady_clock::now();
+  m.ctx.close();  // returns once every queued message is sent, or at the linger
+  // Returned before the linger ran out: ZeroMQ had nothing left to discard.
+  r.drained = m.sent.load() == 0 ||
+              std::chrono::steady_clock::now() - before_term < std::chrono::milliseconds(linger);
+  const PublisherStats st = stats();
+  r.events_dropped = st.events_dropped;
+  r.events_unsent = st.events_unsent;
+  r.events_maybe_discarded = r.drained ? 0 : m.recent_events;
+  m.closed = r;
+  return r;
 }
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::store;
   h.block_size = blocks.block_size;
@@ -877,7 +1260,7 @@ void Publisher::stored(const EventSource& source, const BlockStoredView& blocks)
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::remove;
   h.n_hashes = static_cast<std::uint32_t>(hashes.size());
@@ -892,7 +1275,7 @@ void Publisher::removed(const EventSource& source, std::span<const BlockHash> ha
 
 void Publisher::cleared(const EventSource& source) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.drop();
+  if (m.surely_full()) return m.lose();
   EventHeader h;
   h.kind = EventHeader::clear;
   m.push(h, 0, source, [](std::byte*) {});
@@ -907,6 +1290,94 @@ bool Publisher::flush(std::chrono::milliseconds timeout) {
   return m.flush_cv.wait_for(lk, timeout, [&] { return m.published >= target; });
 }
 
+bool Publisher::needs_resync() const noexcept {
+  return impl_->resync_wanted.load(std::memory_order_relaxed);
+}
+
+bool Publisher::resync(const std::function<void(CacheEventSink&)>& announce) {
+  Impl& m = *impl_;
+  if (!m.keeps_set) return true;  // no snapshots: nothing to rebuild
+  // Collects the caches' snapshots into a fresh set, under the producer lock
+  // (sources are interned as a producer does).
+  class Collector final : public CacheEventSink {
+   public:
+    Collector(Impl& m, CachedSet& set) : m_(m), set_(set) {}
+    void stored(const EventSource& source, const BlockStoredView& v) noexcept override {
+      const int src = m_.intern(source);
+      if (src < 0) {
+        failed = true;
+        return;
+      }
+      try {
+        hashes_.clear();
+        for (const BlockHash& h : v.hashes)
+          hashes_.push_back(event_hash(h));
+        EventRef e;
+        e.h.source = static_cast<std::uint16_t>(src);
+        e.h.block_size = v.block_size;
+        e.h.has_parent = v.parent ? 1 : 0;
+        e.h.parent = v.parent ? event_hash(*v.parent) : 0;
+        e.hashes = hashes_;
+        e.tokens = v.tokens;
+        e.lora = v.lora_name;
+        set_.stored(source, e);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    void removed(const EventSource& source, std::span<const BlockHash> hs) noexcept override {
+      try {
+        hashes_.clear();
+        for (const BlockHash& h : hs)
+          hashes_.push_back(event_hash(h));
+        set_.removed(source, hashes_);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    void cleared(const EventSource& source) noexcept override {
+      try {
+        set_.cleared(source);
+      } catch (...) {
+        failed = true;
+      }
+    }
+    bool failed = false;
+
+   private:
+    Impl& m_;
+    CachedSet& set_;
+    std::vector<std::uint64_t> hashes_;
+  };
+  auto fresh = std::make_unique<CachedSet>();
+  Collector collector(m, *fresh);
+  m.lock();
+  struct Unlock {
+    Impl& m;
+    ~Unlock() { m.unlock(); }
+  } unlock{m};
+  if (m.stop) return false;
+  // Cleared first: a drop while the caches announce sets it again.
+  m.resync_wanted.store(false, std::memory_order_relaxed);
+  try {
+    announce(collector);
+  } catch (...) {
+    m.resync_wanted.store(true, std::memory_order_relaxed);
+    throw;
+  }
+  EventHeader h;
+  h.kind = EventHeader::resync;
+  h.parent = reinterpret_cast<std::uintptr_t>(fresh.get());
+  if (collector.failed || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
+    m.resync_wanted.store(true, std::memory_order_relaxed);
+    return false;
+  }
+  (void)fresh.release();  // the thread owns it from the marker on
+  m.markers.fetch_add(1, std::memory_order_relaxed);
+  m.loss_marked = false;
+  return true;
+}
+
 const std::string& Publisher::endpoint() const noexcept {
   return impl_->bound;
 }
@@ -917,7 +1388,7 @@ const std::string& Publisher::replay_endpoint() const noexcept {
 PublisherStats Publisher::stats() const noexcept {
   const Impl& m = *impl_;
   PublisherStats s;
-  s.events_accepted = m.accepted.load() - m.lost.load();
+  s.events_accepted = m.accepted.load() - m.markers.load() - m.lost.load();
   s.events_dropped = m.dropped.load();
   s.batches_sent = m.sent.load();
   s.send_failures = m.send_failures.load();
@@ -925,6 +1396,12 @@ PublisherStats Publisher::stats() const noexcept {
   s.snapshots = m.snapshots.load();
   s.bad_requests = m.bad_requests.load();
   s.next_seq = m.next_seq.load();
+  s.loss_gaps = m.loss_gaps.load();
+  s.resyncs = m.resyncs.load();
+  s.snapshots_unavailable = m.snapshots_unavailable.load();
+  s.requests_refused = m.requests_refused.load();
+  s.events_unsent = m.events_unsent.load();
+  s.answers_abandoned = m.answers_abandoned.load();
   return s;
 }
 

@@ -860,15 +860,18 @@ void BatchWriter::stored(const StoredEventView& e) {
 }
 
 void BatchWriter::removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
-                          std::optional<std::uint32_t> group_idx) {
+                          std::optional<std::uint32_t> group_idx,
+                          std::optional<std::string_view> kv_cache_spec_kind) {
   const bool map = form_ == EventForm::map;
   Raw w(out_, end_,
-        96 + Raw::max_header + Raw::max_uint * (block_hashes.size() + 1) + Raw::max_str(medium));
+        128 + Raw::max_header + Raw::max_uint * (block_hashes.size() + 1) + Raw::max_str(medium) +
+            Raw::max_str(kv_cache_spec_kind));
+  const std::size_t n = kv_cache_spec_kind ? 5 : 4;
   if (map) {
-    w.map(4);
+    w.map(n);
     w.str("type");
   } else {
-    w.array(4);
+    w.array(n);
   }
   w.str("BlockRemoved");
   if (map) w.str("block_hashes");
@@ -879,14 +882,19 @@ void BatchWriter::removed(std::span<const std::uint64_t> block_hashes, std::stri
   w.str(medium);
   if (map) w.str("group_idx");
   w.opt_uint(group_idx);
+  if (kv_cache_spec_kind) {
+    if (map) w.str("kv_cache_spec_kind");
+    w.str(*kv_cache_spec_kind);
+  }
 }
 
 void BatchWriter::cleared(std::optional<std::string_view> medium,
-                          std::optional<std::uint32_t> group_idx) {
-  Raw w(out_, end_, 96 + Raw::max_str(medium) + Raw::max_uint);
-  const bool scoped = medium || group_idx;
+                          std::optional<std::uint32_t> group_idx,
+                          std::optional<std::string_view> kv_cache_spec_kind) {
+  Raw w(out_, end_, 128 + Raw::max_str(medium) + Raw::max_uint + Raw::max_str(kv_cache_spec_kind));
+  const bool scoped = medium || group_idx || kv_cache_spec_kind;
   if (form_ == EventForm::map) {
-    w.map(1 + (medium ? 1 : 0) + (group_idx ? 1 : 0));
+    w.map(1 + (medium ? 1 : 0) + (group_idx ? 1 : 0) + (kv_cache_spec_kind ? 1 : 0));
     w.str("type");
     w.str("AllBlocksCleared");
     if (medium) {
@@ -897,12 +905,17 @@ void BatchWriter::cleared(std::optional<std::string_view> medium,
       w.str("group_idx");
       w.uint(*group_idx);
     }
+    if (kv_cache_spec_kind) {
+      w.str("kv_cache_spec_kind");
+      w.str(*kv_cache_spec_kind);
+    }
   } else {
-    w.array(scoped ? 3 : 1);
+    w.array(scoped ? (kv_cache_spec_kind ? 4 : 3) : 1);
     w.str("AllBlocksCleared");
     if (scoped) {
       w.opt_str(medium);
       w.opt_uint(group_idx);
+      if (kv_cache_spec_kind) w.str(*kv_cache_spec_kind);
     }
   }
 }

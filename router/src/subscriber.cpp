@@ -24,9 +24,9 @@ namespace {
 
 using std::chrono::milliseconds;
 
-// Messages taken from one socket per poll(), so that a publisher faster than
-// the subscriber cannot keep it from the other sockets and its deadlines.
-constexpr std::size_t kDrainLimit = 4096;
+// Frames kept of one message: a live message has 3, an answer 3 (with the
+// empty delimiter); the frames of a longer one are discarded as read.
+constexpr std::size_t kMaxParts = 4;
 // wait_for's longest single wait, so that it sees tail_timeout pass.
 constexpr milliseconds kWaitSlice{10};
 
@@ -99,6 +99,11 @@ struct Subscriber::Impl {
   SubscriberStats stats;
   zmq::context_t ctx{1};
   std::map<InstanceId, Instance> instances;
+  std::size_t rotation = 0;  // poll()'s first socket, rotating
+
+  static std::int64_t max_frame(std::size_t bytes) noexcept {
+    return static_cast<std::int64_t>(std::min<std::size_t>(bytes, INT64_MAX));
+  }
 
   Impl(RouterIndex& idx, SubscriberOptions o) : index(idx), opt(std::move(o)) {}
 
@@ -114,7 +119,13 @@ struct Subscriber::Impl {
   void open_dealer(Instance& inst) {
     inst.dealer.emplace(ctx, zmq::socket_type::dealer);
     inst.dealer->set(zmq::sockopt::linger, 0);
-    inst.dealer->set(zmq::sockopt::rcvhwm, 0);  // an answer is never dropped here
+    // Bounded: a full pipe stops ZeroMQ reading the connection, which a
+    // kvport publisher waits out (ROUTER_MANDATORY) and a vLLM one answers
+    // by dropping the tail (a truncated answer, asked for again).
+    inst.dealer->set(zmq::sockopt::rcvhwm, opt.receive_high_water_mark);
+    // A larger frame disconnects the publisher (ZeroMQ drops the connection
+    // and reconnects): snapshots are the largest frames.
+    inst.dealer->set(zmq::sockopt::maxmsgsize, max_frame(opt.max_snapshot_bytes));
     connect_or_throw(*inst.dealer, inst.endpoints.replay, "replay");
     ++inst.dealer_generation;
   }
@@ -233,8 +244,9 @@ struct Subscriber::Impl {
     }
   }
 
-  std::optional<events::DecodeResult> decode(const zmq::message_t& payload, std::uint64_t seq) {
-    if (payload.size() > opt.max_message_bytes) {
+  std::optional<events::DecodeResult> decode(const zmq::message_t& payload, std::uint64_t seq,
+                                             std::size_t limit) {
+    if (payload.size() > limit) {
       ++stats.malformed;
       return std::nullopt;
     }
@@ -258,7 +270,8 @@ struct Subscriber::Impl {
       ++stats.malformed;
       return;
     }
-    if (auto r = decode(frames[2], *seq)) deliver(inst, *r->batch, now, true);
+    if (auto r = decode(frames[2], *seq, opt.max_message_bytes))
+      deliver(inst, *r->batch, now, true);
   }
 
   // The end of an answer.
@@ -302,7 +315,9 @@ struct Subscriber::Impl {
     // An answer still coming is not timed out.
     inst.request.last_frame = now;
     inst.request.deadline = std::max(inst.request.deadline, now + opt.request_timeout);
-    auto r = decode(f[1], *seq);
+    auto r = decode(f[1], *seq,
+                    inst.request.kind == Request::Kind::replay ? opt.max_message_bytes
+                                                               : opt.max_snapshot_bytes);
     if (inst.request.kind == Request::Kind::replay) {
       ++stats.replayed_batches;
       inst.request.last_returned = *seq;
@@ -328,20 +343,62 @@ struct Subscriber::Impl {
     ++stats.snapshots_applied;
   }
 
-  // Receives what is queued on one socket. Returns the messages handled.
-  std::size_t drain(Instance& inst, bool dealer, Clock::time_point now) {
+  // One message, frame by frame: at most kMaxParts frames are kept, the
+  // rest read and discarded (a message of endless frames costs nothing
+  // here). False when nothing is queued; `parts` is the count of frames.
+  static bool receive(zmq::socket_t& s, std::vector<zmq::message_t>& frames, std::size_t& parts,
+                      std::size_t& bytes) {
+    frames.clear();
+    parts = 0;
+    zmq::message_t part;
+    if (!s.recv(part, zmq::recv_flags::dontwait)) return false;
+    while (true) {
+      ++parts;
+      bytes += part.size();
+      const bool more = part.more();
+      if (frames.size() < kMaxParts) frames.push_back(std::move(part));
+      if (!more) return true;
+      part = zmq::message_t();
+      (void)s.recv(part, zmq::recv_flags::none);  // ZeroMQ delivers a message whole
+    }
+  }
+
+  // The work one poll() may still do.
+  struct Budget {
+    std::size_t messages = 0;
+    std::size_t bytes = 0;
+    Clock::time_point until{};
+    bool spent() const noexcept { return messages == 0 || bytes == 0 || Clock::now() >= until; }
+  };
+
+  // Receives what is queued on one socket, within the poll's budget.
+  // Returns the messages handled.
+  std::size_t drain(Instance& inst, bool dealer, Clock::time_point now, Budget& budget) {
     std::size_t n = 0;
     const std::uint64_t generation = inst.dealer_generation;
-    while (n < kDrainLimit) {
+    std::vector<zmq::message_t> frames;
+    while (true) {
+      if (budget.spent()) {
+        ++stats.budget_stops;
+        break;
+      }
       if (dealer && (!inst.dealer || inst.dealer_generation != generation)) break;
       zmq::socket_t& s = dealer ? *inst.dealer : inst.sub;
-      std::vector<zmq::message_t> frames;
+      std::size_t parts = 0, bytes = 0;
       try {
-        if (!zmq::recv_multipart(s, std::back_inserter(frames), zmq::recv_flags::dontwait)) break;
+        if (!receive(s, frames, parts, bytes)) break;
       } catch (const zmq::error_t&) {
         break;
       }
       ++n;
+      --budget.messages;
+      budget.bytes -= std::min(budget.bytes, bytes);
+      if (parts > kMaxParts) {
+        if (!dealer) ++stats.messages;
+        ++stats.malformed;
+        ++stats.too_many_parts;
+        continue;
+      }
       if (dealer) {
         on_answer(inst, frames, now);
       } else {
@@ -379,6 +436,9 @@ struct Subscriber::Impl {
       }
     }
     std::size_t handled = 0;
+    Budget budget;
+    budget.messages = opt.max_poll_messages;
+    budget.bytes = opt.max_poll_bytes;
     if (items.empty()) {
       std::this_thread::sleep_for(wait);  // a caller's loop must not spin
     } else {
@@ -387,10 +447,19 @@ struct Subscriber::Impl {
       } catch (const zmq::error_t&) {  // EINTR: nothing received this time
       }
       now = Clock::now();
-      for (std::size_t k = 0; k < items.size(); ++k) {
-        if ((items[k].revents & ZMQ_POLLIN) != 0)
-          handled += drain(*owners[k].first, owners[k].second, now);
+      budget.until = now + opt.poll_work_budget;
+      // Answers first (they close gaps), then the live sockets, from a
+      // rotating first one so that a flooding instance cannot starve the
+      // others of the budget.
+      const std::size_t n = items.size();
+      for (int pass = 0; pass < 2; ++pass) {
+        for (std::size_t j = 0; j < n; ++j) {
+          const std::size_t k = (j + rotation) % n;
+          if (owners[k].second != (pass == 0) || (items[k].revents & ZMQ_POLLIN) == 0) continue;
+          handled += drain(*owners[k].first, owners[k].second, now, budget);
+        }
       }
+      ++rotation;
     }
     now = Clock::now();
     if (opt.expire_silent) index.expire(now);
@@ -406,8 +475,13 @@ Subscriber::Subscriber(RouterIndex& index, SubscriberOptions options) {
     throw InvalidArgument("router subscriber: tail_timeout must be > 0");
   if (options.max_message_bytes == 0)
     throw InvalidArgument("router subscriber: max_message_bytes must be > 0");
-  if (options.receive_high_water_mark < 0)
-    throw InvalidArgument("router subscriber: receive_high_water_mark must be >= 0");
+  if (options.receive_high_water_mark <= 0)
+    throw InvalidArgument("router subscriber: receive_high_water_mark must be > 0");
+  if (options.max_snapshot_bytes == 0 || options.max_poll_messages == 0 ||
+      options.max_poll_bytes == 0 || options.poll_work_budget.count() <= 0)
+    throw InvalidArgument(
+        "router subscriber: max_snapshot_bytes, max_poll_messages, max_poll_bytes and "
+        "poll_work_budget must be > 0");
   impl_ = std::make_unique<Impl>(index, std::move(options));
 }
 
@@ -433,6 +507,8 @@ void Subscriber::add_instance(InstanceId id, const InstanceEndpoints& endpoints,
                       .snapshot_floor = std::nullopt};
   inst.sub.set(zmq::sockopt::linger, 0);
   inst.sub.set(zmq::sockopt::rcvhwm, m.opt.receive_high_water_mark);
+  // A larger frame disconnects the publisher (ZeroMQ reconnects): never read.
+  inst.sub.set(zmq::sockopt::maxmsgsize, Impl::max_frame(m.opt.max_message_bytes));
   inst.sub.set(zmq::sockopt::subscribe, m.opt.topic);
   connect_or_throw(inst.sub, endpoints.events, "events");
   if (!endpoints.replay.empty()) m.open_dealer(inst);

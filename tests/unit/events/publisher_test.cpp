@@ -9,6 +9,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <tuple>
 #include <zmq.hpp>
@@ -49,8 +50,12 @@ BlockStoredView view(std::span<const BlockHash> hashes, std::optional<BlockHash>
 struct Subscriber {
   zmq::context_t ctx{1};
   zmq::socket_t sub{ctx, zmq::socket_type::sub};
-  Subscriber(const std::string& endpoint, const std::string& topic) {
+  // `rcvhwm`: ZeroMQ's queue on this side (a SUB whose application never
+  // reads still has its I/O thread fill this queue).
+  Subscriber(const std::string& endpoint, const std::string& topic, int rcvhwm = 1000) {
     sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvhwm, rcvhwm);
+    sub.set(zmq::sockopt::rcvbuf, rcvhwm < 1000 ? 64 << 10 : -1);
     sub.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
     sub.set(zmq::sockopt::subscribe, topic);
     sub.connect(endpoint);
@@ -172,8 +177,12 @@ TEST(Publisher, FullBufferDropsCountedWithoutBlocking) {
   EXPECT_EQ(st.events_dropped, 996u);
   ASSERT_TRUE(pub.flush(scaled(2s)));
   st = pub.stats();
-  EXPECT_EQ(st.next_seq, 1u);  // one batch of the four
-  EXPECT_EQ(st.batches_sent + st.send_failures, 1u);
+  // One batch of the four (seq 0), one sequence number skipped for the 996
+  // dropped (seq 1: a gap), and an empty batch (seq 2) that shows the gap
+  // now rather than at the next event.
+  EXPECT_EQ(st.next_seq, 3u);
+  EXPECT_EQ(st.loss_gaps, 1u);
+  EXPECT_EQ(st.batches_sent + st.send_failures, 2u);
 }
 
 TEST(Publisher, ByteBoundDrops) {
@@ -211,6 +220,35 @@ TEST(Publisher, BadOptionsAreInvalidArgument) {
     o.replay_ring_batches = 0;
   });
   bad([](PublisherOptions& o) { o.replay_endpoint = "bogus://x"; });
+  bad([](PublisherOptions& o) { o.max_batch_bytes = 0; });
+  bad([](PublisherOptions& o) { o.send_queue_bytes = 0; });
+  for (auto tweak : std::vector<void (*)(PublisherOptions&)>{
+           [](PublisherOptions& o) { o.replay_ring_bytes = 0; },
+           [](PublisherOptions& o) { o.max_requests_per_second = 0; },
+           [](PublisherOptions& o) { o.max_pending_answers = 0; },
+           [](PublisherOptions& o) { o.answer_timeout = 0ms; },
+           [](PublisherOptions& o) { o.snapshot_interval = -1ms; }}) {
+    bad([&](PublisherOptions& o) {
+      o.replay_endpoint = "tcp://127.0.0.1:0";
+      tweak(o);
+    });
+  }
+  // Dynamo reads the rank as an i32: a rank past it is refused, naming it.
+  bad([](PublisherOptions& o) { o.data_parallel_rank = std::int64_t{1} << 31; });
+  bad([](PublisherOptions& o) { o.data_parallel_rank = -1; });
+  try {
+    PublisherOptions o = local_options();
+    o.data_parallel_rank = std::int64_t{1} << 31;
+    Publisher p(o);
+    ADD_FAILURE() << "rank 2^31 accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("i32"), std::string::npos) << e.what();
+  }
+  {
+    PublisherOptions o = local_options();
+    o.data_parallel_rank = INT32_MAX;  // the largest Dynamo reads
+    EXPECT_NO_THROW(Publisher{o});
+  }
   // A port already bound.
   Publisher first(local_options());
   PublisherOptions o = local_options();
@@ -297,6 +335,106 @@ TEST(Publisher, ReplayFromASequenceAndAMiss) {
   EXPECT_EQ(st.bad_requests, 1u);
 }
 
+// The set a snapshot answer holds: (hash, medium) of each BlockStored.
+std::set<std::pair<std::uint64_t, std::string>> snapshot_set(const std::string& payload) {
+  std::set<std::pair<std::uint64_t, std::string>> out;
+  const DecodeResult r = decode_batch(payload);
+  EXPECT_TRUE(r.ok()) << r.error;
+  if (!r.ok()) return out;
+  for (const CacheEvent& e : r.batch->events)
+    for (auto h : std::get<BlockStored>(e).block_hashes)
+      out.emplace(h, std::get<BlockStored>(e).medium);
+  return out;
+}
+
+// A drop is never hidden: the sequence skips a number exactly where events
+// are missing (the ring never has it), the snapshot is refused while it
+// would not be exact, and a resync from the cache's own set makes it exact
+// again at that point of the stream.
+TEST(Publisher, DropsSkipASequenceNumberAndSnapshotsWaitForAResync) {
+  PublisherOptions o = local_options();
+  o.buffer_events = 1;     // the hand-off queue: every second event drops
+  o.batch_interval = 10s;  // nothing is taken before flush()
+  o.max_batch_events = 100;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  const std::vector<TokenId> tokens = {1};
+  auto put = [&](std::uint64_t h) {
+    const std::vector<BlockHash> hs = {bh(h)};
+    pub.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+  };
+  put(1);  // accepted
+  put(2);  // dropped: the cache holds 1 and 2, the stream will say only 1
+  put(3);  // dropped: one gap for the run
+  EXPECT_TRUE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  PublisherStats st = pub.stats();
+  EXPECT_EQ(st.events_accepted, 1u);
+  EXPECT_EQ(st.events_dropped, 2u);
+  EXPECT_EQ(st.loss_gaps, 1u);
+  ASSERT_EQ(st.next_seq, 3u);  // 0: event 1; 1: skipped; 2: empty, shows the gap
+  ReplayClient c(pub.replay_endpoint());
+  auto got = c.replay(0);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].first, 0u);
+  EXPECT_EQ(got[1].first, 2u) << "seq 1 is the dropped events' gap: never sent, never kept";
+  const DecodeResult empty = decode_batch(got[1].second);
+  ASSERT_TRUE(empty.ok()) << empty.error;
+  EXPECT_TRUE(empty.batch->events.empty());
+  // The set it keeps misses block 2 and 3: no snapshot rather than a wrong one.
+  EXPECT_TRUE(c.ask(snapshot_request).empty());
+  EXPECT_EQ(pub.stats().snapshots_unavailable, 1u);
+
+  // The cache re-announces what it holds (1, 2, 3); the publisher's set is
+  // that from here on.
+  ASSERT_TRUE(pub.resync([&](CacheEventSink& sink) {
+    for (std::uint64_t h : {1, 2, 3}) {
+      const std::vector<BlockHash> hs = {bh(h)};
+      sink.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+    }
+  }));
+  EXPECT_FALSE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));  // the marker holds the buffer's one slot
+  put(4);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  st = pub.stats();
+  EXPECT_EQ(st.resyncs, 1u);
+  EXPECT_EQ(st.events_accepted, 2u) << "markers are not events";
+  EXPECT_EQ(st.next_seq, 4u);
+  got = c.ask(snapshot_request);
+  ASSERT_EQ(got.size(), 1u);
+  EXPECT_EQ(got[0].first, 4u);
+  const std::set<std::pair<std::uint64_t, std::string>> want = {
+      {1, "GPU"}, {2, "GPU"}, {3, "GPU"}, {4, "GPU"}};
+  EXPECT_EQ(snapshot_set(got[0].second), want);
+
+  // A throwing announce changes nothing and leaves the need.
+  put(5);
+  put(6);  // dropped
+  ASSERT_TRUE(pub.needs_resync());
+  EXPECT_THROW(pub.resync([](CacheEventSink&) { throw std::runtime_error("cache gone"); }),
+               std::runtime_error);
+  EXPECT_TRUE(pub.needs_resync());
+}
+
+// Without a replay endpoint no set is kept: drops still skip a sequence
+// number, and there is nothing to resync.
+TEST(Publisher, DropsWithoutReplaySocketStillShowAGap) {
+  PublisherOptions o = local_options();
+  o.buffer_events = 1;
+  o.batch_interval = 10s;
+  Publisher pub(o);
+  const std::vector<TokenId> tokens = {1};
+  const std::vector<BlockHash> hs = {bh(1)};
+  for (int k = 0; k < 3; ++k)
+    pub.stored(EventSource{}, view(hs, std::nullopt, tokens, 1));
+  EXPECT_FALSE(pub.needs_resync());
+  EXPECT_TRUE(pub.resync([](CacheEventSink&) { FAIL() << "not called without a set"; }));
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  EXPECT_EQ(pub.stats().loss_gaps, 1u);
+  EXPECT_EQ(pub.stats().next_seq, 3u);
+}
+
 // A replay longer than ZeroMQ's default high water mark (1,000 messages)
 // arrives whole, terminator included.
 TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
@@ -317,6 +455,251 @@ TEST(Publisher, ReplayOfTheWholeRingArrivesWhole) {
   ASSERT_EQ(got.size(), 3000u);
   for (std::size_t k = 0; k < got.size(); ++k)
     ASSERT_EQ(got[k].first, k);
+}
+
+// Every event of a group source carries the group's kind, removals and
+// clears included (Dynamo indexes groups by kind and applies removals by
+// it), in both forms; the decoder reads such a batch as before.
+TEST(Publisher, EveryEventOfAGroupCarriesItsKind) {
+  for (EventForm form : {EventForm::map, EventForm::positional}) {
+    PublisherOptions o = local_options();
+    o.form = form;
+    o.replay_endpoint = "tcp://127.0.0.1:0";
+    o.batch_interval = 10s;
+    Publisher pub(o);
+    EventSource src;
+    src.group_idx = 1;
+    src.spec_kind = "full_attention";
+    const std::vector<BlockHash> hs = {bh(1), bh(2)};
+    const std::vector<TokenId> tokens = {1, 2};
+    pub.stored(src, view(hs, std::nullopt, tokens, 1));
+    pub.removed(src, std::span(hs).first(1));
+    pub.cleared(src);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+    ReplayClient c(pub.replay_endpoint());
+    const auto got = c.replay(0);
+    ASSERT_EQ(got.size(), 1u);
+    const std::string& payload = got[0].second;
+    std::size_t kinds = 0;
+    for (std::size_t at = payload.find("full_attention"); at != std::string::npos;
+         at = payload.find("full_attention", at + 1))
+      ++kinds;
+    EXPECT_EQ(kinds, 3u) << "stored, removed and cleared each name the kind";
+    const DecodeResult r = decode_batch(payload);
+    ASSERT_TRUE(r.ok()) << r.error;
+    ASSERT_EQ(r.batch->events.size(), 3u);
+    EXPECT_EQ(std::get<BlockRemoved>(r.batch->events[1]).group_idx, 1u);
+    EXPECT_EQ(std::get<AllBlocksCleared>(r.batch->events[2]).group_idx, 1u);
+  }
+}
+
+// ---- hostile peers: every bound proven by a counter ------------------------------
+
+// Batches of one event of `tokens` large token ids (5 bytes each on the wire).
+void store_big(Publisher& pub, std::uint64_t hash, std::size_t tokens) {
+  const std::vector<BlockHash> hs = {bh(hash)};
+  const std::vector<TokenId> toks(tokens, 0x7fff'0000u);
+  pub.stored(EventSource{}, view(hs, std::nullopt, toks, static_cast<std::uint32_t>(tokens)));
+}
+
+// A subscriber that joins and then never reads holds at most
+// send_queue_bytes in ZeroMQ: past it the sends fail (counted), a gap.
+TEST(PublisherHostile, SubscriberThatNeverReadsIsBoundedBySendQueueBytes) {
+  PublisherOptions o = local_options();
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 128u << 10;  // a high water mark of 2 batches
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  Subscriber s(pub.endpoint(), "", 1);
+  join(pub, s);  // from here on it reads nothing
+  // 400 batches of ~60 KB (24 MB): more than the kernel's socket buffers
+  // and the queue's 2 batches.
+  for (std::uint64_t k = 0; k < 400; ++k) {
+    store_big(pub, k, 12'000);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+  }
+  const PublisherStats st = pub.stats();
+  EXPECT_GT(st.send_failures, 0u) << "the queue to a reader that never reads is bounded";
+  EXPECT_LT(st.batches_sent, st.next_seq);
+}
+
+// close(): the bounded exit flush. A subscriber that reads everything got
+// it all (drained, nothing undelivered); one that never reads is reported:
+// what was refused at its high water mark and what the linger may discard.
+TEST(PublisherHostile, CloseReportsWhatASlowSubscriberDidNotGet) {
+  {
+    Publisher pub(local_options());
+    Subscriber s(pub.endpoint(), "");
+    join(pub, s);
+    store_big(pub, 1, 100);
+    const CloseReport r = pub.close(scaled(5000ms));
+    EXPECT_TRUE(r.flushed);
+    EXPECT_TRUE(r.drained);
+    EXPECT_EQ(r.not_delivered(), 0u);
+    EXPECT_EQ(pub.close(1ms).drained, r.drained) << "a second call returns the first report";
+  }
+  PublisherOptions o = local_options();
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 8u << 20;  // 128 batches queued: the linger has something to discard
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  Subscriber s(pub.endpoint(), "", 1);
+  join(pub, s);  // then never reads
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);             // 24 MB
+  ASSERT_TRUE(pub.flush(scaled(5000ms)));  // so that close()'s own flush is immediate
+  const CloseReport r = pub.close(scaled(200ms));
+  EXPECT_TRUE(r.flushed);
+  EXPECT_FALSE(r.drained);
+  EXPECT_GT(r.events_maybe_discarded, 0u);
+  EXPECT_LE(r.events_maybe_discarded, 128u) << "at most one queue's worth of batches";
+  EXPECT_GT(r.not_delivered(), 0u);
+  EXPECT_EQ(r.events_unsent, pub.stats().events_unsent);
+  // Closed: later events drop, counted, and nothing is left running.
+  store_big(pub, 9999, 1);
+  EXPECT_EQ(pub.stats().events_dropped, 1u);
+}
+
+// The replay ring keeps at most replay_ring_bytes: older batches go first.
+TEST(PublisherHostile, ReplayRingBoundedInBytes) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.replay_ring_bytes = 3 * 5'200;  // three batches of ~5 KB
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 10; ++k)
+    store_big(pub, k, 1'000);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  ASSERT_EQ(pub.stats().next_seq, 10u);
+  ReplayClient c(pub.replay_endpoint());
+  const auto got = c.replay(0);
+  ASSERT_FALSE(got.empty());
+  EXPECT_LE(got.size(), 3u);
+  std::size_t bytes = 0;
+  for (const auto& [seq, payload] : got)
+    bytes += payload.size();
+  EXPECT_LE(bytes, o.replay_ring_bytes);
+  EXPECT_EQ(got.back().first, 9u);
+  EXPECT_GT(got.front().first, 0u) << "the oldest were dropped: a miss the client sees";
+}
+
+// A flood of replay requests from a client that never reads: at most
+// max_pending_answers are answered (each stuck at the client's high water
+// mark), the rest refused and counted, and live publishing goes on.
+TEST(PublisherHostile, ReplayFloodIsRefusedAndLivePublishingGoesOn) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 256u << 10;  // 4 answer frames queued per client
+  o.max_pending_answers = 4;
+  o.answer_timeout = std::chrono::minutes(10);  // never abandoned here
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);  // 24 MB: one answer fills the kernel's buffers too
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t d{ctx, zmq::socket_type::dealer};
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvhwm, 1);
+  d.connect(pub.replay_endpoint());
+  constexpr int kRequests = 1'000;
+  const auto start = encode_seq(0);
+  for (int k = 0; k < kRequests; ++k) {
+    d.send(zmq::message_t(), zmq::send_flags::sndmore);
+    d.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + scaled(10s);
+  while (pub.stats().replay_requests + pub.stats().requests_refused < kRequests &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  PublisherStats st = pub.stats();
+  ASSERT_EQ(st.replay_requests + st.requests_refused, static_cast<std::uint64_t>(kRequests));
+  EXPECT_LE(st.replay_requests, 4u);
+  EXPECT_GE(st.requests_refused, static_cast<std::uint64_t>(kRequests - 4));
+  // Live batches still go out while the answers wait for a reader.
+  const std::uint64_t before = st.next_seq;
+  for (std::uint64_t k = 0; k < 10; ++k)
+    store_big(pub, 1000 + k, 10);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  EXPECT_EQ(pub.stats().next_seq, before + 10);
+}
+
+// An answer whose client takes nothing for answer_timeout is dropped.
+TEST(PublisherHostile, StuckAnswerAbandoned) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  o.max_batch_bytes = 64u << 10;
+  o.send_queue_bytes = 256u << 10;
+  o.answer_timeout = 20ms;
+  o.buffer_bytes = 256u << 20;
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);  // 24 MB: more than the kernel's socket buffers
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t d{ctx, zmq::socket_type::dealer};
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvhwm, 1);
+  d.connect(pub.replay_endpoint());
+  const auto start = encode_seq(0);
+  d.send(zmq::message_t(), zmq::send_flags::sndmore);
+  d.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  const auto deadline = std::chrono::steady_clock::now() + scaled(10s);
+  while (pub.stats().answers_abandoned == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(pub.stats().answers_abandoned, 1u);
+  EXPECT_EQ(pub.stats().replay_requests, 1u);
+}
+
+// A request of more than 3 frames is read frame by frame, its tail
+// discarded as read (never all held), counted and not answered; the next
+// good request is answered.
+TEST(PublisherHostile, RequestWithTooManyFramesCountedNotAnswered) {
+  PublisherOptions o = local_options();
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  store_big(pub, 1, 1);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  ReplayClient c(pub.replay_endpoint());
+  for (int k = 0; k < 10'000; ++k)
+    c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::sndmore);
+  c.s.send(zmq::buffer(std::string_view("x")), zmq::send_flags::none);
+  // Had the bad request been answered, its terminator would come first.
+  EXPECT_EQ(c.replay(0).size(), 1u);
+  EXPECT_EQ(pub.stats().bad_requests, 1u);
+  EXPECT_EQ(pub.stats().replay_requests, 1u);
+}
+
+// As docs/events.md says: a REQ client gets the answer's first message only
+// (REQ takes one reply per request); a DEALER gets every batch.
+TEST(Publisher, ReqClientGetsOnlyTheFirstMessage) {
+  PublisherOptions o = local_options();
+  o.max_batch_events = 1;
+  o.replay_endpoint = "tcp://127.0.0.1:0";
+  Publisher pub(o);
+  for (std::uint64_t k = 0; k < 3; ++k)
+    store_big(pub, k, 1);
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  zmq::context_t ctx{1};
+  zmq::socket_t req{ctx, zmq::socket_type::req};
+  req.set(zmq::sockopt::linger, 0);
+  req.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(2000ms).count()));
+  req.connect(pub.replay_endpoint());
+  const auto start = encode_seq(0);
+  req.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
+  std::vector<zmq::message_t> first;
+  ASSERT_TRUE(zmq::recv_multipart(req, std::back_inserter(first)));
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(seq_of(first[0]), 0u);
+  // REQ takes one reply per request: it cannot read the rest of the answer
+  // (ZeroMQ refuses the receive, EFSM, and eats the rest at the next send).
+  std::vector<zmq::message_t> more;
+  EXPECT_THROW((void)zmq::recv_multipart(req, std::back_inserter(more)), zmq::error_t);
+  ReplayClient dealer(pub.replay_endpoint());
+  EXPECT_EQ(dealer.replay(0).size(), 3u);
 }
 
 using BlockTuple = std::tuple<std::string, std::optional<std::uint32_t>, std::uint64_t,

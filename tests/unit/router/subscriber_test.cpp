@@ -17,13 +17,18 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "kvport/backends/host_backend.hpp"
+#include "kvport/core/block_table.hpp"
 #include "kvport/core/cache_events.hpp"
+#include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/events/publisher.hpp"
 #include "kvport/events/wire.hpp"
 #include "kvport/platform/error.hpp"
@@ -307,6 +312,96 @@ TEST(SubscriberPublisher, LossAtTheTailReplayedByWaitFor) {
   EXPECT_EQ(sub.stats().replayed_batches, next);
   EXPECT_EQ(sub.stats().messages, 0u);
   EXPECT_EQ(index.counters().gaps, 0u);
+}
+
+// The hashes a cache's own snapshot announces (PrefixCache::snapshot), as
+// the index keys them.
+class SnapshotHashes final : public CacheEventSink {
+ public:
+  void stored(const EventSource& source, const BlockStoredView& v) noexcept override {
+    for (const BlockHash& h : v.hashes)
+      blocks.emplace_back(event_hash(h), tier_of_medium(to_string(source.medium)));
+  }
+  void removed(const EventSource&, std::span<const BlockHash>) noexcept override {}
+  void cleared(const EventSource&) noexcept override {}
+  Blocks sorted() {
+    std::sort(blocks.begin(), blocks.end());
+    return blocks;
+  }
+  Blocks blocks;
+};
+
+// Issue 31's core: a publisher whose hand-off queue is tiny drops events
+// under a cache's stream of registrations and evictions. The drops show as
+// sequence gaps, the replay cannot close them (the ring never had them), the
+// snapshot is refused until the cache resyncs the publisher's set, and then
+// the router's index of the instance equals the cache's own snapshot.
+TEST(SubscriberPublisher, DroppedEventsShowAsGapsAndTheIndexEndsEqualToTheCache) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  std::unique_ptr<Backend> backend = make_host_backend(HostBackendOptions{64u << 20});
+  KvCacheConfig cfg;
+  cfg.num_layers = 1;
+  cfg.block_size = kBs;
+  cfg.num_kv_heads = 1;
+  cfg.head_dim_k = 8;
+  cfg.head_dim_v = 8;
+  cfg.dtype = KvCacheDtype::bf16;
+  PagedKvCache cache(cfg, 24, *backend);
+  PrefixCache pc(cache);
+  events::PublisherOptions po = publisher_options();
+  po.buffer_events = 2;  // the hand-off queue: drops are certain
+  po.max_batch_events = 64;
+  po.batch_interval = 20ms;
+  events::Publisher pub(po);
+  pc.set_event_sink(&pub);
+
+  RouterIndex index(index_options());
+  SubscriberOptions so;
+  so.request_timeout = scaled(200ms);
+  so.tail_timeout = scaled(30ms);
+  Subscriber sub(index, so);
+  sub.add_instance(0, {pub.endpoint(), pub.replay_endpoint()}, Clock::now());
+
+  const StreamView stream = cache.backend().default_stream();
+  std::mt19937 rng(31);
+  for (int op = 0; op < 600; ++op) {
+    // Prompts of one of 12 documents' first 1..4 blocks: registrations,
+    // and evictions once the 24 blocks are full.
+    std::vector<TokenId> p((1 + rng() % 4) * kBs);
+    std::iota(p.begin(), p.end(), static_cast<TokenId>((rng() % 12) * 1000));
+    BlockTable t(pc);
+    const std::size_t hit = t.reuse_cached_prefix(p, stream);
+    const auto rest = std::span<const TokenId>(p).subspan(hit);
+    if (t.blocks_needed(rest.size()) <= pc.num_available_blocks()) t.append_tokens(rest, stream);
+    if (op % 40 == 39) {  // the thread takes what it holds: live batches between the drops
+      ASSERT_TRUE(pub.flush(scaled(2s)));
+      sub.poll(1ms);
+    }
+  }
+  const events::PublisherStats mid = pub.stats();
+  ASSERT_GT(mid.events_dropped, 0u) << "the test needs drops";
+  ASSERT_GE(mid.loss_gaps, 2u) << "and several gaps between live batches";
+  // The owner resyncs the publisher's set from the cache (kvport replay and
+  // cluster do so between steps when needs_resync()).
+  for (int k = 0; k < 10 && pub.needs_resync(); ++k) {
+    ASSERT_TRUE(pub.resync([&](CacheEventSink& s) { pc.snapshot(s); }));
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+  }
+  ASSERT_FALSE(pub.needs_resync());
+  ASSERT_TRUE(pub.flush(scaled(2s)));
+  ASSERT_TRUE(sub.wait_for(0, pub.stats().next_seq, scaled(5s)));
+
+  SnapshotHashes own;
+  pc.snapshot(own);
+  const Blocks want = own.sorted();
+  EXPECT_FALSE(want.empty());
+  EXPECT_EQ(index.blocks_of(0), want);
+  const events::PublisherStats st = pub.stats();
+  EXPECT_GE(st.loss_gaps, 1u);
+  EXPECT_GE(st.resyncs, 1u);
+  EXPECT_GE(sub.stats().snapshots_applied, 1u) << "the gap was closed by a snapshot";
+  EXPECT_GE(sub.stats().replay_misses, 1u) << "the replay cannot hold what was dropped";
+  pc.set_event_sink(nullptr);
 }
 
 TEST(SubscriberPublisher, RestartedOnTheSamePortsFollowsTheNewStream) {
@@ -616,9 +711,6 @@ TEST(SubscriberFake, MalformedMessagesAreCountedAndSkipped) {
   fake.send_frames({"", seq_bytes(1).substr(1), good});  // a 7-byte seq
   fake.send_frames({"", seq_bytes(1), "\xc1 not msgpack"});
   fake.send_frames({"", seq_bytes(1), good, "a fourth frame"});
-  BlockStored big = stored({99});
-  big.token_ids.assign(2000, 100000);  // 5 bytes each: > 4096 bytes encoded
-  fake.send(batch(1, {big}, 2.0));
   // [ts, [{"type": "Foo"}], nil]: an event type unknown to the decoder.
   std::string unknown = "\x93\xcb";
   const double ts = 1.5;
@@ -631,12 +723,100 @@ TEST(SubscriberFake, MalformedMessagesAreCountedAndSkipped) {
       "Foo\xc0";
   fake.send_frames({"", seq_bytes(1), unknown});
   fake.send_frames({"", seq_bytes(2), good});
-  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().messages == before + 8; }));
+  ASSERT_TRUE(poll_until(sub, [&] { return sub.stats().messages == before + 7; }));
   const SubscriberStats st = sub.stats();
-  EXPECT_EQ(st.malformed, 6u);
+  EXPECT_EQ(st.malformed, 5u);
   EXPECT_EQ(st.unknown_events, 1u);
   EXPECT_EQ(index.status(0).last_seq, 2u);  // 1 (no events) and 2 applied
   EXPECT_EQ(index.blocks_of(0), gpu({1, 11}));
+}
+
+// ---- hostile publishers: bounded by a counter or an error ------------------------
+
+// A message of 100,000 frames: read frame by frame, all but 4 discarded as
+// read, counted; the stream goes on.
+TEST(SubscriberHostile, MessageOfEndlessFramesIsCountedAndDiscarded) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  Subscriber sub(index);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  for (int k = 0; k < 100'000; ++k)
+    fake.pub.send(zmq::buffer(std::string_view("x")), zmq::send_flags::sndmore);
+  fake.pub.send(zmq::buffer(std::string_view("x")), zmq::send_flags::none);
+  fake.send(batch(1, {stored({11})}, 2.0));
+  ASSERT_TRUE(poll_until(sub, [&] { return index.status(0).last_seq == 1u; }));
+  EXPECT_EQ(sub.stats().too_many_parts, 1u);
+  EXPECT_EQ(sub.stats().malformed, 1u);
+  EXPECT_EQ(index.blocks_of(0), gpu({1, 11}));
+}
+
+// A publisher that floods: no poll() handles more than max_poll_messages,
+// the rest waits for the next call (counted), and everything applies in
+// the end.
+TEST(SubscriberHostile, PollDoesAtMostItsBudget) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.max_poll_messages = 10;
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  for (std::uint64_t seq = 1; seq <= 200; ++seq)
+    fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
+  const auto deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 200u && Clock::now() < deadline)
+    ASSERT_LE(sub.poll(5ms), 10u);
+  EXPECT_EQ(index.status(0).last_seq, 200u);
+  EXPECT_GT(sub.stats().budget_stops, 0u);
+}
+
+// A frame larger than max_message_bytes is never read: ZeroMQ drops the
+// connection that carries it (seen here on the publisher's side as a
+// disconnect) and, a protocol error, does not reconnect to that publisher.
+TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  FakePublisher fake;
+  ASSERT_EQ(
+      zmq_socket_monitor(fake.pub.handle(), "inproc://kvport-pub-monitor", ZMQ_EVENT_DISCONNECTED),
+      0);
+  zmq::socket_t monitor{fake.ctx, zmq::socket_type::pair};
+  monitor.set(zmq::sockopt::linger, 0);
+  monitor.set(zmq::sockopt::rcvtimeo, static_cast<int>(scaled(5000ms).count()));
+  monitor.connect("inproc://kvport-pub-monitor");
+  RouterIndex index(index_options());
+  SubscriberOptions o;
+  o.max_message_bytes = 4096;
+  Subscriber sub(index, o);
+  sub.add_instance(0, fake.endpoints(), Clock::now());
+  join(fake, sub, index);
+  BlockStored big = stored({99});
+  big.token_ids.assign(200'000, 100000);  // ~1 MB: far past 4096 bytes
+  fake.send(batch(1, {big}, 2.0));
+  const std::uint64_t messages = sub.stats().messages;
+  std::vector<zmq::message_t> event;
+  // Polled while waiting, so the subscriber's side reads what it can.
+  bool disconnected = false;
+  monitor.set(zmq::sockopt::rcvtimeo, 5);
+  const auto deadline = Clock::now() + scaled(5s);
+  while (!disconnected && Clock::now() < deadline) {
+    sub.poll(5ms);
+    event.clear();
+    disconnected = zmq::recv_multipart(monitor, std::back_inserter(event)).has_value();
+  }
+  EXPECT_TRUE(disconnected) << "ZeroMQ refuses the frame by dropping the connection";
+  EXPECT_EQ(sub.stats().messages, messages) << "the large frame was never received";
+  // ZeroMQ does not reconnect after a protocol error: the instance is
+  // silent from here (expired by instance_timeout, docs/reliability.md).
+  for (int k = 0; k < 40; ++k) {  // past ZeroMQ's reconnect interval (100 ms)
+    fake.send(batch(2, {stored({12})}, 3.0));
+    sub.poll(10ms);
+  }
+  EXPECT_EQ(sub.stats().messages, messages);
+  EXPECT_EQ(sub.stats().malformed, 0u);
+  EXPECT_EQ(index.blocks_of(0), gpu({1}));
 }
 
 TEST(SubscriberFake, MalformedReplayAnswersAreCountedAndTheMissAsksASnapshot) {
@@ -765,6 +945,12 @@ TEST(SubscriberApi, BadOptionsThrow) {
   EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_message_bytes = 0; })), InvalidArgument);
   EXPECT_THROW(Subscriber(index, with([](auto& o) { o.receive_high_water_mark = -1; })),
                InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.receive_high_water_mark = 0; })),
+               InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_snapshot_bytes = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_poll_messages = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.max_poll_bytes = 0; })), InvalidArgument);
+  EXPECT_THROW(Subscriber(index, with([](auto& o) { o.poll_work_budget = 0ms; })), InvalidArgument);
   EXPECT_NO_THROW(Subscriber(index, with([](auto& o) { o.topic = "kv@"; })));
 }
 

@@ -46,6 +46,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "kvport/events/wire.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
 
 namespace kvport::cli::cluster {
@@ -60,6 +61,10 @@ struct InstanceSpec {
   std::size_t trace_block_tokens = 512;
   std::size_t concurrency = 64;
   std::uint64_t step_ms = 10;
+  /// The events' topic (the first frame) and form ("map" or "positional");
+  /// optional in the JSON (these defaults).
+  std::string events_topic = "kvport@instance0";
+  std::string events_form = "map";
 
   nlohmann::json to_json() const;
   /// Throws InvalidArgument naming a missing or mistyped field.
@@ -76,6 +81,9 @@ struct RouterSpec {
   double overlap_weight = 1.0;
   /// How long a sync waits for an instance's events before it fails.
   std::uint64_t sync_timeout_ms = 10'000;
+  /// The SUB filter: a prefix of every instance's topic (optional in the
+  /// JSON; default "kvport@instance").
+  std::string events_topic_filter = "kvport@instance";
 
   nlohmann::json to_json() const;
   /// Throws InvalidArgument naming a missing or mistyped field.
@@ -109,6 +117,9 @@ inline double percentile(std::vector<double> v, double q) {
 /// The first `max_requests` requests of the trace (0: all). Throws as
 /// sim::read_mooncake_trace.
 std::vector<sim::TraceRequest> read_trace(const std::string& path, std::size_t max_requests);
+
+/// The form named "map" or "positional". Throws InvalidArgument otherwise.
+events::EventForm event_form(const std::string& name);
 
 /// The instance process: reads its ops on stdin, writes its lines on `out`.
 /// Returns the exit code.

@@ -60,7 +60,18 @@ struct RunConfig {
   std::size_t kill_after = 1;
   bool baseline = true;
   std::chrono::seconds timeout{3600};
+  // Each instance's topic: "{id}" replaced by its id; the router subscribes
+  // to the part before "{id}" (the whole topic without one).
+  std::string events_topic = "kvport@instance{id}";
+  std::string events_form = "map";
 };
+
+std::string topic_of(const std::string& pattern, std::uint32_t id) {
+  std::string t = pattern;
+  if (const std::size_t at = t.find("{id}"); at != std::string::npos)
+    t.replace(at, 4, std::to_string(id));
+  return t;
+}
 
 constexpr std::size_t kMaxInstances = 16;
 // The longest any one reply may take (a horizon's simulation, a sync).
@@ -171,6 +182,8 @@ class ClusterRun {
     spec.trace_block_tokens = config_.trace_block_tokens;
     spec.concurrency = config_.concurrency;
     spec.step_ms = config_.step_ms;
+    spec.events_topic = topic_of(config_.events_topic, id);
+    spec.events_form = config_.events_form;
     child_[id] = group_.spawn(fmt::format("instance{}", id), self("--instance", spec.to_json()));
   }
 
@@ -190,6 +203,7 @@ class ClusterRun {
     spec.trace_block_tokens = config_.trace_block_tokens;
     spec.policy = result_.policy;
     spec.overlap_weight = config_.overlap_weight;
+    spec.events_topic_filter = config_.events_topic.substr(0, config_.events_topic.find("{id}"));
     router_ = group_.spawn("router", self("--router", spec.to_json()));
     for (std::uint32_t i = 0; i < config_.instances; ++i)
       spawn_instance(i);
@@ -564,6 +578,12 @@ class ClusterCommand final : public Command {
     add_text_flag(app, "--after", after_, "N", "... once N requests were routed (default 1)");
     add_text_flag(app, "--timeout-s", timeout_s_, "S",
                   "Give up after this, per policy (default 3600)");
+    add_text_flag(app, "--events-topic", events_topic_, "TOPIC",
+                  "Each instance's events topic, {id} its id (default kvport@instance{id}; "
+                  "llm-d: kv@<pod>@<model>, e.g. kv@pod{id}@llama); the router subscribes to "
+                  "the part before {id}");
+    add_text_flag(app, "--events-form", events_form_, "FORM",
+                  "The instances' events: map (default) or positional (older vLLM)");
     app.add_flag("--no-baseline", no_baseline_,
                  "Skip the one-instance baseline (N x B blocks, N x concurrency)");
     app.add_flag("--json", json_, "Print the report as JSON");
@@ -693,6 +713,11 @@ class ClusterCommand final : public Command {
       c.timeout = std::chrono::seconds(parse_count_in(timeout_s_.value, "--timeout-s", 1, 86'400));
     }
     c.baseline = !no_baseline_;
+    if (events_topic_.given()) c.events_topic = events_topic_.value;
+    if (events_form_.given()) {
+      (void)cluster::event_form(events_form_.value);  // throws naming the flag
+      c.events_form = events_form_.value;
+    }
     // What validate() of one instance's replay would refuse, said once here.
     sim::ReplayOptions o;
     o.capacity_blocks = c.capacity_blocks * (c.baseline ? c.instances : 1);
@@ -775,7 +800,8 @@ class ClusterCommand final : public Command {
   }
 
   TextFlag trace_, instances_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
-      requests_, policy_, overlap_weight_, kill_, after_, timeout_s_, instance_spec_, router_spec_;
+      requests_, policy_, overlap_weight_, kill_, after_, timeout_s_, events_topic_, events_form_,
+      instance_spec_, router_spec_;
   bool no_baseline_ = false;
   bool json_ = false;
 };

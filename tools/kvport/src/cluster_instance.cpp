@@ -19,6 +19,7 @@
 #include "disagg_line_input.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/cache_events.hpp"
+#include "kvport/core/prefix_cache.hpp"
 #include "kvport/events/publisher.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
@@ -61,6 +62,12 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
 
   std::optional<double> arrivals(const sim::ReplayProgress& progress,
                                  std::vector<Arrival>& out) override {
+    // Events were dropped: the publisher's snapshots wait for the cache to
+    // re-announce its set (here, between the replay's steps, on its thread).
+    if (publisher_.needs_resync() && progress.prefix != nullptr) {
+      const PrefixCache& prefix = *progress.prefix;
+      if (!publisher_.resync([&](CacheEventSink& s) { prefix.snapshot(s); })) ++resync_failures_;
+    }
     while (!ended_ && progress.now_ms >= horizon_)
       sync(progress);
     std::sort(pending_.begin(), pending_.end(),
@@ -102,6 +109,7 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
   }
 
   std::uint64_t flush_timeouts() const noexcept { return flush_timeouts_; }
+  std::uint64_t resync_failures() const noexcept { return resync_failures_; }
 
  private:
   std::string next_line() {
@@ -203,6 +211,7 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
   std::vector<std::size_t> completed_, rejected_;
   std::vector<Admission> admitted_;
   std::uint64_t flush_timeouts_ = 0;
+  std::uint64_t resync_failures_ = 0;
 };
 
 }  // namespace
@@ -215,7 +224,9 @@ json InstanceSpec::to_json() const {
           {"block_size", block_size},
           {"trace_block_tokens", trace_block_tokens},
           {"concurrency", concurrency},
-          {"step_ms", step_ms}};
+          {"step_ms", step_ms},
+          {"events_topic", events_topic},
+          {"events_form", events_form}};
 }
 
 InstanceSpec InstanceSpec::from_json(const json& j) {
@@ -228,7 +239,18 @@ InstanceSpec InstanceSpec::from_json(const json& j) {
   s.trace_block_tokens = field<std::size_t>(j, "trace_block_tokens");
   s.concurrency = field<std::size_t>(j, "concurrency");
   s.step_ms = field<std::uint64_t>(j, "step_ms");
+  s.events_topic = j.contains("events_topic") ? field<std::string>(j, "events_topic")
+                                              : fmt::format("kvport@instance{}", s.id);
+  if (j.contains("events_form")) s.events_form = field<std::string>(j, "events_form");
+  (void)event_form(s.events_form);
   return s;
+}
+
+events::EventForm event_form(const std::string& name) {
+  if (name == "map") return events::EventForm::map;
+  if (name == "positional") return events::EventForm::positional;
+  throw InvalidArgument(
+      fmt::format("--events-form: unknown form '{}' (expected map or positional)", name));
 }
 
 json RouterSpec::to_json() const {
@@ -238,7 +260,8 @@ json RouterSpec::to_json() const {
           {"trace_block_tokens", trace_block_tokens},
           {"policy", policy},
           {"overlap_weight", overlap_weight},
-          {"sync_timeout_ms", sync_timeout_ms}};
+          {"sync_timeout_ms", sync_timeout_ms},
+          {"events_topic_filter", events_topic_filter}};
 }
 
 RouterSpec RouterSpec::from_json(const json& j) {
@@ -250,6 +273,8 @@ RouterSpec RouterSpec::from_json(const json& j) {
   s.policy = field<std::string>(j, "policy");
   s.overlap_weight = field<double>(j, "overlap_weight");
   s.sync_timeout_ms = field<std::uint64_t>(j, "sync_timeout_ms");
+  if (j.contains("events_topic_filter"))
+    s.events_topic_filter = field<std::string>(j, "events_topic_filter");
   return s;
 }
 
@@ -264,7 +289,8 @@ int run_instance(const InstanceSpec& spec, std::ostream& out) {
   events::PublisherOptions po;
   po.endpoint = "tcp://127.0.0.1:0";
   po.replay_endpoint = "tcp://127.0.0.1:0";
-  po.topic = fmt::format("kvport@instance{}", spec.id);
+  po.topic = spec.events_topic;
+  po.form = event_form(spec.events_form);
   po.linger = std::chrono::milliseconds(200);
   events::Publisher publisher(po);
   out << "listen "
@@ -300,9 +326,15 @@ int run_instance(const InstanceSpec& spec, std::ostream& out) {
   j["evictions"] = r.evictions;
   j["peak_blocks_in_use"] = r.peak_blocks_in_use;
   j["wall_s"] = r.wall_s;
-  j["events"] = {{"accepted", ps.events_accepted},         {"dropped", ps.events_dropped},
-                 {"batches_sent", ps.batches_sent},        {"send_failures", ps.send_failures},
-                 {"replay_requests", ps.replay_requests},  {"snapshots", ps.snapshots},
+  j["events"] = {{"accepted", ps.events_accepted},
+                 {"dropped", ps.events_dropped},
+                 {"batches_sent", ps.batches_sent},
+                 {"send_failures", ps.send_failures},
+                 {"replay_requests", ps.replay_requests},
+                 {"snapshots", ps.snapshots},
+                 {"loss_gaps", ps.loss_gaps},
+                 {"resyncs", ps.resyncs},
+                 {"resync_failures", feed.resync_failures()},
                  {"flush_timeouts", feed.flush_timeouts()}};
   out << "done " << j.dump() << '\n' << std::flush;
   return r.ok() ? 0 : 1;

@@ -43,7 +43,7 @@ class RouterProcess {
         out_(out),
         requests_(read_trace(spec.trace, spec.max_requests)),
         router_(index_options(spec), scoring(spec), router::make_policy(spec.policy)),
-        subscriber_(router_.index(), subscriber_options()) {}
+        subscriber_(router_.index(), subscriber_options(spec)) {}
 
   int run() {
     for (;;) {
@@ -74,8 +74,9 @@ class RouterProcess {
     s.overlap_weight = spec.overlap_weight;
     return s;
   }
-  static router::SubscriberOptions subscriber_options() {
+  static router::SubscriberOptions subscriber_options(const RouterSpec& spec) {
     router::SubscriberOptions o;
+    o.topic = spec.events_topic_filter;
     o.expire_silent = false;
     return o;
   }

@@ -59,6 +59,9 @@ double parse_positive_number(const std::string& text, std::string_view flag) {
 // Below this many requests a replay takes well under a second: no bar unless
 // --progress asks for one.
 constexpr std::size_t kProgressMinRequests = 1000;
+// `kvport replay --events` exits within this: the events still buffered are
+// published and ZeroMQ given the rest of it to send them (Publisher::close).
+constexpr std::chrono::milliseconds kEventsExitTimeout{10'000};
 
 // A one-line bar on stderr, redrawn with '\r' when the percentage changes.
 class ProgressBar {
@@ -172,6 +175,12 @@ class ReplayCommand final : public Command {
         "ENDPOINT (e.g. tcp://127.0.0.1:5557; port 0: any free port, reported); docs/events.md");
     add(app, "--events-replay", events_replay_, "ENDPOINT",
         "With --events: also a ROUTER socket for replay and snapshot requests at ENDPOINT");
+    add(app, "--events-topic", events_topic_, "TOPIC",
+        "With --events: the first frame of every message (default empty, as vLLM's; llm-d "
+        "subscribes to kv@<pod>@<model>)");
+    add(app, "--events-form", events_form_, "FORM",
+        "With --events: map (vLLM since mid-2026, the default) or positional (older vLLM, "
+        "array-like events)");
     progress_on_ = app.add_flag("--progress", progress_help);
     progress_off_ = app.add_flag("--no-progress", no_progress_help);
     app_ = &app;
@@ -251,7 +260,9 @@ class ReplayCommand final : public Command {
     }
     bar.finish();
     if (publisher) {
-      (void)publisher->flush(std::chrono::seconds(10));
+      // The bounded exit flush: what a slow subscriber may not have had is
+      // reported, not lost silently.
+      events_close_ = publisher->close(kEventsExitTimeout);
       events_stats_ = publisher->stats();
       events_endpoint_ = publisher->endpoint();
     }
@@ -321,12 +332,27 @@ class ReplayCommand final : public Command {
   // --memory: the replay over the model's KV cache groups (group_replay.hpp).
   // --events (and --events-replay): the publisher, bound; none without.
   void bind_events(std::optional<events::Publisher>& publisher) const {
-    if (events_replay_.given() && !events_.given())
-      throw InvalidArgument("--events-replay: needs --events");
+    for (const auto& [flag, name] :
+         {std::pair{&events_replay_, "--events-replay"},
+          std::pair{&events_topic_, "--events-topic"}, std::pair{&events_form_, "--events-form"}}) {
+      if (flag->given() && !events_.given())
+        throw InvalidArgument(fmt::format("{}: needs --events", name));
+    }
     if (!events_.given()) return;
     events::PublisherOptions po;
     po.endpoint = events_.value;
     if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
+    if (events_topic_.given()) po.topic = events_topic_.value;
+    if (events_form_.given()) {
+      if (events_form_.value == "map") {
+        po.form = events::EventForm::map;
+      } else if (events_form_.value == "positional") {
+        po.form = events::EventForm::positional;
+      } else {
+        throw InvalidArgument(fmt::format(
+            "--events-form: unknown form '{}' (expected map or positional)", events_form_.value));
+      }
+    }
     // The replay's caches and tiers emit on its one thread: no lock needed.
     po.single_producer = true;
     try {
@@ -397,7 +423,7 @@ class ReplayCommand final : public Command {
     if (publisher) o.event_sink = &*publisher;
     run_group_replay(run);
     if (publisher) {
-      (void)publisher->flush(std::chrono::seconds(10));
+      (void)publisher->close(kEventsExitTimeout);  // bounded; its counts are in the stats
       run.events = GroupReplayRun::Events{publisher->endpoint(), publisher->stats()};
     }
     if (json_) {
@@ -548,9 +574,15 @@ class ReplayCommand final : public Command {
     if (events_.given()) {
       out << fmt::format(
           "\nEvents      {} published on {} in {} batches, {} dropped (buffer full), {} sends "
-          "refused\n",
+          "refused\n            {} not delivered at most ({} in refused sends{}), {} sequence gaps "
+          "for drops\n",
           events_stats_.events_accepted, events_endpoint_, events_stats_.batches_sent,
-          events_stats_.events_dropped, events_stats_.send_failures);
+          events_stats_.events_dropped, events_stats_.send_failures, events_close_.not_delivered(),
+          events_close_.events_unsent,
+          events_close_.drained ? ""
+                                : fmt::format(", up to {} discarded at exit by a slow subscriber",
+                                              events_close_.events_maybe_discarded),
+          events_stats_.loss_gaps);
     }
     out << "\nInvariants  " << r.invariants.to_string() << '\n';
     if (r.stopped_at_step != 0) out << "Stopped     at step " << r.stopped_at_step << '\n';
@@ -694,7 +726,13 @@ class ReplayCommand final : public Command {
                      {"accepted", events_stats_.events_accepted},
                      {"dropped", events_stats_.events_dropped},
                      {"batches_sent", events_stats_.batches_sent},
-                     {"send_failures", events_stats_.send_failures}};
+                     {"send_failures", events_stats_.send_failures},
+                     {"loss_gaps", events_stats_.loss_gaps},
+                     {"exit_flushed", events_close_.flushed},
+                     {"exit_drained", events_close_.drained},
+                     {"unsent", events_close_.events_unsent},
+                     {"maybe_discarded_at_exit", events_close_.events_maybe_discarded},
+                     {"not_delivered", events_close_.not_delivered()}};
     }
     j["invariants_ok"] = r.invariants.ok;
     j["invariants"] = r.invariants.to_string();
@@ -706,12 +744,13 @@ class ReplayCommand final : public Command {
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
       check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_,
       memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_, events_, events_replay_,
-      disk_tier_blocks_, disk_dir_, disk_min_hits_, disk_io_;
+      events_topic_, events_form_, disk_tier_blocks_, disk_dir_, disk_min_hits_, disk_io_;
   disk::DiskStoreOptions disk_options_;
   std::string disk_description_;  // the store's I/O path and fallback, once opened
   disk::DiskStoreCounters disk_counters_;
   std::size_t disk_blocks_at_end_ = 0;
   events::PublisherStats events_stats_;
+  events::CloseReport events_close_;
   std::string events_endpoint_;
   bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;

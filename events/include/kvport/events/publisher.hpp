@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,7 +25,8 @@ struct PublisherOptions {
   std::string endpoint = "tcp://127.0.0.1:5557";
   /// The first frame of every message (vLLM's default: empty).
   std::string topic;
-  /// The batch's third element (nil when absent).
+  /// The batch's third element (nil when absent); in [0, 2^31 - 1], since
+  /// Dynamo reads it as an i32 (the constructor throws otherwise).
   std::optional<std::int64_t> data_parallel_rank;
   /// A batch is sent when this many events are buffered (up to 100 us
   /// later while events come faster than a batch per wake-up: the thread
@@ -45,15 +47,41 @@ struct PublisherOptions {
   bool single_producer = false;
   /// Map-tagged events (vLLM since mid-2026) or the older positional arrays.
   EventForm form = EventForm::map;
-  /// ZMQ_SNDHWM of the PUB socket, in messages: past it a send is dropped
-  /// (counted as a send failure), never waited for.
+  /// ZMQ_SNDHWM of the PUB socket, in messages, at most: past it a send is
+  /// refused (counted as a send failure, and a gap for that subscriber),
+  /// never waited for. The byte bound below usually sets a lower one.
   int send_high_water_mark = 100'000;
+  /// A batch ends before an event that would take its payload past this
+  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event; an
+  /// event larger than that goes alone). > 0.
+  std::size_t max_batch_bytes = 128u << 10;
+  /// The memory one subscriber (PUB) or one replay client (ROUTER) may hold
+  /// queued in ZeroMQ: its high water mark is send_queue_bytes /
+  /// max_batch_bytes messages (512 by default; at least 1, 4 on the replay
+  /// socket). A subscriber that never reads costs at most this. > 0.
+  std::size_t send_queue_bytes = 64u << 20;
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
-  /// Batches the replay ring keeps (vLLM: 10,000).
-  /// The replay socket queues up to 4 x (this + 2) messages per client, so
-  /// that a replay of the whole ring and its terminator is never cut short.
+  /// Batches the replay ring keeps (vLLM: 10,000) ...
   std::size_t replay_ring_batches = 10'000;
+  /// ... and bytes of their payloads it keeps at most (the oldest go first).
+  std::size_t replay_ring_bytes = 64u << 20;
+  /// Replay and snapshot requests answered per second at most (a bucket of
+  /// one second's worth); the others are refused: not answered, counted
+  /// (PublisherStats::requests_refused). Their answers are sent a few
+  /// frames per turn of the thread, between live batches, each as fast as
+  /// its client reads.
+  std::size_t max_requests_per_second = 100;
+  /// Answers in progress at most; a request beyond is refused.
+  std::size_t max_pending_answers = 16;
+  /// An answer whose client has not taken a frame for this long is dropped
+  /// (PublisherStats::answers_abandoned).
+  std::chrono::milliseconds answer_timeout{5'000};
+  /// A snapshot is built (O(cached blocks), on the publisher thread, which
+  /// sends nothing meanwhile) at most once per this; requests in between
+  /// get the last one while it is usable (the ring still holds every batch
+  /// after it), or wait.
+  std::chrono::milliseconds snapshot_interval{1'000};
   /// How long the destructor waits for sends still queued in ZeroMQ.
   std::chrono::milliseconds linger{1'000};
 };
@@ -66,8 +94,49 @@ struct PublisherStats {
   std::uint64_t send_failures = 0;  ///< batches ZeroMQ refused (high water mark)
   std::uint64_t replay_requests = 0;
   std::uint64_t snapshots = 0;
-  std::uint64_t bad_requests = 0;  ///< replay socket requests of neither form
-  std::uint64_t next_seq = 0;      ///< sequence the next batch will carry
+  /// Replay-socket requests of neither form (a body that is neither a start
+  /// sequence nor the snapshot request: answered with the terminator alone;
+  /// a wrong frame count: not answered).
+  std::uint64_t bad_requests = 0;
+  std::uint64_t next_seq = 0;  ///< sequence the next batch will carry
+  /// Sequence numbers skipped for dropped events: each run of drops (and
+  /// each batch lost to an allocation failure) skips one, so that every
+  /// subscriber sees a gap exactly where events are missing.
+  std::uint64_t loss_gaps = 0;
+  /// Resyncs applied by the publisher thread (Publisher::resync).
+  std::uint64_t resyncs = 0;
+  /// Snapshot requests answered with the terminator alone because the
+  /// publisher's set was not exact (a loss since the last resync).
+  std::uint64_t snapshots_unavailable = 0;
+  /// Replay-socket requests not answered: over max_requests_per_second or
+  /// max_pending_answers.
+  std::uint64_t requests_refused = 0;
+  /// Answers dropped: the client left, or took nothing for answer_timeout.
+  std::uint64_t answers_abandoned = 0;
+  /// Events in the batches ZeroMQ refused (send_failures).
+  std::uint64_t events_unsent = 0;
+};
+
+/// What Publisher::close could not deliver.
+struct CloseReport {
+  /// Every event accepted before close() was published within its timeout.
+  bool flushed = false;
+  /// ZeroMQ sent every queued message before the linger ran out (or nothing
+  /// was ever sent).
+  bool drained = false;
+  /// Events never published: the buffer was full (PublisherStats).
+  std::uint64_t events_dropped = 0;
+  /// Events in batches ZeroMQ refused at a subscriber's high water mark.
+  std::uint64_t events_unsent = 0;
+  /// Not drained: the events of the last batches sent, as many as one
+  /// subscriber's queue holds (send_queue_bytes), which the linger may
+  /// have discarded for a slow subscriber: an upper bound (ZeroMQ does not
+  /// say how many it discarded). 0 when drained.
+  std::uint64_t events_maybe_discarded = 0;
+  /// Every event some subscriber may not have received, at most.
+  std::uint64_t not_delivered() const noexcept {
+    return events_dropped + events_unsent + events_maybe_discarded;
+  }
 };
 
 /// The request frame that asks the replay socket for a snapshot (any other
@@ -82,13 +151,16 @@ inline constexpr std::string_view snapshot_request = "kvport.snapshot";
 /// throw, and drop (counted) when the buffer is full. A thread of its own
 /// (woken per full batch, or polling every 100 us while events come fast)
 /// batches, encodes, assigns sequence numbers (from 0, +1
-/// per batch, also for a batch whose send failed, so a subscriber sees the
-/// gap), sends three frames [topic, seq as 8 bytes big-endian, payload] on a
-/// PUB socket and answers the replay socket.
+/// per batch, also for a batch whose send failed, and +1 more where events
+/// were dropped, so a subscriber sees every loss as a gap), sends three
+/// frames [topic, seq as 8 bytes big-endian, payload] on a PUB socket and
+/// answers the replay socket (rate-limited, a few frames a turn between live
+/// batches, as fast as each client reads).
 ///
-/// Replay (as vLLM): a DEALER or REQ client sends one frame, a start
-/// sequence as 8 bytes big-endian, and receives [seq, payload] for every
-/// kept batch with seq >= start, then [-1 as 8 bytes (all 0xff), ""]. A
+/// Replay (as vLLM): a DEALER client sends one frame, a start sequence as 8
+/// bytes big-endian, and receives [seq, payload] for every kept batch with
+/// start <= seq < the next sequence when asked, then [-1 as 8 bytes (all
+/// 0xff), ""] (a REQ client gets the first of them only). A
 /// start older than the ring gets what is kept: the first seq returned is
 /// then later than asked (a miss). Snapshot (kvport): the frame
 /// "kvport.snapshot" gets [S, payload] then the terminator, where payload is
@@ -100,11 +172,19 @@ class Publisher final : public CacheEventSink {
  public:
   /// Binds the sockets and starts the thread. Throws InvalidArgument on a
   /// bad option (an endpoint ZeroMQ refuses or cannot bind, zero buffer or
-  /// batch size, zero ring with a replay endpoint).
+  /// batch size, zero ring with a replay endpoint, a data_parallel_rank
+  /// outside [0, 2^31 - 1]).
   explicit Publisher(PublisherOptions options);
-  /// Stops the thread after publishing what is buffered, then waits up to
-  /// `linger` for ZeroMQ to send it.
+  /// close(options.linger) unless close() ran.
   ~Publisher() override;
+
+  /// The bounded exit flush: publishes what is buffered (flush), stops the
+  /// thread and closes the sockets, waiting for ZeroMQ to send what is
+  /// queued, all within `timeout`; reports what may not have been
+  /// delivered. The sink calls drop (counted) from then on; stats() still
+  /// works; a second call returns the first report. Costs up to `timeout`
+  /// when a subscriber is slow. Does not throw.
+  CloseReport close(std::chrono::milliseconds timeout) noexcept;
   Publisher(const Publisher&) = delete;
   Publisher& operator=(const Publisher&) = delete;
 
@@ -115,6 +195,28 @@ class Publisher final : public CacheEventSink {
   /// Waits until every event accepted before the call has been published
   /// (sent or failed); false if that took longer than `timeout`.
   bool flush(std::chrono::milliseconds timeout);
+
+  /// True when events were dropped (with a replay endpoint) since the last
+  /// resync(): the publisher's cached set, which snapshots are served from,
+  /// misses them, and snapshot requests are answered without one until the
+  /// caches re-announce their sets through resync(). One relaxed load: cheap
+  /// enough to test after every cache operation. Always false without a
+  /// replay endpoint (no set is kept).
+  bool needs_resync() const noexcept;
+  /// Rebuilds the cached set from the caches: calls `announce(sink)`, which
+  /// must make every cache this publisher is the sink of announce its whole
+  /// set to `sink` (PrefixCache::snapshot(sink), HostTier::snapshot(sink),
+  /// ...; never this publisher itself: the calls hold the producers' lock),
+  /// then hands the set to the publisher thread at this point of the stream:
+  /// snapshots are exact again from the batches after it. Call it where the
+  /// caches are quiescent (on their thread, between operations); the
+  /// producers' sink calls wait meanwhile. Costs O(cached blocks) on the
+  /// caller's thread and memory for a second copy of the set until the
+  /// thread takes it. Returns false (needs_resync() stays true) when the
+  /// publisher is being destroyed, is out of memory or out of sources. Throws
+  /// what `announce` throws (nothing changed). Without a replay endpoint it
+  /// does nothing and returns true.
+  bool resync(const std::function<void(CacheEventSink&)>& announce);
 
   /// The PUB socket's bound endpoint (ZMQ_LAST_ENDPOINT: the real port).
   const std::string& endpoint() const noexcept;

@@ -51,11 +51,12 @@ struct StoredEventView {
 
 /// Writes one batch event by event from views, without the owning events:
 /// exactly the bytes encode_batch writes for the same batch (a test checks
-/// it). The publisher's thread encodes with it. Construct with the number of
-/// events that follow, call one of stored/removed/cleared per event, then
-/// finish(); the bytes are appended to `out` (which holds scratch bytes past
-/// them until finish()). Throws only std::bad_alloc (`out` may then hold a
-/// partial batch).
+/// it), except the kv_cache_spec_kind of a removal or clear, which the owning
+/// values (core's BlockRemoved, AllBlocksCleared) have no field for and the
+/// decoder skips as an unknown key or trailing element. The publisher's thread encodes with it.
+/// Construct with the number of events that follow, call one of stored/removed/cleared per event,
+/// then finish(); the bytes are appended to `out` (which holds scratch bytes past them until
+/// finish()). Throws only std::bad_alloc (`out` may then hold a partial batch).
 ///
 /// To reuse one buffer without zeroing it again for every batch: construct
 /// with `at` (the batch is written from out[at], whatever `out` holds past it
@@ -66,9 +67,16 @@ class BatchWriter {
   BatchWriter(std::string& out, EventForm form, double ts, std::size_t events);
   BatchWriter(std::string& out, std::size_t at, EventForm form, double ts, std::size_t events);
   void stored(const StoredEventView& e);
+  /// A BlockRemoved; `kv_cache_spec_kind` (kvport, beyond vLLM's fields: the
+  /// group's kind, so that a router that indexes groups by kind applies the
+  /// removal to the right one) is written only when set, as a 5th key (map)
+  /// or 5th element (positional).
   void removed(std::span<const std::uint64_t> block_hashes, std::string_view medium,
-               std::optional<std::uint32_t> group_idx);
-  void cleared(std::optional<std::string_view> medium, std::optional<std::uint32_t> group_idx);
+               std::optional<std::uint32_t> group_idx,
+               std::optional<std::string_view> kv_cache_spec_kind = std::nullopt);
+  /// An AllBlocksCleared; medium, group and kind written only when set.
+  void cleared(std::optional<std::string_view> medium, std::optional<std::uint32_t> group_idx,
+               std::optional<std::string_view> kv_cache_spec_kind = std::nullopt);
   /// The batch's third element (nil when absent).
   void finish(std::optional<std::int64_t> data_parallel_rank);
   /// finish() without trimming `out`: the batch is out[at, at + size).

@@ -51,11 +51,30 @@ struct SubscriberOptions {
   std::chrono::milliseconds tail_timeout{100};
   /// poll() calls index.expire(now) (instance_timeout of the index).
   bool expire_silent = true;
-  /// A frame larger than this (> 0) is malformed: counted and skipped.
-  std::size_t max_message_bytes = 64u << 20;
-  /// ZMQ_RCVHWM of each SUB socket, in messages (0: unlimited): past it
-  /// ZeroMQ drops, which the index sees as a gap and the replay closes.
-  int receive_high_water_mark = 100'000;
+  /// A live or replayed batch frame larger than this (> 0) is never read:
+  /// ZMQ_MAXMSGSIZE of the SUB socket (ZeroMQ drops the connection to the
+  /// publisher that sent it, and reconnects); counted as malformed and
+  /// skipped if it arrives through the DEALER.
+  std::size_t max_message_bytes = 16u << 20;
+  /// The same for a snapshot answer (one frame holding every cached block:
+  /// about 210 bytes a block in map form): ZMQ_MAXMSGSIZE of the DEALER.
+  std::size_t max_snapshot_bytes = 256u << 20;
+  /// ZMQ_RCVHWM of each SUB and DEALER socket, in messages (> 0): past it
+  /// ZeroMQ drops live messages (a gap the replay closes) and stops reading
+  /// an answer until there is room. Memory queued per instance is at most
+  /// about this many messages of max_message_bytes (ZeroMQ holds a multipart
+  /// message until its last frame arrives: see docs/reliability.md).
+  int receive_high_water_mark = 10'000;
+  /// Work one poll() does after its wait, at most: messages (over all
+  /// sockets) ...
+  std::size_t max_poll_messages = 4'096;
+  /// ... bytes received ...
+  std::size_t max_poll_bytes = 64u << 20;
+  /// ... and time spent receiving and applying (checked between messages).
+  /// What is left stays queued for the next call (SubscriberStats::
+  /// budget_stops); answers are taken before live messages, and the first
+  /// socket rotates, so that one flooding publisher cannot starve the rest.
+  std::chrono::milliseconds poll_work_budget{50};
 };
 
 /// What a Subscriber did, over all its instances. Monotonic.
@@ -98,6 +117,12 @@ struct SubscriberStats {
   /// Needs (a gap, a snapshot) of instances without a replay endpoint, which
   /// nothing can close: counted once each time an instance's need changes.
   std::uint64_t unserviceable_needs = 0;
+  /// Messages of more than 4 frames (also counted as malformed): their
+  /// frames past the fourth were read and discarded, never held.
+  std::uint64_t too_many_parts = 0;
+  /// Times a poll() stopped receiving from a socket because its work budget
+  /// (messages, bytes or time) was spent; the rest waits for the next call.
+  std::uint64_t budget_stops = 0;
 };
 
 /// Connects a RouterIndex to the instances' publishers. Single-threaded: the
@@ -107,7 +132,7 @@ struct SubscriberStats {
 class Subscriber {
  public:
   /// `index` must outlive the subscriber. Throws InvalidArgument on bad
-  /// options (a timeout or size <= 0, a negative high water mark).
+  /// options (a timeout, size, budget or high water mark <= 0).
   explicit Subscriber(RouterIndex& index, SubscriberOptions options = {});
   /// Closes every socket (linger 0): nothing is left running.
   ~Subscriber();
@@ -129,8 +154,9 @@ class Subscriber {
 
   /// Waits up to `timeout` (0: not at all; less when a request's deadline
   /// comes first; the whole `timeout` without instances) until a message is
-  /// there on any socket, then receives everything queued (at most 4,096 messages a
-  /// socket), applies it, and acts on index.needs() for every instance:
+  /// there on any socket, then receives what is queued within its budget
+  /// (max_poll_messages, max_poll_bytes, poll_work_budget; answers first),
+  /// applies it, and acts on index.needs() for every instance:
   /// sends replay and snapshot requests, applies their answers, times them
   /// out. Calls index.expire(now) when expire_silent. Returns the messages
   /// handled (live messages and answer frames).
