@@ -835,10 +835,15 @@ class UcxTransport final : public Transport {
         err = cma_copy(it->second->peer_pid, job.write, job.ops, job.next, job.offset, budget);
         if ((err == EPERM || err == ENOSYS) && untouched) {
           fallback = true;
+        } else if (err == ESRCH) {
+          // The peer's process is gone: the connection has failed too, and
+          // says so in this progress() call, so that the owner sees the loss
+          // no later than the failed transfer (never only the transfer).
+          fail_batch(*job.batch, "the peer's process is gone");
+          fail(*it->second, "the peer's process is gone");
         } else if (err != 0) {
-          fail_batch(*job.batch, err == ESRCH ? std::string("the peer's process is gone")
-                                              : fmt::format("copying the peer's memory failed: {}",
-                                                            std::strerror(err)));
+          fail_batch(*job.batch,
+                     fmt::format("copying the peer's memory failed: {}", std::strerror(err)));
         } else if (job.next < job.ops.size()) {
           continue;  // more of it, while the round lasts
         }

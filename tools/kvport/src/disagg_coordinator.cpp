@@ -276,6 +276,7 @@ void Coordinator::dispatch(ProcessGroup& group, std::size_t index) {
   r.sent = true;
   r.ranks_done.clear();
   r.prefill.reset();
+  r.fell_back = false;
   r.local_on_prefill = false;
   auto decode = pick(Role::decode, decode_cursor_);
   auto prefill = decode ? pick(Role::prefill, prefill_cursor_) : std::nullopt;
@@ -475,6 +476,13 @@ void Coordinator::on_done(WorkerRecord& w, const json& j) {
     }
   } else if (j.value("recomputed", false)) {
     ++stats_.rank_recomputes;
+    // A rank that fell back on its own (its pull failed: the prefill died,
+    // or the lease ended) recomputed the request: counted once, whether this
+    // report or the prefill's loss (lose()) is seen first.
+    if (r.prefill && !r.fell_back) {
+      ++stats_.recomputed;
+      r.fell_back = true;
+    }
   } else {
     r.failed = true;  // not even recomputed (no room): the run fails
     stats_.notes.push_back(fmt::format("request {}: {}", index, j.value(field::why, "")));
@@ -530,7 +538,7 @@ void Coordinator::lose(ProcessGroup& group, WorkerRecord& w) {
           send(group, d, recompute_op(i));
         }
       }
-      ++stats_.recomputed;
+      if (!r.fell_back) ++stats_.recomputed;  // unless a rank's own fall-back counted it
       r.prefill.reset();  // a later prefill_failed from its other ranks is moot
     }
   }

@@ -64,6 +64,7 @@ class Coordinator {
     bool done = false;
     bool sent = false;
     bool failed = false;  // a rank could not compute it at all
+    bool fell_back = false;  // a rank recomputed it after its pull failed (counted once)
   };
 
   using Clock = std::chrono::steady_clock;
