@@ -15,11 +15,13 @@
 # python3-zmq + python3-msgpack for the test that decodes the stream the way
 # vLLM's consumers do. The disk tier (disk/): liburing-dev (io_uring), and fio
 # for the disk benchmark's limit (direct sequential I/O on the same file system).
+# ccache: every preset compiles through one cache under build/.ccache
+# (CMakePresets.json), so the `ci` preset and reruns compile only what changed.
 # Needs root (or sudo) only when something is missing.
 set -euo pipefail
 
 packages=(
-  cmake ninja-build g++ pkg-config git
+  cmake ninja-build g++ pkg-config git ccache
   libgtest-dev libgmock-dev libbenchmark-dev
   libspdlog-dev libfmt-dev libabsl-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libboost-dev
   python3 python3-dev pybind11-dev python3-pybind11 python3-numpy python3-pytest libdlpack-dev
