@@ -70,13 +70,18 @@ void MemorySpaceRegistry::add_allocation(MemorySpace space, std::uintptr_t base,
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   Ranges& ranges = r.spaces[space];
-  const auto hit = find_overlap(ranges, base, bytes);
-  if (hit != ranges.end()) {
+  // A recorded range the allocator just handed out again is stale (its
+  // memory was freed while adopted): logged and forgotten, so that recorded
+  // ranges never overlap (find_overlap relies on it) and the live
+  // allocation is the one protected. Its owner's remove() then finds nothing.
+  for (auto hit = find_overlap(ranges, base, bytes); hit != ranges.end();
+       hit = find_overlap(ranges, base, bytes)) {
     log::error(fmt::format(
         "{}: alloc: [{:#x}, +{}) overlaps {} [{:#x}, +{}) of {} ({}): that memory was freed by "
-        "its owner while still adopted",
+        "its owner while still adopted; the stale range is forgotten",
         owner_name, base, bytes, kind_text(hit->second.kind), hit->first.first, hit->second.bytes,
         hit->second.owner_name, to_string(space)));
+    ranges.erase(hit);
   }
   ranges.insert_or_assign({base, owner}, Range{bytes, RangeKind::allocation, owner_name});
 }

@@ -531,6 +531,24 @@ TEST(MemorySpaceRegistry, HostMemoryIsOneSpaceWhateverTheDevice) {
   EXPECT_EQ(to_string(MemorySpace::of(MemoryKind::rocm, 2)), "rocm device 2");
 }
 
+// Memory freed by its owner while another tracker had adopted it, then handed
+// out again: the stale adopted range is forgotten (logged), the allocation is
+// what is protected, and a later adoption overlapping the allocation is
+// refused even where the stale range was larger than the allocation.
+TEST(MemorySpaceRegistry, AnAllocationOverStaleRangesReplacesThem) {
+  const MemorySpace space = MemorySpace::of(MemoryKind::cuda, 45);
+  AllocationTracker engine("cuda", space), cache("cuda", space), other("cuda", space);
+  cache.add_adopted(DevicePtr(0x10000), 0x1000);
+  cache.add_adopted(DevicePtr(0x11000), 0x1000);
+  engine.add(DevicePtr(0x10800), 0x1000);  // over both: the vendor reused freed memory
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 1u);
+  EXPECT_THAT(message_of<InvalidArgument>([&] { other.add_adopted(DevicePtr(0x10f00), 0x10); }),
+              HasSubstr("overlaps a live allocation [0x10800, +4096)"));
+  EXPECT_NO_THROW(other.add_adopted(DevicePtr(0x10000), 0x800));  // stale: no longer held
+  EXPECT_TRUE(cache.remove_adopted(DevicePtr(0x10000)));          // its own map still knew it
+  EXPECT_EQ(MemorySpaceRegistry::count(space), 2u);               // the allocation and other's
+}
+
 // Two threads race to adopt the same ranges through two trackers: every round
 // exactly one wins (run under ThreadSanitizer by the tsan preset).
 TEST(MemorySpaceRegistry, ConcurrentAdoptionsOfOneRangeHaveOneWinner) {

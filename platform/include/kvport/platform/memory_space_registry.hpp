@@ -28,7 +28,8 @@ struct MemorySpace {
   friend constexpr auto operator<=>(const MemorySpace&, const MemorySpace&) = default;
 };
 
-/// "host memory", "cuda device 1", "rocm device 0".
+/// "host memory", "cuda device 1", "rocm device 0". O(1); throws
+/// std::bad_alloc only.
 std::string to_string(MemorySpace space);
 
 /// The process-wide map of the ranges every participating backend object
@@ -42,10 +43,11 @@ class MemorySpaceRegistry {
   enum class RangeKind : std::uint8_t { allocation, adopted };
 
   /// Records an allocation `owner` made (the vendor's allocator gave it out,
-  /// so nothing live overlaps it). Should it overlap a range still recorded
-  /// (memory freed by its owner while adopted), that is logged (error level)
-  /// and the allocation recorded anyway. `owner_name` ("host", "cuda") is
-  /// for messages. Throws std::bad_alloc only.
+  /// so nothing live overlaps it). Should it overlap ranges still recorded
+  /// (memory freed by its owner while adopted), each is logged (error level)
+  /// and forgotten, and the allocation recorded: recorded ranges never
+  /// overlap. `owner_name` ("host", "cuda") is for messages. Throws
+  /// std::bad_alloc only.
   static void add_allocation(MemorySpace space, std::uintptr_t base, std::size_t bytes,
                              const void* owner, const std::string& owner_name);
 
