@@ -689,8 +689,9 @@ void check_options(const DiskStoreOptions& o) {
 namespace {
 
 // What one open made (directories, files), removed again when the open is
-// refused: a refused open leaves the directory as it found it. Only what
-// this open created is ever removed.
+// refused: a refused open leaves the directory as it found it, but for the
+// lock file (never removed, see open()). Only what this open created is
+// ever removed.
 class Undo {
  public:
   Undo() = default;
@@ -710,8 +711,9 @@ class Undo {
   bool done_ = false;
 };
 
-// Names a store may hold before its description exists: the lock and the
-// description's temporary (a crash while the store was being made).
+// Names a store may hold before its description exists: the lock (made by
+// a store being made, or left by a refused open) and the description's
+// temporary (a crash while the store was being made).
 bool part_of_a_new_store(const fs::path& name) {
   return name == kLockName || name == std::string(kMetaName) + ".tmp";
 }
@@ -774,7 +776,9 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   const auto refuse_foreign = [&] {
     bool more = false;
     const std::vector<std::string> names = foreign_entries(s.dir, more);
-    if (names.empty()) return;
+    // Another open may have made the store meanwhile (the first check runs
+    // before the lock): then it is a store, and the lock decides.
+    if (names.empty() || name_taken(meta_path)) return;
     std::string list;
     for (const std::string& n : names)
       list += (list.empty() ? "'" : ", '") + n + "'";
@@ -786,8 +790,12 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   if (!options.read_only && !name_taken(meta_path)) refuse_foreign();
 
   // One writer, or any number of readers.
+  // The lock file is never removed, not even by a refused open that made
+  // it: another open may have opened the same file meanwhile (O_CREAT
+  // without O_EXCL) and hold its lock; unlinking it would let a third open
+  // make a new lock file and lock that one too (two writers). An empty lock
+  // file left behind is harmless: a new store may hold one.
   const fs::path lock_path = s.dir / kLockName;
-  const bool lock_existed = name_taken(lock_path);
   s.lock_fd = detail::open_regular(lock_path, options.read_only ? O_RDONLY : O_RDWR | O_CREAT);
   if (s.lock_fd < 0) {
     const int e = errno;
@@ -796,7 +804,6 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     }
     throw InvalidArgument(where + ": " + detail::open_failure(lock_path, e, "open its lock file"));
   }
-  if (!lock_existed) undo.made(lock_path);
   if (::flock(s.lock_fd, (options.read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
     throw InvalidArgument(where + ": in use by another process (" +
                           (options.read_only ? "writing" : "reading or writing") + ")");

@@ -12,6 +12,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <csignal>
 #include <filesystem>
@@ -19,6 +21,7 @@
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "disk_test_util.hpp"
@@ -93,6 +96,15 @@ class HostileDirTest : public ::testing::Test {
       return std::string("other: ") + e.what();
     }
     return "";
+  }
+
+  // The names in `dir`, sorted.
+  static std::vector<std::string> entries_of(const fs::path& dir) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir))
+      names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
   }
 
   static constexpr const char* kPrecious = "precious bytes of a file kvport did not make\n";
@@ -245,8 +257,9 @@ TEST_F(HostileDirTest, ANonEmptyDirectoryThatIsNotAStoreIsRefusedAndNothingInItC
 }
 
 TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) {
-  // No space for the data file: the open is refused, and what it made (the
-  // directory itself here) is gone again.
+  // No space for the data file: the open is refused, and what it made is
+  // gone again, but for the (empty) lock file: another open may hold it, so
+  // it is never removed. The directory holding it stays.
   auto o = options(16);
   o.wrap_io = [](std::string_view file, std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
     auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
@@ -254,11 +267,15 @@ TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) 
     return f;
   };
   EXPECT_TRUE(contains(refusal(o), "No space left")) << refusal(o);
-  EXPECT_FALSE(fs::exists(tier()));
-  // In a directory that was there (empty), it leaves it empty.
+  const std::vector<std::string> lock_only{"kvport-disk.lock"};
+  EXPECT_EQ(entries_of(tier()), lock_only);
+  EXPECT_EQ(fs::file_size(tier() / "kvport-disk.lock"), 0u);
+  // In a directory that was there (empty), it leaves the lock file alone.
+  fs::remove_all(tier());
   fs::create_directories(tier());
   EXPECT_TRUE(contains(refusal(o), "No space left"));
-  EXPECT_TRUE(fs::is_empty(tier()));
+  EXPECT_EQ(entries_of(tier()), lock_only);
+  EXPECT_EQ(fs::file_size(tier() / "kvport-disk.lock"), 0u);
   // The rerun with fewer slots is not told "made for another layout".
   auto s = DiskStore::open(options(8));
   EXPECT_EQ(put(*s, chain(4, 2)), 2u);
@@ -268,6 +285,56 @@ TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) 
   EXPECT_TRUE(contains(refusal(o), "No space left"));
   s = DiskStore::open(options(8));
   EXPECT_EQ(get(*s, chain(4, 2)), 2u);
+}
+
+// A refused open never removes the lock file, which another open may hold:
+// removing it would let a third open lock a new one (two writers).
+TEST_F(HostileDirTest, ARefusedOpenLeavesTheLockFileItsHolderHolds) {
+  auto holder = DiskStore::open(options());
+  ASSERT_EQ(put(*holder, chain(6, 2)), 2u);
+  struct stat before {};
+  ASSERT_EQ(::stat((tier() / "kvport-disk.lock").c_str(), &before), 0);
+  EXPECT_TRUE(contains(refusal(options()), "in use by another process"));
+  struct stat after {};
+  ASSERT_EQ(::stat((tier() / "kvport-disk.lock").c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "the lock file was made anew";
+  // The holder still holds it: a third open (writer or reader) is refused.
+  EXPECT_TRUE(contains(refusal(options()), "in use by another process"));
+  auto ro = options();
+  ro.read_only = true;
+  EXPECT_TRUE(contains(refusal(ro), "in use by another process"));
+  EXPECT_EQ(get(*holder, chain(6, 2)), 2u);
+}
+
+// Two opens of a new directory at once (both find no lock file, both open
+// it with O_CREAT): the loser's refusal must not unlink the lock the winner
+// holds. Whichever wins, a third open is refused while it holds the store.
+TEST_F(HostileDirTest, TwoOpensOfANewDirectoryAtOnceLeaveOneWriter) {
+  for (int round = 0; round < 50; ++round) {
+    SCOPED_TRACE(round);
+    fs::remove_all(tier());
+    std::atomic<int> ready{0};
+    std::unique_ptr<DiskStore> won[2];
+    std::string why[2];
+    auto opener = [&](int i) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      try {
+        won[i] = DiskStore::open(options());
+      } catch (const std::exception& e) {
+        why[i] = e.what();
+      }
+    };
+    std::thread a(opener, 0);
+    std::thread b(opener, 1);
+    a.join();
+    b.join();
+    ASSERT_EQ((won[0] ? 1 : 0) + (won[1] ? 1 : 0), 1) << why[0] << " / " << why[1];
+    EXPECT_TRUE(contains(why[won[0] ? 1 : 0], "in use by another process")) << why[won[0] ? 1 : 0];
+    const std::string third = refusal(options());
+    ASSERT_TRUE(contains(third, "in use by another process")) << "two writers: " << third;
+  }
 }
 
 // ---- a description that is not one ------------------------------------------------------
