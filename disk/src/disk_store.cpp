@@ -188,27 +188,24 @@ void write_file_durably(const fs::path& path, const std::string& text) {
 // a FIFO) of at most kMaxMetaBytes.
 constexpr std::size_t kMaxMetaBytes = 1 << 20;
 std::string read_description(const fs::path& path) {
-  const int fd = detail::open_regular(path, O_RDONLY);
-  if (fd < 0) throw InvalidArgument(detail::open_failure(path, errno, "read"));
+  const detail::UniqueFd fd(detail::open_regular(path, O_RDONLY));
+  if (fd.get() < 0) throw InvalidArgument(detail::open_failure(path, errno, "read"));
   std::string text;
   std::array<char, 4096> chunk{};
   for (;;) {
-    const ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    const ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int e = errno;
-      ::close(fd);
       throw InvalidArgument("cannot read " + path.string() + ": " + errno_text(e));
     }
     if (n == 0) break;
-    text.append(chunk.data(), static_cast<std::size_t>(n));
+    text.append(chunk.data(), static_cast<std::size_t>(n));  // may throw: fd closes
     if (text.size() > kMaxMetaBytes) {
-      ::close(fd);
       throw InvalidArgument(fmt::format("{} is larger than {} bytes: not a disk store description",
                                         path.string(), kMaxMetaBytes));
     }
   }
-  ::close(fd);
   return text;
 }
 
