@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +28,7 @@
 #include "disk_test_util.hpp"
 #include "kvport/disk/disk_store.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/time_scale.hpp"
 
 namespace kvport::disk {
 namespace {
@@ -183,13 +185,14 @@ TEST_F(HostileDirTest, ALinkPlantedAsTheTemporaryFileIsReplacedNotWrittenThrough
 // ---- FIFOs ------------------------------------------------------------------------------
 
 // Runs `check` (exit 0 when it held) in a child process stopped by SIGALRM
-// after 30 s: an open that blocks on a FIFO fails the test instead of
-// hanging it.
+// after 30 s (times KVPORT_TEST_TIME_SCALE): an open that blocks on a FIFO
+// fails the test instead of hanging it.
 ::testing::AssertionResult in_child(const std::function<int()>& check) {
+  const auto limit = kvport::testing::scaled(std::chrono::seconds(30));
   const pid_t child = ::fork();
   if (child < 0) return ::testing::AssertionFailure() << "fork failed";
   if (child == 0) {
-    ::alarm(30);
+    ::alarm(static_cast<unsigned>(limit.count()));
     int code = 10;
     try {
       code = check();
@@ -201,7 +204,8 @@ TEST_F(HostileDirTest, ALinkPlantedAsTheTemporaryFileIsReplacedNotWrittenThrough
   int status = 0;
   if (::waitpid(child, &status, 0) != child) return ::testing::AssertionFailure() << "waitpid";
   if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM) {
-    return ::testing::AssertionFailure() << "the open blocked (killed after 30 s)";
+    return ::testing::AssertionFailure()
+           << "the open blocked (killed after " << limit.count() << " s)";
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return ::testing::AssertionFailure() << "check failed: status " << status;
