@@ -310,6 +310,9 @@ struct DiskStore::State {
   fs::path dir;
   int lock_fd = -1;
   std::unique_ptr<FileIo> data;
+  // Why a writer's data file is sparse although the file system has
+  // fallocate (empty: it has none, or the file is preallocated).
+  std::string sparse_why;
   std::unique_ptr<FileIo> index;
   std::uint64_t index_end = 0;  // where the next record goes
   std::uint64_t next_seq = 1;
@@ -855,7 +858,16 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     // Allocated at every writer's open, not only at creation: a file made
     // sparse (truncated, holes punched) gets its blocks again, and
     // preallocated() says what is true of this file now.
+    const fs::path data_path = s.dir / kDataName;
     const std::uint64_t had = s.data->size().value_or(0);
+    // What allocating still takes from the file system: the bytes of the
+    // file that have no disk blocks yet (holes, or past its end).
+    struct stat data_st {};
+    const std::uint64_t allocated =
+        ::lstat(data_path.c_str(), &data_st) == 0 && data_st.st_blocks > 0
+            ? static_cast<std::uint64_t>(data_st.st_blocks) * 512
+            : 0;
+    const std::uint64_t missing = data_bytes > allocated ? data_bytes - allocated : 0;
     struct statvfs vfs {};
     const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
     const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
@@ -865,17 +877,38 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
                                         known ? fmt::format(", {} bytes free", free_bytes) : "",
                                         errno_text(e)));
     };
-    // Refused before allocating: a file system that cannot hold the file
-    // is never filled up to the last block on the way to ENOSPC.
-    if (known && had < data_bytes && data_bytes - had > free_bytes) refuse(ENOSPC);
-    const int e = s.data->allocate(data_bytes);
-    if (e != 0) {
-      // A failed fallocate may keep what it allocated: give it back (a file
-      // this open made is removed by `undo`).
-      if (data_existed && had < data_bytes) {
-        (void)::truncate((s.dir / kDataName).c_str(), static_cast<off_t>(had));
+    // A store whose data file has its full size works without its blocks
+    // allocated (as on a file system without fallocate): its open goes on,
+    // sparse, said by io_description() and a warning; a write that finds
+    // the file system full fails and is counted. A new or shorter file is
+    // refused.
+    const bool full_size = data_existed && had >= data_bytes;
+    const auto go_on_sparse = [&](int e) {
+      s.sparse_why = "preallocation failed: " + errno_text(e);
+      log::warn(fmt::format(
+          "disk tier {}: cannot preallocate {} ({} of {} bytes without disk blocks{}): {}; the "
+          "store goes on with a sparse data file, whose writes may find the file system full",
+          s.dir.string(), kDataName, missing, data_bytes,
+          known ? fmt::format(", {} bytes free", free_bytes) : "", errno_text(e)));
+    };
+    // Refused (or skipped) before allocating: a file system that cannot
+    // hold the file is never filled up to the last block on the way to
+    // ENOSPC.
+    if (known && missing > free_bytes) {
+      if (!full_size) refuse(ENOSPC);
+      go_on_sparse(ENOSPC);
+    } else if (const int e = s.data->allocate(data_bytes); e != 0) {
+      if (!full_size) {
+        // A failed fallocate may keep what it allocated: give it back (a
+        // file this open made is removed by `undo`).
+        if (data_existed && had < data_bytes) {
+          (void)::truncate(data_path.c_str(), static_cast<off_t>(had));
+        }
+        refuse(e);
       }
-      refuse(e);
+      // What it allocated of a full-size file cannot be told from the
+      // blocks written before: kept (the check above makes this rare).
+      go_on_sparse(e);
     }
   }
   const std::uint64_t data_size = s.data->size().value_or(0);
@@ -1230,7 +1263,9 @@ std::string DiskStore::io_description() const {
   const State& s = *state_;
   std::string d = s.data->describe();
   if (!s.options.read_only)
-    d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+    d += s.data->preallocated()
+             ? "; preallocated"
+             : "; sparse (" + (s.sparse_why.empty() ? "no fallocate" : s.sparse_why) + ")";
   if (s.index_trouble != State::IndexTrouble::none) d += "; index cannot be written";
   return d;
 }

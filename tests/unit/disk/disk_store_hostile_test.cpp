@@ -283,12 +283,44 @@ TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) 
   // The rerun with fewer slots is not told "made for another layout".
   auto s = DiskStore::open(options(8));
   EXPECT_EQ(put(*s, chain(4, 2)), 2u);
-  // A refused open of an existing store removes none of its files.
+  // A refused open of an existing store (its data file cut short: it must
+  // grow, and cannot) removes none of its files and gives back what it
+  // allocated.
   s.reset();
+  constexpr std::uint64_t kTwoSlots = 2 * 4096;  // the 2 blocks' slots
+  fs::resize_file(tier() / "blocks.dat", kTwoSlots);
   o.num_slots = 8;
   EXPECT_TRUE(contains(refusal(o), "No space left"));
+  EXPECT_EQ(fs::file_size(tier() / "blocks.dat"), kTwoSlots);
   s = DiskStore::open(options(8));
   EXPECT_EQ(get(*s, chain(4, 2)), 2u);
+}
+
+// An existing store whose data file has its full size opens although it
+// cannot be preallocated (a full file system): sparse, and it says so.
+TEST_F(HostileDirTest, AFullSizeStoreThatCannotBePreallocatedOpensSparse) {
+  {
+    auto s = DiskStore::open(options());
+    ASSERT_EQ(put(*s, chain(7, 2)), 2u);
+  }
+  auto o = options();
+  o.wrap_io = [](std::string_view file, std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
+    auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
+    if (file == "data") f->plan(IoFault{IoStep::allocate, std::nullopt, ENOSPC, 0, 1});
+    return f;
+  };
+  std::unique_ptr<DiskStore> s;
+  ASSERT_NO_THROW(s = DiskStore::open(o));
+  EXPECT_TRUE(
+      contains(s->io_description(), "; sparse (preallocation failed: No space left on device)"))
+      << s->io_description();
+  EXPECT_EQ(get(*s, chain(7, 2)), 2u);
+  EXPECT_EQ(put(*s, chain(8, 1)), 1u);
+  // The next open that can allocate says preallocated again.
+  s.reset();
+  s = DiskStore::open(options());
+  EXPECT_TRUE(contains(s->io_description(), "; preallocated")) << s->io_description();
+  EXPECT_EQ(get(*s, chain(8, 1)), 1u);
 }
 
 // A refused open never removes the lock file, which another open may hold:

@@ -218,7 +218,9 @@ class DiskStore {
   bool index_failing() const noexcept;
   /// "io_uring (queue depth 16), O_DIRECT; preallocated": the data file's I/O
   /// path and any fallback in use, with its reason ("; sparse (no
-  /// fallocate)" where the file system has none; "; index cannot be
+  /// fallocate)" where the file system has none, "; sparse (preallocation
+  /// failed: No space left on device)" where an existing store's full-size
+  /// data file could not get its blocks at this open; "; index cannot be
   /// written" while index_failing()).
   std::string io_description() const;
   const DiskStoreOptions& options() const noexcept;
