@@ -4,7 +4,8 @@
 // that is not one, an index far larger than the store could have written, a
 // refused open, an index that cannot be written. The store reads and writes
 // only regular files of its own, deletes nothing it did not make, leaves
-// nothing behind when it refuses, and never gives up a good block for one it
+// nothing behind when it refuses (but the empty lock file, which another
+// open may hold), and never gives up a good block for one it
 // cannot record.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
