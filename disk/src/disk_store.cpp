@@ -188,27 +188,24 @@ void write_file_durably(const fs::path& path, const std::string& text) {
 // a FIFO) of at most kMaxMetaBytes.
 constexpr std::size_t kMaxMetaBytes = 1 << 20;
 std::string read_description(const fs::path& path) {
-  const int fd = detail::open_regular(path, O_RDONLY);
-  if (fd < 0) throw InvalidArgument(detail::open_failure(path, errno, "read"));
+  const detail::UniqueFd fd(detail::open_regular(path, O_RDONLY));
+  if (fd.get() < 0) throw InvalidArgument(detail::open_failure(path, errno, "read"));
   std::string text;
   std::array<char, 4096> chunk{};
   for (;;) {
-    const ssize_t n = ::read(fd, chunk.data(), chunk.size());
+    const ssize_t n = ::read(fd.get(), chunk.data(), chunk.size());
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       const int e = errno;
-      ::close(fd);
       throw InvalidArgument("cannot read " + path.string() + ": " + errno_text(e));
     }
     if (n == 0) break;
-    text.append(chunk.data(), static_cast<std::size_t>(n));
+    text.append(chunk.data(), static_cast<std::size_t>(n));  // may throw: fd closes
     if (text.size() > kMaxMetaBytes) {
-      ::close(fd);
       throw InvalidArgument(fmt::format("{} is larger than {} bytes: not a disk store description",
                                         path.string(), kMaxMetaBytes));
     }
   }
-  ::close(fd);
   return text;
 }
 
@@ -313,6 +310,9 @@ struct DiskStore::State {
   fs::path dir;
   int lock_fd = -1;
   std::unique_ptr<FileIo> data;
+  // Why a writer's data file is sparse although the file system has
+  // fallocate (empty: it has none, or the file is preallocated).
+  std::string sparse_why;
   std::unique_ptr<FileIo> index;
   std::uint64_t index_end = 0;  // where the next record goes
   std::uint64_t next_seq = 1;
@@ -689,8 +689,9 @@ void check_options(const DiskStoreOptions& o) {
 namespace {
 
 // What one open made (directories, files), removed again when the open is
-// refused: a refused open leaves the directory as it found it. Only what
-// this open created is ever removed.
+// refused: a refused open leaves the directory as it found it, but for the
+// lock file (never removed, see open()). Only what this open created is
+// ever removed.
 class Undo {
  public:
   Undo() = default;
@@ -710,8 +711,9 @@ class Undo {
   bool done_ = false;
 };
 
-// Names a store may hold before its description exists: the lock and the
-// description's temporary (a crash while the store was being made).
+// Names a store may hold before its description exists: the lock (made by
+// a store being made, or left by a refused open) and the description's
+// temporary (a crash while the store was being made).
 bool part_of_a_new_store(const fs::path& name) {
   return name == kLockName || name == std::string(kMetaName) + ".tmp";
 }
@@ -774,7 +776,9 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   const auto refuse_foreign = [&] {
     bool more = false;
     const std::vector<std::string> names = foreign_entries(s.dir, more);
-    if (names.empty()) return;
+    // Another open may have made the store meanwhile (the first check runs
+    // before the lock): then it is a store, and the lock decides.
+    if (names.empty() || name_taken(meta_path)) return;
     std::string list;
     for (const std::string& n : names)
       list += (list.empty() ? "'" : ", '") + n + "'";
@@ -786,8 +790,12 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
   if (!options.read_only && !name_taken(meta_path)) refuse_foreign();
 
   // One writer, or any number of readers.
+  // The lock file is never removed, not even by a refused open that made
+  // it: another open may have opened the same file meanwhile (O_CREAT
+  // without O_EXCL) and hold its lock; unlinking it would let a third open
+  // make a new lock file and lock that one too (two writers). An empty lock
+  // file left behind is harmless: a new store may hold one.
   const fs::path lock_path = s.dir / kLockName;
-  const bool lock_existed = name_taken(lock_path);
   s.lock_fd = detail::open_regular(lock_path, options.read_only ? O_RDONLY : O_RDWR | O_CREAT);
   if (s.lock_fd < 0) {
     const int e = errno;
@@ -796,7 +804,6 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     }
     throw InvalidArgument(where + ": " + detail::open_failure(lock_path, e, "open its lock file"));
   }
-  if (!lock_existed) undo.made(lock_path);
   if (::flock(s.lock_fd, (options.read_only ? LOCK_SH : LOCK_EX) | LOCK_NB) != 0) {
     throw InvalidArgument(where + ": in use by another process (" +
                           (options.read_only ? "writing" : "reading or writing") + ")");
@@ -851,7 +858,16 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
     // Allocated at every writer's open, not only at creation: a file made
     // sparse (truncated, holes punched) gets its blocks again, and
     // preallocated() says what is true of this file now.
+    const fs::path data_path = s.dir / kDataName;
     const std::uint64_t had = s.data->size().value_or(0);
+    // What allocating still takes from the file system: the bytes of the
+    // file that have no disk blocks yet (holes, or past its end).
+    struct stat data_st {};
+    const std::uint64_t allocated =
+        ::lstat(data_path.c_str(), &data_st) == 0 && data_st.st_blocks > 0
+            ? static_cast<std::uint64_t>(data_st.st_blocks) * 512
+            : 0;
+    const std::uint64_t missing = data_bytes > allocated ? data_bytes - allocated : 0;
     struct statvfs vfs {};
     const bool known = ::statvfs(s.dir.c_str(), &vfs) == 0;
     const std::uint64_t free_bytes = known ? std::uint64_t{vfs.f_bavail} * vfs.f_frsize : 0;
@@ -861,17 +877,38 @@ std::unique_ptr<DiskStore> DiskStore::open(const DiskStoreOptions& options) {
                                         known ? fmt::format(", {} bytes free", free_bytes) : "",
                                         errno_text(e)));
     };
-    // Refused before allocating: a file system that cannot hold the file
-    // is never filled up to the last block on the way to ENOSPC.
-    if (known && had < data_bytes && data_bytes - had > free_bytes) refuse(ENOSPC);
-    const int e = s.data->allocate(data_bytes);
-    if (e != 0) {
-      // A failed fallocate may keep what it allocated: give it back (a file
-      // this open made is removed by `undo`).
-      if (data_existed && had < data_bytes) {
-        (void)::truncate((s.dir / kDataName).c_str(), static_cast<off_t>(had));
+    // A store whose data file has its full size works without its blocks
+    // allocated (as on a file system without fallocate): its open goes on,
+    // sparse, said by io_description() and a warning; a write that finds
+    // the file system full fails and is counted. A new or shorter file is
+    // refused.
+    const bool full_size = data_existed && had >= data_bytes;
+    const auto go_on_sparse = [&](int e) {
+      s.sparse_why = "preallocation failed: " + errno_text(e);
+      log::warn(fmt::format(
+          "disk tier {}: cannot preallocate {} ({} of {} bytes without disk blocks{}): {}; the "
+          "store goes on with a sparse data file, whose writes may find the file system full",
+          s.dir.string(), kDataName, missing, data_bytes,
+          known ? fmt::format(", {} bytes free", free_bytes) : "", errno_text(e)));
+    };
+    // Refused (or skipped) before allocating: a file system that cannot
+    // hold the file is never filled up to the last block on the way to
+    // ENOSPC.
+    if (known && missing > free_bytes) {
+      if (!full_size) refuse(ENOSPC);
+      go_on_sparse(ENOSPC);
+    } else if (const int e = s.data->allocate(data_bytes); e != 0) {
+      if (!full_size) {
+        // A failed fallocate may keep what it allocated: give it back (a
+        // file this open made is removed by `undo`).
+        if (data_existed && had < data_bytes) {
+          (void)::truncate(data_path.c_str(), static_cast<off_t>(had));
+        }
+        refuse(e);
       }
-      refuse(e);
+      // What it allocated of a full-size file cannot be told from the
+      // blocks written before: kept (the check above makes this rare).
+      go_on_sparse(e);
     }
   }
   const std::uint64_t data_size = s.data->size().value_or(0);
@@ -1226,7 +1263,9 @@ std::string DiskStore::io_description() const {
   const State& s = *state_;
   std::string d = s.data->describe();
   if (!s.options.read_only)
-    d += s.data->preallocated() ? "; preallocated" : "; sparse (no fallocate)";
+    d += s.data->preallocated()
+             ? "; preallocated"
+             : "; sparse (" + (s.sparse_why.empty() ? "no fallocate" : s.sparse_why) + ")";
   if (s.index_trouble != State::IndexTrouble::none) d += "; index cannot be written";
   return d;
 }

@@ -6,12 +6,40 @@
 #pragma once
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace kvport::disk::detail {
+
+/// Owns a file descriptor: closes it when it goes (-1: none). Move-only.
+class UniqueFd {
+ public:
+  explicit UniqueFd(int fd = -1) noexcept : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::exchange(other.fd_, -1);
+    }
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { reset(); }
+
+  int get() const noexcept { return fd_; }
+  void reset() noexcept {
+    if (fd_ >= 0) (void)::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
 
 /// "a symbolic link", "a FIFO", "a directory", "a socket", "a character
 /// device", "a block device", "a regular file".

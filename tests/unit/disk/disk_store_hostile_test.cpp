@@ -4,7 +4,8 @@
 // that is not one, an index far larger than the store could have written, a
 // refused open, an index that cannot be written. The store reads and writes
 // only regular files of its own, deletes nothing it did not make, leaves
-// nothing behind when it refuses, and never gives up a good block for one it
+// nothing behind when it refuses (but the empty lock file, which another
+// open may hold), and never gives up a good block for one it
 // cannot record.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
@@ -12,18 +13,23 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "disk_test_util.hpp"
 #include "kvport/disk/disk_store.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/time_scale.hpp"
 
 namespace kvport::disk {
 namespace {
@@ -93,6 +99,15 @@ class HostileDirTest : public ::testing::Test {
       return std::string("other: ") + e.what();
     }
     return "";
+  }
+
+  // The names in `dir`, sorted.
+  static std::vector<std::string> entries_of(const fs::path& dir) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir))
+      names.push_back(e.path().filename().string());
+    std::sort(names.begin(), names.end());
+    return names;
   }
 
   static constexpr const char* kPrecious = "precious bytes of a file kvport did not make\n";
@@ -171,13 +186,14 @@ TEST_F(HostileDirTest, ALinkPlantedAsTheTemporaryFileIsReplacedNotWrittenThrough
 // ---- FIFOs ------------------------------------------------------------------------------
 
 // Runs `check` (exit 0 when it held) in a child process stopped by SIGALRM
-// after 30 s: an open that blocks on a FIFO fails the test instead of
-// hanging it.
+// after 30 s (times KVPORT_TEST_TIME_SCALE): an open that blocks on a FIFO
+// fails the test instead of hanging it.
 ::testing::AssertionResult in_child(const std::function<int()>& check) {
+  const auto limit = kvport::testing::scaled(std::chrono::seconds(30));
   const pid_t child = ::fork();
   if (child < 0) return ::testing::AssertionFailure() << "fork failed";
   if (child == 0) {
-    ::alarm(30);
+    ::alarm(static_cast<unsigned>(limit.count()));
     int code = 10;
     try {
       code = check();
@@ -189,7 +205,8 @@ TEST_F(HostileDirTest, ALinkPlantedAsTheTemporaryFileIsReplacedNotWrittenThrough
   int status = 0;
   if (::waitpid(child, &status, 0) != child) return ::testing::AssertionFailure() << "waitpid";
   if (WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM) {
-    return ::testing::AssertionFailure() << "the open blocked (killed after 30 s)";
+    return ::testing::AssertionFailure()
+           << "the open blocked (killed after " << limit.count() << " s)";
   }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return ::testing::AssertionFailure() << "check failed: status " << status;
@@ -245,8 +262,9 @@ TEST_F(HostileDirTest, ANonEmptyDirectoryThatIsNotAStoreIsRefusedAndNothingInItC
 }
 
 TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) {
-  // No space for the data file: the open is refused, and what it made (the
-  // directory itself here) is gone again.
+  // No space for the data file: the open is refused, and what it made is
+  // gone again, but for the (empty) lock file: another open may hold it, so
+  // it is never removed. The directory holding it stays.
   auto o = options(16);
   o.wrap_io = [](std::string_view file, std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
     auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
@@ -254,20 +272,106 @@ TEST_F(HostileDirTest, ARefusedOpenLeavesNothingBehindSoTheCorrectedRerunOpens) 
     return f;
   };
   EXPECT_TRUE(contains(refusal(o), "No space left")) << refusal(o);
-  EXPECT_FALSE(fs::exists(tier()));
-  // In a directory that was there (empty), it leaves it empty.
+  const std::vector<std::string> lock_only{"kvport-disk.lock"};
+  EXPECT_EQ(entries_of(tier()), lock_only);
+  EXPECT_EQ(fs::file_size(tier() / "kvport-disk.lock"), 0u);
+  // In a directory that was there (empty), it leaves the lock file alone.
+  fs::remove_all(tier());
   fs::create_directories(tier());
   EXPECT_TRUE(contains(refusal(o), "No space left"));
-  EXPECT_TRUE(fs::is_empty(tier()));
+  EXPECT_EQ(entries_of(tier()), lock_only);
+  EXPECT_EQ(fs::file_size(tier() / "kvport-disk.lock"), 0u);
   // The rerun with fewer slots is not told "made for another layout".
   auto s = DiskStore::open(options(8));
   EXPECT_EQ(put(*s, chain(4, 2)), 2u);
-  // A refused open of an existing store removes none of its files.
+  // A refused open of an existing store (its data file cut short: it must
+  // grow, and cannot) removes none of its files and gives back what it
+  // allocated.
   s.reset();
+  constexpr std::uint64_t kTwoSlots = 2 * 4096;  // the 2 blocks' slots
+  fs::resize_file(tier() / "blocks.dat", kTwoSlots);
   o.num_slots = 8;
   EXPECT_TRUE(contains(refusal(o), "No space left"));
+  EXPECT_EQ(fs::file_size(tier() / "blocks.dat"), kTwoSlots);
   s = DiskStore::open(options(8));
   EXPECT_EQ(get(*s, chain(4, 2)), 2u);
+}
+
+// An existing store whose data file has its full size opens although it
+// cannot be preallocated (a full file system): sparse, and it says so.
+TEST_F(HostileDirTest, AFullSizeStoreThatCannotBePreallocatedOpensSparse) {
+  {
+    auto s = DiskStore::open(options());
+    ASSERT_EQ(put(*s, chain(7, 2)), 2u);
+  }
+  auto o = options();
+  o.wrap_io = [](std::string_view file, std::unique_ptr<FileIo> io) -> std::unique_ptr<FileIo> {
+    auto f = std::make_unique<FaultInjectingFileIo>(std::move(io));
+    if (file == "data") f->plan(IoFault{IoStep::allocate, std::nullopt, ENOSPC, 0, 1});
+    return f;
+  };
+  std::unique_ptr<DiskStore> s;
+  ASSERT_NO_THROW(s = DiskStore::open(o));
+  EXPECT_TRUE(
+      contains(s->io_description(), "; sparse (preallocation failed: No space left on device)"))
+      << s->io_description();
+  EXPECT_EQ(get(*s, chain(7, 2)), 2u);
+  EXPECT_EQ(put(*s, chain(8, 1)), 1u);
+  // The next open that can allocate says preallocated again.
+  s.reset();
+  s = DiskStore::open(options());
+  EXPECT_TRUE(contains(s->io_description(), "; preallocated")) << s->io_description();
+  EXPECT_EQ(get(*s, chain(8, 1)), 1u);
+}
+
+// A refused open never removes the lock file, which another open may hold:
+// removing it would let a third open lock a new one (two writers).
+TEST_F(HostileDirTest, ARefusedOpenLeavesTheLockFileItsHolderHolds) {
+  auto holder = DiskStore::open(options());
+  ASSERT_EQ(put(*holder, chain(6, 2)), 2u);
+  struct stat before {};
+  ASSERT_EQ(::stat((tier() / "kvport-disk.lock").c_str(), &before), 0);
+  EXPECT_TRUE(contains(refusal(options()), "in use by another process"));
+  struct stat after {};
+  ASSERT_EQ(::stat((tier() / "kvport-disk.lock").c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "the lock file was made anew";
+  // The holder still holds it: a third open (writer or reader) is refused.
+  EXPECT_TRUE(contains(refusal(options()), "in use by another process"));
+  auto ro = options();
+  ro.read_only = true;
+  EXPECT_TRUE(contains(refusal(ro), "in use by another process"));
+  EXPECT_EQ(get(*holder, chain(6, 2)), 2u);
+}
+
+// Two opens of a new directory at once (both find no lock file, both open
+// it with O_CREAT): the loser's refusal must not unlink the lock the winner
+// holds. Whichever wins, a third open is refused while it holds the store.
+TEST_F(HostileDirTest, TwoOpensOfANewDirectoryAtOnceLeaveOneWriter) {
+  for (int round = 0; round < 50; ++round) {
+    SCOPED_TRACE(round);
+    fs::remove_all(tier());
+    std::atomic<int> ready{0};
+    std::unique_ptr<DiskStore> won[2];
+    std::string why[2];
+    auto opener = [&](int i) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      try {
+        won[i] = DiskStore::open(options());
+      } catch (const std::exception& e) {
+        why[i] = e.what();
+      }
+    };
+    std::thread a(opener, 0);
+    std::thread b(opener, 1);
+    a.join();
+    b.join();
+    ASSERT_EQ((won[0] ? 1 : 0) + (won[1] ? 1 : 0), 1) << why[0] << " / " << why[1];
+    EXPECT_TRUE(contains(why[won[0] ? 1 : 0], "in use by another process")) << why[won[0] ? 1 : 0];
+    const std::string third = refusal(options());
+    ASSERT_TRUE(contains(third, "in use by another process")) << "two writers: " << third;
+  }
 }
 
 // ---- a description that is not one ------------------------------------------------------

@@ -210,13 +210,17 @@ class DiskStore {
   /// Whether the index could not be written at the last try (no room for a
   /// put's records, or an append or sync failed). Meanwhile put() evicts no
   /// stored block (it takes free slots only, and a put whose records find
-  /// no room is refused before it writes anything), get_prefix() serves
-  /// what is durable, and the first append or reservation that succeeds
-  /// ends it. O(1).
+  /// no room is refused before it writes anything), and get_prefix() serves
+  /// what is durable. Each cause has its own end: no room ends at the first
+  /// reservation that succeeds; a failed append or sync ends at the first
+  /// append (written and synced) that succeeds (a reservation says nothing
+  /// of whether writes work). O(1).
   bool index_failing() const noexcept;
   /// "io_uring (queue depth 16), O_DIRECT; preallocated": the data file's I/O
   /// path and any fallback in use, with its reason ("; sparse (no
-  /// fallocate)" where the file system has none; "; index cannot be
+  /// fallocate)" where the file system has none, "; sparse (preallocation
+  /// failed: No space left on device)" where an existing store's full-size
+  /// data file could not get its blocks at this open; "; index cannot be
   /// written" while index_failing()).
   std::string io_description() const;
   const DiskStoreOptions& options() const noexcept;
