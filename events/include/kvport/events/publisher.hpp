@@ -122,7 +122,10 @@ struct CloseReport {
   /// Every event accepted before close() was published within its timeout.
   bool flushed = false;
   /// ZeroMQ sent every queued message before the linger ran out (or nothing
-  /// was ever sent).
+  /// was ever sent): the context ended, counted from before the socket's
+  /// close, with at least max(10 ms, linger / 10) of the linger left. A
+  /// return nearer the linger counts as not drained (a loss over-reported,
+  /// never hidden).
   bool drained = false;
   /// Events never published: the buffer was full (PublisherStats).
   std::uint64_t events_dropped = 0;
