@@ -48,17 +48,28 @@ struct PublisherOptions {
   /// Map-tagged events (vLLM since mid-2026) or the older positional arrays.
   EventForm form = EventForm::map;
   /// ZMQ_SNDHWM of the PUB socket, in messages, at most: past it a send is
-  /// refused (counted as a send failure, and a gap for that subscriber),
-  /// never waited for. The byte bound below usually sets a lower one.
+  /// refused (counted as a send failure), never waited for. The PUB socket
+  /// sets ZMQ_XPUB_NODROP, so one subscriber whose queue is full refuses the
+  /// send for every subscriber: the batch is a counted gap for all of them.
+  /// The byte bound below usually sets a lower mark.
   int send_high_water_mark = 100'000;
   /// A batch ends before an event that would take its payload past this
   /// many bytes (estimated: 256 + 9 per hash + 5 per token per event; an
   /// event larger than that goes alone). > 0.
   std::size_t max_batch_bytes = 128u << 10;
-  /// The memory one subscriber (PUB) or one replay client (ROUTER) may hold
-  /// queued in ZeroMQ: its high water mark is send_queue_bytes /
-  /// max_batch_bytes messages (512 by default; at least 1, 4 on the replay
-  /// socket). A subscriber that never reads costs at most this. > 0.
+  /// Sets the high water mark of one subscriber's (PUB) or one replay
+  /// client's (ROUTER) queue in ZeroMQ: send_queue_bytes / max_batch_bytes
+  /// messages (512 by default; at least 1, at least 4 on the replay socket;
+  /// at most send_high_water_mark on PUB). The mark counts messages, not
+  /// bytes: a subscriber that never reads holds that many batches, each of
+  /// at most max_batch_bytes of estimated payload, except a batch of one
+  /// event that alone exceeds max_batch_bytes (a long BlockStored), which
+  /// is as large as that event: up to 256 + 9 per hash + 5 per token plus
+  /// its lora name, and its hashes and tokens fit buffer_bytes (8 and 4
+  /// bytes each), so up to about 1.25 x buffer_bytes. The bound per
+  /// subscriber is therefore the mark x the largest batch, which is about
+  /// send_queue_bytes only while no event exceeds max_batch_bytes (plus
+  /// ZeroMQ's per-message overhead and the kernel's socket buffers). > 0.
   std::size_t send_queue_bytes = 64u << 20;
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
