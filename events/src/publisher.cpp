@@ -400,6 +400,10 @@ struct Publisher::Impl {
   std::uint16_t last_source = 0;
   std::size_t n_sources = 0;
   bool loss_marked = false;  // the last item appended is a loss marker
+  // A drop whose loss marker could not be appended (out of memory): the
+  // marker is appended before the next item that is, so the loss still
+  // makes a sequence gap exactly there.
+  bool loss_owed = false;
   // Published with release: every event before it is readable.
   std::atomic<std::uint64_t> accepted{0};
   // When the first event not yet taken arrived (steady clock, ns).
@@ -498,17 +502,26 @@ struct Publisher::Impl {
   // An event is dropped, under the producer lock: unless the last item is a
   // loss marker already, one is appended (past the buffer's bounds: at most
   // one per accepted event, plus one), so that the thread skips a sequence
-  // number exactly there and every subscriber sees a gap.
+  // number exactly there and every subscriber sees a gap. Out of memory the
+  // marker is owed, and appended before the next item (pay_loss_locked).
   void lose_locked() noexcept {
     drop();
     if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
     if (loss_marked || stop) return;
+    loss_owed = true;
+    (void)pay_loss_locked();
+  }
+  // Appends the loss marker owed (if any), under the producer lock; false
+  // when it is still owed (out of memory): the caller then appends nothing.
+  bool pay_loss_locked() noexcept {
+    if (!loss_owed) return true;
     EventHeader h;
     h.kind = EventHeader::loss;
-    if (append_locked(h, 0, 0, [](std::byte*) {})) {
-      loss_marked = true;
-      markers.fetch_add(1, std::memory_order_relaxed);
-    }
+    if (!append_locked(h, 0, 0, [](std::byte*) {})) return false;
+    loss_owed = false;
+    loss_marked = true;
+    markers.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
   void lose() noexcept {
     lock();
@@ -618,7 +631,7 @@ struct Publisher::Impl {
       return;
     }
     h.source = static_cast<std::uint16_t>(src);
-    if (!append_locked(h, lora, bytes, write)) {
+    if (!pay_loss_locked() || !append_locked(h, lora, bytes, write)) {
       lose_locked();
       unlock();
       return;
@@ -1375,7 +1388,7 @@ bool Publisher::resync(const std::function<void(CacheEventSink&)>& announce) {
   EventHeader h;
   h.kind = EventHeader::resync;
   h.parent = reinterpret_cast<std::uintptr_t>(fresh.get());
-  if (collector.failed || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
+  if (collector.failed || !m.pay_loss_locked() || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
     m.resync_wanted.store(true, std::memory_order_relaxed);
     return false;
   }
