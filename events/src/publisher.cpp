@@ -460,7 +460,7 @@ struct Publisher::Impl {
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
       bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0},
-      requests_refused{0}, answers_abandoned{0}, events_unsent{0};
+      requests_refused{0}, answers_abandoned{0}, events_unsent{0}, batches_not_kept{0};
   // Events of the last batches sent (at most a subscriber queue's worth),
   // the thread's until it is joined.
   std::deque<std::uint32_t> recent_batches;
@@ -702,22 +702,43 @@ struct Publisher::Impl {
       events_unsent.fetch_add(n_events, std::memory_order_relaxed);
     } else {
       // The last batches sent, as many as a subscriber's queue holds: what
-      // an exit's linger may still discard (close()).
+      // an exit's linger may still discard (close()). Out of memory, the
+      // events stay counted for good (over-reported, never hidden).
       recent_events += n_events;
-      recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      try {
+        recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      } catch (...) {
+      }
       if (recent_batches.size() > static_cast<std::size_t>(send_hwm())) {
         recent_events -= recent_batches.front();
         recent_batches.pop_front();
       }
     }
-    if (router) {
+    // From here the batch is published (sent or refused, its sequence used):
+    // a failure to keep it for replay must not reach publish_or_skip, which
+    // would count its events as dropped and skip another sequence number.
+    if (router) keep_for_replay(seq, body);
+  }
+
+  // Keeps a copy of a published batch in the replay ring. Out of memory it
+  // is not kept (counted): the ring is emptied too, so that it stays
+  // contiguous; a replay from before then gets a miss (its first seq later
+  // than asked), and the last snapshot is no longer served (its
+  // batches after it are gone).
+  void keep_for_replay(std::uint64_t seq, std::string_view body) noexcept {
+    try {
       ring.emplace_back(seq, std::make_shared<const std::string>(body));
-      ring_bytes += body.size();
-      while (!ring.empty() &&
-             (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
-        ring_bytes -= ring.front().second->size();
-        ring.pop_front();
-      }
+    } catch (...) {
+      ring.clear();
+      ring_bytes = 0;
+      batches_not_kept.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    ring_bytes += body.size();
+    while (!ring.empty() &&
+           (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
+      ring_bytes -= ring.front().second->size();
+      ring.pop_front();
     }
   }
 
@@ -1422,6 +1443,7 @@ PublisherStats Publisher::stats() const noexcept {
   s.requests_refused = m.requests_refused.load();
   s.events_unsent = m.events_unsent.load();
   s.answers_abandoned = m.answers_abandoned.load();
+  s.batches_not_kept = m.batches_not_kept.load();
   return s;
 }
 

@@ -126,6 +126,9 @@ struct PublisherStats {
   std::uint64_t answers_abandoned = 0;
   /// Events in the batches ZeroMQ refused (send_failures).
   std::uint64_t events_unsent = 0;
+  /// Batches published but not kept for replay (out of memory): the ring is
+  /// emptied then, so a replay from before gets a miss; nothing was lost live.
+  std::uint64_t batches_not_kept = 0;
 };
 
 /// What Publisher::close could not deliver.
