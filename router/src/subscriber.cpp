@@ -363,6 +363,15 @@ struct Subscriber::Impl {
     }
   }
 
+  // A message is queued on `s` (a recv would return one now).
+  static bool readable(zmq::socket_t& s) noexcept {
+    try {
+      return (s.get(zmq::sockopt::events) & ZMQ_POLLIN) != 0;
+    } catch (const zmq::error_t&) {
+      return false;
+    }
+  }
+
   // The work one poll() may still do.
   struct Budget {
     std::size_t messages = 0;
@@ -378,12 +387,14 @@ struct Subscriber::Impl {
     const std::uint64_t generation = inst.dealer_generation;
     std::vector<zmq::message_t> frames;
     while (true) {
-      if (budget.spent()) {
-        ++stats.budget_stops;
-        break;
-      }
       if (dealer && (!inst.dealer || inst.dealer_generation != generation)) break;
       zmq::socket_t& s = dealer ? *inst.dealer : inst.sub;
+      if (budget.spent()) {
+        // A stop only where the budget left work queued: a further recv
+        // would have returned a message (ZMQ_EVENTS says so without one).
+        if (readable(s)) ++stats.budget_stops;
+        break;
+      }
       std::size_t parts = 0, bytes = 0;
       try {
         if (!receive(s, frames, parts, bytes)) break;

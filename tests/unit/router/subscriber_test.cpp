@@ -761,16 +761,38 @@ TEST(SubscriberHostile, PollDoesAtMostItsBudget) {
   RouterIndex index(index_options());
   SubscriberOptions o;
   o.max_poll_messages = 10;
+  // Only the message budget stops a poll here (not a loaded machine's clock).
+  o.poll_work_budget = std::chrono::hours(1);
   Subscriber sub(index, o);
   sub.add_instance(0, fake.endpoints(), Clock::now());
   join(fake, sub, index);
-  for (std::uint64_t seq = 1; seq <= 200; ++seq)
+  const std::uint64_t stops0 = sub.stats().budget_stops;
+  // Exactly one budget's worth: however the polls split it, a budget spent
+  // by the last message queued left nothing, and is no stop.
+  for (std::uint64_t seq = 1; seq <= 10; ++seq)
     fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
-  const auto deadline = Clock::now() + scaled(5s);
-  while (index.status(0).last_seq != 200u && Clock::now() < deadline)
+  auto deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 10u && Clock::now() < deadline)
     ASSERT_LE(sub.poll(5ms), 10u);
+  ASSERT_EQ(index.status(0).last_seq, 10u);
+  EXPECT_EQ(sub.stats().budget_stops, stops0);
+  // Far more than a budget: some poll does exactly its budget and stops
+  // with messages still queued, which later polls take.
+  for (std::uint64_t seq = 11; seq <= 200; ++seq)
+    fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
+  bool cut = false;
+  deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 200u && Clock::now() < deadline) {
+    const std::uint64_t stops = sub.stats().budget_stops;
+    const std::size_t handled = sub.poll(5ms);
+    ASSERT_LE(handled, 10u);
+    if (sub.stats().budget_stops != stops) {
+      EXPECT_EQ(handled, 10u) << "a stop only where the budget was spent";
+      if (index.status(0).last_seq != 200u) cut = true;
+    }
+  }
   EXPECT_EQ(index.status(0).last_seq, 200u);
-  EXPECT_GT(sub.stats().budget_stops, 0u);
+  EXPECT_TRUE(cut) << "the budget cut a poll short with work left";
 }
 
 // A frame larger than max_message_bytes is never read: ZeroMQ drops the

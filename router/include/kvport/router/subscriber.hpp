@@ -121,7 +121,9 @@ struct SubscriberStats {
   /// frames past the fourth were read and discarded, never held.
   std::uint64_t too_many_parts = 0;
   /// Times a poll() stopped receiving from a socket because its work budget
-  /// (messages, bytes or time) was spent; the rest waits for the next call.
+  /// (messages, bytes or time) was spent while a message was still queued
+  /// there; the rest waits for the next call. A budget spent exactly by the
+  /// last queued message is no stop.
   std::uint64_t budget_stops = 0;
 };
 
