@@ -832,7 +832,9 @@ TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
   EXPECT_EQ(sub.stats().messages, messages) << "the large frame was never received";
   // ZeroMQ does not reconnect after a protocol error: the instance is
   // silent from here (expired by instance_timeout, docs/reliability.md).
-  for (int k = 0; k < 40; ++k) {  // past ZeroMQ's reconnect interval (100 ms)
+  // Past ZeroMQ's reconnect interval (100 ms), scaled for slow machines.
+  const auto quiet_until = Clock::now() + scaled(400ms);
+  for (int k = 0; k < 40 || Clock::now() < quiet_until; ++k) {
     fake.send(batch(2, {stored({12})}, 3.0));
     sub.poll(10ms);
   }
