@@ -1275,43 +1275,90 @@ CloseReport Publisher::close(std::chrono::milliseconds timeout) noexcept {
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.lose();
-  EventHeader h;
-  h.kind = EventHeader::store;
-  h.block_size = blocks.block_size;
-  h.n_hashes = static_cast<std::uint32_t>(blocks.hashes.size());
-  h.n_tokens = static_cast<std::uint32_t>(blocks.tokens.size());
-  if (blocks.parent) {
-    h.has_parent = 1;
-    h.parent = event_hash(*blocks.parent);
-  }
-  const std::size_t lora = blocks.lora_name ? blocks.lora_name->size() : 0;
-  if (blocks.lora_name) h.lora_len = static_cast<std::uint32_t>(lora + 1);
-  m.push(h, lora, source, [&](std::byte* p) {
-    for (const BlockHash& bh : blocks.hashes) {
-      const std::uint64_t v = event_hash(bh);
-      std::memcpy(p, &v, 8);
-      p += 8;
+  const auto store_one = [&m, &source](const BlockStoredView& v) noexcept {
+    if (m.surely_full()) return m.lose();
+    EventHeader h;
+    h.kind = EventHeader::store;
+    h.block_size = v.block_size;
+    h.n_hashes = static_cast<std::uint32_t>(v.hashes.size());
+    h.n_tokens = static_cast<std::uint32_t>(v.tokens.size());
+    if (v.parent) {
+      h.has_parent = 1;
+      h.parent = event_hash(*v.parent);
     }
-    if (!blocks.tokens.empty()) std::memcpy(p, blocks.tokens.data(), 4 * blocks.tokens.size());
-    p += round8(4 * blocks.tokens.size());
-    if (lora != 0) std::memcpy(p, blocks.lora_name->data(), lora);
-  });
+    const std::size_t lora = v.lora_name ? v.lora_name->size() : 0;
+    if (v.lora_name) h.lora_len = static_cast<std::uint32_t>(lora + 1);
+    m.push(h, lora, source, [&](std::byte* p) {
+      for (const BlockHash& bh : v.hashes) {
+        const std::uint64_t x = event_hash(bh);
+        std::memcpy(p, &x, 8);
+        p += 8;
+      }
+      if (!v.tokens.empty()) std::memcpy(p, v.tokens.data(), 4 * v.tokens.size());
+      p += round8(4 * v.tokens.size());
+      if (lora != 0) std::memcpy(p, v.lora_name->data(), lora);
+    });
+  };
+  // An event whose encoding could pass max_batch_bytes is split into chained
+  // events (each piece's parent the previous piece's last hash, its tokens
+  // the matching slice), so that every batch stays within the bound: a
+  // router applies the pieces as it would the whole. Only a single block
+  // larger than the bound still goes alone.
+  const std::size_t n = blocks.hashes.size();
+  const std::size_t lora = blocks.lora_name ? blocks.lora_name->size() : 0;
+  const bool sliceable =
+      blocks.tokens.empty() ||
+      (blocks.block_size != 0 && blocks.tokens.size() == n * std::size_t{blocks.block_size});
+  if (n > 1 && sliceable && encoded_bound(n, blocks.tokens.size(), lora) > m.opt.max_batch_bytes) {
+    const std::size_t tokens_per_block = blocks.tokens.empty() ? 0 : blocks.block_size;
+    const std::size_t fixed = encoded_bound(0, 0, lora);
+    const std::size_t per_block = encoded_bound(1, tokens_per_block, 0) - encoded_bound(0, 0, 0);
+    const std::size_t per_piece =
+        m.opt.max_batch_bytes > fixed
+            ? std::max<std::size_t>(1, (m.opt.max_batch_bytes - fixed) / per_block)
+            : 1;
+    for (std::size_t i = 0; i < n; i += per_piece) {
+      const std::size_t k = std::min(per_piece, n - i);
+      BlockStoredView piece = blocks;
+      piece.hashes = blocks.hashes.subspan(i, k);
+      if (i != 0) piece.parent = blocks.hashes[i - 1];
+      if (tokens_per_block != 0)
+        piece.tokens = blocks.tokens.subspan(i * tokens_per_block, k * tokens_per_block);
+      store_one(piece);
+    }
+    return;
+  }
+  store_one(blocks);
 }
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.lose();
-  EventHeader h;
-  h.kind = EventHeader::remove;
-  h.n_hashes = static_cast<std::uint32_t>(hashes.size());
-  m.push(h, 0, source, [&](std::byte* p) {
-    for (const BlockHash& bh : hashes) {
-      const std::uint64_t v = event_hash(bh);
-      std::memcpy(p, &v, 8);
-      p += 8;
-    }
-  });
+  const auto remove_one = [&m, &source](std::span<const BlockHash> some) noexcept {
+    if (m.surely_full()) return m.lose();
+    EventHeader h;
+    h.kind = EventHeader::remove;
+    h.n_hashes = static_cast<std::uint32_t>(some.size());
+    m.push(h, 0, source, [&](std::byte* p) {
+      for (const BlockHash& bh : some) {
+        const std::uint64_t v = event_hash(bh);
+        std::memcpy(p, &v, 8);
+        p += 8;
+      }
+    });
+  };
+  // As stored(): split so that every batch stays within max_batch_bytes.
+  if (hashes.size() > 1 && encoded_bound(hashes.size(), 0, 0) > m.opt.max_batch_bytes) {
+    const std::size_t fixed = encoded_bound(0, 0, 0);
+    const std::size_t per_piece =
+        m.opt.max_batch_bytes > fixed
+            ? std::max<std::size_t>(
+                  1, (m.opt.max_batch_bytes - fixed) / (encoded_bound(1, 0, 0) - fixed))
+            : 1;
+    for (std::size_t i = 0; i < hashes.size(); i += per_piece)
+      remove_one(hashes.subspan(i, std::min(per_piece, hashes.size() - i)));
+    return;
+  }
+  remove_one(hashes);
 }
 
 void Publisher::cleared(const EventSource& source) noexcept {

@@ -291,6 +291,49 @@ TEST(SubscriberPublisher, SlowJoinerGapReplayedIndexEqualsPublisherSet) {
   EXPECT_EQ(index.status(0).last_seq, pub.stats().next_seq - 1);
 }
 
+// A store (or removal) larger than max_batch_bytes goes as chained pieces,
+// every batch within the bound (a subscriber refusing larger frames reads
+// them all): the index built from them equals one built from whole events.
+TEST(SubscriberPublisher, OversizedEventsSplitIntoPiecesIndexAsTheWhole) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  events::PublisherOptions split_options = publisher_options();
+  split_options.max_batch_bytes = 4096;
+  events::Publisher split(split_options);
+  events::Publisher whole(publisher_options());
+  const auto follow = [](events::Publisher& pub, Subscriber& sub) {
+    sub.add_instance(0, {pub.endpoint(), pub.replay_endpoint()}, Clock::now());
+    std::uint64_t k = 0;
+    for (; k < 200 && sub.stats().messages == 0; ++k) {
+      store(pub, 100'000 + k, 1);
+      ASSERT_TRUE(pub.flush(scaled(2s)));
+      sub.poll(10ms);
+    }
+    ASSERT_GT(sub.stats().messages, 0u);
+    const auto joined = hashes(100'000, k);
+    pub.removed(on(Medium::gpu), joined);
+    store(pub, 1, 200);                   // 256 + 9 x 200 + 5 x 3200 bytes: 5 pieces of 43
+    store(pub, 1000, 500);                // a second chain
+    const auto gone = hashes(1000, 450);  // 256 + 9 x 450 bytes: 2 pieces
+    pub.removed(on(Medium::gpu), gone);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+    ASSERT_TRUE(sub.wait_for(0, pub.stats().next_seq, scaled(3s)));
+  };
+  RouterIndex split_index(index_options());
+  RouterIndex whole_index(index_options());
+  SubscriberOptions strict;
+  strict.max_message_bytes = 4096 + 256;  // the batch's own keys besides its events
+  Subscriber split_sub(split_index, strict);
+  Subscriber whole_sub(whole_index);
+  follow(split, split_sub);
+  follow(whole, whole_sub);
+  EXPECT_EQ(split_index.blocks_of(0).size(), 250u);
+  EXPECT_EQ(split_index.blocks_of(0), whole_index.blocks_of(0));
+  EXPECT_EQ(split_index.blocks_of(0), publisher_set(split.replay_endpoint()));
+  EXPECT_EQ(split_sub.stats().malformed, 0u);
+  EXPECT_EQ(split_sub.stats().sub_reopens, 0u) << "a frame past the bound cut the SUB";
+  EXPECT_EQ(split.stats().events_dropped, 0u);
+}
+
 TEST(SubscriberPublisher, LossAtTheTailReplayedByWaitFor) {
   SKIP_SOCKET_TIMING_UNDER_TSAN();
   events::Publisher pub(publisher_options());

@@ -54,22 +54,27 @@ struct PublisherOptions {
   /// The byte bound below usually sets a lower mark.
   int send_high_water_mark = 100'000;
   /// A batch ends before an event that would take its payload past this
-  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event; an
-  /// event larger than that goes alone). > 0.
+  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event). A
+  /// larger BlockStored is split into chained events (each piece's parent
+  /// the previous piece's last hash, its tokens the matching slice; each
+  /// piece counts as an event), a larger BlockRemoved into several, so
+  /// that every batch stays within this; only a single block larger than
+  /// this (a huge block_size), or a store whose tokens are not block_size
+  /// per hash, goes alone, as large as it is. > 0.
   std::size_t max_batch_bytes = 128u << 10;
   /// Sets the high water mark of one subscriber's (PUB) or one replay
   /// client's (ROUTER) queue in ZeroMQ: send_queue_bytes / max_batch_bytes
   /// messages (512 by default; at least 1, at least 4 on the replay socket;
   /// at most send_high_water_mark on PUB). The mark counts messages, not
   /// bytes: a subscriber that never reads holds that many batches, each of
-  /// at most max_batch_bytes of estimated payload, except a batch of one
-  /// event that alone exceeds max_batch_bytes (a long BlockStored), which
-  /// is as large as that event: up to 256 + 9 per hash + 5 per token plus
-  /// its lora name, and its hashes and tokens fit buffer_bytes (8 and 4
-  /// bytes each), so up to about 1.25 x buffer_bytes. The bound per
-  /// subscriber is therefore the mark x the largest batch, which is about
-  /// send_queue_bytes only while no event exceeds max_batch_bytes (plus
-  /// ZeroMQ's per-message overhead and the kernel's socket buffers). > 0.
+  /// at most max_batch_bytes of estimated payload (long events are split,
+  /// above), so about send_queue_bytes, plus ZeroMQ's per-message overhead
+  /// and the kernel's socket buffers. The exception is an event that cannot
+  /// be split (one block past max_batch_bytes, or tokens not block_size per
+  /// hash): its batch is as large as it, up to 256 + 9 per hash + 5 per
+  /// token plus its lora name, about 1.25 x buffer_bytes at most (its
+  /// hashes and tokens fit the buffer, 8 and 4 bytes each); a stream of
+  /// those makes the bound the mark times that size. > 0.
   std::size_t send_queue_bytes = 64u << 20;
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
