@@ -400,6 +400,10 @@ struct Publisher::Impl {
   std::uint16_t last_source = 0;
   std::size_t n_sources = 0;
   bool loss_marked = false;  // the last item appended is a loss marker
+  // A drop whose loss marker could not be appended (out of memory): the
+  // marker is appended before the next item that is, so the loss still
+  // makes a sequence gap exactly there.
+  bool loss_owed = false;
   // Published with release: every event before it is readable.
   std::atomic<std::uint64_t> accepted{0};
   // When the first event not yet taken arrived (steady clock, ns).
@@ -456,7 +460,7 @@ struct Publisher::Impl {
 
   std::atomic<std::uint64_t> lost{0}, sent{0}, send_failures{0}, replays{0}, snapshots{0},
       bad_requests{0}, next_seq{0}, loss_gaps{0}, resyncs{0}, snapshots_unavailable{0},
-      requests_refused{0}, answers_abandoned{0}, events_unsent{0};
+      requests_refused{0}, answers_abandoned{0}, events_unsent{0}, batches_not_kept{0};
   // Events of the last batches sent (at most a subscriber queue's worth),
   // the thread's until it is joined.
   std::deque<std::uint32_t> recent_batches;
@@ -498,17 +502,26 @@ struct Publisher::Impl {
   // An event is dropped, under the producer lock: unless the last item is a
   // loss marker already, one is appended (past the buffer's bounds: at most
   // one per accepted event, plus one), so that the thread skips a sequence
-  // number exactly there and every subscriber sees a gap.
+  // number exactly there and every subscriber sees a gap. Out of memory the
+  // marker is owed, and appended before the next item (pay_loss_locked).
   void lose_locked() noexcept {
     drop();
     if (keeps_set) resync_wanted.store(true, std::memory_order_relaxed);
     if (loss_marked || stop) return;
+    loss_owed = true;
+    (void)pay_loss_locked();
+  }
+  // Appends the loss marker owed (if any), under the producer lock; false
+  // when it is still owed (out of memory): the caller then appends nothing.
+  bool pay_loss_locked() noexcept {
+    if (!loss_owed) return true;
     EventHeader h;
     h.kind = EventHeader::loss;
-    if (append_locked(h, 0, 0, [](std::byte*) {})) {
-      loss_marked = true;
-      markers.fetch_add(1, std::memory_order_relaxed);
-    }
+    if (!append_locked(h, 0, 0, [](std::byte*) {})) return false;
+    loss_owed = false;
+    loss_marked = true;
+    markers.fetch_add(1, std::memory_order_relaxed);
+    return true;
   }
   void lose() noexcept {
     lock();
@@ -618,7 +631,7 @@ struct Publisher::Impl {
       return;
     }
     h.source = static_cast<std::uint16_t>(src);
-    if (!append_locked(h, lora, bytes, write)) {
+    if (!pay_loss_locked() || !append_locked(h, lora, bytes, write)) {
       lose_locked();
       unlock();
       return;
@@ -689,22 +702,43 @@ struct Publisher::Impl {
       events_unsent.fetch_add(n_events, std::memory_order_relaxed);
     } else {
       // The last batches sent, as many as a subscriber's queue holds: what
-      // an exit's linger may still discard (close()).
+      // an exit's linger may still discard (close()). Out of memory, the
+      // events stay counted for good (over-reported, never hidden).
       recent_events += n_events;
-      recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      try {
+        recent_batches.push_back(static_cast<std::uint32_t>(n_events));
+      } catch (...) {
+      }
       if (recent_batches.size() > static_cast<std::size_t>(send_hwm())) {
         recent_events -= recent_batches.front();
         recent_batches.pop_front();
       }
     }
-    if (router) {
+    // From here the batch is published (sent or refused, its sequence used):
+    // a failure to keep it for replay must not reach publish_or_skip, which
+    // would count its events as dropped and skip another sequence number.
+    if (router) keep_for_replay(seq, body);
+  }
+
+  // Keeps a copy of a published batch in the replay ring. Out of memory it
+  // is not kept (counted): the ring is emptied too, so that it stays
+  // contiguous; a replay from before then gets a miss (its first seq later
+  // than asked), and the last snapshot is no longer served (its
+  // batches after it are gone).
+  void keep_for_replay(std::uint64_t seq, std::string_view body) noexcept {
+    try {
       ring.emplace_back(seq, std::make_shared<const std::string>(body));
-      ring_bytes += body.size();
-      while (!ring.empty() &&
-             (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
-        ring_bytes -= ring.front().second->size();
-        ring.pop_front();
-      }
+    } catch (...) {
+      ring.clear();
+      ring_bytes = 0;
+      batches_not_kept.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    ring_bytes += body.size();
+    while (!ring.empty() &&
+           (ring.size() > opt.replay_ring_batches || ring_bytes > opt.replay_ring_bytes)) {
+      ring_bytes -= ring.front().second->size();
+      ring.pop_front();
     }
   }
 
@@ -1217,13 +1251,20 @@ CloseReport Publisher::close(std::chrono::milliseconds timeout) noexcept {
     if (m.router) m.router->set(zmq::sockopt::linger, 0);  // answers in flight: not waited for
   } catch (const zmq::error_t&) {  // the option stays as bound: options.linger
   }
+  // Taken before the close: ZeroMQ starts the linger timer when its reaper
+  // processes the close, which may be before any later timestamp.
+  const auto before_close = std::chrono::steady_clock::now();
   m.pub.close();
   if (m.router) m.router->close();
-  const auto before_term = std::chrono::steady_clock::now();
   m.ctx.close();  // returns once every queued message is sent, or at the linger
-  // Returned before the linger ran out: ZeroMQ had nothing left to discard.
-  r.drained = m.sent.load() == 0 ||
-              std::chrono::steady_clock::now() - before_term < std::chrono::milliseconds(linger);
+  // Returned clearly before the linger could have run out: ZeroMQ had nothing
+  // left to discard. The slack makes a return near the linger count as
+  // possibly discarded (over-reporting a loss is safe, hiding one is not).
+  const auto linger_d = std::chrono::milliseconds(linger);
+  const auto slack =
+      std::max<std::chrono::steady_clock::duration>(std::chrono::milliseconds(10), linger_d / 10);
+  r.drained =
+      m.sent.load() == 0 || std::chrono::steady_clock::now() - before_close + slack < linger_d;
   const PublisherStats st = stats();
   r.events_dropped = st.events_dropped;
   r.events_unsent = st.events_unsent;
@@ -1234,43 +1275,90 @@ CloseReport Publisher::close(std::chrono::milliseconds timeout) noexcept {
 
 void Publisher::stored(const EventSource& source, const BlockStoredView& blocks) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.lose();
-  EventHeader h;
-  h.kind = EventHeader::store;
-  h.block_size = blocks.block_size;
-  h.n_hashes = static_cast<std::uint32_t>(blocks.hashes.size());
-  h.n_tokens = static_cast<std::uint32_t>(blocks.tokens.size());
-  if (blocks.parent) {
-    h.has_parent = 1;
-    h.parent = event_hash(*blocks.parent);
-  }
-  const std::size_t lora = blocks.lora_name ? blocks.lora_name->size() : 0;
-  if (blocks.lora_name) h.lora_len = static_cast<std::uint32_t>(lora + 1);
-  m.push(h, lora, source, [&](std::byte* p) {
-    for (const BlockHash& bh : blocks.hashes) {
-      const std::uint64_t v = event_hash(bh);
-      std::memcpy(p, &v, 8);
-      p += 8;
+  const auto store_one = [&m, &source](const BlockStoredView& v) noexcept {
+    if (m.surely_full()) return m.lose();
+    EventHeader h;
+    h.kind = EventHeader::store;
+    h.block_size = v.block_size;
+    h.n_hashes = static_cast<std::uint32_t>(v.hashes.size());
+    h.n_tokens = static_cast<std::uint32_t>(v.tokens.size());
+    if (v.parent) {
+      h.has_parent = 1;
+      h.parent = event_hash(*v.parent);
     }
-    if (!blocks.tokens.empty()) std::memcpy(p, blocks.tokens.data(), 4 * blocks.tokens.size());
-    p += round8(4 * blocks.tokens.size());
-    if (lora != 0) std::memcpy(p, blocks.lora_name->data(), lora);
-  });
+    const std::size_t lora = v.lora_name ? v.lora_name->size() : 0;
+    if (v.lora_name) h.lora_len = static_cast<std::uint32_t>(lora + 1);
+    m.push(h, lora, source, [&](std::byte* p) {
+      for (const BlockHash& bh : v.hashes) {
+        const std::uint64_t x = event_hash(bh);
+        std::memcpy(p, &x, 8);
+        p += 8;
+      }
+      if (!v.tokens.empty()) std::memcpy(p, v.tokens.data(), 4 * v.tokens.size());
+      p += round8(4 * v.tokens.size());
+      if (lora != 0) std::memcpy(p, v.lora_name->data(), lora);
+    });
+  };
+  // An event whose encoding could pass max_batch_bytes is split into chained
+  // events (each piece's parent the previous piece's last hash, its tokens
+  // the matching slice), so that every batch stays within the bound: a
+  // router applies the pieces as it would the whole. Only a single block
+  // larger than the bound still goes alone.
+  const std::size_t n = blocks.hashes.size();
+  const std::size_t lora = blocks.lora_name ? blocks.lora_name->size() : 0;
+  const bool sliceable =
+      blocks.tokens.empty() ||
+      (blocks.block_size != 0 && blocks.tokens.size() == n * std::size_t{blocks.block_size});
+  if (n > 1 && sliceable && encoded_bound(n, blocks.tokens.size(), lora) > m.opt.max_batch_bytes) {
+    const std::size_t tokens_per_block = blocks.tokens.empty() ? 0 : blocks.block_size;
+    const std::size_t fixed = encoded_bound(0, 0, lora);
+    const std::size_t per_block = encoded_bound(1, tokens_per_block, 0) - encoded_bound(0, 0, 0);
+    const std::size_t per_piece =
+        m.opt.max_batch_bytes > fixed
+            ? std::max<std::size_t>(1, (m.opt.max_batch_bytes - fixed) / per_block)
+            : 1;
+    for (std::size_t i = 0; i < n; i += per_piece) {
+      const std::size_t k = std::min(per_piece, n - i);
+      BlockStoredView piece = blocks;
+      piece.hashes = blocks.hashes.subspan(i, k);
+      if (i != 0) piece.parent = blocks.hashes[i - 1];
+      if (tokens_per_block != 0)
+        piece.tokens = blocks.tokens.subspan(i * tokens_per_block, k * tokens_per_block);
+      store_one(piece);
+    }
+    return;
+  }
+  store_one(blocks);
 }
 
 void Publisher::removed(const EventSource& source, std::span<const BlockHash> hashes) noexcept {
   Impl& m = *impl_;
-  if (m.surely_full()) return m.lose();
-  EventHeader h;
-  h.kind = EventHeader::remove;
-  h.n_hashes = static_cast<std::uint32_t>(hashes.size());
-  m.push(h, 0, source, [&](std::byte* p) {
-    for (const BlockHash& bh : hashes) {
-      const std::uint64_t v = event_hash(bh);
-      std::memcpy(p, &v, 8);
-      p += 8;
-    }
-  });
+  const auto remove_one = [&m, &source](std::span<const BlockHash> some) noexcept {
+    if (m.surely_full()) return m.lose();
+    EventHeader h;
+    h.kind = EventHeader::remove;
+    h.n_hashes = static_cast<std::uint32_t>(some.size());
+    m.push(h, 0, source, [&](std::byte* p) {
+      for (const BlockHash& bh : some) {
+        const std::uint64_t v = event_hash(bh);
+        std::memcpy(p, &v, 8);
+        p += 8;
+      }
+    });
+  };
+  // As stored(): split so that every batch stays within max_batch_bytes.
+  if (hashes.size() > 1 && encoded_bound(hashes.size(), 0, 0) > m.opt.max_batch_bytes) {
+    const std::size_t fixed = encoded_bound(0, 0, 0);
+    const std::size_t per_piece =
+        m.opt.max_batch_bytes > fixed
+            ? std::max<std::size_t>(
+                  1, (m.opt.max_batch_bytes - fixed) / (encoded_bound(1, 0, 0) - fixed))
+            : 1;
+    for (std::size_t i = 0; i < hashes.size(); i += per_piece)
+      remove_one(hashes.subspan(i, std::min(per_piece, hashes.size() - i)));
+    return;
+  }
+  remove_one(hashes);
 }
 
 void Publisher::cleared(const EventSource& source) noexcept {
@@ -1368,7 +1456,7 @@ bool Publisher::resync(const std::function<void(CacheEventSink&)>& announce) {
   EventHeader h;
   h.kind = EventHeader::resync;
   h.parent = reinterpret_cast<std::uintptr_t>(fresh.get());
-  if (collector.failed || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
+  if (collector.failed || !m.pay_loss_locked() || !m.append_locked(h, 0, 0, [](std::byte*) {})) {
     m.resync_wanted.store(true, std::memory_order_relaxed);
     return false;
   }
@@ -1402,6 +1490,7 @@ PublisherStats Publisher::stats() const noexcept {
   s.requests_refused = m.requests_refused.load();
   s.events_unsent = m.events_unsent.load();
   s.answers_abandoned = m.answers_abandoned.load();
+  s.batches_not_kept = m.batches_not_kept.load();
   return s;
 }
 

@@ -291,6 +291,49 @@ TEST(SubscriberPublisher, SlowJoinerGapReplayedIndexEqualsPublisherSet) {
   EXPECT_EQ(index.status(0).last_seq, pub.stats().next_seq - 1);
 }
 
+// A store (or removal) larger than max_batch_bytes goes as chained pieces,
+// every batch within the bound (a subscriber refusing larger frames reads
+// them all): the index built from them equals one built from whole events.
+TEST(SubscriberPublisher, OversizedEventsSplitIntoPiecesIndexAsTheWhole) {
+  SKIP_SOCKET_TIMING_UNDER_TSAN();
+  events::PublisherOptions split_options = publisher_options();
+  split_options.max_batch_bytes = 4096;
+  events::Publisher split(split_options);
+  events::Publisher whole(publisher_options());
+  const auto follow = [](events::Publisher& pub, Subscriber& sub) {
+    sub.add_instance(0, {pub.endpoint(), pub.replay_endpoint()}, Clock::now());
+    std::uint64_t k = 0;
+    for (; k < 200 && sub.stats().messages == 0; ++k) {
+      store(pub, 100'000 + k, 1);
+      ASSERT_TRUE(pub.flush(scaled(2s)));
+      sub.poll(10ms);
+    }
+    ASSERT_GT(sub.stats().messages, 0u);
+    const auto joined = hashes(100'000, k);
+    pub.removed(on(Medium::gpu), joined);
+    store(pub, 1, 200);                   // 256 + 9 x 200 + 5 x 3200 bytes: 5 pieces of 43
+    store(pub, 1000, 500);                // a second chain
+    const auto gone = hashes(1000, 450);  // 256 + 9 x 450 bytes: 2 pieces
+    pub.removed(on(Medium::gpu), gone);
+    ASSERT_TRUE(pub.flush(scaled(2s)));
+    ASSERT_TRUE(sub.wait_for(0, pub.stats().next_seq, scaled(3s)));
+  };
+  RouterIndex split_index(index_options());
+  RouterIndex whole_index(index_options());
+  SubscriberOptions strict;
+  strict.max_message_bytes = 4096 + 256;  // the batch's own keys besides its events
+  Subscriber split_sub(split_index, strict);
+  Subscriber whole_sub(whole_index);
+  follow(split, split_sub);
+  follow(whole, whole_sub);
+  EXPECT_EQ(split_index.blocks_of(0).size(), 250u);
+  EXPECT_EQ(split_index.blocks_of(0), whole_index.blocks_of(0));
+  EXPECT_EQ(split_index.blocks_of(0), publisher_set(split.replay_endpoint()));
+  EXPECT_EQ(split_sub.stats().malformed, 0u);
+  EXPECT_EQ(split_sub.stats().sub_reopens, 0u) << "a frame past the bound cut the SUB";
+  EXPECT_EQ(split.stats().events_dropped, 0u);
+}
+
 TEST(SubscriberPublisher, LossAtTheTailReplayedByWaitFor) {
   SKIP_SOCKET_TIMING_UNDER_TSAN();
   events::Publisher pub(publisher_options());
@@ -761,21 +804,44 @@ TEST(SubscriberHostile, PollDoesAtMostItsBudget) {
   RouterIndex index(index_options());
   SubscriberOptions o;
   o.max_poll_messages = 10;
+  // Only the message budget stops a poll here (not a loaded machine's clock).
+  o.poll_work_budget = std::chrono::hours(1);
   Subscriber sub(index, o);
   sub.add_instance(0, fake.endpoints(), Clock::now());
   join(fake, sub, index);
-  for (std::uint64_t seq = 1; seq <= 200; ++seq)
+  const std::uint64_t stops0 = sub.stats().budget_stops;
+  // Exactly one budget's worth: however the polls split it, a budget spent
+  // by the last message queued left nothing, and is no stop.
+  for (std::uint64_t seq = 1; seq <= 10; ++seq)
     fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
-  const auto deadline = Clock::now() + scaled(5s);
-  while (index.status(0).last_seq != 200u && Clock::now() < deadline)
+  auto deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 10u && Clock::now() < deadline)
     ASSERT_LE(sub.poll(5ms), 10u);
+  ASSERT_EQ(index.status(0).last_seq, 10u);
+  EXPECT_EQ(sub.stats().budget_stops, stops0);
+  // Far more than a budget: some poll does exactly its budget and stops
+  // with messages still queued, which later polls take.
+  for (std::uint64_t seq = 11; seq <= 200; ++seq)
+    fake.send(batch(seq, {stored({1000 + seq})}, 1.0 + static_cast<double>(seq)));
+  bool cut = false;
+  deadline = Clock::now() + scaled(5s);
+  while (index.status(0).last_seq != 200u && Clock::now() < deadline) {
+    const std::uint64_t stops = sub.stats().budget_stops;
+    const std::size_t handled = sub.poll(5ms);
+    ASSERT_LE(handled, 10u);
+    if (sub.stats().budget_stops != stops) {
+      EXPECT_EQ(handled, 10u) << "a stop only where the budget was spent";
+      if (index.status(0).last_seq != 200u) cut = true;
+    }
+  }
   EXPECT_EQ(index.status(0).last_seq, 200u);
-  EXPECT_GT(sub.stats().budget_stops, 0u);
+  EXPECT_TRUE(cut) << "the budget cut a poll short with work left";
 }
 
 // A frame larger than max_message_bytes is never read: ZeroMQ drops the
 // connection that carries it (seen here on the publisher's side as a
-// disconnect) and, a protocol error, does not reconnect to that publisher.
+// disconnect) and, a protocol error, does not reconnect to that publisher;
+// the subscriber makes the SUB socket anew, and the stream resumes.
 TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
   SKIP_SOCKET_TIMING_UNDER_TSAN();
   FakePublisher fake;
@@ -808,15 +874,23 @@ TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
   }
   EXPECT_TRUE(disconnected) << "ZeroMQ refuses the frame by dropping the connection";
   EXPECT_EQ(sub.stats().messages, messages) << "the large frame was never received";
-  // ZeroMQ does not reconnect after a protocol error: the instance is
-  // silent from here (expired by instance_timeout, docs/reliability.md).
-  for (int k = 0; k < 40; ++k) {  // past ZeroMQ's reconnect interval (100 ms)
+  // ZeroMQ does not reconnect after a protocol error: nothing arrives until
+  // the subscriber, seeing a disconnect with no reconnect attempt, makes
+  // the SUB socket anew; then the stream comes again.
+  bool back = false;
+  const auto again = Clock::now() + scaled(10s);
+  while (!back && Clock::now() < again) {
     fake.send(batch(2, {stored({12})}, 3.0));
     sub.poll(10ms);
+    if (sub.stats().messages != messages) {
+      back = true;
+      EXPECT_GE(sub.stats().sub_reopens, 1u) << "received before the SUB was made anew";
+    }
   }
-  EXPECT_EQ(sub.stats().messages, messages);
+  EXPECT_TRUE(back) << "the instance stayed silent";
+  EXPECT_EQ(sub.stats().sub_reopens, 1u);
   EXPECT_EQ(sub.stats().malformed, 0u);
-  EXPECT_EQ(index.blocks_of(0), gpu({1}));
+  EXPECT_EQ(index.blocks_of(0), gpu({1})) << "batch 2 is held behind the gap at 1";
 }
 
 TEST(SubscriberFake, MalformedReplayAnswersAreCountedAndTheMissAsksASnapshot) {

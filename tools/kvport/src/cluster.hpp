@@ -118,9 +118,6 @@ inline double percentile(std::vector<double> v, double q) {
 /// sim::read_mooncake_trace.
 std::vector<sim::TraceRequest> read_trace(const std::string& path, std::size_t max_requests);
 
-/// The form named "map" or "positional". Throws InvalidArgument otherwise.
-events::EventForm event_form(const std::string& name);
-
 /// The instance process: reads its ops on stdin, writes its lines on `out`.
 /// Returns the exit code.
 int run_instance(const InstanceSpec& spec, std::ostream& out);

@@ -23,6 +23,7 @@
 #include "cache_options.hpp"
 #include "cluster.hpp"
 #include "command.hpp"
+#include "event_form.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/cli/cli.hpp"
 #include "kvport/cli/flag_values.hpp"
@@ -715,7 +716,7 @@ class ClusterCommand final : public Command {
     c.baseline = !no_baseline_;
     if (events_topic_.given()) c.events_topic = events_topic_.value;
     if (events_form_.given()) {
-      (void)cluster::event_form(events_form_.value);  // throws naming the flag
+      (void)event_form(events_form_.value);  // throws naming the flag
       c.events_form = events_form_.value;
     }
     // What validate() of one instance's replay would refuse, said once here.

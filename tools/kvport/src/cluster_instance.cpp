@@ -17,6 +17,7 @@
 
 #include "cluster.hpp"
 #include "disagg_line_input.hpp"
+#include "event_form.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/cache_events.hpp"
 #include "kvport/core/prefix_cache.hpp"
@@ -244,13 +245,6 @@ InstanceSpec InstanceSpec::from_json(const json& j) {
   if (j.contains("events_form")) s.events_form = field<std::string>(j, "events_form");
   (void)event_form(s.events_form);
   return s;
-}
-
-events::EventForm event_form(const std::string& name) {
-  if (name == "map") return events::EventForm::map;
-  if (name == "positional") return events::EventForm::positional;
-  throw InvalidArgument(
-      fmt::format("--events-form: unknown form '{}' (expected map or positional)", name));
 }
 
 json RouterSpec::to_json() const {

@@ -16,6 +16,7 @@
 
 #include "cache_options.hpp"
 #include "command.hpp"
+#include "event_form.hpp"
 #include "group_replay.hpp"
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/cli/cli.hpp"
@@ -343,16 +344,7 @@ class ReplayCommand final : public Command {
     po.endpoint = events_.value;
     if (events_replay_.given()) po.replay_endpoint = events_replay_.value;
     if (events_topic_.given()) po.topic = events_topic_.value;
-    if (events_form_.given()) {
-      if (events_form_.value == "map") {
-        po.form = events::EventForm::map;
-      } else if (events_form_.value == "positional") {
-        po.form = events::EventForm::positional;
-      } else {
-        throw InvalidArgument(fmt::format(
-            "--events-form: unknown form '{}' (expected map or positional)", events_form_.value));
-      }
-    }
+    if (events_form_.given()) po.form = event_form(events_form_.value);
     // The replay's caches and tiers emit on its one thread: no lock needed.
     po.single_producer = true;
     try {

@@ -48,17 +48,33 @@ struct PublisherOptions {
   /// Map-tagged events (vLLM since mid-2026) or the older positional arrays.
   EventForm form = EventForm::map;
   /// ZMQ_SNDHWM of the PUB socket, in messages, at most: past it a send is
-  /// refused (counted as a send failure, and a gap for that subscriber),
-  /// never waited for. The byte bound below usually sets a lower one.
+  /// refused (counted as a send failure), never waited for. The PUB socket
+  /// sets ZMQ_XPUB_NODROP, so one subscriber whose queue is full refuses the
+  /// send for every subscriber: the batch is a counted gap for all of them.
+  /// The byte bound below usually sets a lower mark.
   int send_high_water_mark = 100'000;
   /// A batch ends before an event that would take its payload past this
-  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event; an
-  /// event larger than that goes alone). > 0.
+  /// many bytes (estimated: 256 + 9 per hash + 5 per token per event). A
+  /// larger BlockStored is split into chained events (each piece's parent
+  /// the previous piece's last hash, its tokens the matching slice; each
+  /// piece counts as an event), a larger BlockRemoved into several, so
+  /// that every batch stays within this; only a single block larger than
+  /// this (a huge block_size), or a store whose tokens are not block_size
+  /// per hash, goes alone, as large as it is. > 0.
   std::size_t max_batch_bytes = 128u << 10;
-  /// The memory one subscriber (PUB) or one replay client (ROUTER) may hold
-  /// queued in ZeroMQ: its high water mark is send_queue_bytes /
-  /// max_batch_bytes messages (512 by default; at least 1, 4 on the replay
-  /// socket). A subscriber that never reads costs at most this. > 0.
+  /// Sets the high water mark of one subscriber's (PUB) or one replay
+  /// client's (ROUTER) queue in ZeroMQ: send_queue_bytes / max_batch_bytes
+  /// messages (512 by default; at least 1, at least 4 on the replay socket;
+  /// at most send_high_water_mark on PUB). The mark counts messages, not
+  /// bytes: a subscriber that never reads holds that many batches, each of
+  /// at most max_batch_bytes of estimated payload (long events are split,
+  /// above), so about send_queue_bytes, plus ZeroMQ's per-message overhead
+  /// and the kernel's socket buffers. The exception is an event that cannot
+  /// be split (one block past max_batch_bytes, or tokens not block_size per
+  /// hash): its batch is as large as it, up to 256 + 9 per hash + 5 per
+  /// token plus its lora name, about 1.25 x buffer_bytes at most (its
+  /// hashes and tokens fit the buffer, 8 and 4 bytes each); a stream of
+  /// those makes the bound the mark times that size. > 0.
   std::size_t send_queue_bytes = 64u << 20;
   /// The ROUTER socket for replay and snapshot requests; none when empty.
   std::string replay_endpoint;
@@ -115,6 +131,9 @@ struct PublisherStats {
   std::uint64_t answers_abandoned = 0;
   /// Events in the batches ZeroMQ refused (send_failures).
   std::uint64_t events_unsent = 0;
+  /// Batches published but not kept for replay (out of memory): the ring is
+  /// emptied then, so a replay from before gets a miss; nothing was lost live.
+  std::uint64_t batches_not_kept = 0;
 };
 
 /// What Publisher::close could not deliver.
@@ -122,7 +141,10 @@ struct CloseReport {
   /// Every event accepted before close() was published within its timeout.
   bool flushed = false;
   /// ZeroMQ sent every queued message before the linger ran out (or nothing
-  /// was ever sent).
+  /// was ever sent): the context ended, counted from before the socket's
+  /// close, with at least max(10 ms, linger / 10) of the linger left. A
+  /// return nearer the linger counts as not drained (a loss over-reported,
+  /// never hidden).
   bool drained = false;
   /// Events never published: the buffer was full (PublisherStats).
   std::uint64_t events_dropped = 0;

@@ -52,9 +52,13 @@ struct SubscriberOptions {
   /// poll() calls index.expire(now) (instance_timeout of the index).
   bool expire_silent = true;
   /// A live or replayed batch frame larger than this (> 0) is never read:
-  /// ZMQ_MAXMSGSIZE of the SUB socket (ZeroMQ drops the connection to the
-  /// publisher that sent it, and reconnects); counted as malformed and
-  /// skipped if it arrives through the DEALER.
+  /// ZMQ_MAXMSGSIZE of the SUB socket. ZeroMQ ends the connection to the
+  /// publisher that sent it and, a protocol error, does not reconnect; the
+  /// subscriber sees that (socket monitor: a disconnect with no reconnect
+  /// attempt) and makes the instance's SUB socket anew a second later
+  /// (SubscriberStats::sub_reopens); what was sent meanwhile is a gap,
+  /// replayed. Counted as malformed and skipped if it arrives through the
+  /// DEALER.
   std::size_t max_message_bytes = 16u << 20;
   /// The same for a snapshot answer (one frame holding every cached block:
   /// about 210 bytes a block in map form): ZMQ_MAXMSGSIZE of the DEALER.
@@ -121,8 +125,14 @@ struct SubscriberStats {
   /// frames past the fourth were read and discarded, never held.
   std::uint64_t too_many_parts = 0;
   /// Times a poll() stopped receiving from a socket because its work budget
-  /// (messages, bytes or time) was spent; the rest waits for the next call.
+  /// (messages, bytes or time) was spent while a message was still queued
+  /// there; the rest waits for the next call. A budget spent exactly by the
+  /// last queued message is no stop.
   std::uint64_t budget_stops = 0;
+  /// SUB sockets made anew: their connection ended without ZeroMQ trying
+  /// again (a protocol error: a frame over max_message_bytes, a failed
+  /// handshake), and stayed so for a second.
+  std::uint64_t sub_reopens = 0;
 };
 
 /// Connects a RouterIndex to the instances' publishers. Single-threaded: the
