@@ -136,14 +136,11 @@ class Backend {
   /// device on CUDA/HIP (not checked: the vendor reports a wrong pointer at
   /// the first copy or kernel), host memory a CPU may read on the host
   /// backend. Adopted ranges are process-wide: the range may not overlap a
-  /// live allocation or adopted range of ANY backend object of the same
-  /// memory space (host memory; one device), so two caches never share a
-  /// byte whichever backend objects they use (MemorySpaceRegistry). Pinned
-  /// host memory (alloc_host) is a staging buffer, not a cache's memory, and
-  /// is not in that map: adopting another backend object's pinned buffer is
-  /// not refused (this backend's own is: its tracker sees it). Cost: one
-  /// insertion into the backend's allocation map and one into the
-  /// process-wide map, each O(log n) under a lock. Throws InvalidArgument for
+  /// live allocation (alloc; pinned alloc_host buffers are staging, checked
+  /// by their own backend only) or adopted range of ANY backend object of the
+  /// same memory space (host memory; one device), so two caches never share
+  /// a byte whichever backend objects they use (MemorySpaceRegistry). Cost:
+  /// O(log n) insertions into two maps under locks. Throws InvalidArgument for
   /// a null base, 0 bytes, a range that wraps the address space, or one that
   /// overlaps such a range (the message names both ranges); InvalidArgument
   /// too on a backend that cannot adopt memory (a test decorator). Releasing
