@@ -180,6 +180,7 @@ class ReplayWorkload final : public Workload {
   }
 
   void arrive(Scheduler& scheduler) override {
+    if (options_.on_step) options_.on_step(progress(scheduler));
     if (feed_ != nullptr) {
       fed_.clear();
       next_known_ = feed_->arrivals(progress(scheduler), fed_);
@@ -395,6 +396,7 @@ class ReplayWorkload final : public Workload {
     p.waiting = scheduler.num_waiting();
     p.blocks_in_use = options_.capacity_blocks - prefix_.num_available_blocks();
     p.cached_blocks = prefix_.num_cached_blocks();
+    p.tier = tier_;
     p.completed = scheduler.stats().completed;
     p.rejected = scheduler.stats().rejected;
     p.prefix = &prefix_;

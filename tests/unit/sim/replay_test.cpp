@@ -346,6 +346,40 @@ TEST(sim_replay, EventsDescribeWhatTheCacheAndTheTierHold) {
   EXPECT_GT(sink.tokens_seen, 0u);  // stored blocks carry their tokens
 }
 
+// The step hook sees the replay's caches between two steps: a consumer that
+// lost its set mid-run (as a publisher that dropped events) rebuilds it there
+// from their snapshots, and ends with exactly what they hold.
+TEST(sim_replay, StepHookSeesTheCachesAndASetRebuiltThereStaysExact) {
+  const std::vector<TraceRequest> requests = cycling_requests(200, 40);
+  const auto backend = make_host_backend();
+  ReplayOptions options = cycling_options(32, 64);
+  SetSink sink;
+  options.event_sink = &sink;
+  std::size_t steps = 0, rebuilt = 0, without_caches = 0;
+  options.on_step = [&](const ReplayProgress& p) {
+    ++steps;
+    if (p.prefix == nullptr || p.tier == nullptr) {
+      ++without_caches;
+      return;
+    }
+    if (steps % 50 == 7) {  // everything forgotten, as after a drop, and rebuilt
+      for (auto& set : sink.sets)
+        set.clear();
+      p.prefix->snapshot(sink);
+      p.tier->snapshot(sink);
+      ++rebuilt;
+    }
+  };
+  const ReplayResult r = run_replay(requests, options, *backend);
+  ASSERT_TRUE(r.ok()) << r.invariants.to_string();
+  EXPECT_EQ(without_caches, 0u);
+  EXPECT_GT(rebuilt, 1u);
+  EXPECT_EQ(sink.unknown_removals, 0u);
+  EXPECT_EQ(sink.at_clear[static_cast<int>(Medium::gpu)], r.cached_blocks_at_end);
+  EXPECT_EQ(sink.at_clear[static_cast<int>(Medium::cpu)], r.host_blocks_at_end);
+  EXPECT_GT(r.host_blocks_at_end, 0u);
+}
+
 TEST(sim_replay, HostTierHitsWhatTheDeviceEvicted) {
   const std::vector<TraceRequest> requests = cycling_requests(200, 40);
   const auto backend = make_host_backend();

@@ -192,8 +192,9 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
     const events::PublisherStats& e = run.events->stats;
     out << fmt::format(
         "Events        {} published on {} in {} batches, {} dropped (buffer full), {} sends "
-        "refused\n",
-        e.events_accepted, run.events->endpoint, e.batches_sent, e.events_dropped, e.send_failures);
+        "refused\n              {} not delivered at most, {} sequence gaps for drops\n",
+        e.events_accepted, run.events->endpoint, e.batches_sent, e.events_dropped, e.send_failures,
+        run.events->close.not_delivered(), e.loss_gaps);
   }
   out << "Invariants    groups " << g.invariants.to_string() << "; all-full "
       << f.invariants.to_string() << '\n';
@@ -234,7 +235,10 @@ void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
                    {"accepted", e.events_accepted},
                    {"dropped", e.events_dropped},
                    {"batches_sent", e.batches_sent},
-                   {"send_failures", e.send_failures}};
+                   {"send_failures", e.send_failures},
+                   {"loss_gaps", e.loss_gaps},
+                   {"exit_drained", run.events->close.drained},
+                   {"not_delivered", run.events->close.not_delivered()}};
   }
   j["ok"] = run.groups.invariants.ok && run.all_full.invariants.ok;
   out << j.dump(2) << '\n';

@@ -29,6 +29,7 @@ struct GroupReplayRun {
   struct Events {
     std::string endpoint;
     events::PublisherStats stats;
+    events::CloseReport close;  ///< the bounded exit flush: what may not have been delivered
   };
   std::optional<Events> events;
 };

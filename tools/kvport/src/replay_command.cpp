@@ -230,7 +230,21 @@ class ReplayCommand final : public Command {
     // Bound before the trace is read, so that a bad endpoint is one line.
     std::optional<events::Publisher> publisher;
     bind_events(publisher);
-    if (publisher) options.event_sink = &*publisher;
+    if (publisher) {
+      options.event_sink = &*publisher;
+      // Events were dropped: snapshots wait until the caches re-announce
+      // their sets, here between two steps, on the replay's thread.
+      options.on_step = [&publisher, this](const sim::ReplayProgress& p) {
+        if (!publisher->needs_resync() || p.prefix == nullptr) return;
+        const PrefixCache& prefix = *p.prefix;
+        const HostTier* tier = p.tier;
+        const bool done = publisher->resync([&](CacheEventSink& sink) {
+          prefix.snapshot(sink);
+          if (tier != nullptr) tier->snapshot(sink);
+        });
+        if (!done) ++events_resync_failures_;
+      };
+    }
 
     const std::vector<TraceRequest> requests = sim::read_mooncake_trace(trace_.value);
 
@@ -415,8 +429,8 @@ class ReplayCommand final : public Command {
     if (publisher) o.event_sink = &*publisher;
     run_group_replay(run);
     if (publisher) {
-      (void)publisher->close(kEventsExitTimeout);  // bounded; its counts are in the stats
-      run.events = GroupReplayRun::Events{publisher->endpoint(), publisher->stats()};
+      const events::CloseReport closed = publisher->close(kEventsExitTimeout);  // bounded
+      run.events = GroupReplayRun::Events{publisher->endpoint(), publisher->stats(), closed};
     }
     if (json_) {
       print_group_replay_json(out, run);
@@ -567,14 +581,14 @@ class ReplayCommand final : public Command {
       out << fmt::format(
           "\nEvents      {} published on {} in {} batches, {} dropped (buffer full), {} sends "
           "refused\n            {} not delivered at most ({} in refused sends{}), {} sequence gaps "
-          "for drops\n",
+          "for drops, {} resyncs ({} failed)\n",
           events_stats_.events_accepted, events_endpoint_, events_stats_.batches_sent,
           events_stats_.events_dropped, events_stats_.send_failures, events_close_.not_delivered(),
           events_close_.events_unsent,
           events_close_.drained ? ""
                                 : fmt::format(", up to {} discarded at exit by a slow subscriber",
                                               events_close_.events_maybe_discarded),
-          events_stats_.loss_gaps);
+          events_stats_.loss_gaps, events_stats_.resyncs, events_resync_failures_);
     }
     out << "\nInvariants  " << r.invariants.to_string() << '\n';
     if (r.stopped_at_step != 0) out << "Stopped     at step " << r.stopped_at_step << '\n';
@@ -607,10 +621,11 @@ class ReplayCommand final : public Command {
     table.add_row(
         {"disk tier", fmt::format("{} blocks", disk_blocks_at_end_),
          fmt::format("on disk at the end ({} found at open); {} evictions, {} not admitted, {} "
-                     "already there, {} write failures, {} read failures, {} checksum failures, "
-                     "{} past the deadline, {} shortfalls",
+                     "already there, {} write failures, {} index failures, {} read failures, {} "
+                     "checksum failures, {} past the deadline, {} shortfalls",
                      d.recovered, d.evictions, d.not_admitted, d.already_stored, d.write_failures,
-                     d.read_failures, d.checksum_failures, d.timeouts, c.lower_tier_shortfalls)});
+                     d.index_failures, d.read_failures, d.checksum_failures, d.timeouts,
+                     c.lower_tier_shortfalls)});
   }
 
   nlohmann::ordered_json disk_json(const ReplayResult& r) const {
@@ -643,6 +658,7 @@ class ReplayCommand final : public Command {
     j["already_stored"] = d.already_stored;
     j["dropped_puts"] = d.dropped_puts;
     j["write_failures"] = d.write_failures;
+    j["index_failures"] = d.index_failures;
     j["read_failures"] = d.read_failures;
     j["checksum_failures"] = d.checksum_failures;
     j["timeouts"] = d.timeouts;
@@ -720,6 +736,8 @@ class ReplayCommand final : public Command {
                      {"batches_sent", events_stats_.batches_sent},
                      {"send_failures", events_stats_.send_failures},
                      {"loss_gaps", events_stats_.loss_gaps},
+                     {"resyncs", events_stats_.resyncs},
+                     {"resync_failures", events_resync_failures_},
                      {"exit_flushed", events_close_.flushed},
                      {"exit_drained", events_close_.drained},
                      {"unsent", events_close_.events_unsent},
@@ -743,6 +761,7 @@ class ReplayCommand final : public Command {
   std::size_t disk_blocks_at_end_ = 0;
   events::PublisherStats events_stats_;
   events::CloseReport events_close_;
+  std::uint64_t events_resync_failures_ = 0;  // resync() calls that could not rebuild the set
   std::string events_endpoint_;
   bool full_prefix_hits_ = false;
   CLI::App* app_ = nullptr;

@@ -73,6 +73,9 @@ struct ReplayProgress {
   /// The replay's prefix cache, as it is now (PrefixCache::snapshot gives
   /// what it holds, e.g. to compare with what its events announced).
   const PrefixCache* prefix = nullptr;
+  /// The replay's host tier (null without one): with the prefix cache, every
+  /// cache the replay's events come from (HostTier::snapshot).
+  const HostTier* tier = nullptr;
 };
 
 /// Where a replay's requests come from when they are not all known at the
@@ -168,6 +171,13 @@ struct ReplayOptions {
   /// will come; ReplayResult::requests counts those handed over. Must
   /// outlive run_replay.
   ArrivalFeed* feed = nullptr;
+
+  /// Called at the start of every step, on the replay's thread, with the
+  /// replay's state then (its prefix cache included), before that step's
+  /// arrivals: `kvport replay --events` re-announces the cache's set to its
+  /// publisher here after events were dropped (Publisher::resync). Null:
+  /// nothing. One call per step; what it throws ends run_replay.
+  std::function<void(const ReplayProgress&)> on_step;
 
   /// 2^22 blocks: the simulation keeps about 100 bytes of bookkeeping per
   /// block (refcount, free list, LRU entry, hash map entry).
