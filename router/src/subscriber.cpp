@@ -3,12 +3,10 @@
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <iterator>
 #include <map>
 #include <optional>
 #include <span>
-#include <string>
 #include <string_view>
 #include <thread>
 #include <utility>
@@ -81,11 +79,6 @@ struct Subscriber::Impl {
     InstanceId id = 0;
     InstanceEndpoints endpoints;
     zmq::socket_t sub;
-    // The SUB socket's monitor (connection events), and when its connection
-    // ended without ZeroMQ trying again (a protocol error: an oversized
-    // frame, a failed handshake): the SUB is then made anew (open_sub).
-    std::optional<zmq::socket_t> sub_monitor;
-    std::optional<Clock::time_point> sub_lost;
     std::optional<zmq::socket_t> dealer;
     std::uint64_t dealer_generation = 0;
     Request request;
@@ -106,12 +99,7 @@ struct Subscriber::Impl {
   SubscriberStats stats;
   zmq::context_t ctx{1};
   std::map<InstanceId, Instance> instances;
-  std::size_t rotation = 0;          // poll()'s first socket, rotating
-  std::uint64_t monitor_serial = 0;  // SUB monitors' inproc endpoints
-  // How long a SUB whose connection ended without a reconnect attempt is
-  // left before it is made anew (ZeroMQ's attempt follows a disconnect
-  // within its I/O thread's next turns; its first interval is 100 ms).
-  static constexpr std::chrono::milliseconds sub_reopen_grace{1000};
+  std::size_t rotation = 0;  // poll()'s first socket, rotating
 
   static std::int64_t max_frame(std::size_t bytes) noexcept {
     return static_cast<std::int64_t>(std::min<std::size_t>(bytes, INT64_MAX));
@@ -128,71 +116,6 @@ struct Subscriber::Impl {
     return it->second;
   }
 
-  // (Re)makes the SUB socket, with its monitor connected before the SUB
-  // connects (an inproc PAIR drops events sent before its peer is there).
-  void open_sub(Instance& inst) {
-    if (inst.sub_monitor) {
-      inst.sub.close();
-      inst.sub_monitor.reset();
-    }
-    inst.sub = zmq::socket_t(ctx, zmq::socket_type::sub);
-    inst.sub_lost.reset();
-    inst.sub.set(zmq::sockopt::linger, 0);
-    inst.sub.set(zmq::sockopt::rcvhwm, opt.receive_high_water_mark);
-    // A larger frame is never read: ZeroMQ ends the connection (a protocol
-    // error, after which it does not reconnect; the monitor sees it and the
-    // socket is made anew after sub_reopen_grace).
-    inst.sub.set(zmq::sockopt::maxmsgsize, max_frame(opt.max_message_bytes));
-    inst.sub.set(zmq::sockopt::subscribe, opt.topic);
-    const std::string monitor = "inproc://kvport-router-sub-" +
-                                std::to_string(reinterpret_cast<std::uintptr_t>(this)) + "-" +
-                                std::to_string(++monitor_serial);
-    if (zmq_socket_monitor(inst.sub.handle(), monitor.c_str(),
-                           ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_CONNECTED |
-                               ZMQ_EVENT_CONNECT_RETRIED | ZMQ_EVENT_CONNECT_DELAYED |
-                               ZMQ_EVENT_HANDSHAKE_SUCCEEDED) != 0)
-      throw zmq::error_t();
-    inst.sub_monitor.emplace(ctx, zmq::socket_type::pair);
-    inst.sub_monitor->set(zmq::sockopt::linger, 0);
-    inst.sub_monitor->connect(monitor);
-    connect_or_throw(inst.sub, inst.endpoints.events, "events");
-  }
-
-  // Reads the SUB's connection events: a disconnect that ZeroMQ does not
-  // follow with a reconnect attempt (it does at once, CONNECT_RETRIED, for
-  // anything but a protocol error) leaves the instance silent for good,
-  // unless the socket is made anew, which act() does after the grace.
-  void watch_sub(Instance& inst, Clock::time_point now) {
-    if (!inst.sub_monitor) return;
-    std::vector<zmq::message_t> event;
-    while (true) {
-      event.clear();
-      try {
-        if (!zmq::recv_multipart(*inst.sub_monitor, std::back_inserter(event),
-                                 zmq::recv_flags::dontwait))
-          break;
-      } catch (const zmq::error_t&) {
-        break;
-      }
-      if (event.empty() || event[0].size() < 2) continue;
-      std::uint16_t id = 0;
-      std::memcpy(&id, event[0].data(), sizeof id);
-      if (id == ZMQ_EVENT_DISCONNECTED) {
-        if (!inst.sub_lost) inst.sub_lost = now;
-      } else {
-        inst.sub_lost.reset();  // connecting again, or connected
-      }
-    }
-    if (inst.sub_lost && now - *inst.sub_lost >= sub_reopen_grace) {
-      ++stats.sub_reopens;
-      try {
-        open_sub(inst);
-      } catch (const zmq::error_t&) {  // tried again at the next poll
-        inst.sub_lost = now;
-      }
-    }
-  }
-
   void open_dealer(Instance& inst) {
     inst.dealer.emplace(ctx, zmq::socket_type::dealer);
     inst.dealer->set(zmq::sockopt::linger, 0);
@@ -200,9 +123,9 @@ struct Subscriber::Impl {
     // kvport publisher waits out (ROUTER_MANDATORY) and a vLLM one answers
     // by dropping the tail (a truncated answer, asked for again).
     inst.dealer->set(zmq::sockopt::rcvhwm, opt.receive_high_water_mark);
-    // A larger frame is never read: ZeroMQ ends the connection and, a
-    // protocol error, does not reconnect; the request then times out and
-    // cancel_request makes a new socket. Snapshots are the largest frames.
+    // A larger frame ends the session with the publisher (a protocol error;
+    // ZeroMQ does not reconnect: reopen_dealer does): snapshots are the
+    // largest frames.
     inst.dealer->set(zmq::sockopt::maxmsgsize, max_frame(opt.max_snapshot_bytes));
     connect_or_throw(*inst.dealer, inst.endpoints.replay, "replay");
     ++inst.dealer_generation;
@@ -252,7 +175,6 @@ struct Subscriber::Impl {
 
   // Deadlines first, then what the index needs.
   void act(Instance& inst, Clock::time_point now) {
-    watch_sub(inst, now);
     if (inst.request.kind != Request::Kind::none) {
       const auto& last = inst.request.last_frame;
       if (last && now - *last >= opt.tail_timeout) {
@@ -588,16 +510,20 @@ void Subscriber::add_instance(InstanceId id, const InstanceEndpoints& endpoints,
   if (!endpoints.replay.empty()) check_endpoint(endpoints.replay, "replay");
   Impl::Instance inst{.id = id,
                       .endpoints = endpoints,
-                      .sub = zmq::socket_t(),
-                      .sub_monitor = std::nullopt,
-                      .sub_lost = std::nullopt,
+                      .sub = zmq::socket_t(m.ctx, zmq::socket_type::sub),
                       .dealer = std::nullopt,
                       .dealer_generation = 0,
                       .request = {},
                       .snapshot_not_before = {},
                       .unserved = {},
                       .snapshot_floor = std::nullopt};
-  m.open_sub(inst);
+  inst.sub.set(zmq::sockopt::linger, 0);
+  inst.sub.set(zmq::sockopt::rcvhwm, m.opt.receive_high_water_mark);
+  // A larger frame ends the session (a protocol error; ZeroMQ does not
+  // reconnect, the instance goes silent): never read.
+  inst.sub.set(zmq::sockopt::maxmsgsize, Impl::max_frame(m.opt.max_message_bytes));
+  inst.sub.set(zmq::sockopt::subscribe, m.opt.topic);
+  connect_or_throw(inst.sub, endpoints.events, "events");
   if (!endpoints.replay.empty()) m.open_dealer(inst);
   m.index.add_instance(id, now);
   m.instances.emplace(id, std::move(inst));

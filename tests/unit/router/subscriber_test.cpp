@@ -330,7 +330,6 @@ TEST(SubscriberPublisher, OversizedEventsSplitIntoPiecesIndexAsTheWhole) {
   EXPECT_EQ(split_index.blocks_of(0), whole_index.blocks_of(0));
   EXPECT_EQ(split_index.blocks_of(0), publisher_set(split.replay_endpoint()));
   EXPECT_EQ(split_sub.stats().malformed, 0u);
-  EXPECT_EQ(split_sub.stats().sub_reopens, 0u) << "a frame past the bound cut the SUB";
   EXPECT_EQ(split.stats().events_dropped, 0u);
 }
 
@@ -840,8 +839,7 @@ TEST(SubscriberHostile, PollDoesAtMostItsBudget) {
 
 // A frame larger than max_message_bytes is never read: ZeroMQ drops the
 // connection that carries it (seen here on the publisher's side as a
-// disconnect) and, a protocol error, does not reconnect to that publisher;
-// the subscriber makes the SUB socket anew, and the stream resumes.
+// disconnect) and, a protocol error, does not reconnect to that publisher.
 TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
   SKIP_SOCKET_TIMING_UNDER_TSAN();
   FakePublisher fake;
@@ -874,23 +872,17 @@ TEST(SubscriberHostile, OversizedFrameDisconnectsAndIsNeverRead) {
   }
   EXPECT_TRUE(disconnected) << "ZeroMQ refuses the frame by dropping the connection";
   EXPECT_EQ(sub.stats().messages, messages) << "the large frame was never received";
-  // ZeroMQ does not reconnect after a protocol error: nothing arrives until
-  // the subscriber, seeing a disconnect with no reconnect attempt, makes
-  // the SUB socket anew; then the stream comes again.
-  bool back = false;
-  const auto again = Clock::now() + scaled(10s);
-  while (!back && Clock::now() < again) {
+  // ZeroMQ does not reconnect after a protocol error: the instance is
+  // silent from here (expired by instance_timeout, docs/reliability.md).
+  // Past ZeroMQ's reconnect interval (100 ms), scaled for slow machines.
+  const auto quiet_until = Clock::now() + scaled(400ms);
+  for (int k = 0; k < 40 || Clock::now() < quiet_until; ++k) {
     fake.send(batch(2, {stored({12})}, 3.0));
     sub.poll(10ms);
-    if (sub.stats().messages != messages) {
-      back = true;
-      EXPECT_GE(sub.stats().sub_reopens, 1u) << "received before the SUB was made anew";
-    }
   }
-  EXPECT_TRUE(back) << "the instance stayed silent";
-  EXPECT_EQ(sub.stats().sub_reopens, 1u);
+  EXPECT_EQ(sub.stats().messages, messages);
   EXPECT_EQ(sub.stats().malformed, 0u);
-  EXPECT_EQ(index.blocks_of(0), gpu({1})) << "batch 2 is held behind the gap at 1";
+  EXPECT_EQ(index.blocks_of(0), gpu({1}));
 }
 
 TEST(SubscriberFake, MalformedReplayAnswersAreCountedAndTheMissAsksASnapshot) {

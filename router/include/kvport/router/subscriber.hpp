@@ -52,13 +52,11 @@ struct SubscriberOptions {
   /// poll() calls index.expire(now) (instance_timeout of the index).
   bool expire_silent = true;
   /// A live or replayed batch frame larger than this (> 0) is never read:
-  /// ZMQ_MAXMSGSIZE of the SUB socket. ZeroMQ ends the connection to the
-  /// publisher that sent it and, a protocol error, does not reconnect; the
-  /// subscriber sees that (socket monitor: a disconnect with no reconnect
-  /// attempt) and makes the instance's SUB socket anew a second later
-  /// (SubscriberStats::sub_reopens); what was sent meanwhile is a gap,
-  /// replayed. Counted as malformed and skipped if it arrives through the
-  /// DEALER.
+  /// ZMQ_MAXMSGSIZE of the SUB socket (ZeroMQ ends the session with the
+  /// publisher that sent it, a protocol error, and does not reconnect: the
+  /// instance goes silent, is expired by instance_timeout, and must be
+  /// removed and added again); counted as malformed and skipped if it
+  /// arrives through the DEALER (reopen_dealer makes a new one).
   std::size_t max_message_bytes = 16u << 20;
   /// The same for a snapshot answer (one frame holding every cached block:
   /// about 210 bytes a block in map form): ZMQ_MAXMSGSIZE of the DEALER.
@@ -129,10 +127,6 @@ struct SubscriberStats {
   /// there; the rest waits for the next call. A budget spent exactly by the
   /// last queued message is no stop.
   std::uint64_t budget_stops = 0;
-  /// SUB sockets made anew: their connection ended without ZeroMQ trying
-  /// again (a protocol error: a frame over max_message_bytes, a failed
-  /// handshake), and stayed so for a second.
-  std::uint64_t sub_reopens = 0;
 };
 
 /// Connects a RouterIndex to the instances' publishers. Single-threaded: the
