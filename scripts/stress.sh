@@ -45,4 +45,6 @@ for _ in $(seq 1 "$load"); do
   pids+=($!)
 done
 echo "stress: $load busy loops beside the tests; each test until it fails or has passed $n times"
-ctest --test-dir "build/$preset" --repeat "until-fail:$n" -j "$jobs" --output-on-failure "$@"
+# The test preset, for its environment (the sanitizers' options, UCX's hooks
+# off under tsan, KVPORT_TEST_TIME_SCALE): without it a tsan run crashes in UCX.
+ctest --preset "$preset" --repeat "until-fail:$n" -j "$jobs" "$@"
