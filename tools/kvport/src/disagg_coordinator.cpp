@@ -539,7 +539,7 @@ void Coordinator::lose(ProcessGroup& group, WorkerRecord& w) {
         }
       }
       if (!r.fell_back) ++stats_.recomputed;  // unless a rank's own fall-back counted it
-      r.prefill.reset();  // a later prefill_failed from its other ranks is moot
+      r.prefill.reset();                      // a later prefill_failed from its other ranks is moot
     }
   }
 }

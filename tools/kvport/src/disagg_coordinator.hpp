@@ -63,7 +63,7 @@ class Coordinator {
     std::set<std::uint32_t> ranks_done;  // ranks of the instance that reported
     bool done = false;
     bool sent = false;
-    bool failed = false;  // a rank could not compute it at all
+    bool failed = false;     // a rank could not compute it at all
     bool fell_back = false;  // a rank recomputed it after its pull failed (counted once)
   };
 
