@@ -36,7 +36,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::chain;
+using test::get_checked;
 using test::image_of;
+using test::put_images;
 using test::TempDir;
 
 constexpr std::size_t kBlockBytes = 3000;
@@ -56,25 +58,12 @@ class HostileDirTest : public ::testing::Test {
   }
 
   static std::size_t put(DiskStore& s, const std::vector<BlockHash>& hashes) {
-    std::vector<std::vector<std::byte>> images;
-    std::vector<std::span<const std::byte>> views;
-    for (const BlockHash& h : hashes)
-      images.push_back(image_of(h, kBlockBytes));
-    for (const auto& im : images)
-      views.emplace_back(im);
-    return s.put(hashes, views);
+    return put_images(s, hashes, kBlockBytes);
   }
 
   // get_prefix into fresh buffers; checks every returned block's bytes.
   static std::size_t get(DiskStore& s, const std::vector<BlockHash>& hashes) {
-    std::vector<std::vector<std::byte>> bufs(hashes.size(), std::vector<std::byte>(kBlockBytes));
-    std::vector<std::span<std::byte>> views;
-    for (auto& b : bufs)
-      views.emplace_back(b);
-    const std::size_t n = s.get_prefix(hashes, views);
-    for (std::size_t i = 0; i < n; ++i)
-      EXPECT_EQ(bufs[i], image_of(hashes[i], kBlockBytes)) << "block " << i;
-    return n;
+    return get_checked(s, hashes, kBlockBytes);
   }
 
   // A file outside the store that must survive whatever the store does.

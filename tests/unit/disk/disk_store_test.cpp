@@ -28,7 +28,9 @@ namespace kvport::disk {
 namespace {
 
 using test::chain;
+using test::get_checked;
 using test::image_of;
+using test::put_images;
 using test::TempDir;
 using namespace std::chrono_literals;
 
@@ -53,26 +55,12 @@ class DiskStoreTest : public ::testing::Test {
 
   // Puts the blocks of `hashes` with their derived images.
   static std::size_t put(DiskStore& s, const std::vector<BlockHash>& hashes) {
-    std::vector<std::vector<std::byte>> images;
-    std::vector<std::span<const std::byte>> views;
-    for (const BlockHash& h : hashes)
-      images.push_back(image_of(h, kBlockBytes));
-    for (const auto& im : images)
-      views.emplace_back(im);
-    return s.put(hashes, views);
+    return put_images(s, hashes, kBlockBytes);
   }
 
   // get_prefix into fresh buffers; checks every returned block's bytes.
   static std::size_t get(DiskStore& s, const std::vector<BlockHash>& hashes) {
-    std::vector<std::vector<std::byte>> bufs(hashes.size(), std::vector<std::byte>(kBlockBytes));
-    std::vector<std::span<std::byte>> views;
-    for (auto& b : bufs)
-      views.emplace_back(b);
-    const std::size_t n = s.get_prefix(hashes, views);
-    for (std::size_t i = 0; i < n; ++i) {
-      EXPECT_EQ(bufs[i], image_of(hashes[i], kBlockBytes)) << "block " << i << " has wrong bytes";
-    }
-    return n;
+    return get_checked(s, hashes, kBlockBytes);
   }
 
   static void expect_consistent(const DiskStore& s) {

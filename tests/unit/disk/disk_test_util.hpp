@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/disk/disk_store.hpp"
 
 namespace kvport::disk::test {
 
@@ -54,6 +55,34 @@ inline std::vector<std::byte> image_of(const BlockHash& h, std::size_t bytes) {
     out[i] = static_cast<std::byte>(((word >> (8 * (i % 8))) ^ (i * 31)) & 0xFF);
   }
   return out;
+}
+
+/// Puts the blocks of `hashes` with their images (image_of) of `bytes` each;
+/// returns what DiskStore::put returns.
+inline std::size_t put_images(DiskStore& s, const std::vector<BlockHash>& hashes,
+                              std::size_t bytes) {
+  std::vector<std::vector<std::byte>> images;
+  std::vector<std::span<const std::byte>> views;
+  for (const BlockHash& h : hashes)
+    images.push_back(image_of(h, bytes));
+  for (const auto& im : images)
+    views.emplace_back(im);
+  return s.put(hashes, views);
+}
+
+/// get_prefix of `hashes` into fresh buffers of `bytes` each; every block
+/// returned must hold its image (a failed expectation names the block).
+/// Returns how many were returned.
+inline std::size_t get_checked(DiskStore& s, const std::vector<BlockHash>& hashes,
+                               std::size_t bytes) {
+  std::vector<std::vector<std::byte>> bufs(hashes.size(), std::vector<std::byte>(bytes));
+  std::vector<std::span<std::byte>> views;
+  for (auto& b : bufs)
+    views.emplace_back(b);
+  const std::size_t n = s.get_prefix(hashes, views);
+  for (std::size_t i = 0; i < n; ++i)
+    EXPECT_EQ(bufs[i], image_of(hashes[i], bytes)) << "block " << i << " has wrong bytes";
+  return n;
 }
 
 /// `n` chained block hashes of a sequence identified by `seed`.
