@@ -502,6 +502,23 @@ void store_big(Publisher& pub, std::uint64_t hash, std::size_t tokens) {
   pub.stored(EventSource{}, view(hs, std::nullopt, toks, static_cast<std::uint32_t>(tokens)));
 }
 
+// 400 batches of one 12,000-token block (~60 KB each, 24 MB): more than the
+// kernel's socket buffers hold.
+void store_24_mb(Publisher& pub) {
+  for (std::uint64_t k = 0; k < 400; ++k)
+    store_big(pub, k, 12'000);
+}
+
+// A replay client on `endpoint` that queues at most one frame: what it does
+// not read stays in the publisher's queue for it.
+zmq::socket_t one_frame_dealer(zmq::context_t& ctx, const std::string& endpoint) {
+  zmq::socket_t d{ctx, zmq::socket_type::dealer};
+  d.set(zmq::sockopt::linger, 0);
+  d.set(zmq::sockopt::rcvhwm, 1);
+  d.connect(endpoint);
+  return d;
+}
+
 // A subscriber that joins and then never reads holds at most
 // send_queue_bytes in ZeroMQ: past it the sends fail (counted), a gap.
 TEST(PublisherHostile, SubscriberThatNeverReadsIsBoundedBySendQueueBytes) {
@@ -545,8 +562,7 @@ TEST(PublisherHostile, CloseReportsWhatASlowSubscriberDidNotGet) {
   Publisher pub(o);
   Subscriber s(pub.endpoint(), "", 1);
   join(pub, s);  // then never reads
-  for (std::uint64_t k = 0; k < 400; ++k)
-    store_big(pub, k, 12'000);             // 24 MB
+  store_24_mb(pub);
   ASSERT_TRUE(pub.flush(scaled(5000ms)));  // so that close()'s own flush is immediate
   const CloseReport r = pub.close(scaled(200ms));
   EXPECT_TRUE(r.flushed);
@@ -596,14 +612,10 @@ TEST(PublisherHostile, ReplayFloodIsRefusedAndLivePublishingGoesOn) {
   o.answer_timeout = std::chrono::minutes(10);  // never abandoned here
   o.buffer_bytes = 256u << 20;
   Publisher pub(o);
-  for (std::uint64_t k = 0; k < 400; ++k)
-    store_big(pub, k, 12'000);  // 24 MB: one answer fills the kernel's buffers too
+  store_24_mb(pub);  // one answer fills the kernel's buffers too
   ASSERT_TRUE(pub.flush(scaled(2s)));
   zmq::context_t ctx{1};
-  zmq::socket_t d{ctx, zmq::socket_type::dealer};
-  d.set(zmq::sockopt::linger, 0);
-  d.set(zmq::sockopt::rcvhwm, 1);
-  d.connect(pub.replay_endpoint());
+  zmq::socket_t d = one_frame_dealer(ctx, pub.replay_endpoint());
   constexpr int kRequests = 1'000;
   const auto start = encode_seq(0);
   for (int k = 0; k < kRequests; ++k) {
@@ -636,14 +648,10 @@ TEST(PublisherHostile, StuckAnswerAbandoned) {
   o.answer_timeout = 20ms;
   o.buffer_bytes = 256u << 20;
   Publisher pub(o);
-  for (std::uint64_t k = 0; k < 400; ++k)
-    store_big(pub, k, 12'000);  // 24 MB: more than the kernel's socket buffers
+  store_24_mb(pub);
   ASSERT_TRUE(pub.flush(scaled(2s)));
   zmq::context_t ctx{1};
-  zmq::socket_t d{ctx, zmq::socket_type::dealer};
-  d.set(zmq::sockopt::linger, 0);
-  d.set(zmq::sockopt::rcvhwm, 1);
-  d.connect(pub.replay_endpoint());
+  zmq::socket_t d = one_frame_dealer(ctx, pub.replay_endpoint());
   const auto start = encode_seq(0);
   d.send(zmq::message_t(), zmq::send_flags::sndmore);
   d.send(zmq::buffer(start.data(), start.size()), zmq::send_flags::none);
