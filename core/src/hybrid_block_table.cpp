@@ -54,6 +54,8 @@ HybridBlockTable::HybridBlockTable(HybridBlockTable&& other) noexcept
       tokens_(std::exchange(other.tokens_, {})),
       hashes_(std::exchange(other.hashes_, {})),
       checkpointed_at_(std::exchange(other.checkpointed_at_, 0)),
+      keep_at_(std::exchange(other.keep_at_, 0)),
+      keep_shared_(other.keep_shared_),
       copy_on_writes_(std::exchange(other.copy_on_writes_, 0)),
       hit_mode_(other.hit_mode_) {}
 
@@ -67,6 +69,8 @@ HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept
     tokens_ = std::exchange(other.tokens_, {});
     hashes_ = std::exchange(other.hashes_, {});
     checkpointed_at_ = std::exchange(other.checkpointed_at_, 0);
+    keep_at_ = std::exchange(other.keep_at_, 0);
+    keep_shared_ = other.keep_shared_;
     copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
     hit_mode_ = other.hit_mode_;
   }
@@ -99,17 +103,30 @@ void HybridBlockTable::release_before(std::size_t g, std::size_t first) noexcept
   Group& grp = groups_[g];
   // Oldest first: the LRU evicts them before the blocks released later.
   for (std::size_t i = grp.live_begin; i < first; ++i) {
-    if (grp.blocks[i] != kNullBlock) release_block(g, grp.blocks[i]);
+    const BlockId b = grp.blocks[i];
+    if (b == kNullBlock) continue;
+    release_block(g, b);
     grp.blocks[i] = kNullBlock;
   }
   grp.live_begin = std::max(grp.live_begin, first);
 }
 
 void HybridBlockTable::release() noexcept {
+  std::size_t end = 0;
+  for (const Group& grp : groups_)
+    end = std::max(end, grp.blocks.size());
+  for (std::size_t i = end; i-- > 0;) {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      Group& grp = groups_[g];
+      if (i >= grp.live_begin && i < grp.blocks.size() && grp.blocks[i] != kNullBlock)
+        release_block(g, grp.blocks[i]);
+    }
+  }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     Group& grp = groups_[g];
-    for (std::size_t i = grp.blocks.size(); i-- > grp.live_begin;) {
-      if (grp.blocks[i] != kNullBlock) release_block(g, grp.blocks[i]);
+    for (std::vector<BlockId>* kept : {&grp.kept_end, &grp.kept_hit}) {
+      for (auto it = kept->rbegin(); it != kept->rend(); ++it)
+        release_block(g, *it);
     }
     if (grp.state) release_block(g, *grp.state);
     grp = Group{};
@@ -117,6 +134,7 @@ void HybridBlockTable::release() noexcept {
   tokens_.clear();
   hashes_.clear();
   checkpointed_at_ = 0;
+  keep_at_ = 0;
 }
 
 HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) const {
@@ -158,13 +176,34 @@ std::vector<HybridBlockTable::GroupNeed> HybridBlockTable::blocks_needed(
   return out;
 }
 
+HybridBlockTable::PoolNeed HybridBlockTable::shared_need(const Plan& plan) const {
+  PoolNeed need;
+  if (cache_->shared_pool() == nullptr) return need;
+  for (std::size_t g = 0; g < plan.groups.size(); ++g) {
+    if (!cache_->in_shared_pool(g)) continue;
+    need.needed += plan.groups[g].needed();
+    need.releasable += plan.groups[g].releasable;
+  }
+  need.available = cache_->shared_pool()->num_available_blocks();
+  return need;
+}
+
+std::size_t HybridBlockTable::short_group(const Plan& plan, const PoolNeed& shared) const {
+  const bool pooled = cache_->shared_pool() != nullptr;
+  for (std::size_t g = 0; g < plan.groups.size(); ++g) {
+    if (pooled && cache_->in_shared_pool(g)) {
+      if (shared.needed > shared.available + shared.releasable) return g;
+      continue;
+    }
+    const Plan::PerGroup& p = plan.groups[g];
+    if (p.needed() > cache_->prefix_cache(g).num_available_blocks() + p.releasable) return g;
+  }
+  return plan.groups.size();
+}
+
 bool HybridBlockTable::can_append(std::size_t num_tokens) const {
   const Plan plan = plan_append(num_tokens);
-  for (std::size_t g = 0; g < plan.groups.size(); ++g) {
-    const Plan::PerGroup& p = plan.groups[g];
-    if (p.needed() > cache_->prefix_cache(g).num_available_blocks() + p.releasable) return false;
-  }
-  return true;
+  return short_group(plan, shared_need(plan)) == plan.groups.size();
 }
 
 bool HybridBlockTable::checkpoint_due() const noexcept {
@@ -211,15 +250,22 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   }
   const Plan plan = plan_append(tokens.size());
   const std::size_t ng = groups_.size();
-  for (std::size_t g = 0; g < ng; ++g) {
-    const Plan::PerGroup& p = plan.groups[g];
-    const std::size_t available = cache_->prefix_cache(g).num_available_blocks();
-    if (p.needed() > available + p.releasable) {
+  const PoolNeed pool_need = shared_need(plan);
+  if (const std::size_t g = short_group(plan, pool_need); g < ng) {
+    if (cache_->shared_pool() != nullptr && cache_->in_shared_pool(g)) {
       throw CacheExhausted(fmt::format(
-          "KV cache exhausted: appending {} tokens needs {} blocks in group {} ({}), {} are free "
-          "or evictable and {} come back from the freeing rules",
-          tokens.size(), p.needed(), g, cache_->group(g).spec.describe(), available, p.releasable));
+          "KV cache exhausted: appending {} tokens needs {} blocks of the shared pool (group {}, "
+          "{}, and the groups sharing it), {} are free or evictable and {} come back from the "
+          "freeing rules",
+          tokens.size(), pool_need.needed, g, cache_->group(g).spec.describe(), pool_need.available,
+          pool_need.releasable));
     }
+    const Plan::PerGroup& p = plan.groups[g];
+    throw CacheExhausted(fmt::format(
+        "KV cache exhausted: appending {} tokens needs {} blocks in group {} ({}), {} are free "
+        "or evictable and {} come back from the freeing rules",
+        tokens.size(), p.needed(), g, cache_->group(g).spec.describe(),
+        cache_->prefix_cache(g).num_available_blocks(), p.releasable));
   }
   // Everything that can throw happens before the table changes (but see the
   // freeing rules below).
@@ -233,7 +279,9 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   // those blocks are out of the sequence's span, whatever happens next.
   for (std::size_t g = 0; g < ng; ++g) {
     const Plan::PerGroup& p = plan.groups[g];
-    if (p.needed() > cache_->prefix_cache(g).num_available_blocks())
+    const bool pooled = cache_->shared_pool() != nullptr && cache_->in_shared_pool(g);
+    if (pooled ? pool_need.needed > pool_need.available
+               : p.needed() > cache_->prefix_cache(g).num_available_blocks())
       release_before(g, p.release_to);
   }
 
@@ -317,6 +365,19 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   }
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   register_full_blocks();
+  keep_shared_point();
+}
+
+void HybridBlockTable::keep_shared_point() noexcept {
+  // Other requests that share this prompt's cached prefix hit where it ends
+  // too: the window before that point stays held while this sequence runs.
+  // It would otherwise slide out and, cached but released, be evicted while
+  // the full-attention chain, held by every sequence that shares it, stays:
+  // a chain no lookup can hit.
+  if (keep_at_ == 0 || tokens_.size() / block_size_ < keep_at_) return;
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    keep_window(g, keep_at_, groups_[g].kept_hit);
+  keep_at_ = 0;
 }
 
 void HybridBlockTable::register_full_blocks() noexcept {
@@ -405,6 +466,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
     }
   };
 
+  std::size_t chain_end = 0;  // where the anchor's cached chain ends (no tier)
   // Decides the hit. Without a lower tier, the anchor's lookup takes its
   // chain (one probe a block, as BlockTable's) and the other groups are
   // probed only where the rule needs them. With one, a block counts when the
@@ -415,6 +477,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
       PrefixMatch anchor_match;
       if (anchor < ng) anchor_match = cache_->prefix_cache(anchor).lookup_hashes(hashes);
       const std::size_t anchor_chain = anchor_match.blocks.size();
+      chain_end = anchor_chain;
       if (anchor < ng) taken[anchor] = std::move(anchor_match.blocks);
       auto cached = [&](std::size_t g, std::size_t i) {
         if (g == anchor) return i < anchor_chain;
@@ -515,6 +578,10 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
     ++counters.short_hits;
     if (first_hit > hit) counters.short_hit_tokens += (first_hit - hit) * block_size_;
   }
+  // Where this prompt leaves what is cached: other requests sharing the
+  // prefix hit there, so the window before it is kept (keep_window) once it
+  // is computed, or now when the hit reached it.
+  keep_at_ = keep_shared_ ? std::max(hit, chain_end) : 0;
   if (hit == 0) {
     give_back();
     return 0;
@@ -548,6 +615,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit * block_size_));
   hashes.resize(hit);
   hashes_ = std::move(hashes);
+  keep_shared_point();
   checkpointed_at_ = tokens_.size();  // the state there came from a checkpoint
   counters.hit_tokens += tokens_.size();
   return tokens_.size();
@@ -635,9 +703,50 @@ HybridBlockTable HybridBlockTable::adopt(HybridKvCache& cache, std::span<const T
   return t;
 }
 
+void HybridBlockTable::keep_window(std::size_t g, std::size_t end_block,
+                                   std::vector<BlockId>& into) noexcept {
+  Group& grp = groups_[g];
+  for (auto it = into.rbegin(); it != into.rend(); ++it)
+    release_block(g, *it);
+  into.clear();
+  const LayerSpec& spec = cache_->group(g).spec;
+  if (spec.kind != LayerKind::sliding_window) return;
+  const std::size_t first = std::max(
+      grp.live_begin, first_needed_block(hit_rule_of(spec), block_size_, end_block * block_size_));
+  const std::size_t end = std::min(end_block, grp.blocks.size());
+  if (first >= end) return;
+  try {
+    into.reserve(end - first);
+    for (std::size_t i = first; i < end; ++i) {
+      if (grp.blocks[i] == kNullBlock) continue;
+      cache_->group_cache(g).inc_ref(grp.blocks[i]);
+      into.push_back(grp.blocks[i]);
+    }
+  } catch (...) {  // out of memory or a refcount at its limit: keep nothing
+    for (auto it = into.rbegin(); it != into.rend(); ++it)
+      release_block(g, *it);
+    into.clear();
+  }
+}
+
+std::size_t HybridBlockTable::num_kept_blocks(std::size_t g) const {
+  if (g >= groups_.size()) {
+    throw OutOfRange(fmt::format(
+        "HybridBlockTable::num_kept_blocks: group {} out of range ({} groups)", g, groups_.size()));
+  }
+  return groups_[g].kept_end.size() + groups_[g].kept_hit.size();
+}
+
+void HybridBlockTable::keep_hit_point() noexcept {
+  const std::size_t full = tokens_.size() / block_size_;
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    keep_window(g, full, groups_[g].kept_end);
+}
+
 HybridBlockTable HybridBlockTable::fork(StreamView stream) const {
   HybridBlockTable child(*cache_, extra_key_);
   child.hit_mode_ = hit_mode_;
+  child.keep_shared_ = keep_shared_;
   const std::size_t ng = groups_.size();
   // State copies first: they are what can fail.
   for (std::size_t g = 0; g < ng; ++g) {

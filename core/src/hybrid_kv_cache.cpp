@@ -16,11 +16,18 @@ namespace {
 
 constexpr std::size_t kNoGroup = std::numeric_limits<std::size_t>::max();
 
-std::vector<std::size_t> blocks_of(const KvCachePlan& plan) {
-  std::vector<std::size_t> out;
-  out.reserve(plan.groups.size());
+HybridPoolSizes sizes_of(const KvCachePlan& plan) {
+  HybridPoolSizes out;
+  out.shared_blocks = plan.shared_blocks;
+  out.group_blocks.reserve(plan.groups.size());
   for (const GroupPlan& g : plan.groups)
-    out.push_back(g.num_blocks);
+    out.group_blocks.push_back(g.num_blocks);
+  return out;
+}
+
+HybridPoolSizes sizes_of(std::span<const std::size_t> blocks_per_group) {
+  HybridPoolSizes out;
+  out.group_blocks.assign(blocks_per_group.begin(), blocks_per_group.end());
   return out;
 }
 
@@ -29,12 +36,33 @@ std::vector<std::size_t> blocks_of(const KvCachePlan& plan) {
 HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
                              std::span<const std::size_t> blocks_per_group, Backend& backend,
                              PagedKvCacheOptions options)
+    : HybridKvCache(std::move(config), sizes_of(blocks_per_group), backend, options) {}
+
+HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const HybridPoolSizes& sizes,
+                             Backend& backend, PagedKvCacheOptions options)
     : config_(std::move(config)), backend_(&backend) {
-  groups_ = group_layers(config_.layers, config_.block_size);
+  groups_ = group_layers(config_.layers, config_.block_size, config_.max_group_layers);
+  const std::span<const std::size_t> blocks_per_group = sizes.group_blocks;
   if (blocks_per_group.size() != groups_.size()) {
     throw InvalidArgument(fmt::format(
         "HybridKvCache: {} block counts for {} KV cache groups (one per group, in group order)",
         blocks_per_group.size(), groups_.size()));
+  }
+  in_shared_.assign(groups_.size(), false);
+  if (sizes.shared_blocks != 0) {
+    std::vector<std::size_t> members;
+    const std::optional<SharedPoolGeometry> geo =
+        shared_pool_geometry(groups_, config_.block_size, config_.layout, &members);
+    if (!geo) {
+      throw InvalidArgument(fmt::format(
+          "HybridKvCache: a shared pool of {} blocks was asked for, but no two groups can share "
+          "one (it needs layer-major layout, attention groups of equal page bytes, and layer "
+          "counts that leave at most a quarter of the slots unused: see max_group_layers)",
+          sizes.shared_blocks));
+    }
+    shared_ = std::make_unique<SharedBlockPool>(sizes.shared_blocks, *geo, backend);
+    for (std::size_t g : members)
+      in_shared_[g] = true;
   }
   locations_.assign(config_.layers.size(), LayerLocation{kNoGroup, 0});
   for (std::size_t g = 0; g < groups_.size(); ++g) {
@@ -44,15 +72,17 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
   caches_.reserve(groups_.size());
   prefixes_.reserve(groups_.size());
   for (std::size_t g = 0; g < groups_.size(); ++g) {
-    if (blocks_per_group[g] == 0) {
+    if (!in_shared_[g] && blocks_per_group[g] == 0) {
       throw InvalidArgument(
           fmt::format("HybridKvCache: group {} ({}) has 0 blocks", g, groups_[g].spec.describe()));
     }
     // On a throw the members built so far are destroyed (prefix caches
     // first), freeing every pool.
-    caches_.push_back(std::make_unique<PagedKvCache>(
-        group_pool_config(groups_[g], config_.block_size, config_.layout), blocks_per_group[g],
-        backend, options));
+    KvCacheConfig pool_config = group_pool_config(groups_[g], config_.block_size, config_.layout);
+    caches_.push_back(
+        in_shared_[g] ? std::make_unique<PagedKvCache>(std::move(pool_config), *shared_, options)
+                      : std::make_unique<PagedKvCache>(std::move(pool_config), blocks_per_group[g],
+                                                       backend, options));
     prefixes_.push_back(std::make_unique<PrefixCache>(*caches_.back()));
     // A state slot stands for a block of tokens: its events carry them.
     if (groups_[g].spec.has_state()) prefixes_.back()->set_tokens_per_block(config_.block_size);
@@ -61,10 +91,24 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config,
 
 HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
                              PagedKvCacheOptions options)
-    : HybridKvCache(std::move(config), blocks_of(plan), backend, options) {}
+    : HybridKvCache(std::move(config), sizes_of(plan), backend, options) {
+  if (shared_ && !(shared_->geometry() == plan.shared_geometry)) {
+    prefixes_.clear();
+    caches_.clear();
+    throw InvalidArgument(
+        "HybridKvCache: the plan's shared pool does not match the groups' pages (a plan of "
+        "other groups)");
+  }
+}
 
 HybridKvCache::~HybridKvCache() {
   prefixes_.clear();  // they drop their references before the pools go
+  caches_.clear();    // and the caches before a shared pool
+}
+
+bool HybridKvCache::in_shared_pool(std::size_t g) const {
+  (void)group(g);
+  return in_shared_[g];
 }
 
 const KvCacheGroup& HybridKvCache::group(std::size_t g) const {
@@ -95,9 +139,10 @@ std::optional<LayerLocation> HybridKvCache::locate(std::size_t layer) const {
 }
 
 std::size_t HybridKvCache::total_bytes() const noexcept {
-  std::size_t total = 0;
-  for (const auto& c : caches_)
-    total += c->total_bytes();
+  std::size_t total = shared_ ? shared_->total_bytes() : 0;
+  for (const auto& c : caches_) {
+    if (c->shared_pool() == nullptr) total += c->total_bytes();
+  }
   return total;
 }
 
@@ -152,7 +197,18 @@ InvariantReport detail::merge_group_reports(std::span<const InvariantReport> rep
 }
 
 InvariantReport HybridKvCache::check_invariants() const {
-  return detail::merge_group_reports(check_group_invariants());
+  InvariantReport total = detail::merge_group_reports(check_group_invariants());
+  if (shared_) {
+    const InvariantReport pool = shared_->check_invariants();
+    for (const std::string& v : pool.violations)
+      total.add_violation(v);
+    if (!pool.ok && pool.violations.empty()) total.add_violation("shared pool: not ok");
+    // The groups' reports count the blocks they hold; the pool's free blocks
+    // are no group's.
+    total.blocks_checked += pool.free_blocks;
+    total.free_blocks += pool.free_blocks;
+  }
+  return total;
 }
 
 void HybridKvCache::synchronize() {

@@ -47,6 +47,68 @@ std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_siz
   return 0;
 }
 
+namespace {
+
+// The page every attention group of `groups` has (K bytes, V bytes) and the
+// groups' indices and layer counts; nullopt when some layer's page differs or
+// the layout is block-major.
+struct GroupPages {
+  std::size_t k = 0;
+  std::size_t v = 0;
+  std::vector<std::size_t> members;
+  std::vector<std::size_t> layers;
+};
+
+std::optional<GroupPages> group_pages(std::span<const KvCacheGroup> groups, std::size_t block_size,
+                                      KvCacheLayout layout) {
+  if (layout != KvCacheLayout::layer_major) return std::nullopt;
+  GroupPages out;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (!groups[g].spec.has_blocks()) continue;
+    const KvCacheConfig c = group_pool_config(groups[g], block_size, layout);
+    for (std::size_t l = 0; l < c.num_layers; ++l) {
+      const std::size_t k = c.k_block_bytes(l);
+      const std::size_t v = c.has_v() ? c.v_block_bytes(l) : 0;
+      if (out.members.empty() && l == 0) {
+        out.k = k;
+        out.v = v;
+      } else if (k != out.k || v != out.v) {
+        return std::nullopt;
+      }
+    }
+    out.members.push_back(g);
+    out.layers.push_back(c.num_layers);
+  }
+  if (out.members.size() < 2) return std::nullopt;
+  return out;
+}
+
+}  // namespace
+
+std::size_t shared_group_layers(std::span<const KvCacheGroup> groups, std::size_t block_size,
+                                KvCacheLayout layout) {
+  const std::optional<GroupPages> pages = group_pages(groups, block_size, layout);
+  if (!pages) return 0;
+  const auto [lo, hi] = std::minmax_element(pages->layers.begin(), pages->layers.end());
+  // Within 1.25x: one group each, the smaller ones padded (vLLM's rule).
+  return 4 * *hi < 5 * *lo ? *hi : *lo;
+}
+
+std::optional<SharedPoolGeometry> shared_pool_geometry(std::span<const KvCacheGroup> groups,
+                                                       std::size_t block_size, KvCacheLayout layout,
+                                                       std::vector<std::size_t>* members) {
+  if (members != nullptr) members->clear();
+  std::optional<GroupPages> pages = group_pages(groups, block_size, layout);
+  if (!pages) return std::nullopt;
+  const std::size_t slots = *std::max_element(pages->layers.begin(), pages->layers.end());
+  std::size_t unused = 0;
+  for (std::size_t n : pages->layers)
+    unused += slots - n;
+  if (4 * unused > slots * pages->layers.size()) return std::nullopt;
+  if (members != nullptr) *members = std::move(pages->members);
+  return SharedPoolGeometry{slots, pages->k, pages->v};
+}
+
 KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t block_size,
                           const KvCachePlanRequest& request, KvCacheLayout layout) {
   if (groups.empty()) throw InvalidArgument("plan_kv_cache: no KV cache group to plan");
@@ -57,6 +119,7 @@ KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t bloc
 
   KvCachePlan plan;
   plan.block_size = block_size;
+  plan.max_context_tokens = request.max_context_tokens;
   std::vector<KvCacheConfig> configs;
   std::size_t largest_page = 0;
   for (const KvCacheGroup& group : groups) {
@@ -97,16 +160,48 @@ KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t bloc
                        saturating_mul(g.peak_blocks_per_request, largest_page));
   }
 
-  // Shares in the ratio of the peak bytes per request.
+  // Shares in the ratio of the peak bytes per request; the groups of the
+  // shared pool pool theirs.
   const long double total_peak = static_cast<long double>(plan.peak_bytes_per_request);
+  auto share_of = [&](const GroupPlan& g) {
+    return plan.groups.size() == 1 ? 1.0L
+                                   : static_cast<long double>(saturating_mul(
+                                         g.peak_blocks_per_request, g.bytes_per_block)) /
+                                         total_peak;
+  };
   std::size_t concurrent = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> members;
+  std::optional<SharedPoolGeometry> geo;
+  if (request.shared_pool) geo = shared_pool_geometry(groups, block_size, layout, &members);
+  if (geo) {
+    long double share = 0;
+    std::size_t peak = 0;
+    for (std::size_t i : members) {
+      share += share_of(plan.groups[i]);
+      peak = saturating_add(peak, plan.groups[i].peak_blocks_per_request);
+    }
+    const auto budget =
+        static_cast<std::size_t>(static_cast<long double>(request.budget_bytes) * share);
+    plan.shared_geometry = *geo;
+    plan.shared_blocks = std::min(budget / geo->bytes_per_block(), kMaxCacheBlocks);
+    if (plan.shared_blocks == 0) {
+      throw InvalidArgument(fmt::format(
+          "plan_kv_cache: the budget of {} bytes leaves the shared pool {} bytes, less than one "
+          "block of {} bytes",
+          request.budget_bytes, budget, geo->bytes_per_block()));
+    }
+    plan.shared_bytes = plan.shared_blocks * geo->bytes_per_block();
+    plan.total_bytes = plan.shared_bytes;
+    for (std::size_t i : members) {
+      plan.groups[i].shared = true;
+      plan.groups[i].num_blocks = plan.shared_blocks;
+    }
+    if (peak > 0) concurrent = plan.shared_blocks / peak;
+  }
   for (std::size_t i = 0; i < plan.groups.size(); ++i) {
     GroupPlan& g = plan.groups[i];
-    const long double share = plan.groups.size() == 1
-                                  ? 1.0L
-                                  : static_cast<long double>(saturating_mul(
-                                        g.peak_blocks_per_request, g.bytes_per_block)) /
-                                        total_peak;
+    if (g.shared) continue;
+    const long double share = share_of(g);
     const auto budget =
         static_cast<std::size_t>(static_cast<long double>(request.budget_bytes) * share);
     g.num_blocks = PagedKvCache::compute_num_blocks(configs[i], budget);

@@ -408,7 +408,8 @@ bool LayerSpec::same_group_as(const LayerSpec& o) const noexcept {
   return false;
 }
 
-std::vector<KvCacheGroup> group_layers(std::span<const LayerSpec> layers, std::size_t block_size) {
+std::vector<KvCacheGroup> group_layers(std::span<const LayerSpec> layers, std::size_t block_size,
+                                       std::size_t max_layers_per_group) {
   if (layers.empty()) throw InvalidArgument("group_layers: the model has no layers");
   std::vector<KvCacheGroup> groups;
   for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -421,7 +422,8 @@ std::vector<KvCacheGroup> group_layers(std::span<const LayerSpec> layers, std::s
     if (spec.kind == LayerKind::none) continue;
     KvCacheGroup* group = nullptr;
     for (KvCacheGroup& g : groups) {
-      if (g.spec.same_group_as(spec)) {
+      if (g.spec.same_group_as(spec) &&
+          (max_layers_per_group == 0 || g.layers.size() < max_layers_per_group)) {
         group = &g;
         break;
       }

@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "kvport/core/shared_block_pool.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
 #include "kvport/platform/error.hpp"
@@ -214,6 +215,57 @@ void PagedKvCache::adopt_pools(std::span<const AdoptedPool> pools) {
   }
 }
 
+PagedKvCache::PagedKvCache(KvCacheConfig config, SharedBlockPool& pool, PagedKvCacheOptions options)
+    : config_(std::move(config)),
+      num_blocks_(pool.num_blocks()),
+      backend_(&pool.backend()),
+      trace_(0, false) {
+  config_.validate();
+  const SharedPoolGeometry& geo = pool.geometry();
+  if (config_.layout != KvCacheLayout::layer_major) {
+    throw InvalidArgument("PagedKvCache: a cache over a shared pool must be layer-major");
+  }
+  if (config_.num_layers > geo.num_slots) {
+    throw InvalidArgument(
+        fmt::format("PagedKvCache: {} layers do not fit a shared pool of {} slots",
+                    config_.num_layers, geo.num_slots));
+  }
+  const bool has_v = config_.has_v();
+  for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
+    const std::size_t k = config_.k_block_bytes(layer);
+    const std::size_t v = has_v ? config_.v_block_bytes(layer) : 0;
+    if (k != geo.k_page_bytes || v != geo.v_page_bytes) {
+      throw InvalidArgument(fmt::format(
+          "PagedKvCache: layer {} has {}-byte K and {}-byte V pages, the shared pool {} and {}",
+          layer, k, v, geo.k_page_bytes, geo.v_page_bytes));
+    }
+  }
+  total_bytes_ = checked_pool_bytes(num_blocks_, config_.bytes_per_block(), "total");
+  pools_.reserve(2 * config_.num_layers);
+  memory_pools_.reserve(2 * config_.num_layers);
+  for (std::size_t layer = 0; layer < config_.num_layers; ++layer) {
+    const KvCacheDtype dtype = config_.dtype_for_layer(layer);
+    pools_.push_back(
+        BlockPool{pool.k_pool(layer), geo.k_page_bytes, geo.k_page_bytes, num_blocks_, dtype});
+    pools_.push_back(has_v ? BlockPool{pool.v_pool(layer), geo.v_page_bytes, geo.v_page_bytes,
+                                       num_blocks_, dtype}
+                           : BlockPool{DevicePtr{}, 0, 0, num_blocks_, dtype});
+    memory_pools_.push_back(pools_[2 * layer]);
+    if (has_v) memory_pools_.push_back(pools_[2 * layer + 1]);
+  }
+  std::vector<PoolGeometry> table;
+  table.reserve(memory_pools_.size());
+  for (const BlockPool& p : memory_pools_)
+    table.push_back(p.geometry());
+  pool_set_ = backend_->register_block_pools(table, num_blocks_);
+  ref_counts_.assign(num_blocks_, 0);
+  trace_ = BlockTrace(num_blocks_, options.trace.value_or(BlockTrace::enabled_by_env()),
+                      options.trace_depth);
+  free_ = &pool.free_list_;
+  pool.attach(this);
+  shared_ = &pool;
+}
+
 void PagedKvCache::build(std::span<const AdoptedPool> adopt, const PagedKvCacheOptions& options) {
   Backend& backend = *backend_;
   const std::size_t num_blocks = num_blocks_;
@@ -319,6 +371,14 @@ void PagedKvCache::build(std::span<const AdoptedPool> adopt, const PagedKvCacheO
 PagedKvCache::~PagedKvCache() {
   drain_streams_noexcept();
   release_pools();
+  if (shared_ != nullptr) {
+    // Blocks still held go back to the pool, as the memory of an own pool
+    // would go with the cache.
+    for (std::size_t b = 0; b < ref_counts_.size(); ++b) {
+      if (ref_counts_[b] != 0) free_->push_back(static_cast<BlockId>(b));
+    }
+    shared_->detach(this);
+  }
 }
 
 bool PagedKvCache::prepare_to_note(StreamView stream) {
@@ -392,6 +452,9 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
       memory_pools_(std::move(other.memory_pools_)),
       total_bytes_(other.total_bytes_),
       free_list_(std::move(other.free_list_)),
+      shared_(std::exchange(other.shared_, nullptr)),
+      free_(other.free_ == &other.free_list_ ? &free_list_ : other.free_),
+      held_(std::exchange(other.held_, 0)),
       ref_counts_(std::move(other.ref_counts_)),
       counters_(other.counters_),
       trace_(std::move(other.trace_)),
@@ -404,7 +467,9 @@ PagedKvCache::PagedKvCache(PagedKvCache&& other) noexcept
   other.pools_.clear();
   other.memory_pools_.clear();
   other.free_list_.clear();
+  other.free_ = &other.free_list_;
   other.ref_counts_.clear();
+  if (shared_ != nullptr) shared_->replace(&other, this);
 }
 
 void PagedKvCache::release_pools() noexcept {
@@ -706,6 +771,27 @@ void PagedKvCache::write_block(std::size_t layer, BlockId block, std::span<const
 
 InvariantReport PagedKvCache::check_invariants() const {
   InvariantReport report;
+  if (shared_ != nullptr) {
+    // The free list is the pool's (SharedBlockPool::check_invariants checks
+    // it across groups): here, the blocks this group holds.
+    std::size_t held = 0;
+    for (std::size_t b = 0; b < num_blocks_; ++b) {
+      if (ref_counts_[b] != 0) ++held;
+    }
+    for (const BlockId b : *free_) {
+      if (b < num_blocks_ && ref_counts_[b] != 0) {
+        report.add_violation(
+            fmt::format("block {} is on the shared free list with refcount {}", b, ref_counts_[b]));
+      }
+    }
+    if (held != held_) {
+      report.add_violation(
+          fmt::format("{} blocks have a refcount but the cache counts {} held", held, held_));
+    }
+    report.blocks_checked = held;
+    report.blocks_in_use = held;
+    return report;
+  }
   report.blocks_checked = num_blocks_;
   std::vector<std::uint32_t> on_free_list(num_blocks_, 0);
   for (std::size_t i = 0; i < free_list_.size(); ++i) {

@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/prefix_cache.hpp"
 
+#include "kvport/core/shared_block_pool.hpp"
+
 #include <absl/container/flat_hash_set.h>
 #include <fmt/format.h>
 
@@ -81,8 +83,10 @@ struct QueueSlot {
 struct PrefixCache::State {
   explicit State(PagedKvCache& cache)
       : kv(&cache),
+        pool(cache.shared_pool()),
         entries(cache.num_blocks()),
         index(0, IdHash{entries.data()}, IdEq{entries.data()}) {
+    if (pool != nullptr) ticks.assign(cache.num_blocks(), 0);
     // At most one hash per block. Reserving 1/8 above that keeps the load
     // under the 25/32 at which absl grows instead of dropping tombstones in
     // place, and at least 32 keeps the table above one group (16 slots),
@@ -116,6 +120,7 @@ struct PrefixCache::State {
     ++e.gen;
     e.linked = true;
     ++evictable;
+    if (pool != nullptr) ticks[block] = pool->next_tick();
     if (queue.size() > 2 * evictable + 64 || pushes_since_compaction >= kMaxPushes) compact();
     queue.push_back({block, e.gen});
     ++pushes_since_compaction;
@@ -138,11 +143,18 @@ struct PrefixCache::State {
     pushes_since_compaction = 0;
   }
 
-  // The least recently used evictable block; the queue must hold one.
-  BlockId pop_lru() {
+  // The oldest live slot (some block must be evictable), the stale head
+  // dropped.
+  const QueueSlot& oldest() noexcept {
     while (!live(queue[head]))
       ++head;
-    const BlockId block = queue[head++].block;
+    return queue[head];
+  }
+
+  // The least recently used evictable block; the queue must hold one.
+  BlockId pop_lru() {
+    const BlockId block = oldest().block;
+    ++head;
     unlink(entries[block]);
     return block;
   }
@@ -259,6 +271,14 @@ struct PrefixCache::State {
 
   void make_room(PrefixCache& self, const std::source_location& where) {
     if (kv->num_free_blocks() != 0) return;
+    if (pool != nullptr) {  // the oldest evictable block of any group goes
+      pool->make_room(where);
+      return;
+    }
+    give_up_one(self, where);
+  }
+
+  void give_up_one(PrefixCache& self, const std::source_location& where) {
     if (tier != nullptr) tier->on_free_list_empty(self, where);
     if (kv->num_free_blocks() == 0 && evictable != 0) {
       evict_one(where);
@@ -269,9 +289,11 @@ struct PrefixCache::State {
   static constexpr std::size_t kMaxPushes = std::size_t{1} << 31;
 
   PagedKvCache* kv;
-  std::vector<Entry> entries;    // never resized: the index's hasher points into it
-  HashIndex index;               // the cached blocks, keyed by their hash
-  std::vector<QueueSlot> queue;  // [head, end): oldest release first, some stale
+  SharedBlockPool* pool;             // the kv cache's shared pool, or nullptr
+  std::vector<std::uint64_t> ticks;  // shared pool: each block's last release time
+  std::vector<Entry> entries;        // never resized: the index's hasher points into it
+  HashIndex index;                   // the cached blocks, keyed by their hash
+  std::vector<QueueSlot> queue;      // [head, end): oldest release first, some stale
   std::size_t head = 0;
   std::size_t evictable = 0;  // live slots in the queue
   std::size_t pushes_since_compaction = 0;
@@ -289,7 +311,24 @@ struct PrefixCache::State {
   std::size_t origin_bs = kv->config().block_size;  // tokens a registered block covers
 };
 
-PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(cache)) {}
+PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(cache)) {
+  if (state_->pool != nullptr) state_->pool->attach(this);
+}
+
+bool PrefixCache::oldest_evictable_tick(std::uint64_t& tick) {
+  State& s = *state_;
+  if (s.evictable == 0) return false;
+  tick = s.ticks[s.oldest().block];
+  return true;
+}
+
+void PrefixCache::give_up_one(const std::source_location& where) {
+  state_->give_up_one(*this, where);
+}
+
+std::size_t PrefixCache::tier_reclaimable_blocks() const noexcept {
+  return state_->tier != nullptr ? state_->tier->reclaimable_blocks() : 0;
+}
 
 PrefixCache::~PrefixCache() {
   State& s = *state_;
@@ -304,6 +343,7 @@ PrefixCache::~PrefixCache() {
     } catch (...) {  // logging failed: the reference is dropped regardless
     }
   }
+  if (s.pool != nullptr) s.pool->detach(this);
 }
 
 // ---- lookup -----------------------------------------------------------------------------
@@ -664,6 +704,7 @@ std::size_t PrefixCache::num_evictable_blocks() const noexcept {
 
 std::size_t PrefixCache::num_available_blocks() const noexcept {
   const State& s = *state_;
+  if (s.pool != nullptr) return s.pool->num_available_blocks();
   return s.kv->num_free_blocks() + s.evictable +
          (s.tier != nullptr ? s.tier->reclaimable_blocks() : 0);
 }

@@ -95,6 +95,17 @@ class HybridBlockTable {
   PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
   void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
 
+  /// Whether the table keeps the sliding-window blocks before the end of the
+  /// cached prefix its lookup found (see keep_hit_point), off by default.
+  /// Kept blocks are held (blocks_in_use counts them) but are in no block
+  /// list; num_kept_blocks tells how many. Copied by fork.
+  bool keeps_shared_windows() const noexcept { return keep_shared_; }
+  void set_keep_shared_windows(bool keep) noexcept { keep_shared_ = keep; }
+
+  /// The extra references keep_hit_point and the shared-window rule hold in
+  /// group g (a block may be counted twice: kept at both points).
+  std::size_t num_kept_blocks(std::size_t g) const;
+
   /// Blocks (slots) appending `num_tokens` needs in each group, net of the
   /// blocks the freeing rules release first (which come back to the group
   /// when no other sequence holds them): what admission checks. One entry per
@@ -107,7 +118,8 @@ class HybridBlockTable {
   std::vector<GroupNeed> blocks_needed(std::size_t num_tokens) const;
 
   /// Whether append_tokens(num_tokens tokens) would find every block it
-  /// needs in every group (free or evictable, counting what it releases).
+  /// needs in every group (free or evictable, counting what it releases);
+  /// the groups of a shared pool together in that pool.
   bool can_append(std::size_t num_tokens) const;
 
   /// Appends `tokens` in every group: applies the freeing rules, takes a
@@ -121,13 +133,36 @@ class HybridBlockTable {
   /// sequence's span).
   void append_tokens(std::span<const TokenId> tokens, StreamView stream);
 
+  /// Keeps, until release(), the blocks every sliding-window group needs for
+  /// a later request to hit at the table's last full block (the end of the
+  /// prompt, when called after prefill: the next turn of a conversation hits
+  /// there): one more reference on each, so that the freeing rules drop them
+  /// from the table's lists but they are not evictable while the sequence
+  /// runs (they would otherwise be among the first evicted, and the
+  /// full-attention chain before them, which the table holds, could not be
+  /// hit). At most a window's blocks per group; nothing for other kinds
+  /// (full attention and MLA are held anyway; a chunk's blocks cost too much
+  /// to keep). Calling it again moves the kept point. Best-effort: out of
+  /// memory (or a refcount at its limit) keeps nothing. Released with the
+  /// table.
+  ///
+  /// With set_keep_shared_windows(true) the table does the same by itself at
+  /// the end of the cached prefix its lookup found (reuse_cached_prefix: the
+  /// hit, or where the full-attention chain ended when a window block was
+  /// missing), once the table reaches that point: other requests sharing
+  /// the prefix hit there.
+  void keep_hit_point() noexcept;
+
   /// A table sharing every live block (one reference each) with the same
   /// tokens; each state group's working state is copied into a new slot on
   /// `stream`. Throws CacheExhausted (strong guarantee) when a state group
   /// has no slot for the copy.
   HybridBlockTable fork(StreamView stream) const;
 
-  /// Releases every block and slot (last block first, as BlockTable does).
+  /// Releases every block and slot: the live blocks last position first over
+  /// every group (so that the LRU evicts a sequence's tail first, as
+  /// BlockTable's, whichever group a block is in), then the kept windows
+  /// (keep_hit_point), which join the LRU last.
   void release() noexcept;
 
   /// Group g's block list (kNullBlock where released); empty for a state
@@ -148,13 +183,33 @@ class HybridBlockTable {
 
  private:
   struct Group {
-    std::vector<BlockId> blocks;   // block groups; kNullBlock where released
-    std::size_t live_begin = 0;    // entries before it are all null
-    std::optional<BlockId> state;  // state groups: the working slot
+    std::vector<BlockId> blocks;    // block groups; kNullBlock where released
+    std::size_t live_begin = 0;     // entries before it are all null
+    std::vector<BlockId> kept_end;  // keep_hit_point()'s references
+    std::vector<BlockId> kept_hit;  // the window before the lookup's hit
+    std::optional<BlockId> state;   // state groups: the working slot
   };
   struct Plan;
 
+  // The shared pool's side of a plan: what its groups need together, what
+  // it has, what their freeing rules give back.
+  struct PoolNeed {
+    std::size_t needed = 0;
+    std::size_t available = 0;
+    std::size_t releasable = 0;
+  };
+
   Plan plan_append(std::size_t num_tokens) const;
+  // Replaces `into` (group g's kept references) with one more reference on
+  // each live block g needs for a hit ending at block `end_block`; none for
+  // full attention, MLA and state. Keeps nothing when that fails.
+  void keep_window(std::size_t g, std::size_t end_block, std::vector<BlockId>& into) noexcept;
+  // keep_window at keep_at_ (the end of the prompt's cached prefix, in
+  // blocks) once the table reaches it; then keep_at_ = 0.
+  void keep_shared_point() noexcept;
+  PoolNeed shared_need(const Plan& plan) const;
+  // The first group whose pool lacks blocks for `plan` (num_groups: none).
+  std::size_t short_group(const Plan& plan, const PoolNeed& shared) const;
   bool fits_in_place(std::size_t num_tokens) const;
   // A state checkpoint is due at the current token count (a multiple of the
   // interval in blocks, not taken yet).
@@ -170,6 +225,8 @@ class HybridBlockTable {
   std::vector<TokenId> tokens_;
   std::vector<BlockHash> hashes_;    // chained hashes of every full block
   std::size_t checkpointed_at_ = 0;  // tokens at the last checkpoint (0: none)
+  std::size_t keep_at_ = 0;          // keep_shared_point's block (0: none pending)
+  bool keep_shared_ = false;         // set_keep_shared_windows
   std::uint64_t copy_on_writes_ = 0;
   PrefixHitMode hit_mode_ = PrefixHitMode::compute_last_token;
 };

@@ -14,6 +14,7 @@
 #include "kvport/core/layer_spec.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
+#include "kvport/core/shared_block_pool.hpp"
 
 namespace kvport {
 
@@ -28,6 +29,21 @@ struct HybridKvCacheConfig {
   /// that a later request can hit there; 0 caches no state (a hit then stops
   /// at 0 tokens in every model that has a state group).
   std::size_t state_checkpoint_interval = 1;
+  /// Layers per group at most (group_layers' max_layers_per_group): 0 groups
+  /// every layer of a spec together; shared_group_layers() gives the count
+  /// that lets attention groups of unequal layer counts share one pool.
+  std::size_t max_group_layers = 0;
+};
+
+/// Block counts of a HybridKvCache.
+struct HybridPoolSizes {
+  /// Blocks of one SharedBlockPool for the groups shared_pool_geometry()
+  /// puts in it (attention groups whose pages match); 0: none shares, every
+  /// group has a pool of its own.
+  std::size_t shared_blocks = 0;
+  /// One entry per group: blocks (slots) of the group's own pool. Entries of
+  /// groups in the shared pool are ignored.
+  std::vector<std::size_t> group_blocks;
 };
 
 /// Where a model layer lives.
@@ -66,6 +82,12 @@ struct HybridHitCounters {
 /// guard, trace, invariants, pointers and strides per layer) and its prefix
 /// cache. Sequences use it through HybridBlockTable.
 ///
+/// Attention groups whose pages match can share one SharedBlockPool
+/// (HybridPoolSizes::shared_blocks, or a plan made with shared_pool): each is
+/// then a PagedKvCache over the pool, its layer i on the pool's slot i, and
+/// a block id belongs to one group at a time; an allocation in any group
+/// evicts the least recently released cached block of any group.
+///
 /// A group's pool: attention kinds as today; MLA with no V pool; a state
 /// group's "blocks" are state slots of one request's state each. Pointers for
 /// a model layer: group_cache(locate(layer)->group).k_cache_ptr(index, block).
@@ -80,8 +102,17 @@ class HybridKvCache {
   /// first). `backend` must outlive the cache.
   HybridKvCache(HybridKvCacheConfig config, std::span<const std::size_t> blocks_per_group,
                 Backend& backend, PagedKvCacheOptions options = {});
-  /// Sizes each group from a plan (plan_kv_cache of the same groups).
+  /// Sizes each group from a plan (plan_kv_cache of the same groups),
+  /// sharing a pool where the plan does. InvalidArgument when the plan's
+  /// shared pool does not match the groups' pages.
   HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
+                PagedKvCacheOptions options = {});
+  /// A shared pool of sizes.shared_blocks blocks for the groups that
+  /// shared_pool_geometry() lets share (InvalidArgument when shared_blocks > 0
+  /// and none can), and a pool of sizes.group_blocks[g] for every other group
+  /// (InvalidArgument for a count of entries other than the number of groups
+  /// or a zero count of a group not in the shared pool).
+  HybridKvCache(HybridKvCacheConfig config, const HybridPoolSizes& sizes, Backend& backend,
                 PagedKvCacheOptions options = {});
   ~HybridKvCache();
   HybridKvCache(const HybridKvCache&) = delete;
@@ -99,8 +130,12 @@ class HybridKvCache {
   /// Where model layer `layer` is; nullopt for a layer without KV. Throws
   /// OutOfRange for layer >= num_layers().
   std::optional<LayerLocation> locate(std::size_t layer) const;
-  /// Bytes of every pool.
+  /// Bytes of every pool (the shared pool's once).
   std::size_t total_bytes() const noexcept;
+  /// The pool the attention groups share, or nullptr when none does.
+  SharedBlockPool* shared_pool() const noexcept { return shared_.get(); }
+  /// Whether group g draws from the shared pool (OutOfRange out of range).
+  bool in_shared_pool(std::size_t g) const;
   /// Blocks (slots) group g holds for sequences: in use and not evictable.
   std::size_t blocks_in_use(std::size_t g) const;
   Backend& backend() const noexcept { return *backend_; }
@@ -125,7 +160,8 @@ class HybridKvCache {
   HybridHitCounters& hit_counters() noexcept { return counters_; }
 
   /// Every group's PrefixCache::check_invariants(), violations prefixed with
-  /// "group g: "; the counts are sums. O(total blocks).
+  /// "group g: "; the counts are sums; with a shared pool, its own
+  /// SharedBlockPool::check_invariants() violations too. O(total blocks).
   InvariantReport check_invariants() const;
   /// One report per group.
   std::vector<InvariantReport> check_group_invariants() const;
@@ -139,6 +175,8 @@ class HybridKvCache {
   std::vector<KvCacheGroup> groups_;
   std::vector<LayerLocation> locations_;  // per model layer; group == SIZE_MAX for none
   Backend* backend_ = nullptr;
+  std::unique_ptr<SharedBlockPool> shared_;  // destroyed after the caches over it
+  std::vector<bool> in_shared_;              // per group
   std::vector<std::unique_ptr<PagedKvCache>> caches_;
   std::vector<std::unique_ptr<PrefixCache>> prefixes_;  // destroyed before caches_
   HybridHitCounters counters_;

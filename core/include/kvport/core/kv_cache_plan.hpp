@@ -2,19 +2,20 @@
 // The hybrid capacity planner: how a memory budget is split between a model's
 // KV cache groups (layer_spec.hpp), and how much each group holds per request.
 //
-// Design (docs/hybrid-models.md): one pool per group, sized by the ratio of
-// the groups' peak needs per request (TensorRT-LLM's v2 manager), rather than
-// one shared pool of a unified page size (vLLM). A group's pool keeps the
-// block size asked for and its own page bytes, so no page is padded and no
-// group's block size is scaled; the cost is that memory does not move between
-// groups at run time, which is why the split follows the peak need exactly.
+// Design (docs/hybrid-models.md): the budget is split in the ratio of the
+// groups' peak needs per request. Attention groups whose pages match share one
+// pool (vLLM's design: memory moves between them at run time) and get the sum
+// of their shares; the others (state, or pages of another size) keep a pool
+// of their own, so no page is ever padded.
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "kvport/core/layer_spec.hpp"
+#include "kvport/core/shared_block_pool.hpp"
 
 namespace kvport {
 
@@ -32,6 +33,12 @@ struct KvCachePlanRequest {
   /// Cached state checkpoints kept per request beside its working state
   /// (state groups only).
   std::size_t state_checkpoints = 1;
+  /// Let the attention groups whose pages match (shared_pool_geometry) draw
+  /// from one SharedBlockPool, so that memory moves between them at run time
+  /// (`kvport replay` does by default). false (the default of this API, which
+  /// the C, Python and Rust plans and `kvport plan` report): every group gets
+  /// a pool of its own.
+  bool shared_pool = false;
 };
 
 /// One group's share.
@@ -43,8 +50,13 @@ struct GroupPlan {
   std::size_t bytes_per_request = 0;  ///< state kinds: one state, all layers; else 0
   /// Blocks (slots) one request of max_context_tokens holds at its peak.
   std::size_t peak_blocks_per_request = 0;
-  std::size_t num_blocks = 0;  ///< blocks (slots) of the group's pool
-  std::size_t bytes = 0;       ///< the pool's bytes, allocation rounding included
+  /// Blocks (slots) of the group's pool; for a group in the shared pool, the
+  /// shared pool's blocks (any of them may come to this group).
+  std::size_t num_blocks = 0;
+  /// The pool's bytes, allocation rounding included; 0 for a group in the
+  /// shared pool (KvCachePlan::shared_bytes has them).
+  std::size_t bytes = 0;
+  bool shared = false;  ///< the group draws from the plan's shared pool
 };
 
 /// The planner's answer.
@@ -63,6 +75,13 @@ struct KvCachePlan {
   /// The same in one shared pool whose pages are padded to the largest
   /// group's page (the unified-page alternative), for the design comparison.
   std::size_t shared_pool_peak_bytes_per_request = 0;
+  /// The shared pool (groups with `shared` set): its blocks, page geometry and
+  /// bytes; 0 blocks when no group shares.
+  std::size_t shared_blocks = 0;
+  SharedPoolGeometry shared_geometry;
+  std::size_t shared_bytes = 0;
+  /// The context the plan was made for (request.max_context_tokens).
+  std::size_t max_context_tokens = 0;
 
   /// peak_bytes_per_request / all_full_peak_bytes_per_request.
   double ratio_to_all_full() const noexcept;
@@ -80,6 +99,26 @@ std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_siz
                                     std::size_t context_tokens, std::size_t step_tokens,
                                     std::size_t state_checkpoints = 1);
 
+/// The layer count to split `groups` into (group_layers' max_layers_per_group)
+/// so that their attention groups can share one pool (vLLM's rule: the
+/// smallest attention group's layer count, or the largest when they are within
+/// 1.25x of each other); 0 when they cannot share: fewer than two attention
+/// groups, block-major layout, or pages of different bytes.
+std::size_t shared_group_layers(std::span<const KvCacheGroup> groups, std::size_t block_size,
+                                KvCacheLayout layout);
+
+/// The shared pool `groups` can use, and which groups join it: every group
+/// with blocks (full, MLA, window, chunked) when there are at least two, the
+/// layout is layer-major, every layer's K (and V) region has the same bytes in
+/// all of them (so no page is padded), and the slots the groups leave unused
+/// (a group of fewer layers than the largest) are at most a quarter of all
+/// (group_layers with shared_group_layers gets there: Gemma 3's 52 window and
+/// 10 full layers become 6 + 1 groups of up to 10); nullopt otherwise.
+/// `members` gets the groups' indices.
+std::optional<SharedPoolGeometry> shared_pool_geometry(std::span<const KvCacheGroup> groups,
+                                                       std::size_t block_size, KvCacheLayout layout,
+                                                       std::vector<std::size_t>* members = nullptr);
+
 /// Splits `request.budget_bytes` between `groups` in the ratio of their peak
 /// bytes per request, each share turned into blocks by
 /// PagedKvCache::compute_num_blocks (so a cache built from the plan fits the
@@ -89,6 +128,8 @@ std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_siz
 /// 0 blocks: a budget too small for one block of some group throws
 /// InvalidArgument naming the group, and one that holds fewer than
 /// request.max_requests requests at their peak throws saying how many fit.
+/// With request.shared_pool and a shared_pool_geometry, the groups that share
+/// get one pool of the bytes their separate pools would have had together.
 KvCachePlan plan_kv_cache(std::span<const KvCacheGroup> groups, std::size_t block_size,
                           const KvCachePlanRequest& request,
                           KvCacheLayout layout = KvCacheLayout::layer_major);

@@ -184,9 +184,14 @@ struct KvCacheGroup {
 };
 
 /// Groups `layers` by LayerSpec::same_group_as, in order of each group's first
-/// layer; `none` layers belong to no group. Validates each spec. Throws
-/// InvalidArgument for an empty list or a list of only `none` layers.
-std::vector<KvCacheGroup> group_layers(std::span<const LayerSpec> layers, std::size_t block_size);
+/// layer; `none` layers belong to no group. With max_layers_per_group > 0, a
+/// group that has that many layers is full and the next layer of its spec
+/// starts a new group (vLLM's split of a model's layers into groups of equal
+/// layer count, so that their pages can share one pool: shared_group_layers
+/// in kv_cache_plan.hpp). Validates each spec. Throws InvalidArgument for an
+/// empty list or a list of only `none` layers.
+std::vector<KvCacheGroup> group_layers(std::span<const LayerSpec> layers, std::size_t block_size,
+                                       std::size_t max_layers_per_group = 0);
 
 /// The pool config of `group`: LayerSpec::pool_config with the group's layer
 /// count and per-layer dtypes.

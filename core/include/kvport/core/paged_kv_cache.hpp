@@ -19,6 +19,8 @@
 
 namespace kvport {
 
+class SharedBlockPool;
+
 /// Monotonic counters since construction.
 struct KvCacheCounters {
   std::uint64_t allocs = 0;                ///< successful alloc_block / try_alloc_block
@@ -140,6 +142,21 @@ class PagedKvCache {
   PagedKvCache(KvCacheConfig config, std::size_t num_blocks, Backend& backend,
                std::span<const AdoptedPool> pools, PagedKvCacheOptions options = {});
 
+  /// One group's cache over a SharedBlockPool (shared_block_pool.hpp): layer
+  /// i uses the pool's slot i, block ids come from (and go back to) the
+  /// pool's free list, and the refcounts, trace and counters are this
+  /// cache's own. num_blocks() is the pool's (any id may come to this group),
+  /// num_free_blocks() the pool's free list, num_blocks_in_use() the blocks
+  /// this group holds, total_bytes() the bytes this group's layers address
+  /// (shared with the other groups). Throws InvalidArgument unless the layout
+  /// is layer-major, the layers fit the pool's slots and every layer's K (V)
+  /// region is the pool's K (V) page; as the allocating constructor for a
+  /// bad config. The pool must outlive the cache.
+  PagedKvCache(KvCacheConfig config, SharedBlockPool& pool, PagedKvCacheOptions options = {});
+
+  /// The shared pool this cache draws from (nullptr: its own pools).
+  SharedBlockPool* shared_pool() const noexcept { return shared_; }
+
   /// Bytes each pool of the adopting constructor must hold for `num_blocks`
   /// blocks of `config`, in memory_pools() order (num_blocks x the region
   /// size in layer-major layout; num_blocks x bytes_per_block() in
@@ -211,9 +228,9 @@ class PagedKvCache {
                             std::source_location where = std::source_location::current());
 
   std::uint32_t ref_count(BlockId block) const;
-  std::size_t num_free_blocks() const noexcept { return free_list_.size(); }
+  std::size_t num_free_blocks() const noexcept { return free_->size(); }
   std::size_t num_blocks() const noexcept { return num_blocks_; }
-  std::size_t num_blocks_in_use() const noexcept { return num_blocks_ - free_list_.size(); }
+  std::size_t num_blocks_in_use() const noexcept { return held_; }
 
   // ---- geometry: pools, pointers and strides ---------------------------------
 
@@ -377,7 +394,10 @@ class PagedKvCache {
   std::vector<BlockPool> memory_pools_;  // see memory_pools()
   std::size_t total_bytes_ = 0;
 
-  std::vector<BlockId> free_list_;  // top of the stack at the back
+  std::vector<BlockId> free_list_;  // top of the stack at the back (own pools)
+  SharedBlockPool* shared_ = nullptr;
+  std::vector<BlockId>* free_ = &free_list_;  // free_list_, or the shared pool's
+  std::size_t held_ = 0;                      // blocks with refcount > 0
   std::vector<std::uint32_t> ref_counts_;
   KvCacheCounters counters_;
   BlockTrace trace_;
@@ -392,11 +412,12 @@ class PagedKvCache {
 // ---- hot paths --------------------------------------------------------------------
 
 inline BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& where) {
-  const BlockId block = free_list_.back();
-  free_list_.pop_back();
+  std::vector<BlockId>& free = *free_;
+  const BlockId block = free.back();
+  free.pop_back();
   ref_counts_[block] = 1;
   ++counters_.allocs;
-  const std::size_t in_use = num_blocks_ - free_list_.size();
+  const std::size_t in_use = ++held_;
   if (in_use > counters_.peak_blocks_in_use) counters_.peak_blocks_in_use = in_use;
   if (trace_.is_on()) [[unlikely]]
     trace_.record(block, op, 1, where);
@@ -404,13 +425,13 @@ inline BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& w
 }
 
 inline BlockId PagedKvCache::alloc_block(std::source_location where) {
-  if (free_list_.empty()) [[unlikely]]
+  if (free_->empty()) [[unlikely]]
     throw_exhausted();
   return take_free(BlockOp::alloc, where);
 }
 
 inline std::optional<BlockId> PagedKvCache::try_alloc_block(std::source_location where) {
-  if (free_list_.empty()) [[unlikely]] {
+  if (free_->empty()) [[unlikely]] {
     ++counters_.exhaustion_events;
     return std::nullopt;
   }
@@ -425,7 +446,8 @@ inline bool PagedKvCache::release(BlockId block, BlockOp op, const std::source_l
   if (trace_.is_on()) [[unlikely]]
     trace_.record(block, op, rc, where);
   if (rc != 0) return false;
-  free_list_.push_back(block);  // never reallocates: capacity is num_blocks
+  free_->push_back(block);  // never reallocates: capacity is num_blocks
+  --held_;
   ++counters_.frees;
   return true;
 }

@@ -324,6 +324,15 @@ class PrefixCache {
   InvariantReport check_invariants() const;
 
  private:
+  friend class SharedBlockPool;
+  // For a shared pool (shared_block_pool.hpp): the pool-wide release time of
+  // this cache's least recently released evictable block (false: none); give
+  // up one block to the pool (the tier first, as make_room does); what the
+  // tier can reclaim.
+  bool oldest_evictable_tick(std::uint64_t& tick);
+  void give_up_one(const std::source_location& where);
+  std::size_t tier_reclaimable_blocks() const noexcept;
+
   struct State;
   std::unique_ptr<State> state_;
 };
