@@ -48,6 +48,32 @@ LayerSpec tiny(const LayerSpec& spec, std::size_t g) {
   return LayerSpec::no_kv();
 }
 
+// A tiny layer of the i-th group in the shared pool: every one has 64-element
+// K and V per token (heads x head_dim), so their pages match, and the
+// factorization differs per group so that group_layers keeps them apart (the
+// groups a split made have equal specs).
+LayerSpec tiny_shared(const LayerSpec& spec, std::size_t i) {
+  constexpr std::size_t kElements = 64;
+  if (i > 6) {
+    throw InvalidArgument(fmt::format(
+        "kvport replay: the model has more than 7 groups in its shared pool ({} and more); the "
+        "simulation tells at most 7 apart",
+        i + 1));
+  }
+  const std::size_t heads = std::size_t{1} << i;
+  const std::size_t dim = kElements / heads;
+  switch (spec.kind) {
+    case LayerKind::sliding_window:
+      return LayerSpec::sliding_window(spec.window, heads, dim, dim);
+    case LayerKind::chunked_local:
+      return LayerSpec::chunked_local(spec.chunk, heads, dim, dim);
+    case LayerKind::mla:  // K only: a latent of 64 values
+      return LayerSpec::mla(kElements - 8 * i, 8 * i);
+    default:
+      return LayerSpec::full_attention(heads, dim, dim);
+  }
+}
+
 class HybridReplayWorkload final : public Workload {
  public:
   HybridReplayWorkload(std::span<const TraceRequest> requests, const HybridReplayOptions& options,
@@ -128,11 +154,16 @@ class HybridReplayWorkload final : public Workload {
     sequence_tokens(request, id, options_.trace_block_tokens, context, scratch_);
     HybridBlockTable table(cache_);
     table.set_prefix_hit_mode(options_.prefix_hit_mode);
+    table.set_keep_shared_windows(true);
     const std::uint64_t lower_before = cache_.hit_counters().lower_tier_blocks;
     onloads_before_.clear();
     for (std::size_t g = 0; g < usage_.size(); ++g)
       onloads_before_.push_back(tier_ != nullptr ? tier_->counters(g).onloads : 0);
     const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
+    if (!state.tried) {
+      state.tried = true;
+      state.first_hit = hit;
+    }
     const bool from_host = cache_.hit_counters().lower_tier_blocks != lower_before;
     hit_blocks_.clear();
     host_blocks_.clear();
@@ -142,18 +173,30 @@ class HybridReplayWorkload final : public Workload {
       host_blocks_.push_back(tier_ != nullptr ? tier_->counters(g).onloads - onloads_before_[g]
                                               : 0);
     }
+    // Admitted only when the whole prefill fits (as the one-group replay
+    // does): a try that computed some chunks and then gave up would leave
+    // them cached, and its retry would count them as a hit.
+    if (!prefill_fits(table, scratch_.size())) return false;
     // Chunked prefill: each chunk is computed before the next is appended.
     for (std::size_t at = hit; at < scratch_.size();) {
       const std::size_t n = std::min(options_.prefill_chunk_tokens, scratch_.size() - at);
-      if (!table.can_append(n)) return false;  // the table gives everything back
+      if (!table.can_append(n)) {  // the estimate was short; the table gives everything back
+        state.computed_to = std::max(state.computed_to, at);
+        return false;
+      }
       table.append_tokens(std::span<const TokenId>(scratch_).subspan(at, n), stream_);
       at += n;
     }
+    // The next turn of a conversation hits at the end of this prompt: its
+    // window blocks stay until the request ends.
+    table.keep_hit_point();
     if (!state.admitted) {
       state.admitted = true;
       result_.prompt_tokens += request.input_length;
-      result_.hit_tokens += hit;
-      if (from_host) result_.host_hit_tokens += hit;
+      // What an earlier try of this request computed is not a hit.
+      const std::size_t counted = hit > state.computed_to ? hit : std::min(hit, state.first_hit);
+      result_.hit_tokens += counted;
+      if (from_host) result_.host_hit_tokens += counted;
       for (std::size_t g = 0; g < usage_.size(); ++g) {
         usage_[g].hit_blocks += hit_blocks_[g];
         usage_[g].host_hit_blocks += host_blocks_[g];
@@ -191,18 +234,64 @@ class HybridReplayWorkload final : public Workload {
   struct RequestState {
     std::size_t generated = 0;
     bool admitted = false;
+    bool tried = false;           // looked up once
+    std::size_t first_hit = 0;    // the first lookup's hit
+    std::size_t computed_to = 0;  // tokens a failed try computed (cached now)
     std::optional<HybridBlockTable> table;
   };
 
-  // Whether a request of `context` tokens fits an empty cache in every group.
-  bool fits_alone(std::size_t context) const {
+  // Blocks group g needs at the peak of a prefill to `context` tokens: the
+  // chunked prefill's peak plus, for a window or chunked group, the window
+  // the table keeps at the shared point (HybridBlockTable::keep_hit_point
+  // and keep_window).
+  std::size_t prefill_peak(std::size_t g, std::size_t context, bool hit) const {
+    const LayerSpec& spec = cache_.group(g).spec;
+    context = std::max<std::size_t>(context, 1);
+    std::size_t peak =
+        peak_blocks_per_request(spec, bs_, context, options_.prefill_chunk_tokens, 1);
+    if (!hit && spec.kind == LayerKind::sliding_window)
+      peak += peak_blocks_per_request(spec, bs_, context, 1, 0);
+    return peak;
+  }
+
+  // Whether a prefill to `context` tokens finds its peak's blocks in every
+  // group (the groups of a shared pool together in it), `held(g)` of them
+  // held already; `empty_cache`: in a cache that holds nothing.
+  template <typename Held>
+  bool prefill_fits(std::size_t context, bool empty_cache, Held held) const {
+    std::size_t shared = 0;
     for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
-      const std::size_t peak =
-          peak_blocks_per_request(cache_.group(g).spec, bs_, std::max<std::size_t>(context, 1),
-                                  options_.prefill_chunk_tokens, 1);
-      if (peak > cache_.group_cache(g).num_blocks()) return false;
+      // A hit's window is kept while the prefill goes on: held, but not
+      // released as the prefill slides past it.
+      const std::size_t h = held(g);
+      const std::size_t peak = prefill_peak(g, context, h != 0);
+      const std::size_t need =
+          peak - std::min(peak, cache_.group(g).spec.kind == LayerKind::sliding_window ? 0 : h);
+      const std::size_t have = empty_cache ? cache_.group_cache(g).num_blocks()
+                                           : cache_.prefix_cache(g).num_available_blocks();
+      if (cache_.in_shared_pool(g)) {
+        shared += need;
+      } else if (need > have) {
+        return false;
+      }
     }
-    return true;
+    if (cache_.shared_pool() == nullptr) return true;
+    return shared <= (empty_cache ? cache_.shared_pool()->num_blocks()
+                                  : cache_.shared_pool()->num_available_blocks());
+  }
+
+  // Whether the prefill of `context` tokens fits from where `table` (its
+  // hit) stands.
+  bool prefill_fits(const HybridBlockTable& table, std::size_t context) const {
+    return prefill_fits(context, false, [&](std::size_t g) {
+      return cache_.group(g).spec.kind == LayerKind::state ? std::size_t{1}
+                                                           : table.num_live_blocks(g);
+    });
+  }
+
+  // Whether a request of `context` tokens fits an empty cache.
+  bool fits_alone(std::size_t context) const {
+    return prefill_fits(context, true, [](std::size_t) { return std::size_t{0}; });
   }
 
   std::span<const TraceRequest> requests_;
@@ -262,7 +351,12 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
                                  const HybridReplayOptions& options, Backend& backend) {
   options.validate();
   const auto start = std::chrono::steady_clock::now();
-  const std::vector<KvCacheGroup> groups = group_layers(options.layers, options.block_size);
+  std::vector<KvCacheGroup> groups = group_layers(options.layers, options.block_size);
+  std::size_t split = 0;
+  if (options.shared_pool) {
+    split = shared_group_layers(groups, options.block_size, KvCacheLayout::layer_major);
+    if (split != 0) groups = group_layers(options.layers, options.block_size, split);
+  }
   KvCachePlanRequest want;
   want.budget_bytes = options.budget_bytes;
   want.max_context_tokens = options.max_context_tokens;
@@ -272,15 +366,19 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
   }
   want.max_context_tokens = std::max<std::size_t>(want.max_context_tokens, 1);
   want.step_tokens = options.prefill_chunk_tokens;
+  want.shared_pool = options.shared_pool;
   const KvCachePlan plan = plan_kv_cache(groups, options.block_size, want);
 
-  // The simulated cache: one tiny layer per group, the plan's block counts.
+  // The simulated cache: one tiny layer per group, the plan's block counts
+  // (the shared pool's groups: tiny layers of one page size).
   HybridKvCacheConfig sim;
   sim.block_size = options.block_size;
   sim.state_checkpoint_interval = options.state_checkpoint_interval;
   std::vector<HybridGroupUsage> usage;
+  std::size_t shared_index = 0;
   for (const GroupPlan& g : plan.groups) {
-    sim.layers.push_back(tiny(g.spec, sim.layers.size()));
+    sim.layers.push_back(g.shared ? tiny_shared(g.spec, shared_index++)
+                                  : tiny(g.spec, sim.layers.size()));
     HybridGroupUsage u;
     u.spec = g.spec;
     u.num_layers = g.num_layers;
@@ -288,7 +386,11 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
     u.bytes_per_block = g.bytes_per_block;
     usage.push_back(u);
   }
-  HybridKvCache cache(sim, plan, backend);
+  HybridPoolSizes sizes;
+  sizes.shared_blocks = plan.shared_blocks;
+  for (const GroupPlan& g : plan.groups)
+    sizes.group_blocks.push_back(g.num_blocks);
+  HybridKvCache cache(sim, sizes, backend);
   if (cache.num_groups() != plan.groups.size()) {
     throw std::logic_error("kvport replay: the simulated groups differ from the plan's (a bug)");
   }
@@ -332,6 +434,8 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
   result.groups = std::move(usage);
   result.budget_bytes = options.budget_bytes;
   result.pool_bytes = plan.total_bytes;
+  result.planned_context_tokens = plan.max_context_tokens;
+  result.shared_pool_blocks = plan.shared_blocks;
   result.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return result;
 }

@@ -51,6 +51,41 @@ TEST(cli_group_replay, GptOssGroupsBesideAllFull) {
   EXPECT_TRUE(j.at("ok").get<bool>());
 }
 
+TEST(cli_group_replay, SharedPoolByDefaultSeparatePoolsOnRequest) {
+  // gpt-oss's window and full groups have one page size: one pool by
+  // default, the planned context reported (the trace's longest request).
+  const CliResult shared = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--json"});
+  ASSERT_EQ(shared.code, 0) << shared.err << shared.out;
+  const nlohmann::json s = shared.json();
+  EXPECT_TRUE(s.at("shared_pool").get<bool>());
+  EXPECT_GT(s.at("shared_pool_blocks").get<std::size_t>(), 0u);
+  EXPECT_EQ(s.at("max_context_tokens"), 0);  // not given
+  EXPECT_GT(s.at("planned_context_tokens").get<std::size_t>(), 8000u);
+  // Every group of a shared pool reports the pool's blocks as its own.
+  for (const nlohmann::json& g : s.at("groups").at("group_usage"))
+    EXPECT_EQ(g.at("num_blocks"), s.at("shared_pool_blocks"));
+
+  const CliResult separate =
+      group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--json", "--separate-pools"});
+  ASSERT_EQ(separate.code, 0) << separate.err << separate.out;
+  const nlohmann::json p = separate.json();
+  EXPECT_FALSE(p.at("shared_pool").get<bool>());
+  EXPECT_EQ(p.at("shared_pool_blocks"), 0);
+  EXPECT_EQ(p.at("planned_context_tokens"), s.at("planned_context_tokens"));
+  EXPECT_TRUE(p.at("ok").get<bool>());
+  // The same trace and memory: the shared pool hits at least as often.
+  EXPECT_GE(s.at("groups").at("hit_tokens").get<std::size_t>(),
+            p.at("groups").at("hit_tokens").get<std::size_t>());
+
+  const CliResult text = group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("the attention groups share one pool of"));
+  const CliResult text_separate =
+      group_replay({"--memory", "2GiB", "--model", "gpt-oss-120b", "--separate-pools"});
+  ASSERT_EQ(text_separate.code, 0) << text_separate.err;
+  EXPECT_THAT(text_separate.out, HasSubstr("a pool per group"));
+}
+
 // The report's "groups" and "all_full" without their wall time.
 nlohmann::json without_timing(nlohmann::json j) {
   for (const char* run : {"groups", "all_full"})

@@ -82,6 +82,30 @@ TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   EXPECT_LE(hybrid.groups[0].peak_blocks_in_use, 41 * hybrid.peak_running);
 }
 
+TEST(HybridReplay, AnAdmissionThatDoesNotFitComputesNothingAndIsNoHit) {
+  // Long requests that share nothing, all at once, in memory that holds a
+  // few: every hit would be a request's own work from a try that did not
+  // fit (its chunks cached, then found by its retry), which is not a hit.
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
+  std::vector<TraceRequest> trace = long_context_trace();
+  std::uint64_t next_hash = 1u << 20;
+  for (TraceRequest& r : trace) {
+    for (std::uint64_t& h : r.hash_ids)
+      h = next_hash++;
+  }
+  HybridReplayOptions o;
+  o.layers = gpt_oss_120b();
+  o.budget_bytes = std::size_t{8} << 30;
+  for (bool all_full : {false, true}) {
+    if (all_full) o.layers = as_all_full_attention(o.layers);
+    const HybridReplayResult r = replay_hybrid(trace, o, *backend);
+    EXPECT_EQ(r.completed, trace.size()) << "all_full " << all_full;
+    EXPECT_EQ(r.hit_tokens, 0u) << "all_full " << all_full;
+    EXPECT_LT(r.peak_running, trace.size()) << "memory binds";
+    EXPECT_TRUE(r.invariants.ok) << r.invariants.to_string();
+  }
+}
+
 // Request A, then enough unrelated requests to push A out of the device in
 // every group, then A's next turn: one at a time (arrivals far apart).
 std::vector<TraceRequest> return_after_churn_trace() {

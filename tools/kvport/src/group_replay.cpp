@@ -151,6 +151,11 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
         o.host_tier_blocks, format_bytes(g.host_bytes), to_string(o.tier_policy),
         to_string(o.tier_inclusion));
   }
+  out << fmt::format("planned for {} tokens of context; ", g.planned_context_tokens);
+  out << (g.shared_pool_blocks != 0
+              ? fmt::format("the attention groups share one pool of {} blocks\n",
+                            g.shared_pool_blocks)
+              : std::string("a pool per group\n"));
   out << "KV cache groups:\n";
   group_table(out, g);
   out << "Same model, every layer full attention:\n";
@@ -212,6 +217,9 @@ void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
   j["budget_bytes"] = o.budget_bytes;
   j["block_size"] = o.block_size;
   j["max_context_tokens"] = o.max_context_tokens;
+  j["planned_context_tokens"] = run.groups.planned_context_tokens;
+  j["shared_pool"] = o.shared_pool;
+  j["shared_pool_blocks"] = run.groups.shared_pool_blocks;
   j["prefill_chunk_tokens"] = o.prefill_chunk_tokens;
   j["trace_block_tokens"] = o.trace_block_tokens;
   j["concurrency"] = o.concurrency;

@@ -126,6 +126,10 @@ class ReplayCommand final : public Command {
     app.add_flag("--full-prefix-hits", full_prefix_hits_,
                  "Hit every cached block of a fully cached prompt (default: leave its last token "
                  "to compute, the last block a private copy, as an engine needs)");
+    app.add_flag("--separate-pools", separate_pools_,
+                 "Models of several KV cache groups: a pool per group, split by the ratio of "
+                 "their peak needs (default: the attention groups whose pages match share one "
+                 "pool, and memory moves between them)");
     add(app, "--host-tier-blocks", host_tier_blocks_, "N",
         "Host-memory tier under the cache (HostTier), N blocks: evicted blocks are written back "
         "and onloaded on a hit (default: no host tier)");
@@ -406,6 +410,7 @@ class ReplayCommand final : public Command {
     o.state_checkpoint_interval = parse_count(checkpoint_interval_.value, "--checkpoint-interval");
     if (context_.given()) o.max_context_tokens = parse_positive_count(context_.value, "--context");
     if (full_prefix_hits_) o.prefix_hit_mode = PrefixHitMode::full;
+    o.shared_pool = !separate_pools_;
     if (host_tier_blocks_.given()) {
       o.host_tier_blocks = parse_positive_count(host_tier_blocks_.value, "--host-tier-blocks");
     } else {
@@ -764,6 +769,7 @@ class ReplayCommand final : public Command {
   std::uint64_t events_resync_failures_ = 0;  // resync() calls that could not rebuild the set
   std::string events_endpoint_;
   bool full_prefix_hits_ = false;
+  bool separate_pools_ = false;
   CLI::App* app_ = nullptr;
   CLI::Option* progress_on_ = nullptr;
   CLI::Option* progress_off_ = nullptr;

@@ -47,6 +47,10 @@ struct HybridReplayOptions {
   std::uint64_t step_ms = 10;              ///< > 0
   std::size_t state_checkpoint_interval = 1;
   PrefixHitMode prefix_hit_mode = PrefixHitMode::compute_last_token;
+  /// Attention groups whose pages match share one pool (split into groups of
+  /// equal layer count first: shared_group_layers); false: a pool per group
+  /// sized by the plan's ratio of peak needs.
+  bool shared_pool = true;
   /// A host tier under every group (HybridHostTier) of host_tier_blocks x
   /// model_block_bytes() of the real model's memory, split between the
   /// groups by split_host_slots (the same tokens in every group); 0: none.
@@ -84,9 +88,11 @@ struct HybridReplayResult {
   std::size_t rejected = 0;
   std::size_t preemptions = 0;
   std::uint64_t steps = 0;
-  std::size_t peak_running = 0;     ///< most requests running at once
-  double mean_running = 0.0;        ///< running requests, mean over steps
-  std::uint64_t prompt_tokens = 0;  ///< of admitted requests, at first admission
+  std::size_t planned_context_tokens = 0;  ///< the context the plan was made for
+  std::size_t shared_pool_blocks = 0;      ///< blocks of the shared pool (0: none)
+  std::size_t peak_running = 0;            ///< most requests running at once
+  double mean_running = 0.0;               ///< running requests, mean over steps
+  std::uint64_t prompt_tokens = 0;         ///< of admitted requests, at first admission
   std::uint64_t hit_tokens = 0;
   std::uint64_t prefill_tokens = 0;
   std::uint64_t recomputed_tokens = 0;
