@@ -85,15 +85,28 @@ BlockHash hash_block(std::optional<BlockHash> parent, std::span<const TokenId> t
 std::vector<BlockHash> hash_full_blocks(std::span<const TokenId> tokens, std::size_t block_size,
                                         std::uint64_t extra_key) {
   if (block_size == 0) throw InvalidArgument("hash_full_blocks: block_size must be > 0");
-  const std::size_t n = tokens.size() / block_size;
   std::vector<BlockHash> hashes;
-  hashes.reserve(n);
-  std::optional<BlockHash> parent;
-  for (std::size_t i = 0; i < n; ++i) {
+  hashes.reserve(tokens.size() / block_size);
+  extend_chain_hashes(hashes, tokens, block_size, extra_key);
+  return hashes;
+}
+
+void extend_chain_hashes(std::vector<BlockHash>& hashes, std::span<const TokenId> tokens,
+                         std::size_t block_size, std::uint64_t extra_key) {
+  if (block_size == 0) throw InvalidArgument("extend_chain_hashes: block_size must be > 0");
+  const std::size_t full = tokens.size() / block_size;
+  if (hashes.size() > full) {
+    throw InvalidArgument(
+        fmt::format("extend_chain_hashes: {} hashes for {} tokens, which hold {} full blocks of {}",
+                    hashes.size(), tokens.size(), full, block_size));
+  }
+  hashes.reserve(full);
+  std::optional<BlockHash> parent =
+      hashes.empty() ? std::nullopt : std::optional<BlockHash>(hashes.back());
+  for (std::size_t i = hashes.size(); i < full; ++i) {
     parent = hash_block(parent, tokens.subspan(i * block_size, block_size), extra_key);
     hashes.push_back(*parent);
   }
-  return hashes;
 }
 
 }  // namespace kvport

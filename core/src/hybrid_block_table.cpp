@@ -384,14 +384,11 @@ void HybridBlockTable::register_full_blocks() noexcept {
   const std::size_t full = tokens_.size() / block_size_;
   const std::size_t first = hashes_.size();
   if (first >= full) return;
-  while (hashes_.size() < full) {
-    const std::size_t i = hashes_.size();
-    const std::optional<BlockHash> parent =
-        hashes_.empty() ? std::nullopt : std::optional<BlockHash>(hashes_.back());
-    const BlockHash h =
-        hash_block(parent, std::span<const TokenId>(tokens_).subspan(i * block_size_, block_size_),
-                   extra_key_);
-    hashes_.push_back(h);  // capacity reserved by append_tokens
+  try {
+    // append_tokens reserved the capacity: this does not throw.
+    extend_chain_hashes(hashes_, tokens_, block_size_, extra_key_);
+  } catch (...) {
+    return;  // cannot happen; the new blocks would stay unregistered
   }
   // Per group, each unbroken run of live blocks among the new full ones is
   // registered (and announced) at once.

@@ -93,6 +93,32 @@ TEST(BlockHash, IsStableAcrossRuns) {
 // not inlined), equals hash_block's (XXH3 compiled in), and the pinned value
 // holds: four little-endian u64 (parent low, parent high, extra key, has
 // parent), then the tokens as little-endian u32.
+TEST(BlockHash, ExtendChainHashesContinuesAChain) {
+  const std::vector<TokenId> t = tokens(23);
+  const std::vector<BlockHash> all = hash_full_blocks(t, 4, 9);
+  ASSERT_EQ(all.size(), 5u);
+  // From empty, from a prefix of the chain, and when nothing is new.
+  for (std::size_t have : {0u, 2u, 5u}) {
+    std::vector<BlockHash> h(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(have));
+    extend_chain_hashes(h, t, 4, 9);
+    EXPECT_EQ(h, all) << "from " << have;
+  }
+  // Tokens appended later extend the same chain.
+  std::vector<BlockHash> h;
+  extend_chain_hashes(h, std::span<const TokenId>(t).first(10), 4, 9);
+  EXPECT_EQ(h.size(), 2u);
+  extend_chain_hashes(h, t, 4, 9);
+  EXPECT_EQ(h, all);
+  // Errors change nothing.
+  std::vector<BlockHash> too_many = all;
+  EXPECT_THAT(
+      [&] { extend_chain_hashes(too_many, std::span<const TokenId>(t).first(8), 4, 9); },
+      ::testing::ThrowsMessage<InvalidArgument>(::testing::HasSubstr("5 hashes for 8 tokens")));
+  EXPECT_EQ(too_many, all);
+  EXPECT_THROW(extend_chain_hashes(h, t, 0), InvalidArgument);
+  EXPECT_EQ(h, all);
+}
+
 TEST(BlockHash, IsXxh3OfTheDocumentedMessage) {
   const std::vector<TokenId> t = {1, 2, 3, 4};
   const auto reference = [&](std::array<std::uint64_t, 4> head) {

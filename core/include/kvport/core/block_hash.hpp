@@ -48,4 +48,14 @@ BlockHash hash_block(std::optional<BlockHash> parent, std::span<const TokenId> t
 std::vector<BlockHash> hash_full_blocks(std::span<const TokenId> tokens, std::size_t block_size,
                                         std::uint64_t extra_key = 0);
 
+/// Extends `hashes`, the chained hashes of the first hashes.size() full
+/// blocks of `tokens`, to every full block of `tokens` (the one way a
+/// sequence table hashes its newly full blocks; hash_full_blocks is it from
+/// empty). Allocates only past hashes.capacity(): reserve
+/// tokens.size() / block_size first and it does not throw. Throws
+/// InvalidArgument, changing nothing, for block_size == 0 or more hashes
+/// than tokens.size() / block_size.
+void extend_chain_hashes(std::vector<BlockHash>& hashes, std::span<const TokenId> tokens,
+                         std::size_t block_size, std::uint64_t extra_key = 0);
+
 }  // namespace kvport
