@@ -25,6 +25,21 @@ HybridPoolSizes sizes_of(const KvCachePlan& plan) {
   return out;
 }
 
+// `config` grouped as `plan`'s groups were: a plan of split groups
+// (shared_group_layers) caps every group at the split's layer count, which is
+// its largest group's, so a config that sets no cap takes that one when it
+// gives the plan's groups.
+HybridKvCacheConfig grouped_as(HybridKvCacheConfig config, const KvCachePlan& plan) {
+  if (config.max_group_layers != 0 || plan.groups.empty()) return config;
+  if (group_layers(config.layers, config.block_size).size() == plan.groups.size()) return config;
+  std::size_t cap = 0;
+  for (const GroupPlan& g : plan.groups)
+    cap = std::max(cap, g.num_layers);
+  if (group_layers(config.layers, config.block_size, cap).size() == plan.groups.size())
+    config.max_group_layers = cap;
+  return config;
+}
+
 HybridPoolSizes sizes_of(std::span<const std::size_t> blocks_per_group) {
   HybridPoolSizes out;
   out.group_blocks.assign(blocks_per_group.begin(), blocks_per_group.end());
@@ -91,7 +106,7 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const HybridPoolSizes& 
 
 HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
                              PagedKvCacheOptions options)
-    : HybridKvCache(std::move(config), sizes_of(plan), backend, options) {
+    : HybridKvCache(grouped_as(std::move(config), plan), sizes_of(plan), backend, options) {
   if (shared_ && !(shared_->geometry() == plan.shared_geometry)) {
     prefixes_.clear();
     caches_.clear();

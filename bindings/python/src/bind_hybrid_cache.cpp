@@ -12,6 +12,7 @@
 
 #include "events.hpp"
 #include "hybrid_state.hpp"
+#include "kvport/core/shared_block_pool.hpp"
 #include "parts.hpp"
 
 namespace kvport::python {
@@ -61,6 +62,17 @@ void bind_hybrid_cache(py::module_& m) {
           [](const PyHybridCache& c) { return c.cache().config().state_checkpoint_interval; })
       .def_property_readonly("total_bytes",
                              [](const PyHybridCache& c) { return c.cache().total_bytes(); })
+      .def_property_readonly(
+          "shared_pool_blocks",
+          [](const PyHybridCache& c) {
+            const SharedBlockPool* pool = c.cache().shared_pool();
+            return pool != nullptr ? pool->num_blocks() : std::size_t{0};
+          },
+          "Blocks of the pool the attention groups share (0: a pool per group).")
+      .def(
+          "in_shared_pool",
+          [](const PyHybridCache& c, IndexArg g) { return c.cache().in_shared_pool(g); },
+          py::arg("group"), "Whether group g draws from the shared pool.")
       .def_property_readonly("backend",
                              [](const PyHybridCache& c) { return c.state()->backend->name(); })
       .def_property_readonly("layers",

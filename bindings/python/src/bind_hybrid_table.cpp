@@ -83,6 +83,20 @@ void bind_hybrid_table(py::module_& m) {
       .def_property_readonly("copy_on_writes",
                              [](const PyHybridTable& t) { return t.table().copy_on_writes(); })
       .def_property(
+          "keep_shared_windows",
+          [](const PyHybridTable& t) { return t.table().keeps_shared_windows(); },
+          [](const PyHybridTable& t, bool keep) { t.table().set_keep_shared_windows(keep); },
+          "Keep the sliding-window blocks before the end of the cached prefix the lookup found "
+          "while the sequence runs (off by default; HybridBlockTable::set_keep_shared_windows).")
+      .def(
+          "keep_hit_point", [](const PyHybridTable& t) { t.table().keep_hit_point(); },
+          "Keep the sliding-window blocks before the table's end (call after prefill: the next "
+          "turn hits there) until release.")
+      .def(
+          "num_kept_blocks",
+          [](const PyHybridTable& t, IndexArg g) { return t.table().num_kept_blocks(g); },
+          py::arg("group"), "The extra references the kept windows hold in group g.")
+      .def_property(
           "prefix_hit_mode",
           [](const PyHybridTable& t) {
             return std::string(to_string(t.table().prefix_hit_mode()));

@@ -25,6 +25,8 @@ void bind_plan(py::module_& m) {
       .def_readonly("peak_blocks_per_request", &GroupPlan::peak_blocks_per_request)
       .def_readonly("num_blocks", &GroupPlan::num_blocks)
       .def_readonly("bytes", &GroupPlan::bytes)
+      .def_readonly("shared", &GroupPlan::shared,
+                    "Whether the group draws from the plan's shared pool.")
       .def("__repr__", [](const GroupPlan& g) {
         std::ostringstream s;
         s << "GroupPlan(" << g.spec.describe() << " x " << g.num_layers
@@ -45,6 +47,10 @@ void bind_plan(py::module_& m) {
                     &KvCachePlan::all_full_peak_bytes_per_request)
       .def_readonly("shared_pool_peak_bytes_per_request",
                     &KvCachePlan::shared_pool_peak_bytes_per_request)
+      .def_readonly("shared_blocks", &KvCachePlan::shared_blocks,
+                    "Blocks of the pool the shared groups draw from (0: none).")
+      .def_readonly("max_context_tokens", &KvCachePlan::max_context_tokens,
+                    "The context the plan was made for.")
       .def_property_readonly("ratio_to_all_full", &KvCachePlan::ratio_to_all_full)
       .def_property_readonly("blocks_per_group",
                              [](const KvCachePlan& p) {
@@ -65,20 +71,29 @@ void bind_plan(py::module_& m) {
       "plan_kv_cache",
       [](const std::vector<LayerSpec>& layers, std::size_t block_size, std::size_t budget_bytes,
          std::size_t max_context_tokens, std::size_t max_requests, std::size_t step_tokens,
-         std::size_t state_checkpoints) {
+         std::size_t state_checkpoints, bool shared_pool) {
         KvCachePlanRequest r;
         r.budget_bytes = budget_bytes;
         r.max_context_tokens = max_context_tokens;
         r.max_requests = max_requests;
         r.step_tokens = step_tokens;
         r.state_checkpoints = state_checkpoints;
-        return plan_kv_cache(group_layers(layers, block_size), block_size, r);
+        r.shared_pool = shared_pool;
+        std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
+        if (shared_pool) {
+          const std::size_t split =
+              shared_group_layers(groups, block_size, KvCacheLayout::layer_major);
+          if (split != 0) groups = group_layers(layers, block_size, split);
+        }
+        return plan_kv_cache(groups, block_size, r);
       },
       py::arg("layers"), py::arg("block_size"), py::arg("budget_bytes"),
       py::arg("max_context_tokens"), py::kw_only(), py::arg("max_requests") = 0,
-      py::arg("step_tokens") = 1, py::arg("state_checkpoints") = 1,
+      py::arg("step_tokens") = 1, py::arg("state_checkpoints") = 1, py::arg("shared_pool") = false,
       "Splits budget_bytes between the groups of `layers` in the ratio of their peak need per "
-      "request of max_context_tokens (layer-major pools).");
+      "request of max_context_tokens (layer-major pools). shared_pool=True: the attention "
+      "groups whose pages match (split into groups of equal layer count first) share one pool "
+      "of shared_blocks blocks, and memory moves between them at run time.");
 }
 
 }  // namespace kvport::python

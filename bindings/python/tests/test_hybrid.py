@@ -132,6 +132,54 @@ def test_plan_and_groups():
         kvport.plan_kv_cache([kvport.LayerSpec.none()], 16, 1 << 20, 128)
 
 
+def test_shared_pool_plan_and_kept_windows():
+    # Gemma-like: 5 window layers, 1 full, 5 window, 1 full, 2 window: a plan
+    # with a shared pool splits them into 7 groups of 2 layers that share it.
+    pattern = ([kvport.LayerSpec.sliding_window(32, 2, 16)] * 5 +
+               [kvport.LayerSpec.full_attention(2, 16)])
+    layers = pattern * 2 + [kvport.LayerSpec.sliding_window(32, 2, 16)] * 2
+    separate = kvport.plan_kv_cache(layers, 16, 8 << 20, 1024)
+    assert len(separate.groups) == 2 and separate.shared_blocks == 0
+    assert separate.max_context_tokens == 1024
+    plan = kvport.plan_kv_cache(layers, 16, 8 << 20, 1024, shared_pool=True)
+    assert len(plan.groups) == 7 and all(g.shared and g.num_layers == 2 for g in plan.groups)
+    assert plan.shared_blocks > 0 and plan.total_bytes <= 8 << 20
+    with kvport.HybridKvCache(layers, plan) as cache:
+        assert cache.num_groups == 7 and cache.shared_pool_blocks == plan.shared_blocks
+        assert all(cache.in_shared_pool(g) for g in range(7))
+        with pytest.raises(kvport.OutOfRange):
+            cache.in_shared_pool(7)
+        # Memory moves between groups: one long sequence fills the pool, the
+        # window groups hold a few blocks each, the full group the rest.
+        with kvport.HybridBlockTable(cache) as t:
+            n = 0
+            while t.can_append(16):
+                t.append_tokens(tokens(16, 1 + n))
+                n += 16
+            full = t.num_live_blocks(3)
+            assert full > plan.shared_blocks // 2
+            assert all(t.num_live_blocks(g) <= 4 for g in range(7) if g != 3)
+            with pytest.raises(kvport.CacheExhausted, match="shared pool"):
+                t.append_tokens(tokens(16, 1 + n))
+        # Kept windows: a table that hits keeps the window before its hit.
+        prompt = tokens(64)
+        with kvport.HybridBlockTable(cache) as a:
+            a.append_tokens(prompt)
+        with kvport.HybridBlockTable(cache) as b:
+            assert not b.keep_shared_windows
+            b.keep_shared_windows = True
+            assert b.reuse_cached_prefix(prompt + tokens(64, 1000)) == 64
+            b.append_tokens(tokens(64, 1000))
+            assert b.num_kept_blocks(0) == 2  # window 32: blocks 2 and 3, before the hit
+            assert b.num_kept_blocks(3) == 0  # full attention: held anyway
+            b.keep_hit_point()
+            assert b.num_kept_blocks(0) == 4
+            with pytest.raises(kvport.OutOfRange, match="group 7 out of range"):
+                b.num_kept_blocks(7)
+    with kvport.HybridKvCache(layers, separate) as cache:
+        assert cache.shared_pool_blocks == 0 and not cache.in_shared_pool(0)
+
+
 # ---- gpt-oss-like: window 128 + full ---------------------------------------------
 
 def test_window_freeing_after_a_long_decode():

@@ -479,6 +479,25 @@ TEST(SharedPoolPlan, UnequalLayerCountsAreSplitIntoGroupsThatShare) {
     EXPECT_EQ(t.num_live_blocks(g), 2u);
   EXPECT_EQ(cache.shared_pool()->num_free_blocks(), 32u - 14u);
   EXPECT_TRUE(cache.check_invariants().ok);
+
+  // A plan of the split groups builds the same cache from a config that sets
+  // no cap (the plan's largest group is the split); a plan of other groups
+  // is refused.
+  KvCachePlanRequest want;
+  want.budget_bytes = 1 << 20;
+  want.max_context_tokens = 64;
+  want.shared_pool = true;
+  const KvCachePlan plan = plan_kv_cache(groups, kBs, want);
+  ASSERT_GT(plan.shared_blocks, 0u);
+  HybridKvCacheConfig uncapped = c;
+  uncapped.max_group_layers = 0;
+  HybridKvCache from_plan(uncapped, plan, *backend);
+  EXPECT_EQ(from_plan.num_groups(), 7u);
+  EXPECT_EQ(from_plan.config().max_group_layers, split);
+  EXPECT_EQ(from_plan.shared_pool()->num_blocks(), plan.shared_blocks);
+  HybridKvCacheConfig other = uncapped;
+  other.layers.resize(6);  // 5 window + 1 full: other groups
+  EXPECT_THROW(HybridKvCache(other, plan, *backend), InvalidArgument);
 }
 
 }  // namespace

@@ -103,8 +103,10 @@ class HybridKvCache {
   HybridKvCache(HybridKvCacheConfig config, std::span<const std::size_t> blocks_per_group,
                 Backend& backend, PagedKvCacheOptions options = {});
   /// Sizes each group from a plan (plan_kv_cache of the same groups),
-  /// sharing a pool where the plan does. InvalidArgument when the plan's
-  /// shared pool does not match the groups' pages.
+  /// sharing a pool where the plan does. A plan of groups split to share
+  /// (shared_group_layers) is followed when config.max_group_layers is 0:
+  /// the cap becomes the plan's largest group. InvalidArgument when the
+  /// plan's shared pool does not match the groups' pages.
   HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
                 PagedKvCacheOptions options = {});
   /// A shared pool of sizes.shared_blocks blocks for the groups that
