@@ -194,7 +194,7 @@ inline bool holds_pattern_block(const PagedKvCache& cache, BlockId block, std::s
   } while (0)
 
 /// `n` consecutive token ids from `first`.
-inline std::vector<TokenId> tokens(std::size_t n, TokenId first) {
+inline std::vector<TokenId> tokens(std::size_t n, TokenId first = 1) {
   std::vector<TokenId> t(n);
   std::iota(t.begin(), t.end(), first);
   return t;

@@ -5,7 +5,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <numeric>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -17,15 +16,10 @@ namespace kvport {
 namespace {
 
 using test::host_backend;
+using test::tokens;
 using ::testing::HasSubstr;
 
 constexpr std::size_t kBs = 4;
-
-std::vector<TokenId> tokens(std::size_t n, TokenId first = 1) {
-  std::vector<TokenId> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
 
 // Group 0: 2 full-attention layers; group 1: 2 window layers (W = 8);
 // group 2: 1 chunked layer (C = 8). Small heads: 64-byte regions.

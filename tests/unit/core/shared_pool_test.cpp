@@ -7,7 +7,6 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <numeric>
 #include <set>
 #include <span>
 #include <string>
@@ -24,15 +23,10 @@ namespace kvport {
 namespace {
 
 using test::host_backend;
+using test::tokens;
 using ::testing::HasSubstr;
 
 constexpr std::size_t kBs = 4;
-
-std::vector<TokenId> tokens(std::size_t n, TokenId first = 1) {
-  std::vector<TokenId> t(n);
-  std::iota(t.begin(), t.end(), first);
-  return t;
-}
 
 // 2 window layers (W = 8) and 2 full layers, interleaved as gpt-oss's: equal
 // pages and layer counts, so the two groups share one pool.
