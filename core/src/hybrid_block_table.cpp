@@ -101,11 +101,17 @@ void HybridBlockTable::release_block(std::size_t g, BlockId block) noexcept {
 
 void HybridBlockTable::release_before(std::size_t g, std::size_t first) noexcept {
   Group& grp = groups_[g];
-  // Oldest first: the LRU evicts them before the blocks released later.
+  // Oldest first: they are evicted in that order.
   for (std::size_t i = grp.live_begin; i < first; ++i) {
     const BlockId b = grp.blocks[i];
     if (b == kNullBlock) continue;
-    release_block(g, b);
+    // Demoted: evicted before blocks released otherwise (a window's block
+    // serves only a hit that ends a window there; the table keeps those of
+    // its hit points, keep_window).
+    try {
+      cache_->prefix_cache(g).release_demoted(b);
+    } catch (...) {  // only logging can throw; the release itself happened
+    }
     grp.blocks[i] = kNullBlock;
   }
   grp.live_begin = std::max(grp.live_begin, first);

@@ -10,6 +10,8 @@
 #include <array>
 #include <exception>
 #include <limits>
+#include <new>
+#include <tuple>
 #include <utility>
 
 #include "kvport/platform/error.hpp"
@@ -25,7 +27,8 @@ struct Entry {
   BlockHash hash;
   std::uint32_t gen = 0;
   bool cached = false;
-  bool linked = false;  // evictable: its newest queue slot is live
+  bool linked = false;   // evictable: its newest queue slot is live
+  bool demoted = false;  // linked in the demoted queue (release_demoted)
 };
 
 // The hash index is a set of block ids whose key is the block's hash, kept in
@@ -121,13 +124,39 @@ struct PrefixCache::State {
     e.linked = true;
     ++evictable;
     if (pool != nullptr) ticks[block] = pool->next_tick();
-    if (queue.size() > 2 * evictable + 64 || pushes_since_compaction >= kMaxPushes) compact();
+    const std::size_t live_here = evictable - demoted_live;
+    if (queue.size() > 2 * live_here + 64 || pushes_since_compaction >= kMaxPushes) compact();
     queue.push_back({block, e.gen});
     ++pushes_since_compaction;
   }
 
+  // Appends `block` (cached, refcount 1) to the demoted queue, whose blocks
+  // are evicted before any other; the queue must be reserved.
+  void link_demoted(BlockId block) noexcept {
+    Entry& e = entries[block];
+    ++e.gen;
+    e.linked = true;
+    e.demoted = true;
+    ++evictable;
+    ++demoted_live;
+    if (pool != nullptr) ticks[block] = pool->next_tick();
+    if (demoted.size() > 2 * demoted_live + 64 || demoted_pushes >= kMaxPushes) {
+      std::size_t out = 0;
+      for (std::size_t i = demoted_head; i < demoted.size(); ++i) {
+        if (live(demoted[i])) demoted[out++] = demoted[i];
+      }
+      demoted.resize(out);
+      demoted_head = 0;
+      demoted_pushes = 0;
+    }
+    demoted.push_back({block, e.gen});
+    ++demoted_pushes;
+  }
+
   void unlink(Entry& e) {
     e.linked = false;
+    if (e.demoted) --demoted_live;
+    e.demoted = false;
     --evictable;
   }
 
@@ -146,15 +175,22 @@ struct PrefixCache::State {
   // The oldest live slot (some block must be evictable), the stale head
   // dropped.
   const QueueSlot& oldest() noexcept {
+    if (demoted_live != 0) {
+      while (!live(demoted[demoted_head]))
+        ++demoted_head;
+      return demoted[demoted_head];
+    }
     while (!live(queue[head]))
       ++head;
     return queue[head];
   }
 
-  // The least recently used evictable block; the queue must hold one.
+  // The next block to evict (a demoted one first); some block must be
+  // evictable.
   BlockId pop_lru() {
+    const bool from_demoted = demoted_live != 0;
     const BlockId block = oldest().block;
-    ++head;
+    ++(from_demoted ? demoted_head : head);
     unlink(entries[block]);
     return block;
   }
@@ -297,6 +333,10 @@ struct PrefixCache::State {
   std::size_t head = 0;
   std::size_t evictable = 0;  // live slots in the queue
   std::size_t pushes_since_compaction = 0;
+  std::vector<QueueSlot> demoted;  // release_demoted: [demoted_head, end), some stale
+  std::size_t demoted_head = 0;
+  std::size_t demoted_live = 0;
+  std::size_t demoted_pushes = 0;
   PrefixCacheCounters counters;
   PrefixCacheTier* tier = nullptr;
   // Events: the sink (nullptr: none) and what it is told the source is; the
@@ -315,9 +355,10 @@ PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(c
   if (state_->pool != nullptr) state_->pool->attach(this);
 }
 
-bool PrefixCache::oldest_evictable_tick(std::uint64_t& tick) {
+bool PrefixCache::oldest_evictable_tick(std::uint64_t& tick, bool& demoted) {
   State& s = *state_;
   if (s.evictable == 0) return false;
+  demoted = s.demoted_live != 0;
   tick = s.ticks[s.oldest().block];
   return true;
 }
@@ -520,6 +561,25 @@ void PrefixCache::release(BlockId block, std::source_location where) {
   if (refs == 2) s.link(block);  // only the cache's reference is left
 }
 
+void PrefixCache::release_demoted(BlockId block, std::source_location where) {
+  State& s = *state_;
+  s.check(block, "release_demoted");
+  if (!s.entries[block].cached || s.kv->ref_count(block) != 2) {
+    release(block, where);  // not the last sequence reference: as release()
+    return;
+  }
+  if (s.demoted.capacity() == 0) {
+    try {
+      s.demoted.reserve(2 * s.entries.size() + 65);
+    } catch (const std::bad_alloc&) {  // no demoted queue: an ordinary release
+      release(block, where);
+      return;
+    }
+  }
+  s.kv->dec_ref(block, where);
+  s.link_demoted(block);
+}
+
 void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_location where) {
   for (BlockId block : table)
     state_->check(block, "release_blocks");
@@ -688,6 +748,9 @@ std::vector<BlockId> PrefixCache::lru_order() const {
   const State& s = *state_;
   std::vector<BlockId> order;
   order.reserve(s.evictable);
+  for (std::size_t i = s.demoted_head; i < s.demoted.size(); ++i) {
+    if (s.live(s.demoted[i])) order.push_back(s.demoted[i].block);
+  }
   for (std::size_t i = s.head; i < s.queue.size(); ++i) {
     if (s.live(s.queue[i])) order.push_back(s.queue[i].block);
   }
@@ -729,7 +792,7 @@ PrefixCacheMemory PrefixCache::memory_usage() const noexcept {
   // and a sentinel, then the slots.
   const std::size_t slots = s.index.capacity();
   m.index_bytes = slots == 0 ? 0 : slots * (1 + sizeof(BlockId)) + 16;
-  m.lru_bytes = s.queue.capacity() * sizeof(QueueSlot);
+  m.lru_bytes = (s.queue.capacity() + s.demoted.capacity()) * sizeof(QueueSlot);
   m.origin_bytes =
       s.origins.capacity() * sizeof(OriginRecord) + s.origin_tokens.capacity() * sizeof(TokenId);
   return m;
@@ -780,13 +843,24 @@ InvariantReport PrefixCache::check_invariants() const {
     }
   }
   std::size_t live = 0;
-  for (std::size_t i = s.head; i < s.queue.size(); ++i) {
-    const QueueSlot& q = s.queue[i];
-    if (q.block >= s.entries.size()) {
-      report.add_violation(fmt::format("the LRU queue holds block {}, out of range", q.block));
-    } else if (s.live(q)) {
-      ++live;
+  std::size_t live_demoted = 0;
+  for (const auto& [q_vec, first, demoted] :
+       {std::tuple{&s.queue, s.head, false}, std::tuple{&s.demoted, s.demoted_head, true}}) {
+    for (std::size_t i = first; i < q_vec->size(); ++i) {
+      const QueueSlot& q = (*q_vec)[i];
+      if (q.block >= s.entries.size()) {
+        report.add_violation(fmt::format("the LRU queue holds block {}, out of range", q.block));
+      } else if (s.live(q)) {
+        ++live;
+        if (demoted) ++live_demoted;
+        if (s.entries[q.block].demoted != demoted)
+          report.add_violation(fmt::format("block {} is live in the wrong LRU queue", q.block));
+      }
     }
+  }
+  if (live_demoted != s.demoted_live) {
+    report.add_violation(fmt::format("the demoted queue counts {} blocks but holds {}",
+                                     s.demoted_live, live_demoted));
   }
   if (linked != s.evictable || live != s.evictable) {
     report.add_violation(fmt::format(

@@ -121,14 +121,20 @@ void SharedBlockPool::detach(PrefixCache* prefix) noexcept {
 }
 
 void SharedBlockPool::make_room(const std::source_location& where) {
-  // The least recently released block of any group.
+  // The least recently released block of any group, a demoted one
+  // (PrefixCache::release_demoted) before every other.
   PrefixCache* oldest = nullptr;
   std::uint64_t oldest_tick = 0;
+  bool oldest_demoted = false;
   for (PrefixCache* p : prefixes_) {
     std::uint64_t tick = 0;
-    if (p->oldest_evictable_tick(tick) && (oldest == nullptr || tick < oldest_tick)) {
+    bool demoted = false;
+    if (!p->oldest_evictable_tick(tick, demoted)) continue;
+    if (oldest == nullptr || (demoted && !oldest_demoted) ||
+        (demoted == oldest_demoted && tick < oldest_tick)) {
       oldest = p;
       oldest_tick = tick;
+      oldest_demoted = demoted;
     }
   }
   if (oldest != nullptr) {

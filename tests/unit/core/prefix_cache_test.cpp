@@ -232,6 +232,40 @@ TEST_P(PrefixCacheTest, EvictsOnlyWhenTheFreeListIsEmpty) {
   EXPECT_INVARIANTS(pc);
 }
 
+TEST_P(PrefixCacheTest, DemotedBlocksAreEvictedBeforeEveryOther) {
+  BlockTable a = sequence(12);      // blocks 0 1 2
+  BlockTable b = sequence(8, 500);  // blocks 3 4
+  a.release();                      // LRU 2 1 0
+  // b's blocks go back demoted (as a window's slid-out blocks): evicted
+  // first, oldest first, though released after a's. (An extra reference
+  // each, so that b's own release leaves them held.)
+  cache.inc_ref(3);
+  cache.inc_ref(4);
+  b.release();
+  pc.release_demoted(3);
+  pc.release_demoted(4);
+  EXPECT_THAT(pc.lru_order(), ElementsAre(3u, 4u, 2u, 1u, 0u));
+  EXPECT_TRUE(pc.is_evictable(3));
+  EXPECT_INVARIANTS(pc);
+  // A hit takes a demoted block back; released ordinarily it is an LRU block.
+  EXPECT_EQ(pc.lookup(tokens(4, 500)).num_tokens, 4u);
+  EXPECT_THAT(pc.lru_order(), ElementsAre(4u, 2u, 1u, 0u));
+  pc.release(3);
+  EXPECT_THAT(pc.lru_order(), ElementsAre(4u, 2u, 1u, 0u, 3u));
+  for (int i = 0; i < 3; ++i)
+    (void)pc.alloc_block();         // the 3 free blocks
+  EXPECT_EQ(pc.alloc_block(), 4u);  // the demoted block, before a's tail
+  EXPECT_EQ(pc.alloc_block(), 2u);
+  EXPECT_INVARIANTS(pc);
+  // Not the last sequence reference, or an uncached block: as release().
+  const BlockId plain = pc.alloc_block();
+  pc.release_demoted(plain);
+  EXPECT_EQ(cache.ref_count(plain), 0u);
+  EXPECT_THAT([&] { pc.release_demoted(99); },
+              ::testing::ThrowsMessage<OutOfRange>(HasSubstr("release_demoted")));
+  EXPECT_INVARIANTS(pc);
+}
+
 TEST_P(PrefixCacheTest, AnEvictedBlockIsNeverHandedOutWhileReferenced) {
   BlockTable a = sequence(8);  // 0 1 cached, held by a
   BlockTable b = sequence(8);  // hits 0 1

@@ -330,6 +330,38 @@ INSTANTIATE_TEST_SUITE_P(KeepOrNot, KeptWindowsTest, ::testing::Bool(),
                            return p.param ? std::string("Kept") : std::string("NotKept");
                          });
 
+TEST_F(SharedHybridTest, DemotedBlocksOfAnyGroupGoBeforeOtherBlocks) {
+  // a (4 full + 4 window blocks) is released first; then b's window slides,
+  // its first window block demoted, and b ends. A new sequence's 2 blocks
+  // take b's demoted window block first, then the oldest released block
+  // (a's last window block), and a's full-attention chain stays whole.
+  HybridKvCache cache(gpt_oss_like(), shared(16), *backend);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(tokens(16, 1), stream);
+  }
+  const std::vector<BlockHash> a_hashes = hash_full_blocks(tokens(16, 1), kBs);
+  const std::vector<BlockHash> b_hashes = hash_full_blocks(tokens(16, 500), kBs);
+  {
+    HybridBlockTable b(cache);
+    for (TokenId t = 500; t < 516; t += kBs)
+      b.append_tokens(tokens(kBs, t), stream);
+    EXPECT_EQ(b.blocks(0)[0], kNullBlock);  // slid out, demoted
+  }
+  EXPECT_EQ(cache.shared_pool()->num_free_blocks(), 0u);
+  ASSERT_TRUE(cache.prefix_cache(0).find(b_hashes[0]).has_value());
+  HybridBlockTable c(cache);
+  c.append_tokens(tokens(kBs, 9000), stream);  // 1 full + 1 window block
+  EXPECT_FALSE(cache.prefix_cache(0).find(b_hashes[0]).has_value()) << "demoted: first out";
+  EXPECT_FALSE(cache.prefix_cache(0).find(a_hashes[3]).has_value()) << "then the oldest";
+  EXPECT_TRUE(cache.prefix_cache(1).find(a_hashes[3]).has_value());
+  HybridBlockTable hit_a(cache);
+  EXPECT_EQ(hit_a.reuse_cached_prefix(tokens(17, 1), stream), 12u);
+  HybridBlockTable hit_b(cache);
+  EXPECT_EQ(hit_b.reuse_cached_prefix(tokens(17, 500), stream), 16u);
+  expect_ok(cache);
+}
+
 TEST_F(SharedHybridTest, ConstructorErrors) {
   // Unequal layer counts (3 window + 1 full: half the slots of a full block
   // unused): no shared pool can be built.

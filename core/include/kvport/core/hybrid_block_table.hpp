@@ -26,7 +26,9 @@ namespace kvport {
 ///    held) is released and its entry becomes kNullBlock;
 ///  - chunked C: every block before the chunk of token n is released;
 ///  - a released block that was full goes back to its group's prefix cache
-///    with its hash kept (evictable, still hittable by other requests).
+///    with its hash kept (evictable, still hittable by other requests),
+///    demoted (PrefixCache::release_demoted: evicted before the blocks
+///    released otherwise).
 ///
 /// State: the sequence's working state lives in one slot per state group,
 /// zeroed when it is first allocated; the engine updates it in place. At an

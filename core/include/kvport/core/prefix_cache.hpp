@@ -204,6 +204,18 @@ class PrefixCache {
   /// of range.
   void release(BlockId block, std::source_location where = std::source_location::current());
 
+  /// release() for a block a running sequence's freeing rules let go (a
+  /// sliding-window or chunked group's block that left its span): when its
+  /// last sequence reference goes, a cached block joins a demoted queue whose
+  /// blocks are evicted before every other evictable block (here, and in a
+  /// shared pool before any member's other blocks), oldest first. Such a
+  /// block serves only a hit exactly where it ends a window; the blocks a
+  /// table keeps for its hit points (HybridBlockTable::keep_hit_point) are
+  /// released as usual. Otherwise as release() (and as release() when the
+  /// queue, reserved on the first call, cannot be allocated). Throws
+  /// InvalidArgument out of range.
+  void release_demoted(BlockId block, std::source_location where = std::source_location::current());
+
   /// Releases a sequence's block table, last block first: the tail joins the
   /// LRU list before the head, so a shared prefix stays cached longest.
   /// Validates every id before any release.
@@ -329,7 +341,7 @@ class PrefixCache {
   // this cache's least recently released evictable block (false: none); give
   // up one block to the pool (the tier first, as make_room does); what the
   // tier can reclaim.
-  bool oldest_evictable_tick(std::uint64_t& tick);
+  bool oldest_evictable_tick(std::uint64_t& tick, bool& demoted);
   void give_up_one(const std::source_location& where);
   std::size_t tier_reclaimable_blocks() const noexcept;
 
