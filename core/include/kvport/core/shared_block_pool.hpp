@@ -92,8 +92,9 @@ class SharedBlockPool {
   void detach(PrefixCache* prefix) noexcept;
   std::uint64_t next_tick() noexcept { return ++clock_; }
   // Frees one block when the free list is empty: the member prefix cache
-  // whose least recently released evictable block is the oldest gives it up
-  // (through its lower tier first, as its own allocations do).
+  // whose next victim is the oldest gives it up, a demoted block
+  // (PrefixCache::release_demoted) before any other (through its lower tier
+  // first, as its own allocations do).
   void make_room(const std::source_location& where);
 
   std::size_t num_blocks_ = 0;
