@@ -124,10 +124,7 @@ struct PrefixCache::State {
     e.linked = true;
     ++evictable;
     if (pool != nullptr) ticks[block] = pool->next_tick();
-    const std::size_t live_here = evictable - demoted_live;
-    if (queue.size() > 2 * live_here + 64 || pushes_since_compaction >= kMaxPushes) compact();
-    queue.push_back({block, e.gen});
-    ++pushes_since_compaction;
+    push(queue, head, pushes_since_compaction, evictable - demoted_live, {block, e.gen});
   }
 
   // Appends `block` (cached, refcount 1) to the demoted queue, whose blocks
@@ -140,17 +137,7 @@ struct PrefixCache::State {
     ++evictable;
     ++demoted_live;
     if (pool != nullptr) ticks[block] = pool->next_tick();
-    if (demoted.size() > 2 * demoted_live + 64 || demoted_pushes >= kMaxPushes) {
-      std::size_t out = 0;
-      for (std::size_t i = demoted_head; i < demoted.size(); ++i) {
-        if (live(demoted[i])) demoted[out++] = demoted[i];
-      }
-      demoted.resize(out);
-      demoted_head = 0;
-      demoted_pushes = 0;
-    }
-    demoted.push_back({block, e.gen});
-    ++demoted_pushes;
+    push(demoted, demoted_head, demoted_pushes, demoted_live, {block, e.gen});
   }
 
   void unlink(Entry& e) {
@@ -160,16 +147,24 @@ struct PrefixCache::State {
     --evictable;
   }
 
-  // Drops the stale slots and the consumed head. Also run every 2^31 pushes,
-  // so that no stale slot outlives 2^32 joins of its block (a wrapped gen).
-  void compact() noexcept {
-    std::size_t out = 0;
-    for (std::size_t i = head; i < queue.size(); ++i) {
-      if (live(queue[i])) queue[out++] = queue[i];
+  // Appends `slot` to queue `q` (consumed up to `q_head`, `live_count` live
+  // slots counting this one), compacting it first: when more than half of it
+  // is stale, dropping the stale slots and the consumed head, and every 2^31
+  // pushes, so that no stale slot outlives 2^32 joins of its block (a
+  // wrapped gen). Never reallocates a queue reserved for 2 * num_blocks + 65.
+  void push(std::vector<QueueSlot>& q, std::size_t& q_head, std::size_t& pushes,
+            std::size_t live_count, QueueSlot slot) noexcept {
+    if (q.size() > 2 * live_count + 64 || pushes >= kMaxPushes) {
+      std::size_t out = 0;
+      for (std::size_t i = q_head; i < q.size(); ++i) {
+        if (live(q[i])) q[out++] = q[i];
+      }
+      q.resize(out);
+      q_head = 0;
+      pushes = 0;
     }
-    queue.resize(out);
-    head = 0;
-    pushes_since_compaction = 0;
+    q.push_back(slot);
+    ++pushes;
   }
 
   // The oldest live slot (some block must be evictable), the stale head
