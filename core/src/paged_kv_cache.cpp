@@ -29,6 +29,17 @@ std::size_t checked_pool_bytes(std::size_t num_blocks, std::size_t block_bytes, 
   return num_blocks * block_bytes;
 }
 
+// Registers `pools` (memory_pools() order) with the backend: the pool table
+// it fills from (device-resident on GPUs).
+BlockPoolSet register_pools(Backend& backend, std::span<const BlockPool> pools,
+                            std::size_t num_blocks) {
+  std::vector<PoolGeometry> table;
+  table.reserve(pools.size());
+  for (const BlockPool& pool : pools)
+    table.push_back(pool.geometry());
+  return backend.register_block_pools(table, num_blocks);
+}
+
 // The pools' bytes of `num_blocks` blocks of a validated `config`, each
 // allocation rounded to kAllocAlignment (pool_allocation_bytes).
 std::size_t allocation_bytes(const KvCacheConfig& config, std::size_t num_blocks) {
@@ -253,16 +264,19 @@ PagedKvCache::PagedKvCache(KvCacheConfig config, SharedBlockPool& pool, PagedKvC
     memory_pools_.push_back(pools_[2 * layer]);
     if (has_v) memory_pools_.push_back(pools_[2 * layer + 1]);
   }
-  std::vector<PoolGeometry> table;
-  table.reserve(memory_pools_.size());
-  for (const BlockPool& p : memory_pools_)
-    table.push_back(p.geometry());
-  pool_set_ = backend_->register_block_pools(table, num_blocks_);
-  ref_counts_.assign(num_blocks_, 0);
-  trace_ = BlockTrace(num_blocks_, options.trace.value_or(BlockTrace::enabled_by_env()),
-                      options.trace_depth);
+  pool_set_ = register_pools(*backend_, memory_pools_, num_blocks_);
+  // As in build(): what throws after the registration (bad_alloc, a bad
+  // trace depth) must not leave it behind (the destructor will not run).
+  try {
+    ref_counts_.assign(num_blocks_, 0);
+    trace_ = BlockTrace(num_blocks_, options.trace.value_or(BlockTrace::enabled_by_env()),
+                        options.trace_depth);
+    pool.attach(this);
+  } catch (...) {
+    release_pools();
+    throw;
+  }
   free_ = &pool.free_list_;
-  pool.attach(this);
   shared_ = &pool;
 }
 
@@ -330,12 +344,7 @@ void PagedKvCache::build(std::span<const AdoptedPool> adopt, const PagedKvCacheO
       memory_pools_.push_back(BlockPool{base, per_block, per_block, num_blocks, config_.dtype});
     }
 
-    // The pool table the backend fills from (device-resident on GPUs).
-    std::vector<PoolGeometry> table;
-    table.reserve(memory_pools_.size());
-    for (const BlockPool& pool : memory_pools_)
-      table.push_back(pool.geometry());
-    pool_set_ = backend.register_block_pools(table, num_blocks);
+    pool_set_ = register_pools(backend, memory_pools_, num_blocks);
 
     // Host-side state is built inside the try as well: a bad_alloc or a bad
     // trace depth here must not leak the pools (the destructor will not run).

@@ -7,6 +7,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <set>
 #include <span>
 #include <string>
@@ -138,7 +139,17 @@ TEST(SharedBlockPool, CacheConstructorErrors) {
   wide.head_dim_v = 16;
   EXPECT_THAT([&] { PagedKvCache(wide, pool); },
               ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("pages")));
+  // A trace that cannot be sized fails after the pools are registered: the
+  // registration goes with it, and the pool takes a cache afterwards.
+  PagedKvCacheOptions huge_trace;
+  huge_trace.trace = true;
+  huge_trace.trace_depth = std::numeric_limits<std::size_t>::max();
+  EXPECT_THAT([&] { PagedKvCache(config, pool, huge_trace); },
+              ::testing::ThrowsMessage<InvalidArgument>(HasSubstr("overflows")));
   EXPECT_EQ(pool.num_members(), 0u);
+  PagedKvCache ok(config, pool);
+  EXPECT_EQ(pool.num_members(), 1u);
+  EXPECT_EQ(ok.alloc_block(), 0u);
 }
 
 class SharedHybridTest : public ::testing::Test {
