@@ -11,7 +11,6 @@
 #include <exception>
 #include <limits>
 #include <new>
-#include <tuple>
 #include <utility>
 
 #include "kvport/platform/error.hpp"
@@ -72,6 +71,14 @@ struct QueueSlot {
   std::uint32_t gen;
 };
 
+// One queue of evictable blocks (below): its slots, some stale, from `head`.
+struct LruQueue {
+  std::vector<QueueSlot> slots;
+  std::size_t head = 0;    // the slots before it are consumed
+  std::size_t live = 0;    // live slots
+  std::size_t pushes = 0;  // since the last compaction
+};
+
 }  // namespace
 
 // The LRU order is a FIFO queue of release events with lazy deletion: a block
@@ -98,7 +105,7 @@ struct PrefixCache::State {
     index.reserve(std::max<std::size_t>(n + n / 8 + 1, 32));
     // link() never holds more than 2 * num_blocks + 65 slots (see there), so
     // with this capacity it never reallocates: a release does not throw.
-    queue.reserve(2 * n + 65);
+    lru.slots.reserve(2 * n + 65);
   }
 
   BlockId id_of(std::size_t i) const { return static_cast<BlockId>(i); }
@@ -115,77 +122,65 @@ struct PrefixCache::State {
     return e.linked && e.gen == q.gen;
   }
 
-  // Appends `block` (cached, refcount 1) at the most recently used end.
-  // Before the push the queue holds at most 2 * evictable + 64 slots (else it
-  // is compacted to evictable - 1), so it never passes 2 * num_blocks + 65.
-  void link(BlockId block) noexcept {
+  // Appends `block` (cached, refcount 1) at the most recently used end of
+  // queue `q` (lru, or demoted: which must be reserved). Before the push a
+  // queue holds at most 2 * live + 64 slots (else it is compacted to live -
+  // 1), so it never passes 2 * num_blocks + 65.
+  void link(BlockId block, LruQueue& q) noexcept {
     Entry& e = entries[block];
     ++e.gen;
     e.linked = true;
-    ++evictable;
+    e.demoted = &q == &demoted;
+    ++q.live;
     if (pool != nullptr) ticks[block] = pool->next_tick();
-    push(queue, head, pushes_since_compaction, evictable - demoted_live, {block, e.gen});
+    push(q, {block, e.gen});
   }
-
-  // Appends `block` (cached, refcount 1) to the demoted queue, whose blocks
-  // are evicted before any other; the queue must be reserved.
-  void link_demoted(BlockId block) noexcept {
-    Entry& e = entries[block];
-    ++e.gen;
-    e.linked = true;
-    e.demoted = true;
-    ++evictable;
-    ++demoted_live;
-    if (pool != nullptr) ticks[block] = pool->next_tick();
-    push(demoted, demoted_head, demoted_pushes, demoted_live, {block, e.gen});
-  }
+  void link(BlockId block) noexcept { link(block, lru); }
 
   void unlink(Entry& e) {
     e.linked = false;
-    if (e.demoted) --demoted_live;
+    --(e.demoted ? demoted : lru).live;
     e.demoted = false;
-    --evictable;
   }
 
-  // Appends `slot` to queue `q` (consumed up to `q_head`, `live_count` live
-  // slots counting this one), compacting it first: when more than half of it
-  // is stale, dropping the stale slots and the consumed head, and every 2^31
-  // pushes, so that no stale slot outlives 2^32 joins of its block (a
-  // wrapped gen). Never reallocates a queue reserved for 2 * num_blocks + 65.
-  void push(std::vector<QueueSlot>& q, std::size_t& q_head, std::size_t& pushes,
-            std::size_t live_count, QueueSlot slot) noexcept {
-    if (q.size() > 2 * live_count + 64 || pushes >= kMaxPushes) {
+  std::size_t evictable() const noexcept { return lru.live + demoted.live; }
+
+  // Appends `slot` to `q` (whose live count includes it), compacting it
+  // first: when more than half of it is stale, dropping the stale slots and
+  // the consumed head, and every 2^31 pushes, so that no stale slot outlives
+  // 2^32 joins of its block (a wrapped gen).
+  void push(LruQueue& q, QueueSlot slot) noexcept {
+    if (q.slots.size() > 2 * q.live + 64 || q.pushes >= kMaxPushes) {
       std::size_t out = 0;
-      for (std::size_t i = q_head; i < q.size(); ++i) {
-        if (live(q[i])) q[out++] = q[i];
+      for (std::size_t i = q.head; i < q.slots.size(); ++i) {
+        if (live(q.slots[i])) q.slots[out++] = q.slots[i];
       }
-      q.resize(out);
-      q_head = 0;
-      pushes = 0;
+      q.slots.resize(out);
+      q.head = 0;
+      q.pushes = 0;
     }
-    q.push_back(slot);
-    ++pushes;
+    q.slots.push_back(slot);
+    ++q.pushes;
   }
+
+  // The queue eviction takes from: the demoted blocks first.
+  LruQueue& victims() noexcept { return demoted.live != 0 ? demoted : lru; }
 
   // The oldest live slot (some block must be evictable), the stale head
   // dropped.
   const QueueSlot& oldest() noexcept {
-    if (demoted_live != 0) {
-      while (!live(demoted[demoted_head]))
-        ++demoted_head;
-      return demoted[demoted_head];
-    }
-    while (!live(queue[head]))
-      ++head;
-    return queue[head];
+    LruQueue& q = victims();
+    while (!live(q.slots[q.head]))
+      ++q.head;
+    return q.slots[q.head];
   }
 
   // The next block to evict (a demoted one first); some block must be
   // evictable.
   BlockId pop_lru() {
-    const bool from_demoted = demoted_live != 0;
+    LruQueue& q = victims();
     const BlockId block = oldest().block;
-    ++(from_demoted ? demoted_head : head);
+    ++q.head;
     unlink(entries[block]);
     return block;
   }
@@ -207,8 +202,10 @@ struct PrefixCache::State {
     // so that a run of evictions does not wait on each of those misses.
     constexpr std::size_t kNear = 8;
     constexpr std::size_t kFar = 16;
-    if (head + kFar < queue.size()) __builtin_prefetch(&entries[queue[head + kFar].block]);
-    if (head + kNear < queue.size()) index.prefetch(entries[queue[head + kNear].block].hash);
+    const LruQueue& q = victims();
+    if (q.head + kFar < q.slots.size()) __builtin_prefetch(&entries[q.slots[q.head + kFar].block]);
+    if (q.head + kNear < q.slots.size())
+      index.prefetch(entries[q.slots[q.head + kNear].block].hash);
     Entry& e = entries[block];
     index.erase(block);
     e.cached = false;
@@ -311,7 +308,7 @@ struct PrefixCache::State {
 
   void give_up_one(PrefixCache& self, const std::source_location& where) {
     if (tier != nullptr) tier->on_free_list_empty(self, where);
-    if (kv->num_free_blocks() == 0 && evictable != 0) {
+    if (kv->num_free_blocks() == 0 && evictable() != 0) {
       evict_one(where);
       flush_removed();
     }
@@ -324,14 +321,8 @@ struct PrefixCache::State {
   std::vector<std::uint64_t> ticks;  // shared pool: each block's last release time
   std::vector<Entry> entries;        // never resized: the index's hasher points into it
   HashIndex index;                   // the cached blocks, keyed by their hash
-  std::vector<QueueSlot> queue;      // [head, end): oldest release first, some stale
-  std::size_t head = 0;
-  std::size_t evictable = 0;  // live slots in the queue
-  std::size_t pushes_since_compaction = 0;
-  std::vector<QueueSlot> demoted;  // release_demoted: [demoted_head, end), some stale
-  std::size_t demoted_head = 0;
-  std::size_t demoted_live = 0;
-  std::size_t demoted_pushes = 0;
+  LruQueue lru;                      // released blocks, least recently first
+  LruQueue demoted;                  // release_demoted's blocks, evicted before lru's
   PrefixCacheCounters counters;
   PrefixCacheTier* tier = nullptr;
   // Events: the sink (nullptr: none) and what it is told the source is; the
@@ -352,8 +343,8 @@ PrefixCache::PrefixCache(PagedKvCache& cache) : state_(std::make_unique<State>(c
 
 bool PrefixCache::oldest_evictable_tick(std::uint64_t& tick, bool& demoted) {
   State& s = *state_;
-  if (s.evictable == 0) return false;
-  demoted = s.demoted_live != 0;
+  if (s.evictable() == 0) return false;
+  demoted = s.demoted.live != 0;
   tick = s.ticks[s.oldest().block];
   return true;
 }
@@ -563,16 +554,16 @@ void PrefixCache::release_demoted(BlockId block, std::source_location where) {
     release(block, where);  // not the last sequence reference: as release()
     return;
   }
-  if (s.demoted.capacity() == 0) {
+  if (s.demoted.slots.capacity() == 0) {
     try {
-      s.demoted.reserve(2 * s.entries.size() + 65);
+      s.demoted.slots.reserve(2 * s.entries.size() + 65);
     } catch (const std::bad_alloc&) {  // no demoted queue: an ordinary release
       release(block, where);
       return;
     }
   }
   s.kv->dec_ref(block, where);
-  s.link_demoted(block);
+  s.link(block, s.demoted);
 }
 
 void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_location where) {
@@ -584,7 +575,7 @@ void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_loc
 
 std::size_t PrefixCache::evict(std::size_t max_blocks, std::source_location where) {
   std::size_t n = 0;
-  for (; n < max_blocks && state_->evictable != 0; ++n)
+  for (; n < max_blocks && state_->evictable() != 0; ++n)
     state_->evict_one(where);
   state_->flush_removed();
   return n;
@@ -594,7 +585,7 @@ std::size_t PrefixCache::detach_lru(std::size_t max_blocks,
                                     std::vector<std::pair<BlockId, BlockHash>>& out,
                                     std::source_location /*where*/) {
   State& s = *state_;
-  const std::size_t n = std::min(max_blocks, s.evictable);
+  const std::size_t n = std::min(max_blocks, s.evictable());
   out.reserve(out.size() + n);  // the only allocation: nothing is detached if it throws
   for (std::size_t i = 0; i < n; ++i) {
     const BlockId block = s.detach_one();
@@ -606,10 +597,10 @@ std::size_t PrefixCache::detach_lru(std::size_t max_blocks,
 
 bool PrefixCache::reset(std::source_location where) {
   State& s = *state_;
-  if (s.index.size() != s.evictable) return false;
+  if (s.index.size() != s.evictable()) return false;
   CacheEventSink* const sink = s.sink;
   s.sink = nullptr;  // one cleared, not a removal per block
-  while (s.evictable != 0)
+  while (s.evictable() != 0)
     s.evict_one(where);
   s.sink = sink;
   if (sink != nullptr) sink->cleared(s.source);
@@ -742,12 +733,11 @@ bool PrefixCache::is_evictable(BlockId block) const {
 std::vector<BlockId> PrefixCache::lru_order() const {
   const State& s = *state_;
   std::vector<BlockId> order;
-  order.reserve(s.evictable);
-  for (std::size_t i = s.demoted_head; i < s.demoted.size(); ++i) {
-    if (s.live(s.demoted[i])) order.push_back(s.demoted[i].block);
-  }
-  for (std::size_t i = s.head; i < s.queue.size(); ++i) {
-    if (s.live(s.queue[i])) order.push_back(s.queue[i].block);
+  order.reserve(s.evictable());
+  for (const LruQueue* q : {&s.demoted, &s.lru}) {
+    for (std::size_t i = q->head; i < q->slots.size(); ++i) {
+      if (s.live(q->slots[i])) order.push_back(q->slots[i].block);
+    }
   }
   return order;
 }
@@ -757,13 +747,13 @@ std::size_t PrefixCache::num_cached_blocks() const noexcept {
 }
 
 std::size_t PrefixCache::num_evictable_blocks() const noexcept {
-  return state_->evictable;
+  return state_->evictable();
 }
 
 std::size_t PrefixCache::num_available_blocks() const noexcept {
   const State& s = *state_;
   if (s.pool != nullptr) return s.pool->num_available_blocks();
-  return s.kv->num_free_blocks() + s.evictable +
+  return s.kv->num_free_blocks() + s.evictable() +
          (s.tier != nullptr ? s.tier->reclaimable_blocks() : 0);
 }
 
@@ -787,7 +777,7 @@ PrefixCacheMemory PrefixCache::memory_usage() const noexcept {
   // and a sentinel, then the slots.
   const std::size_t slots = s.index.capacity();
   m.index_bytes = slots == 0 ? 0 : slots * (1 + sizeof(BlockId)) + 16;
-  m.lru_bytes = (s.queue.capacity() + s.demoted.capacity()) * sizeof(QueueSlot);
+  m.lru_bytes = (s.lru.slots.capacity() + s.demoted.slots.capacity()) * sizeof(QueueSlot);
   m.origin_bytes =
       s.origins.capacity() * sizeof(OriginRecord) + s.origin_tokens.capacity() * sizeof(TokenId);
   return m;
@@ -838,31 +828,31 @@ InvariantReport PrefixCache::check_invariants() const {
     }
   }
   std::size_t live = 0;
-  std::size_t live_demoted = 0;
-  for (const auto& [q_vec, first, demoted] :
-       {std::tuple{&s.queue, s.head, false}, std::tuple{&s.demoted, s.demoted_head, true}}) {
-    for (std::size_t i = first; i < q_vec->size(); ++i) {
-      const QueueSlot& q = (*q_vec)[i];
+  for (const LruQueue* queue : {&s.lru, &s.demoted}) {
+    const bool demoted = queue == &s.demoted;
+    std::size_t live_here = 0;
+    for (std::size_t i = queue->head; i < queue->slots.size(); ++i) {
+      const QueueSlot& q = queue->slots[i];
       if (q.block >= s.entries.size()) {
         report.add_violation(fmt::format("the LRU queue holds block {}, out of range", q.block));
       } else if (s.live(q)) {
-        ++live;
-        if (demoted) ++live_demoted;
+        ++live_here;
         if (s.entries[q.block].demoted != demoted)
           report.add_violation(fmt::format("block {} is live in the wrong LRU queue", q.block));
       }
     }
+    if (live_here != queue->live) {
+      report.add_violation(fmt::format("the {} queue counts {} blocks but holds {}",
+                                       demoted ? "demoted" : "LRU", queue->live, live_here));
+    }
+    live += live_here;
   }
-  if (live_demoted != s.demoted_live) {
-    report.add_violation(fmt::format("the demoted queue counts {} blocks but holds {}",
-                                     s.demoted_live, live_demoted));
-  }
-  if (linked != s.evictable || live != s.evictable) {
+  if (linked != s.evictable() || live != s.evictable()) {
     report.add_violation(fmt::format(
         "the LRU list counts {} evictable blocks, but {} blocks are linked and {} queue slots live",
-        s.evictable, linked, live));
+        s.evictable(), linked, live));
   }
-  report.evictable_blocks = s.evictable;
+  report.evictable_blocks = s.evictable();
   report.cached_blocks = cached;
   report.blocks_in_use -= std::min(report.blocks_in_use, report.evictable_blocks);
   if (report.free_blocks + report.evictable_blocks + report.blocks_in_use !=
