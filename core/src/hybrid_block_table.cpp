@@ -130,10 +130,8 @@ void HybridBlockTable::release() noexcept {
   }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     Group& grp = groups_[g];
-    for (std::vector<BlockId>* kept : {&grp.kept_end, &grp.kept_hit}) {
-      for (auto it = kept->rbegin(); it != kept->rend(); ++it)
-        release_block(g, *it);
-    }
+    release_kept(g, grp.kept_end);
+    release_kept(g, grp.kept_hit);
     if (grp.state) release_block(g, *grp.state);
     grp = Group{};
   }
@@ -195,9 +193,8 @@ HybridBlockTable::PoolNeed HybridBlockTable::shared_need(const Plan& plan) const
 }
 
 std::size_t HybridBlockTable::short_group(const Plan& plan, const PoolNeed& shared) const {
-  const bool pooled = cache_->shared_pool() != nullptr;
   for (std::size_t g = 0; g < plan.groups.size(); ++g) {
-    if (pooled && cache_->in_shared_pool(g)) {
+    if (cache_->in_shared_pool(g)) {
       if (shared.needed > shared.available + shared.releasable) return g;
       continue;
     }
@@ -258,7 +255,7 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   const std::size_t ng = groups_.size();
   const PoolNeed pool_need = shared_need(plan);
   if (const std::size_t g = short_group(plan, pool_need); g < ng) {
-    if (cache_->shared_pool() != nullptr && cache_->in_shared_pool(g)) {
+    if (cache_->in_shared_pool(g)) {
       throw CacheExhausted(fmt::format(
           "KV cache exhausted: appending {} tokens needs {} blocks of the shared pool (group {}, "
           "{}, and the groups sharing it), {} are free or evictable and {} come back from the "
@@ -285,9 +282,8 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   // those blocks are out of the sequence's span, whatever happens next.
   for (std::size_t g = 0; g < ng; ++g) {
     const Plan::PerGroup& p = plan.groups[g];
-    const bool pooled = cache_->shared_pool() != nullptr && cache_->in_shared_pool(g);
-    if (pooled ? pool_need.needed > pool_need.available
-               : p.needed() > cache_->prefix_cache(g).num_available_blocks())
+    if (cache_->in_shared_pool(g) ? pool_need.needed > pool_need.available
+                                  : p.needed() > cache_->prefix_cache(g).num_available_blocks())
       release_before(g, p.release_to);
   }
 
@@ -709,9 +705,7 @@ HybridBlockTable HybridBlockTable::adopt(HybridKvCache& cache, std::span<const T
 void HybridBlockTable::keep_window(std::size_t g, std::size_t end_block,
                                    std::vector<BlockId>& into) noexcept {
   Group& grp = groups_[g];
-  for (auto it = into.rbegin(); it != into.rend(); ++it)
-    release_block(g, *it);
-  into.clear();
+  release_kept(g, into);
   const LayerSpec& spec = cache_->group(g).spec;
   if (spec.kind != LayerKind::sliding_window) return;
   const std::size_t first = std::max(
@@ -726,10 +720,14 @@ void HybridBlockTable::keep_window(std::size_t g, std::size_t end_block,
       into.push_back(grp.blocks[i]);
     }
   } catch (...) {  // out of memory or a refcount at its limit: keep nothing
-    for (auto it = into.rbegin(); it != into.rend(); ++it)
-      release_block(g, *it);
-    into.clear();
+    release_kept(g, into);
   }
+}
+
+void HybridBlockTable::release_kept(std::size_t g, std::vector<BlockId>& kept) noexcept {
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it)
+    release_block(g, *it);
+  kept.clear();
 }
 
 std::size_t HybridBlockTable::num_kept_blocks(std::size_t g) const {

@@ -206,6 +206,8 @@ class HybridBlockTable {
   // each live block g needs for a hit ending at block `end_block`; none for
   // full attention, MLA and state. Keeps nothing when that fails.
   void keep_window(std::size_t g, std::size_t end_block, std::vector<BlockId>& into) noexcept;
+  // Gives back group g's kept references (last first) and empties `kept`.
+  void release_kept(std::size_t g, std::vector<BlockId>& kept) noexcept;
   // keep_window at keep_at_ (the end of the prompt's cached prefix, in
   // blocks) once the table reaches it; then keep_at_ = 0.
   void keep_shared_point() noexcept;
