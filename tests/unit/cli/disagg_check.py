@@ -16,6 +16,12 @@ with --expect-failure only the last of them (the run is meant to fail: the
 --check expressions say how). With --command cluster the default checks are
 CLUSTER_CHECKS. --exit: the expected exit code (default 0,
 1 with --expect-failure).
+
+--kill-child TEXT: SIGKILLs, as soon as it appears, the run's first child
+process whose command line contains TEXT (a death from outside, which the
+run did not order); a run that ended before that child was seen is tried
+again, at most 5 times. --stderr-lacks TEXT: the run's stderr must not
+contain TEXT.
 """
 import argparse
 import json
@@ -88,6 +94,25 @@ def reap_tagged(tag):
     return leftovers
 
 
+def kill_child_when_seen(proc, tag, text):
+    """SIGKILLs the first process tagged `tag` (not `proc` itself) whose
+    command line holds `text`; False when `proc` ended before one was seen."""
+    while proc.poll() is None:
+        for pid in tagged_processes(tag):
+            if pid == proc.pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                return True
+        time.sleep(0.005)
+    return False
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvport", required=True)
@@ -96,23 +121,37 @@ def main():
     parser.add_argument("--check", action="append", default=[])
     parser.add_argument("--expect-failure", action="store_true")
     parser.add_argument("--exit", type=int, default=None)
+    parser.add_argument("--kill-child", default=None)
+    parser.add_argument("--stderr-lacks", action="append", default=[])
     parser.add_argument("args", nargs=argparse.REMAINDER)
     opts = parser.parse_args()
     args = [a for a in opts.args if a != "--"]
 
-    tag = uuid.uuid4().hex
-    env = dict(os.environ, KVPORT_DISAGG_TEST_TAG=tag)
     cmd = [opts.kvport, opts.command, *args, "--json"]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                            start_new_session=True)
     failures = []
-    try:
-        out, err = proc.communicate(timeout=opts.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        failures.append(f"not done within {opts.timeout} s")
+    for attempt in range(5 if opts.kill_child else 1):
+        tag = uuid.uuid4().hex
+        env = dict(os.environ, KVPORT_DISAGG_TEST_TAG=tag)
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                start_new_session=True)
+        killed = opts.kill_child is None or kill_child_when_seen(proc, tag, opts.kill_child)
+        try:
+            out, err = proc.communicate(timeout=opts.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            failures.append(f"not done within {opts.timeout} s")
+        if killed:
+            break
+        reap_tagged(tag)
+        print(f"attempt {attempt + 1}: the run ended before a child with "
+              f"{opts.kill_child!r} was seen; again")
+    else:
+        failures.append(f"no child with {opts.kill_child!r} was seen in 5 runs")
+    for text in opts.stderr_lacks:
+        if text in err.decode(errors="replace"):
+            failures.append(f"stderr has {text!r}")
     elapsed = time.monotonic() - start
     expected_exit = opts.exit if opts.exit is not None else (1 if opts.expect_failure else 0)
     if proc.returncode != expected_exit:

@@ -24,15 +24,19 @@
 //       "H <ms>" every request arriving before ms has been sent: run until
 //       the clock reaches ms, then report; "E" no more requests: run to the
 //       end and report; "Q" (after the router compared the cached set) print
-//       the result and exit.
+//       the result and exit; "abort" the run failed elsewhere: exit (3)
+//       without a message.
 //   instance -> coordinator: "listen <json>" its endpoints; "at <json>" its
-//       clock, publisher sequence, load, and the requests completed and
+//       clock, publisher sequence (and "flushed": whether every event was
+//       published by then), load, and the requests completed and
 //       admitted since the last report; "end <json>" the same, with a digest
 //       of the cached set; "done <json>" its replay's result.
 //   coordinator -> router: "add <id> <events> <replay>", "drop <id>",
 //       "sync <id> <next_seq> <running> <blocks>..." (instances side by
-//       side), "route <index>...", "verify <id> <count> <sum> <xor>", "end".
-//   router -> coordinator: "added <id>", "dropped <blocks>", "synced <failed>",
+//       side), "route <index>...", "verify <id> <count> <sum> <xor>", "end",
+//       "abort" (exit without a message).
+//   router -> coordinator: "added <id>", "dropped <blocks>",
+//       "synced <failed> [<id> of each instance not caught up]...",
 //       "to <instance> <matched_blocks>...", "verified <id> <0|1> <count>",
 //       "done <json>".
 #pragma once
@@ -80,7 +84,7 @@ struct RouterSpec {
   std::string policy = "prefix_aware";
   double overlap_weight = 1.0;
   /// How long a sync waits for an instance's events before it fails.
-  std::uint64_t sync_timeout_ms = 10'000;
+  std::uint64_t sync_timeout_ms = 30'000;
   /// The SUB filter: a prefix of every instance's topic (optional in the
   /// JSON; default "kvport@instance").
   std::string events_topic_filter = "kvport@instance";

@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <numeric>
@@ -153,6 +155,7 @@ class ClusterRun {
     } catch (const RunFailure& e) {
       result_.failure = e.what();
     }
+    if (!result_.ok) abort_children();
     group_.shutdown(std::chrono::milliseconds(2'000));
     result_.wall_s = std::chrono::duration<double>(Clock::now() - start).count();
     return std::move(result_);
@@ -229,7 +232,8 @@ class ClusterRun {
                                      line.substr(0, 200)));
       }
       if (exited_.count(child) != 0) {
-        throw RunFailure(fmt::format("{} exited ({})", group_.name(child), exited_[child]));
+        throw RunFailure(fmt::format("{} died while the run waited for its '{}' line: {}",
+                                     who(child), kind, exited_[child]));
       }
       if (signals_.requested()) throw RunFailure("interrupted");
       const auto now = Clock::now();
@@ -243,19 +247,58 @@ class ClusterRun {
         if (e.kind == ProcessEvent::Kind::line) {
           lines_[e.child].push_back(std::move(e.text));
         } else if (e.kind == ProcessEvent::Kind::exited) {
-          exited_[e.child] = e.signal != 0 ? fmt::format("signal {}", e.signal)
-                                           : fmt::format("exit code {}", e.exit_code);
+          exited_[e.child] = how_it_ended(e);
         } else {
-          throw RunFailure(fmt::format("{}: {}", group_.name(e.child), e.text));
+          throw RunFailure(fmt::format("{}: {}", who(e.child), e.text));
         }
       }
     }
   }
 
   void send(int child, const std::string& line) {
-    if (!group_.send_line(child, line, std::chrono::seconds(30))) {
-      throw RunFailure(fmt::format("{} no longer reads its ops", group_.name(child)));
+    if (group_.send_line(child, line, std::chrono::seconds(30))) return;
+    // A child that died closed its stdin: say so, once its exit is reaped.
+    for (int tries = 0; tries < 10 && exited_.count(child) == 0; ++tries) {
+      for (ProcessEvent& e : group_.poll(std::chrono::milliseconds(100))) {
+        if (e.kind == ProcessEvent::Kind::line) lines_[e.child].push_back(std::move(e.text));
+        if (e.kind == ProcessEvent::Kind::exited) exited_[e.child] = how_it_ended(e);
+      }
     }
+    if (exited_.count(child) != 0) {
+      throw RunFailure(fmt::format("{} died before it read the op '{}': {}", who(child),
+                                   line.substr(0, line.find(' ')), exited_[child]));
+    }
+    throw RunFailure(fmt::format("{} no longer reads its ops (30 s)", who(child)));
+  }
+
+  // "the router" or "instance 2", for messages.
+  std::string who(int child) const {
+    if (child == router_) return "the router";
+    for (std::size_t i = 0; i < child_.size(); ++i)
+      if (child_[i] == child) return fmt::format("instance {}", i);
+    return group_.name(child);
+  }
+
+  // How a child's exit reads in a message: a signal that this run did not
+  // send (the --kill victim is reaped in kill()) came from outside.
+  static std::string how_it_ended(const ProcessEvent& e) {
+    if (e.signal != 0) {
+      return fmt::format("killed by signal {} ({}), which kvport cluster did not send", e.signal,
+                         sigdescr_np(e.signal) != nullptr ? sigdescr_np(e.signal) : "unknown");
+    }
+    return fmt::format("exit code {} (its error, if any, is on stderr above)", e.exit_code);
+  }
+
+  // Tells every child still running that the run failed, so that it exits
+  // without claiming that the coordinator is gone; shutdown() then reaps it.
+  void abort_children() {
+    const auto tell = [&](int child) {
+      if (child >= 0 && exited_.count(child) == 0)
+        (void)group_.send_line(child, "abort", std::chrono::milliseconds(200));
+    };
+    tell(router_);
+    for (const int child : child_)
+      tell(child);
   }
 
   // Sends `line` to the router and returns its answer of `kind`.
@@ -322,8 +365,14 @@ class ClusterRun {
                           static_cast<std::uint64_t>(blocks_[i]));
       }
     }
-    const std::uint64_t failed = std::stoull(ask(op, "synced"));
+    std::istringstream answer(ask(op, "synced"));
+    std::uint64_t failed = 0;
+    answer >> failed;
     result_.sync_failures += failed;
+    for (long long id = 0; answer >> id;) {
+      const auto i = static_cast<std::size_t>(id);
+      if (i < next_seq_.size() && !unsynced_.count(i)) unsynced_[i] = next_seq_[i];
+    }
   }
 
   void route(const std::vector<std::size_t>& window, double arrival) {
@@ -384,7 +433,8 @@ class ClusterRun {
     while (exited_.count(old) == 0) {
       for (ProcessEvent& e : group_.poll(std::chrono::milliseconds(500))) {
         if (e.kind == ProcessEvent::Kind::line) lines_[e.child].push_back(std::move(e.text));
-        if (e.kind == ProcessEvent::Kind::exited) exited_[e.child] = "killed";
+        if (e.kind == ProcessEvent::Kind::exited)
+          exited_[e.child] = e.child == old ? "killed by --kill" : how_it_ended(e);
       }
       if (Clock::now() - start > std::chrono::seconds(10)) throw RunFailure("the kill took >10 s");
     }
@@ -426,9 +476,20 @@ class ClusterRun {
     std::vector<json> ends(config_.instances);
     for (std::uint32_t i = 0; i < config_.instances; ++i)
       if (live(i)) ends[i] = take_report(i, "end");
+    unsynced_.clear();
     sync_router();
     for (std::uint32_t i = 0; i < config_.instances; ++i) {
       if (!live(i)) continue;
+      if (!ends[i].value("flushed", true)) {
+        throw RunFailure(fmt::format(
+            "instance {} did not publish its last events within its flush timeout", i));
+      }
+      if (unsynced_.count(i) != 0) {
+        throw RunFailure(
+            fmt::format("the router did not apply instance {}'s events up to sequence {} within "
+                        "{} ms (its index would be compared with a stream it has not read)",
+                        i, unsynced_[i], RouterSpec{}.sync_timeout_ms));
+      }
       const json& d = ends[i].at("digest");
       std::istringstream v(
           ask(fmt::format("verify {} {} {} {}", i, d.at(0).get<std::uint64_t>(),
@@ -507,6 +568,7 @@ class ClusterRun {
   std::vector<double> running_, blocks_;         // per instance, at the last report
   std::vector<double> running_time_, blocks_time_;
   std::vector<std::uint64_t> next_seq_;
+  std::map<std::size_t, std::uint64_t> unsynced_;  // instance -> next_seq the router missed
   std::optional<double> last_h_;
   double measured_ms_ = 0.0;
   std::size_t routed_ = 0;
@@ -763,8 +825,9 @@ class ClusterCommand final : public Command {
     for (const cluster::PolicyRun& r : runs) {
       const json j = cluster::policy_json(r, baseline);
       const json& router = r.router;
-      const bool exact =
-          std::all_of(r.index_exact.begin(), r.index_exact.end(), [](int e) { return e == 1; });
+      // Not compared (the run failed first): "-", never "no".
+      const auto count = [&](int v) { return std::count(r.index_exact.begin(), r.index_exact.end(), v); };
+      const std::string exact = count(0) != 0 ? "no" : count(-1) != 0 ? "-" : "yes";
       table.add_row(
           {r.policy, std::to_string(r.hit_blocks),
            j.contains("hit_blocks_vs_baseline")
@@ -783,7 +846,7 @@ class ClusterCommand final : public Command {
                ? "-"
                : fmt::format("{:.1f} / {:.1f}", router["decision_us"]["p50"].get<double>(),
                              router["decision_us"]["p99"].get<double>()),
-           exact ? "yes" : "no", r.ok ? "OK" : "FAILED: " + r.failure});
+           exact, r.ok ? "OK" : "FAILED: " + r.failure});
     }
     table.print(out);
     for (const cluster::PolicyRun& r : runs) {

@@ -58,8 +58,12 @@ class DigestSink final : public CacheEventSink {
 // The requests the coordinator hands over, read from stdin (cluster.hpp).
 class CoordinatorFeed final : public sim::ArrivalFeed {
  public:
-  CoordinatorFeed(events::Publisher& publisher, std::ostream& out, std::size_t num_requests)
-      : publisher_(publisher), out_(out), num_requests_(num_requests) {}
+  /// Thrown when the coordinator sends "abort": the run failed elsewhere.
+  struct Aborted {};
+
+  CoordinatorFeed(events::Publisher& publisher, std::ostream& out, std::size_t num_requests,
+                  std::uint32_t id)
+      : publisher_(publisher), out_(out), num_requests_(num_requests), id_(id) {}
 
   std::optional<double> arrivals(const sim::ReplayProgress& progress,
                                  std::vector<Arrival>& out) override {
@@ -117,10 +121,14 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
     while (lines_.empty()) {
       for (std::string& line : input_.read(std::chrono::milliseconds(1000)))
         lines_.push_back(std::move(line));
-      if (lines_.empty() && input_.eof()) throw Error("kvport cluster: the coordinator is gone");
+      if (lines_.empty() && input_.eof()) {
+        // Closed without "Q" or "abort": the coordinator died.
+        throw Error(fmt::format("kvport cluster: instance {}: the coordinator is gone; exiting", id_));
+      }
     }
     std::string line = std::move(lines_.front());
     lines_.pop_front();
+    if (line == "abort") throw Aborted{};
     return line;
   }
 
@@ -168,9 +176,13 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
 
   // The load and progress line, after every event so far was published.
   void report(const char* kind, const sim::ReplayProgress& progress) {
-    if (!publisher_.flush(std::chrono::milliseconds(10'000))) ++flush_timeouts_;
+    const bool flushed = publisher_.flush(std::chrono::milliseconds(30'000));
+    if (!flushed) ++flush_timeouts_;
     const events::PublisherStats stats = publisher_.stats();
     json j;
+    // false: next_seq may leave out events still queued (the coordinator
+    // then fails the run rather than compare the router's index).
+    j["flushed"] = flushed;
     j["now_ms"] = progress.now_ms;
     j["next_seq"] = stats.next_seq;
     j["running"] = progress.running;
@@ -203,6 +215,7 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
   events::Publisher& publisher_;
   std::ostream& out_;
   std::size_t num_requests_;
+  std::uint32_t id_;
   disagg::LineInput input_{0};
   std::deque<std::string> lines_;
   std::vector<Arrival> pending_;
@@ -292,7 +305,7 @@ int run_instance(const InstanceSpec& spec, std::ostream& out) {
       << '\n'
       << std::flush;
 
-  CoordinatorFeed feed(publisher, out, requests.size());
+  CoordinatorFeed feed(publisher, out, requests.size(), spec.id);
   sim::ReplayOptions options;
   options.capacity_blocks = spec.capacity_blocks;
   options.block_size = spec.block_size;
@@ -302,7 +315,12 @@ int run_instance(const InstanceSpec& spec, std::ostream& out) {
   options.event_sink = &publisher;
   options.feed = &feed;
   const auto backend = make_host_backend();
-  const sim::ReplayResult r = sim::run_replay(requests, options, *backend);
+  sim::ReplayResult r;
+  try {
+    r = sim::run_replay(requests, options, *backend);
+  } catch (const CoordinatorFeed::Aborted&) {
+    return 3;  // the coordinator reports why
+  }
   publisher.flush(std::chrono::milliseconds(2'000));
   const events::PublisherStats ps = publisher.stats();
   json j;

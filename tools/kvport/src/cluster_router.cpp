@@ -49,7 +49,11 @@ class RouterProcess {
     for (;;) {
       std::vector<std::string> lines = input_.read(std::chrono::milliseconds(2));
       if (lines.empty()) {
-        if (input_.eof()) return 1;  // the coordinator is gone
+        if (input_.eof()) {
+          // Closed without "end" or "abort": the coordinator died.
+          std::fprintf(stderr, "kvport cluster: the router: the coordinator is gone; exiting\n");
+          return 1;
+        }
         (void)subscriber_.poll(std::chrono::milliseconds(0));
         continue;
       }
@@ -104,6 +108,7 @@ class RouterProcess {
       reply(fmt::format("dropped {}", blocks));
     } else if (op == "sync") {
       std::size_t failed = 0;
+      std::string missed;
       for (;;) {
         long long id = -1;
         unsigned long long next_seq = 0, running = 0, blocks = 0;
@@ -114,11 +119,14 @@ class RouterProcess {
         }
         const auto iid = static_cast<router::InstanceId>(id);
         if (!subscriber_.wait_for(iid, next_seq, std::chrono::milliseconds(spec_.sync_timeout_ms)))
+        {
           ++failed;
+          missed += fmt::format(" {}", iid);
+        }
         router_.set_load(iid, static_cast<std::uint32_t>(running), blocks);
       }
       sync_failures_ += failed;
-      reply(fmt::format("synced {}", failed));
+      reply(fmt::format("synced {}{}", failed, missed));
     } else if (op == "route") {
       std::string answer = "to";
       unsigned long long index = 0;
@@ -141,6 +149,8 @@ class RouterProcess {
     } else if (op == "end") {
       reply("done " + summary().dump());
       return false;
+    } else if (op == "abort") {
+      return false;  // the run failed elsewhere: exit quietly
     } else {
       throw Error(fmt::format("kvport cluster: router: unknown op '{}'", line));
     }
