@@ -133,6 +133,7 @@ void write_group_plan(const GroupPlan& g, kvport_group_plan* out) {
   out->peak_blocks_per_request = g.peak_blocks_per_request;
   out->num_blocks = g.num_blocks;
   out->bytes = g.bytes;
+  out->shared = g.shared ? 1 : 0;
 }
 
 /// KVPORT_ERR_INVALID_ARGUMENT unless `capacity` holds `needed` entries (and
@@ -154,6 +155,17 @@ HybridKvCache& hybrid_of(const kvport_hybrid_cache* handle) {
 }
 HybridBlockTable& hybrid_table_of(const kvport_hybrid_block_table* handle) {
   return *get<HybridBlockTableObject>(handle).table;
+}
+
+// The handle of a cache just built: its groups' state tensors described once,
+// no group pool handle yet.
+kvport_hybrid_cache* finish_hybrid_cache(std::unique_ptr<HybridCacheObject> object,
+                                         BackendObject& parent) {
+  const HybridKvCache& cache = *object->cache;
+  for (std::size_t g = 0; g < cache.num_groups(); ++g)
+    object->state_tensors.push_back(c_state_tensors(cache.group(g).spec));
+  object->group_handles.assign(cache.num_groups(), nullptr);
+  return make_handle<kvport_hybrid_cache>(std::move(object), &parent);
 }
 
 }  // namespace
@@ -221,6 +233,7 @@ kvport_status kvport_plan_request_init(kvport_plan_request* request) {
     request->max_requests = defaults.max_requests;
     request->step_tokens = defaults.step_tokens;
     request->state_checkpoints = defaults.state_checkpoints;
+    request->shared_pool = defaults.shared_pool ? 1 : 0;
   });
 }
 
@@ -239,7 +252,13 @@ kvport_status kvport_plan_kv_cache(const kvport_layer_spec* specs, size_t num_la
     r.max_requests = request->max_requests;
     r.step_tokens = request->step_tokens;
     r.state_checkpoints = request->state_checkpoints;
-    const std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
+    r.shared_pool = request->shared_pool != 0;
+    std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
+    std::size_t split = 0;
+    if (r.shared_pool) {
+      split = shared_group_layers(groups, block_size, KvCacheLayout::layer_major);
+      if (split != 0) groups = group_layers(layers, block_size, split);
+    }
     if (groups_capacity > 0)
       check_capacity(out_groups, groups_capacity, groups.size(), "kvport_plan_kv_cache");
     const KvCachePlan plan = plan_kv_cache(groups, block_size, r);
@@ -251,6 +270,10 @@ kvport_status kvport_plan_kv_cache(const kvport_layer_spec* specs, size_t num_la
     out_plan->all_full_peak_bytes_per_request = plan.all_full_peak_bytes_per_request;
     out_plan->shared_pool_peak_bytes_per_request = plan.shared_pool_peak_bytes_per_request;
     out_plan->ratio_to_all_full = plan.ratio_to_all_full();
+    out_plan->shared_blocks = plan.shared_blocks;
+    out_plan->shared_bytes = plan.shared_bytes;
+    out_plan->max_group_layers = split;
+    out_plan->max_context_tokens = plan.max_context_tokens;
     if (groups_capacity > 0) {
       for (std::size_t g = 0; g < plan.groups.size(); ++g)
         write_group_plan(plan.groups[g], &out_groups[g]);
@@ -275,11 +298,46 @@ kvport_status kvport_hybrid_cache_create(kvport_backend* backend, const kvport_l
     require(out, "out");
     auto object = std::make_unique<HybridCacheObject>();
     object->cache = std::make_unique<HybridKvCache>(std::move(config), counts, *parent.backend);
-    const HybridKvCache& cache = *object->cache;
-    for (std::size_t g = 0; g < cache.num_groups(); ++g)
-      object->state_tensors.push_back(c_state_tensors(cache.group(g).spec));
-    object->group_handles.assign(cache.num_groups(), nullptr);
-    *out = make_handle<kvport_hybrid_cache>(std::move(object), &parent);
+    *out = finish_hybrid_cache(std::move(object), parent);
+  });
+}
+
+kvport_status kvport_hybrid_cache_create_shared(kvport_backend* backend,
+                                                const kvport_layer_spec* specs, size_t num_layers,
+                                                size_t block_size, size_t state_checkpoint_interval,
+                                                size_t max_group_layers, size_t shared_blocks,
+                                                const size_t* blocks_per_group, size_t num_groups,
+                                                kvport_hybrid_cache** out) {
+  return guard([&] {
+    BackendObject& parent = get<BackendObject>(backend);
+    HybridKvCacheConfig config;
+    config.layers = to_layer_specs(specs, num_layers);
+    config.block_size = block_size;
+    config.state_checkpoint_interval = state_checkpoint_interval;
+    config.max_group_layers = max_group_layers;
+    HybridPoolSizes sizes;
+    sizes.shared_blocks = shared_blocks;
+    const auto counts = span_of(blocks_per_group, num_groups, "blocks_per_group");
+    sizes.group_blocks.assign(counts.begin(), counts.end());
+    require(out, "out");
+    auto object = std::make_unique<HybridCacheObject>();
+    object->cache = std::make_unique<HybridKvCache>(std::move(config), sizes, *parent.backend);
+    *out = finish_hybrid_cache(std::move(object), parent);
+  });
+}
+
+kvport_status kvport_hybrid_cache_shared_pool_blocks(const kvport_hybrid_cache* cache,
+                                                     size_t* out) {
+  return guard([&] {
+    const SharedBlockPool* pool = hybrid_of(cache).shared_pool();
+    put(out, pool != nullptr ? pool->num_blocks() : std::size_t{0}, "out");
+  });
+}
+
+kvport_status kvport_hybrid_cache_group_in_shared_pool(const kvport_hybrid_cache* cache,
+                                                       size_t group, int32_t* out) {
+  return guard([&] {
+    put(out, static_cast<std::int32_t>(hybrid_of(cache).in_shared_pool(group) ? 1 : 0), "out");
   });
 }
 
@@ -447,6 +505,28 @@ kvport_status kvport_hybrid_block_table_prefix_hit_mode(const kvport_hybrid_bloc
                                                         int32_t* out) {
   return guard(
       [&] { put(out, prefix_hit_mode_value(hybrid_table_of(table).prefix_hit_mode()), "out"); });
+}
+
+kvport_status kvport_hybrid_block_table_set_keep_shared_windows(kvport_hybrid_block_table* table,
+                                                                int32_t keep) {
+  return guard([&] { hybrid_table_of(table).set_keep_shared_windows(keep != 0); });
+}
+
+kvport_status kvport_hybrid_block_table_keeps_shared_windows(const kvport_hybrid_block_table* table,
+                                                             int32_t* out) {
+  return guard([&] {
+    put(out, static_cast<std::int32_t>(hybrid_table_of(table).keeps_shared_windows() ? 1 : 0),
+        "out");
+  });
+}
+
+kvport_status kvport_hybrid_block_table_keep_hit_point(kvport_hybrid_block_table* table) {
+  return guard([&] { hybrid_table_of(table).keep_hit_point(); });
+}
+
+kvport_status kvport_hybrid_block_table_num_kept_blocks(const kvport_hybrid_block_table* table,
+                                                        size_t group, size_t* out) {
+  return guard([&] { put(out, hybrid_table_of(table).num_kept_blocks(group), "out"); });
 }
 
 kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_block_table* table,

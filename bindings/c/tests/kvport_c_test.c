@@ -1676,6 +1676,99 @@ static void test_events(kvport_backend* backend) {
   CHECK(zmq_ctx_term(zmq_context) == 0);
 }
 
+/* One pool over gpt-oss-like groups (window 8 and full attention,
+ * alternating, 4-token blocks): the plan with shared_pool, the cache made
+ * from it, memory moving to the group that needs it, kept windows. */
+static void test_hybrid_shared_pool(kvport_backend* backend) {
+  kvport_layer_spec layers[4], fulls[2];
+  kvport_plan_request request;
+  kvport_plan plan;
+  kvport_group_plan groups[4];
+  size_t ignored[2] = {0, 0};
+  size_t one[1] = {12};
+  kvport_hybrid_cache *cache = NULL, *bad = NULL;
+  kvport_hybrid_block_table* t = NULL;
+  uint32_t tokens[32];
+  size_t n = 0, i;
+  int32_t flag = -1;
+
+  for (i = 0; i < 4; ++i)
+    layers[i] = attention_spec(i % 2 == 0 ? KVPORT_LAYER_SLIDING_WINDOW : KVPORT_LAYER_FULL_ATTENTION, 8);
+  fill_tokens(tokens, 32, 7);
+
+  OK(kvport_plan_request_init(&request));
+  CHECK(request.shared_pool == 0);
+  request.budget_bytes = (size_t)1 << 20;
+  request.max_context_tokens = 4096;
+  request.shared_pool = 1;
+  OK(kvport_plan_kv_cache(layers, 4, 4, &request, &plan, groups, 4));
+  CHECK(plan.num_groups == 2 && groups[0].shared == 1 && groups[1].shared == 1);
+  CHECK(plan.shared_blocks > 0 && groups[0].num_blocks == plan.shared_blocks);
+  CHECK(plan.shared_bytes > 0 && plan.shared_bytes <= request.budget_bytes);
+  CHECK(plan.max_context_tokens == 4096 && plan.max_group_layers == 2);
+  request.shared_pool = 0; /* a pool per group: nothing shared */
+  OK(kvport_plan_kv_cache(layers, 4, 4, &request, &plan, groups, 4));
+  CHECK(plan.shared_blocks == 0 && plan.shared_bytes == 0 && plan.max_group_layers == 0);
+  CHECK(groups[0].shared == 0 && groups[1].shared == 0);
+
+  /* 12 blocks for both groups: 32 tokens decoded one at a time hold 8 full
+   * blocks and at most 3 window blocks; pools of 6 each could not. */
+  OK(kvport_hybrid_cache_create_shared(backend, layers, 4, 4, 1, 2, 12, ignored, 2, &cache));
+  OK(kvport_hybrid_cache_shared_pool_blocks(cache, &n));
+  CHECK(n == 12);
+  OK(kvport_hybrid_cache_group_in_shared_pool(cache, 0, &flag));
+  CHECK(flag == 1);
+  OK(kvport_hybrid_cache_group_in_shared_pool(cache, 1, &flag));
+  CHECK(flag == 1);
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_cache_group_in_shared_pool(cache, 2, &flag));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_group_in_shared_pool(cache, 0, NULL));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_shared_pool_blocks(cache, NULL));
+  OK(kvport_hybrid_block_table_create(cache, 0, &t));
+  OK(kvport_hybrid_block_table_keeps_shared_windows(t, &flag));
+  CHECK(flag == 0);
+  OK(kvport_hybrid_block_table_set_keep_shared_windows(t, 1));
+  OK(kvport_hybrid_block_table_keeps_shared_windows(t, &flag));
+  CHECK(flag == 1);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_keeps_shared_windows(t, NULL));
+  for (i = 0; i < 32; ++i)
+    OK(kvport_hybrid_block_table_append_tokens(t, tokens + i, 1, NULL));
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 1, &n));
+  CHECK(n == 8);
+  OK(kvport_hybrid_block_table_num_kept_blocks(t, 0, &n));
+  CHECK(n == 0);
+  OK(kvport_hybrid_block_table_keep_hit_point(t));
+  OK(kvport_hybrid_block_table_num_kept_blocks(t, 0, &n));
+  CHECK(n >= 1 && n <= 3); /* at most a window's blocks */
+  OK(kvport_hybrid_block_table_num_kept_blocks(t, 1, &n));
+  CHECK(n == 0); /* full attention holds its blocks anyway */
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_num_kept_blocks(t, 2, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_num_kept_blocks(t, 0, NULL));
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_block_table_destroy(t));
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 0, &n));
+  CHECK(n == 0);
+  check_hybrid_ok(cache);
+  OK(kvport_hybrid_cache_destroy(cache));
+
+  /* shared_blocks 0 is a pool per group; one group cannot share; bad args. */
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, /* two groups, one count */
+         kvport_hybrid_cache_create_shared(backend, layers, 4, 4, 1, 0, 0, one, 1, &bad));
+  fulls[0] = fulls[1] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create_shared(backend, fulls, 2, 4, 1, 0, 12, one, 1, &bad));
+  CHECK(bad == NULL);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_cache_create_shared(backend, layers, 4, 4, 1, 2, 12, ignored, 2, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_cache_create_shared(NULL, layers, 4, 4, 1, 2, 12, ignored, 2, &bad));
+  OK(kvport_hybrid_cache_create_shared(backend, fulls, 2, 4, 1, 0, 0, one, 1, &bad));
+  OK(kvport_hybrid_cache_shared_pool_blocks(bad, &n));
+  CHECK(n == 0);
+  OK(kvport_hybrid_cache_group_in_shared_pool(bad, 0, &flag));
+  CHECK(flag == 0);
+  OK(kvport_hybrid_cache_destroy(bad));
+}
+
 static void test_hybrid_events(kvport_backend* backend) {
   kvport_layer_spec layers[5];
   size_t counts[3] = {16, 8, 16};
@@ -1900,6 +1993,7 @@ int main(void) {
   test_hybrid_window_tables(backend);
   test_hybrid_state_tables(backend);
   test_events(backend);
+  test_hybrid_shared_pool(backend);
   test_hybrid_events(backend);
   test_invalid_handles();
   OK(kvport_backend_destroy(backend));

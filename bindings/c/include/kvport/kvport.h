@@ -683,10 +683,17 @@ typedef struct kvport_plan_request {
   size_t step_tokens;
   /** Cached state checkpoints kept per request beside its working state. */
   size_t state_checkpoints;
+  /** Nonzero: the attention groups whose pages match (gpt-oss, Gemma 3,
+   *  Llama 4, MLA models) draw from one shared pool of
+   *  kvport_plan.shared_blocks blocks, split into groups of at most
+   *  kvport_plan.max_group_layers layers first, and memory moves between
+   *  them at run time (kvport::KvCachePlanRequest::shared_pool). 0 (the
+   *  default): a pool per group. */
+  int32_t shared_pool;
 } kvport_plan_request;
 
 /** Fills `request` with the defaults: budget, context and requests 0,
- *  step_tokens 1, state_checkpoints 1. */
+ *  step_tokens 1, state_checkpoints 1, shared_pool 0. */
 KVPORT_API kvport_status kvport_plan_request_init(kvport_plan_request* request);
 
 /** One group's share (kvport::GroupPlan). */
@@ -699,6 +706,9 @@ typedef struct kvport_group_plan {
   size_t peak_blocks_per_request; /**< blocks (slots) a request holds at its peak */
   size_t num_blocks;              /**< blocks (slots) of the group's pool */
   size_t bytes;                   /**< the pool's bytes, allocation rounding included */
+  /** Nonzero: the group draws from the plan's shared pool (num_blocks is
+   *  then the shared pool's, bytes 0: kvport_plan.shared_bytes has them). */
+  int32_t shared;
 } kvport_group_plan;
 
 /** The planner's totals (kvport::KvCachePlan). */
@@ -716,6 +726,14 @@ typedef struct kvport_plan {
   size_t shared_pool_peak_bytes_per_request;
   /** peak_bytes_per_request / all_full_peak_bytes_per_request. */
   double ratio_to_all_full;
+  /** The shared pool's blocks and bytes (0 when no group shares). */
+  size_t shared_blocks;
+  size_t shared_bytes;
+  /** The cap on layers per group the plan's grouping used (0: none, a group
+   *  per spec): kvport_hybrid_cache_create_shared takes it. */
+  size_t max_group_layers;
+  /** The context the plan was made for (request->max_context_tokens). */
+  size_t max_context_tokens;
 } kvport_plan;
 
 /** Groups the `num_layers` specs (in order of each group's first layer;
@@ -756,6 +774,31 @@ KVPORT_API kvport_status kvport_hybrid_cache_create(kvport_backend* backend,
                                                     size_t state_checkpoint_interval,
                                                     const size_t* blocks_per_group,
                                                     size_t num_groups, kvport_hybrid_cache** out);
+
+/** kvport_hybrid_cache_create with a shared pool: the specs are grouped
+ *  with at most `max_group_layers` layers a group (0: every layer of a spec
+ *  together; kvport_plan.max_group_layers of a plan made with shared_pool),
+ *  the attention groups whose pages match share one pool of `shared_blocks`
+ *  blocks (an allocation in any of them evicts the least recently released
+ *  cached block of any), and every other group gets blocks_per_group[g]
+ *  (entries of groups in the shared pool are ignored; kvport_group_plan's
+ *  num_blocks fits). shared_blocks 0 is kvport_hybrid_cache_create.
+ *  KVPORT_ERR_INVALID_ARGUMENT as kvport_hybrid_cache_create, and when
+ *  shared_blocks > 0 but no two groups can share a pool (the message says
+ *  why). */
+KVPORT_API kvport_status kvport_hybrid_cache_create_shared(
+    kvport_backend* backend, const kvport_layer_spec* specs, size_t num_layers, size_t block_size,
+    size_t state_checkpoint_interval, size_t max_group_layers, size_t shared_blocks,
+    const size_t* blocks_per_group, size_t num_groups, kvport_hybrid_cache** out);
+
+/** Blocks of the shared pool; 0 when no group draws from one. */
+KVPORT_API kvport_status kvport_hybrid_cache_shared_pool_blocks(const kvport_hybrid_cache* cache,
+                                                                size_t* out);
+
+/** 1 when group `group` draws from the shared pool, else 0.
+ *  KVPORT_ERR_OUT_OF_RANGE for group >= num_groups. */
+KVPORT_API kvport_status kvport_hybrid_cache_group_in_shared_pool(const kvport_hybrid_cache* cache,
+                                                                  size_t group, int32_t* out);
 
 /** Waits for device work the pools queued, then frees them; the group pool
  *  handles of kvport_hybrid_cache_group_cache become invalid.
@@ -886,6 +929,26 @@ KVPORT_API kvport_status
 kvport_hybrid_block_table_set_prefix_hit_mode(kvport_hybrid_block_table* table, int32_t mode);
 KVPORT_API kvport_status
 kvport_hybrid_block_table_prefix_hit_mode(const kvport_hybrid_block_table* table, int32_t* out);
+
+/** Nonzero: the table keeps the sliding-window blocks before the end of the
+ *  cached prefix its lookup found, once it reaches that point, so that other
+ *  requests sharing the prefix still hit there under memory pressure
+ *  (kvport::HybridBlockTable::set_keep_shared_windows; off by default). Kept
+ *  blocks are held until the table is released or destroyed. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_set_keep_shared_windows(kvport_hybrid_block_table* table, int32_t keep);
+KVPORT_API kvport_status
+kvport_hybrid_block_table_keeps_shared_windows(const kvport_hybrid_block_table* table, int32_t* out);
+
+/** Keeps the window blocks just before the table's current end (a point
+ *  other requests hit): best-effort, nothing kept out of memory; calling it
+ *  again moves the kept point (kvport::HybridBlockTable::keep_hit_point). */
+KVPORT_API kvport_status kvport_hybrid_block_table_keep_hit_point(kvport_hybrid_block_table* table);
+
+/** The extra references the kept windows hold in group `group`.
+ *  KVPORT_ERR_OUT_OF_RANGE for group >= num_groups. */
+KVPORT_API kvport_status kvport_hybrid_block_table_num_kept_blocks(
+    const kvport_hybrid_block_table* table, size_t group, size_t* out);
 
 /** Appends tokens in every group: applies the freeing rules, takes a state
  *  checkpoint when due, copies a shared last block first (copy-on-write),

@@ -207,6 +207,7 @@ pub struct kvport_plan_request {
     pub max_requests: usize,
     pub step_tokens: usize,
     pub state_checkpoints: usize,
+    pub shared_pool: i32,
 }
 
 #[repr(C)]
@@ -220,6 +221,7 @@ pub struct kvport_group_plan {
     pub peak_blocks_per_request: usize,
     pub num_blocks: usize,
     pub bytes: usize,
+    pub shared: i32,
 }
 
 #[repr(C)]
@@ -233,6 +235,10 @@ pub struct kvport_plan {
     pub all_full_peak_bytes_per_request: usize,
     pub shared_pool_peak_bytes_per_request: usize,
     pub ratio_to_all_full: f64,
+    pub shared_blocks: usize,
+    pub shared_bytes: usize,
+    pub max_group_layers: usize,
+    pub max_context_tokens: usize,
 }
 
 #[repr(C)]
@@ -638,6 +644,24 @@ extern "C" {
         num_groups: usize,
         out: *mut *mut kvport_hybrid_cache,
     ) -> kvport_status;
+    pub fn kvport_hybrid_cache_create_shared(
+        backend: *mut kvport_backend,
+        specs: *const kvport_layer_spec,
+        num_layers: usize,
+        block_size: usize,
+        state_checkpoint_interval: usize,
+        max_group_layers: usize,
+        shared_blocks: usize,
+        blocks_per_group: *const usize,
+        num_groups: usize,
+        out: *mut *mut kvport_hybrid_cache,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_cache_shared_pool_blocks(cache: *const kvport_hybrid_cache, out: *mut usize) -> kvport_status;
+    pub fn kvport_hybrid_cache_group_in_shared_pool(
+        cache: *const kvport_hybrid_cache,
+        group: usize,
+        out: *mut i32,
+    ) -> kvport_status;
     pub fn kvport_hybrid_cache_destroy(cache: *mut kvport_hybrid_cache) -> kvport_status;
     pub fn kvport_hybrid_cache_num_layers(cache: *const kvport_hybrid_cache, out: *mut usize)
         -> kvport_status;
@@ -721,6 +745,20 @@ extern "C" {
     pub fn kvport_hybrid_block_table_prefix_hit_mode(
         table: *const kvport_hybrid_block_table,
         out: *mut i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_set_keep_shared_windows(
+        table: *mut kvport_hybrid_block_table,
+        keep: i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_keeps_shared_windows(
+        table: *const kvport_hybrid_block_table,
+        out: *mut i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_keep_hit_point(table: *mut kvport_hybrid_block_table) -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_kept_blocks(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out: *mut usize,
     ) -> kvport_status;
     pub fn kvport_hybrid_block_table_append_tokens(
         table: *mut kvport_hybrid_block_table,

@@ -34,11 +34,15 @@ pub struct PlanRequest {
     pub step_tokens: usize,
     /// Cached state checkpoints kept per request beside its working state.
     pub state_checkpoints: usize,
+    /// The attention groups whose pages match share one pool (split into
+    /// groups of equal layer count first), and memory moves between them at
+    /// run time; false (the default): a pool per group.
+    pub shared_pool: bool,
 }
 
 impl Default for PlanRequest {
     /// kvport's defaults: everything 0 but `step_tokens` and
-    /// `state_checkpoints`, 1.
+    /// `state_checkpoints`, 1; no shared pool.
     fn default() -> Self {
         let mut r = ffi::kvport_plan_request::default();
         expect_ok(unsafe { ffi::kvport_plan_request_init(&mut r) }, "kvport_plan_request_init");
@@ -48,6 +52,7 @@ impl Default for PlanRequest {
             max_requests: r.max_requests,
             step_tokens: r.step_tokens,
             state_checkpoints: r.state_checkpoints,
+            shared_pool: r.shared_pool != 0,
         }
     }
 }
@@ -73,8 +78,11 @@ pub struct GroupPlan {
     pub peak_blocks_per_request: usize,
     /// Blocks (slots) of the group's pool.
     pub num_blocks: usize,
-    /// The pool's bytes, allocation rounding included.
+    /// The pool's bytes, allocation rounding included (0 in the shared pool).
     pub bytes: usize,
+    /// The group draws from the plan's shared pool (`num_blocks` is then the
+    /// shared pool's).
+    pub shared: bool,
 }
 
 /// The planner's answer (kvport::KvCachePlan).
@@ -93,6 +101,13 @@ pub struct KvCachePlan {
     pub shared_pool_peak_bytes_per_request: usize,
     /// `peak_bytes_per_request / all_full_peak_bytes_per_request`.
     pub ratio_to_all_full: f64,
+    /// The shared pool's blocks and bytes (0 when no group shares).
+    pub shared_blocks: usize,
+    pub shared_bytes: usize,
+    /// The cap on layers per group the plan's grouping used (0: none).
+    pub max_group_layers: usize,
+    /// The context the plan was made for.
+    pub max_context_tokens: usize,
 }
 
 impl KvCachePlan {
@@ -114,6 +129,7 @@ pub fn plan_kv_cache(layers: &[LayerSpec], block_size: usize, request: &PlanRequ
         max_requests: request.max_requests,
         step_tokens: request.step_tokens,
         state_checkpoints: request.state_checkpoints,
+        shared_pool: i32::from(request.shared_pool),
     };
     let mut plan = ffi::kvport_plan::default();
     // There are never more groups than layers.
@@ -134,6 +150,7 @@ pub fn plan_kv_cache(layers: &[LayerSpec], block_size: usize, request: &PlanRequ
                 peak_blocks_per_request: g.peak_blocks_per_request,
                 num_blocks: g.num_blocks,
                 bytes: g.bytes,
+                shared: g.shared != 0,
             })
         })
         .collect::<Result<Vec<_>, KvError>>()?;
@@ -146,6 +163,10 @@ pub fn plan_kv_cache(layers: &[LayerSpec], block_size: usize, request: &PlanRequ
         all_full_peak_bytes_per_request: plan.all_full_peak_bytes_per_request,
         shared_pool_peak_bytes_per_request: plan.shared_pool_peak_bytes_per_request,
         ratio_to_all_full: plan.ratio_to_all_full,
+        shared_blocks: plan.shared_blocks,
+        shared_bytes: plan.shared_bytes,
+        max_group_layers: plan.max_group_layers,
+        max_context_tokens: plan.max_context_tokens,
     })
 }
 
@@ -218,16 +239,38 @@ impl HybridKvCache {
         blocks_per_group: &[usize],
         gpu: &dyn GpuBackend,
     ) -> Result<HybridKvCache, KvError> {
+        HybridKvCache::new_shared(layers, block_size, state_checkpoint_interval, 0, 0, blocks_per_group, gpu)
+    }
+
+    /// With a shared pool: `layers` grouped with at most `max_group_layers`
+    /// layers a group (0: every layer of a spec together), the attention
+    /// groups whose pages match drawing from one pool of `shared_blocks`
+    /// blocks (an allocation in any of them evicts the least recently
+    /// released cached block of any), every other group from a pool of
+    /// `blocks_per_group[g]` (entries of shared groups are ignored).
+    /// `shared_blocks` 0 is [`new`](Self::new). `InvalidArgument` as `new`,
+    /// and when `shared_blocks > 0` but no two groups can share.
+    pub fn new_shared(
+        layers: &[LayerSpec],
+        block_size: usize,
+        state_checkpoint_interval: usize,
+        max_group_layers: usize,
+        shared_blocks: usize,
+        blocks_per_group: &[usize],
+        gpu: &dyn GpuBackend,
+    ) -> Result<HybridKvCache, KvError> {
         let backend = gpu.kvport_backend().clone();
         let mut raw = ptr::null_mut();
         with_c_specs(layers, |specs, n| {
             check(unsafe {
-                ffi::kvport_hybrid_cache_create(
+                ffi::kvport_hybrid_cache_create_shared(
                     backend.raw(),
                     specs,
                     n,
                     block_size,
                     state_checkpoint_interval,
+                    max_group_layers,
+                    shared_blocks,
                     blocks_per_group.as_ptr(),
                     blocks_per_group.len(),
                     &mut raw,
@@ -239,14 +282,36 @@ impl HybridKvCache {
         Ok(HybridKvCache { raw, backend, num_groups })
     }
 
-    /// Sized by a plan of the same layers and block size.
+    /// Sized by a plan of the same layers and block size, sharing a pool
+    /// where the plan does (a plan made with `shared_pool`).
     pub fn from_plan(
         layers: &[LayerSpec],
         plan: &KvCachePlan,
         state_checkpoint_interval: usize,
         gpu: &dyn GpuBackend,
     ) -> Result<HybridKvCache, KvError> {
-        HybridKvCache::new(layers, plan.block_size, state_checkpoint_interval, &plan.blocks_per_group(), gpu)
+        HybridKvCache::new_shared(
+            layers,
+            plan.block_size,
+            state_checkpoint_interval,
+            plan.max_group_layers,
+            plan.shared_blocks,
+            &plan.blocks_per_group(),
+            gpu,
+        )
+    }
+
+    /// Blocks of the shared pool; 0 when no group draws from one.
+    pub fn shared_pool_blocks(&self) -> usize {
+        self.size(ffi::kvport_hybrid_cache_shared_pool_blocks)
+    }
+
+    /// Whether the group draws from the shared pool. `OutOfRange` for group
+    /// >= num_groups.
+    pub fn in_shared_pool(&self, group: usize) -> Result<bool, KvError> {
+        let mut raw = 0i32;
+        check(unsafe { ffi::kvport_hybrid_cache_group_in_shared_pool(self.raw, group, &mut raw) })?;
+        Ok(raw != 0)
     }
 
     /// The C handle (valid while the cache lives).
@@ -466,6 +531,40 @@ impl<'c> HybridBlockTable<'c> {
             PrefixHitMode::Full => ffi::KVPORT_PREFIX_HIT_FULL,
         };
         check(unsafe { ffi::kvport_hybrid_block_table_set_prefix_hit_mode(self.raw, raw) })
+    }
+
+    /// Keep the sliding-window blocks before the end of the cached prefix
+    /// the lookup found, once the table reaches it, so that requests sharing
+    /// the prefix still hit there under memory pressure (off by default).
+    pub fn set_keep_shared_windows(&mut self, keep: bool) {
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_set_keep_shared_windows(self.raw, i32::from(keep)) },
+            "kvport_hybrid_block_table_set_keep_shared_windows",
+        );
+    }
+
+    pub fn keeps_shared_windows(&self) -> bool {
+        let mut raw = 0i32;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_keeps_shared_windows(self.raw, &mut raw) },
+            "kvport_hybrid_block_table_keeps_shared_windows",
+        );
+        raw != 0
+    }
+
+    /// Keeps the window blocks just before the table's current end (a point
+    /// other requests hit); best-effort, nothing kept out of memory; again
+    /// moves the kept point.
+    pub fn keep_hit_point(&mut self) {
+        expect_ok(unsafe { ffi::kvport_hybrid_block_table_keep_hit_point(self.raw) }, "kvport_hybrid_block_table_keep_hit_point");
+    }
+
+    /// The extra references the kept windows hold in the group.
+    /// `OutOfRange` for group >= num_groups.
+    pub fn num_kept_blocks(&self, group: usize) -> Result<usize, KvError> {
+        let mut n = 0usize;
+        check(unsafe { ffi::kvport_hybrid_block_table_num_kept_blocks(self.raw, group, &mut n) })?;
+        Ok(n)
     }
 
     pub fn prefix_hit_mode(&self) -> PrefixHitMode {

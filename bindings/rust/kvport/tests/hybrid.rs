@@ -310,3 +310,58 @@ fn the_docs_example_is_examples_hybrid() {
         .collect();
     assert_eq!(code.trim_end(), body.join("\n").trim_end(), "docs/bindings/rust.md and examples/hybrid.rs differ");
 }
+
+/// One pool over gpt-oss-like groups (window 8 and full attention,
+/// alternating): the plan with `shared_pool`, a cache made from it, memory
+/// moving to the group that needs it, kept windows, and the errors.
+#[test]
+fn shared_pool_moves_memory_between_groups() {
+    let layers: Vec<LayerSpec> = (0..4).map(|i| if i % 2 == 0 { window(8) } else { full() }).collect();
+    assert!(!PlanRequest::default().shared_pool);
+    let request = PlanRequest { shared_pool: true, ..PlanRequest::new(1 << 20, 4096) };
+    let plan = plan_kv_cache(&layers, BS, &request).unwrap();
+    assert_eq!(plan.groups.len(), 2);
+    assert!(plan.groups.iter().all(|g| g.shared && g.num_blocks == plan.shared_blocks));
+    assert!(plan.shared_blocks > 0 && plan.shared_bytes > 0 && plan.shared_bytes <= request.budget_bytes);
+    assert_eq!((plan.max_group_layers, plan.max_context_tokens), (2, 4096));
+    let gpu = Backend::host().unwrap();
+    let planned = HybridKvCache::from_plan(&layers, &plan, 1, &gpu).unwrap();
+    assert_eq!(planned.shared_pool_blocks(), plan.shared_blocks);
+    drop(planned);
+    let separate = plan_kv_cache(&layers, BS, &PlanRequest::new(1 << 20, 4096)).unwrap();
+    assert!(separate.shared_blocks == 0 && separate.max_group_layers == 0);
+    assert!(separate.groups.iter().all(|g| !g.shared));
+
+    // 12 blocks for both groups: 32 tokens decoded one at a time hold 8 full
+    // blocks and at most 3 window blocks; pools of 6 each could not.
+    let cache = HybridKvCache::new_shared(&layers, BS, 1, 2, 12, &[0, 0], &gpu).unwrap();
+    assert_eq!(cache.shared_pool_blocks(), 12);
+    assert!(cache.in_shared_pool(0).unwrap() && cache.in_shared_pool(1).unwrap());
+    assert!(matches!(cache.in_shared_pool(2), Err(KvError::OutOfRange(_))));
+    {
+        let mut t = HybridBlockTable::new(&cache, 0).unwrap();
+        assert!(!t.keeps_shared_windows());
+        t.set_keep_shared_windows(true);
+        assert!(t.keeps_shared_windows());
+        for token in tokens(32, 7) {
+            t.append_tokens(&[token], DEFAULT_STREAM).unwrap();
+        }
+        assert_eq!(cache.group_blocks_in_use(1).unwrap(), 8);
+        assert_eq!(t.num_kept_blocks(0).unwrap(), 0);
+        t.keep_hit_point();
+        let kept = t.num_kept_blocks(0).unwrap();
+        assert!((1..=3).contains(&kept), "{kept}");
+        assert_eq!(t.num_kept_blocks(1).unwrap(), 0);
+        assert!(matches!(t.num_kept_blocks(2), Err(KvError::OutOfRange(_))));
+        assert!(cache.check_invariants().unwrap().ok);
+    }
+    assert_eq!(cache.group_blocks_in_use(0).unwrap(), 0);
+
+    // No two groups to share; a count per group other than one.
+    let fulls = [full(), full()];
+    assert!(matches!(HybridKvCache::new_shared(&fulls, BS, 1, 0, 12, &[12], &gpu), Err(KvError::InvalidArgument(_))));
+    assert!(HybridKvCache::new_shared(&layers, BS, 1, 0, 0, &[12], &gpu).is_err());
+    let own = HybridKvCache::new_shared(&fulls, BS, 1, 0, 0, &[12], &gpu).unwrap();
+    assert_eq!(own.shared_pool_blocks(), 0);
+    assert!(!own.in_shared_pool(0).unwrap());
+}
