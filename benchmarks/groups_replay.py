@@ -10,7 +10,10 @@ and mean running requests, the prefix hit rate and preemptions. With
 fixed split by peak needs, kvport before the shared pool) for comparison.
 
 Targets (issue 30): with groups, peak and mean running >= all-full's, hit rate
->= 0.95x all-full's, and no more preemptions than all-full. (The >= 1.8x
+>= 0.95x all-full's, and no more preemptions than all-full. The hit rates
+compared are over the requests both runs admitted (`common` in the JSON):
+all-full attention rejects prompts it cannot fit, and its own rate is then
+over fewer, shorter prompts; the table shows the whole-trace rates beside. (The >= 1.8x
 running at 32k-token requests is a long-context replay's:
 tests/unit/sim/hybrid_replay_test.cpp; --context only sets what the planner
 plans for, the requests stay the trace's.) The script prints a Markdown table and a
@@ -69,8 +72,9 @@ def main() -> int:
                   (conv, "8GiB")]
     contexts = [int(c) for c in a.context.split(",")]
     print("| trace | model | context | pools | peak running (groups / all-full) | "
-          "mean running | hit rate | preemptions | targets |")
-    print("|---|---|--:|---|--:|--:|--:|--:|---|")
+          "mean running | hit rate (requests both admitted) | hit rate (all) | preemptions | "
+          "targets |")
+    print("|---|---|--:|---|--:|--:|--:|--:|--:|---|")
     ok = True
     met = total = 0
     for trace, memory in traces:
@@ -80,7 +84,8 @@ def main() -> int:
                     r = replay(a.bin, trace, model, memory, context, separate)
                     ok = ok and r["ok"]
                     g, f = r["groups"], r["all_full"]
-                    hit_ok = g["hit_rate"] >= 0.95 * f["hit_rate"] - 1e-12
+                    c = r["common"]
+                    hit_ok = c["groups_hit_rate"] >= 0.95 * c["all_full_hit_rate"] - 1e-12
                     good = (g["peak_running"] >= f["peak_running"] and
                             g["mean_running"] >= f["mean_running"] and hit_ok and
                             g["preemptions"] <= f["preemptions"])
@@ -92,6 +97,8 @@ def main() -> int:
                           f"{'separate' if separate else 'shared'} | "
                           f"{g['peak_running']} / {f['peak_running']} | "
                           f"{g['mean_running']:.1f} / {f['mean_running']:.1f} | "
+                          f"{100 * c['groups_hit_rate']:.1f}% / "
+                          f"{100 * c['all_full_hit_rate']:.1f}% ({c['requests']}) | "
                           f"{100 * g['hit_rate']:.1f}% / {100 * f['hit_rate']:.1f}% | "
                           f"{g['preemptions']} / {f['preemptions']} | "
                           f"{'met' if good else 'missed'} |", flush=True)

@@ -90,6 +90,7 @@ class HybridReplayWorkload final : public Workload {
 
   HybridReplayResult run() {
     result_.requests = requests_.size();
+    result_.request_hit_tokens.assign(requests_.size(), -1);
     SchedulerOptions scheduling;
     scheduling.max_running = options_.concurrency;
     scheduling.step_ms = static_cast<double>(options_.step_ms);
@@ -196,6 +197,7 @@ class HybridReplayWorkload final : public Workload {
       // What an earlier try of this request computed is not a hit.
       const std::size_t counted = hit > state.computed_to ? hit : std::min(hit, state.first_hit);
       result_.hit_tokens += counted;
+      result_.request_hit_tokens[id] = static_cast<std::int64_t>(counted);
       if (from_host) result_.host_hit_tokens += counted;
       for (std::size_t g = 0; g < usage_.size(); ++g) {
         usage_[g].hit_blocks += hit_blocks_[g];
@@ -337,6 +339,30 @@ std::size_t model_block_bytes(const KvCachePlan& plan) noexcept {
       bytes = saturating_add(bytes, g.bytes_per_block);
   }
   return bytes;
+}
+
+CommonHitRates common_hit_rates(std::span<const TraceRequest> requests,
+                                const HybridReplayResult& a, const HybridReplayResult& b) {
+  if (a.request_hit_tokens.size() != requests.size() ||
+      b.request_hit_tokens.size() != requests.size()) {
+    throw InvalidArgument(fmt::format(
+        "common_hit_rates: {} requests, but the results have {} and {} per-request hits",
+        requests.size(), a.request_hit_tokens.size(), b.request_hit_tokens.size()));
+  }
+  CommonHitRates r;
+  std::uint64_t hits_a = 0, hits_b = 0;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (a.request_hit_tokens[i] < 0 || b.request_hit_tokens[i] < 0) continue;
+    ++r.requests;
+    r.prompt_tokens += requests[i].input_length;
+    hits_a += static_cast<std::uint64_t>(a.request_hit_tokens[i]);
+    hits_b += static_cast<std::uint64_t>(b.request_hit_tokens[i]);
+  }
+  if (r.prompt_tokens != 0) {
+    r.a = static_cast<double>(hits_a) / static_cast<double>(r.prompt_tokens);
+    r.b = static_cast<double>(hits_b) / static_cast<double>(r.prompt_tokens);
+  }
+  return r;
 }
 
 std::vector<LayerSpec> as_all_full_attention(std::span<const LayerSpec> layers) {

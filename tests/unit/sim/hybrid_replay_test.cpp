@@ -82,6 +82,41 @@ TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   EXPECT_LE(hybrid.groups[0].peak_blocks_in_use, 41 * hybrid.peak_running);
 }
 
+TEST(HybridReplay, PerRequestHitsAddUpAndCompareOnTheRequestsBothAdmitted) {
+  auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
+  const std::vector<TraceRequest> trace = long_context_trace();
+  HybridReplayOptions o;
+  o.layers = gpt_oss_120b();
+  o.budget_bytes = std::size_t{40} << 30;
+  o.max_context_tokens = 32768;
+  const HybridReplayResult r = replay_hybrid(trace, o, *backend);
+  ASSERT_EQ(r.request_hit_tokens.size(), trace.size());
+  std::uint64_t sum = 0;
+  for (const std::int64_t h : r.request_hit_tokens) {
+    ASSERT_GE(h, 0) << "every request was admitted";
+    sum += static_cast<std::uint64_t>(h);
+  }
+  EXPECT_EQ(sum, r.hit_tokens);
+  const CommonHitRates same = common_hit_rates(trace, r, r);
+  EXPECT_EQ(same.requests, trace.size());
+  EXPECT_DOUBLE_EQ(same.a, r.hit_rate());
+  EXPECT_DOUBLE_EQ(same.b, r.hit_rate());
+
+  // Request 1 rejected by a, request 2 by b: only request 0 counts.
+  const std::vector<TraceRequest> three(trace.begin(), trace.begin() + 3);
+  HybridReplayResult a, b;
+  a.request_hit_tokens = {1024, -1, 4096};
+  b.request_hit_tokens = {512, 2048, -1};
+  const CommonHitRates c = common_hit_rates(three, a, b);
+  EXPECT_EQ(c.requests, 1u);
+  EXPECT_EQ(c.prompt_tokens, three[0].input_length);
+  EXPECT_DOUBLE_EQ(c.a, 1024.0 / static_cast<double>(three[0].input_length));
+  EXPECT_DOUBLE_EQ(c.b, 512.0 / static_cast<double>(three[0].input_length));
+  b.request_hit_tokens.pop_back();
+  EXPECT_THAT([&] { (void)common_hit_rates(three, a, b); },
+              testing::ThrowsMessage<InvalidArgument>(testing::HasSubstr("3 requests")));
+}
+
 TEST(HybridReplay, AnAdmissionThatDoesNotFitComputesNothingAndIsNoHit) {
   // Long requests that share nothing, all at once, in memory that holds a
   // few: every hit would be a request's own work from a try that did not

@@ -125,7 +125,8 @@ nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
 }
 
 void run_group_replay(GroupReplayRun& run) {
-  const std::vector<sim::TraceRequest> requests = sim::read_mooncake_trace(run.trace);
+  run.requests = sim::read_mooncake_trace(run.trace);
+  const std::vector<sim::TraceRequest>& requests = run.requests;
   const std::unique_ptr<Backend> backend = make_host_backend();
   run.groups = sim::replay_hybrid(requests, run.options, *backend);
   sim::HybridReplayOptions all_full = run.options;
@@ -171,6 +172,11 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
   row("peak running", std::to_string(g.peak_running), std::to_string(f.peak_running));
   row("mean running", fmt::format("{:.1f}", g.mean_running), fmt::format("{:.1f}", f.mean_running));
   row("token hit rate", percent(g.hit_rate()), percent(f.hit_rate()));
+  const sim::CommonHitRates common = sim::common_hit_rates(run.requests, g, f);
+  if (common.requests != g.completed || common.requests != f.completed) {
+    row(fmt::format("  on the {} requests both admitted", common.requests).c_str(),
+        percent(common.a), percent(common.b));
+  }
   if (o.host_tier_blocks != 0) {
     auto of_prompts = [](const sim::HybridReplayResult& r) {
       return percent(r.prompt_tokens == 0 ? 0.0
@@ -233,6 +239,11 @@ void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
   }
   j["groups"] = result_json(run.groups);
   j["all_full"] = result_json(run.all_full);
+  const sim::CommonHitRates common = sim::common_hit_rates(run.requests, run.groups, run.all_full);
+  j["common"] = {{"requests", common.requests},
+                 {"prompt_tokens", common.prompt_tokens},
+                 {"groups_hit_rate", common.a},
+                 {"all_full_hit_rate", common.b}};
   j["concurrency_ratio"] = run.all_full.peak_running == 0
                                ? 0.0
                                : static_cast<double>(run.groups.peak_running) /

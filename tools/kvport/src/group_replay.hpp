@@ -22,6 +22,7 @@ struct GroupReplayRun {
   std::string model;         ///< the model's (escaped) name
   std::string model_source;  ///< "preset" or "hf-config"
   sim::HybridReplayOptions options;
+  std::vector<sim::TraceRequest> requests;  ///< the trace, as both replays read it
   sim::HybridReplayResult groups;    ///< over the model's groups
   sim::HybridReplayResult all_full;  ///< every window/chunked layer as full attention
   /// With --events: where the groups' replay published its events and the

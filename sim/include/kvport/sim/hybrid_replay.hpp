@@ -109,6 +109,10 @@ struct HybridReplayResult {
   std::size_t budget_bytes = 0;
   std::size_t pool_bytes = 0;  ///< the real model's bytes of every pool (<= budget)
   std::vector<HybridGroupUsage> groups;
+  /// Per request, in trace order: the tokens its first admission hit, or -1
+  /// when it was never admitted (rejected). Lets two runs be compared on the
+  /// requests both admitted (common_hit_rates).
+  std::vector<std::int64_t> request_hit_tokens;
   InvariantReport invariants;  ///< at the end (every block back)
   double wall_s = 0.0;
   double hit_rate() const noexcept {
@@ -118,6 +122,22 @@ struct HybridReplayResult {
   }
   std::size_t peak_bytes_in_use() const noexcept;
 };
+
+/// Two runs' token hit rates over only the requests both admitted: when one
+/// run rejects requests the other holds (a long prompt that all-full
+/// attention cannot fit), their own hit rates are over different prompts.
+struct CommonHitRates {
+  std::size_t requests = 0;        ///< admitted by both
+  std::uint64_t prompt_tokens = 0;  ///< of those requests
+  double a = 0.0;                   ///< run a's hit tokens over prompt_tokens
+  double b = 0.0;                   ///< run b's
+};
+
+/// CommonHitRates of two results of one trace (`requests`, the trace both
+/// replayed). InvalidArgument when a result's request_hit_tokens does not
+/// have one entry per request.
+CommonHitRates common_hit_rates(std::span<const TraceRequest> requests,
+                                const HybridReplayResult& a, const HybridReplayResult& b);
 
 /// The unit of HybridReplayOptions::host_tier_blocks: the real model's bytes
 /// of one block of every attention layer (the bytes_per_block of the plan's
