@@ -66,6 +66,8 @@ HostTierCounters& HostTierCounters::operator+=(const HostTierCounters& o) noexce
   lower_tier_writes += o.lower_tier_writes;
   lower_tier_hits += o.lower_tier_hits;
   lower_tier_shortfalls += o.lower_tier_shortfalls;
+  lookup_spills += o.lookup_spills;
+  poll_spills += o.poll_spills;
   return *this;
 }
 
@@ -322,9 +324,10 @@ struct HostTier::State {
 
   // Frees host slots until `n` are free (or no ready slot is left unpinned),
   // offering the least recently used ready blocks to the lower tier first, as
-  // one batch. Without a lower tier nothing: acquire_slot drops them then.
-  void spill(std::size_t n) noexcept {
-    if (lower == nullptr || free_slots.size() >= n) return;
+  // one batch; returns how many it freed. Without a lower tier nothing:
+  // acquire_slot drops them then.
+  std::size_t spill(std::size_t n) noexcept {
+    if (lower == nullptr || free_slots.size() >= n) return 0;
     const std::size_t need = n - free_slots.size();
     try {
       spill_slots.clear();
@@ -339,15 +342,16 @@ struct HostTier::State {
         spill_images.emplace_back(slot_ptr(id), slot_bytes);
       }
     } catch (const std::exception&) {  // bad_alloc: acquire_slot drops them instead
-      return;
+      return 0;
     }
-    if (spill_slots.empty()) return;
+    if (spill_slots.empty()) return 0;
     counters.lower_tier_offers += spill_slots.size();
     counters.lower_tier_writes += lower->put(spill_hashes, spill_images);
     for (SlotId id : spill_slots) {
       free_slot(id);
       ++counters.host_evictions;
     }
+    return spill_slots.size();
   }
 
   // Counts a lookup's hits for the lower tier's admission filter.
@@ -387,7 +391,7 @@ struct HostTier::State {
     // blocks down, which may evict the lower tier's least recently used
     // blocks, so the ones about to be read are made its most recent.
     lower->touch(lower_hashes);
-    spill(d);
+    counters.lookup_spills += spill(d);
     std::size_t n = 0;
     for (; n < d; ++n) {
       // A hash named twice (a caller's span, not a chain) is in the index
@@ -815,6 +819,11 @@ void validate(const PrefixCache& prefix, const HostTierOptions& o) {
     throw InvalidArgument(fmt::format("HostTier: offload_batch must be in [1, {}], got {}",
                                       HostTierOptions::kMaxOffloadBatch, o.offload_batch));
   }
+  if (o.host_free_watermark > o.num_host_blocks / 2) {
+    throw InvalidArgument(
+        fmt::format("HostTier: host_free_watermark must be at most num_host_blocks / 2 ({}), got {}",
+                    o.num_host_blocks / 2, o.host_free_watermark));
+  }
   if (to_string(o.policy) == std::string_view("unknown") ||
       to_string(o.inclusion) == std::string_view("unknown")) {
     throw InvalidArgument("HostTier: unknown policy or inclusion");
@@ -1029,6 +1038,9 @@ void HostTier::poll() {
       if (!s.prefix->is_cached(t.block)) ++have;
     if (have < watermark) s.write_back(std::min(watermark - have, s.options.offload_batch));
   }
+  const std::size_t host_watermark = s.options.host_free_watermark;
+  if (host_watermark != 0 && s.lower != nullptr && s.free_slots.size() < host_watermark)
+    s.counters.poll_spills += s.spill(2 * host_watermark);
 }
 
 void HostTier::synchronize() {

@@ -85,6 +85,14 @@ void ReplayOptions::validate() const {
     throw InvalidArgument(
         "--disk-tier-blocks: needs --host-tier-blocks (the disk tier is under the host tier)");
   }
+  if (host_free_watermark != 0 && !lower_tier) {
+    throw InvalidArgument("--host-free-watermark: needs a disk tier (--disk-tier-blocks)");
+  }
+  if (host_free_watermark > host_tier_blocks / 2) {
+    throw InvalidArgument(
+        fmt::format("--host-free-watermark: at most half the host tier's blocks ({}), got {}",
+                    host_tier_blocks / 2, host_free_watermark));
+  }
   if (!std::isfinite(host_link_gbps) || host_link_gbps <= 0.0) {
     throw InvalidArgument(
         fmt::format("--host-link-gbps: must be a positive number of GB/s, got {}", host_link_gbps));
@@ -482,6 +490,7 @@ ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOpti
     tier_options.num_host_blocks = options.host_tier_blocks;
     tier_options.policy = options.tier_policy;
     tier_options.inclusion = options.tier_inclusion;
+    tier_options.host_free_watermark = options.host_free_watermark;
     try {
       tier = std::make_unique<HostTier>(prefix, tier_options, stream);
     } catch (const InvalidArgument& e) {

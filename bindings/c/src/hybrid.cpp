@@ -288,18 +288,10 @@ kvport_status kvport_hybrid_cache_create(kvport_backend* backend, const kvport_l
                                          size_t state_checkpoint_interval,
                                          const size_t* blocks_per_group, size_t num_groups,
                                          kvport_hybrid_cache** out) {
-  return guard([&] {
-    BackendObject& parent = get<BackendObject>(backend);
-    HybridKvCacheConfig config;
-    config.layers = to_layer_specs(specs, num_layers);
-    config.block_size = block_size;
-    config.state_checkpoint_interval = state_checkpoint_interval;
-    const auto counts = span_of(blocks_per_group, num_groups, "blocks_per_group");
-    require(out, "out");
-    auto object = std::make_unique<HybridCacheObject>();
-    object->cache = std::make_unique<HybridKvCache>(std::move(config), counts, *parent.backend);
-    *out = finish_hybrid_cache(std::move(object), parent);
-  });
+  // A pool per group: no shared pool, every layer of a spec in one group.
+  return kvport_hybrid_cache_create_shared(backend, specs, num_layers, block_size,
+                                           state_checkpoint_interval, 0, 0, blocks_per_group,
+                                           num_groups, out);
 }
 
 kvport_status kvport_hybrid_cache_create_shared(kvport_backend* backend,

@@ -687,6 +687,33 @@ TEST(cli_replay, DiskTierAdmissionWritesFewerBlocks) {
   EXPECT_EQ(u(all, "not_admitted"), 0u);
 }
 
+TEST(cli_replay, HostFreeWatermarkMovesTheWritesOutOfTheLookups) {
+  const TempFile holder("unused", "");
+  auto run = [&](const char* sub, std::vector<std::string> extra) {
+    std::vector<std::string> flags{"--capacity-blocks", "200", "--host-tier-blocks", "100",
+                                   "--disk-tier-blocks", "1000", "--disk-dir",
+                                   holder.dir() + sub, "--json"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    std::vector<std::string> args{"replay", "--trace", kSmallTrace};
+    args.insert(args.end(), flags.begin(), flags.end());
+    const CliResult r = run_cli(args);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.json();
+  };
+  const nlohmann::json off = run("/a", {});
+  const nlohmann::json on = run("/b", {"--host-free-watermark", "25"});
+  const nlohmann::json& c_off = off.at("tier_counters");
+  const nlohmann::json& c_on = on.at("tier_counters");
+  EXPECT_EQ(u(off.at("disk_tier"), "host_free_watermark"), 0u);
+  EXPECT_EQ(u(on.at("disk_tier"), "host_free_watermark"), 25u);
+  EXPECT_EQ(u(c_off, "poll_spills"), 0u);
+  EXPECT_GT(u(c_off, "lookup_spills"), 0u) << "without it, lookups write before they read";
+  EXPECT_GT(u(c_on, "poll_spills"), 0u);
+  EXPECT_LT(u(c_on, "lookup_spills"), u(c_off, "lookup_spills"));
+  EXPECT_GT(u(on.at("disk_tier"), "hit_blocks"), 0u);
+  EXPECT_TRUE(on.at("ok").get<bool>());
+}
+
 TEST(cli_replay, DiskTierBadInput) {
   const TempFile trace("trace.jsonl", line(0, 100, 5, "[1]"));
   const std::string dir = trace.dir() + "/tier";
@@ -705,6 +732,11 @@ TEST(cli_replay, DiskTierBadInput) {
   bad({"--host-tier-blocks", "8", "--disk-dir", dir}, "--disk-dir: needs --disk-tier-blocks");
   bad({"--host-tier-blocks", "8", "--disk-min-hits", "2"},
       "--disk-min-hits: needs --disk-tier-blocks");
+  bad({"--host-tier-blocks", "8", "--host-free-watermark", "2"},
+      "--host-free-watermark: needs --disk-tier-blocks");
+  bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir,
+       "--host-free-watermark", "5"},
+      "--host-free-watermark: at most half the host tier's blocks (4), got 5");
   bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-io", "aio"},
       "--disk-io: unknown engine 'aio' (expected automatic, io_uring or sync)");
   bad({"--host-tier-blocks", "8", "--disk-tier-blocks", "8", "--disk-dir", dir, "--disk-min-hits",

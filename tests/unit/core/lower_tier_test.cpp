@@ -96,6 +96,38 @@ class LowerTierTest : public ::testing::TestWithParam<KvCacheLayout> {
   std::vector<BlockHash> hashes_of(TokenId first) const {
     return hash_full_blocks(tokens(8, first), 4);
   }
+
+  // fill_five with host_free_watermark `watermark`, a poll, then the lookup
+  // of sequence 100 (in the lower tier): who wrote host blocks down.
+  void lookup_after_fill(std::size_t watermark) {
+    MemoryStore store(HostTier::slot_bytes_for(cache), 16);  // outlives the tier
+    HostTierOptions o = options();
+    o.host_free_watermark = watermark;
+    HostTier tier(pc, o);
+    tier.set_lower_tier(&store);
+    fill_five(tier);
+    tier.poll();
+    if (watermark != 0) {
+      EXPECT_GE(tier.num_free_host_blocks(), watermark);
+      EXPECT_GT(tier.counters().poll_spills, 0u);
+    } else {
+      EXPECT_EQ(tier.num_free_host_blocks(), 0u);
+      EXPECT_EQ(tier.counters().poll_spills, 0u);
+    }
+    PrefixMatch m = pc.lookup(tokens(9, 100));
+    ASSERT_EQ(m.blocks.size(), 2u);
+    EXPECT_EQ(m.lower_tier_blocks, 2u);
+    EXPECT_TRUE(test::holds_pattern_block(cache, m.blocks[0], 100, stream));
+    EXPECT_TRUE(test::holds_pattern_block(cache, m.blocks[1], 101, stream));
+    // Written down before the read (the onload's device evictions may write
+    // the host's blocks down afterwards, as any write-back does).
+    EXPECT_EQ(tier.counters().lookup_spills, watermark != 0 ? 0u : 2u);
+    EXPECT_GE(tier.counters().lower_tier_offers,
+              tier.counters().lookup_spills + tier.counters().poll_spills);
+    EXPECT_TIER_INVARIANTS(tier);
+    pc.release_blocks(m.blocks);
+    EXPECT_TIER_INVARIANTS(tier);
+  }
 };
 
 TEST_P(LowerTierTest, DroppedHostBlocksComeBackThroughAHostSlotWithTheirContents) {
@@ -252,6 +284,30 @@ TEST_P(LowerTierTest, HoldsCountsTheLowerTierAndUninstallingStopsIt) {
   EXPECT_TRUE(m.blocks.empty());  // the lower tier is not asked any more
   EXPECT_EQ(store.get_calls, 0u);
   EXPECT_TIER_INVARIANTS(tier);
+}
+
+// Without a watermark the lookup of the dropped sequence finds the host full
+// and writes two host blocks down before it reads; with host_free_watermark 2
+// poll() has written them down already, and the lookup only reads.
+TEST_P(LowerTierTest, WithoutAHostFreeWatermarkALookupWritesBeforeItReads) {
+  lookup_after_fill(0);
+}
+
+TEST_P(LowerTierTest, AHostFreeWatermarkWritesDownInPollSoALookupOnlyReads) {
+  lookup_after_fill(2);
+}
+
+TEST_P(LowerTierTest, AHostFreeWatermarkAboveHalfTheHostIsRefused) {
+  HostTierOptions o = options();
+  o.host_free_watermark = 3;  // of 4 host blocks
+  test::expect_invalid_argument([&] { HostTier tier(pc, o); }, "host_free_watermark");
+  // Without a lower tier poll() has nothing to write down to.
+  o.host_free_watermark = 2;
+  HostTier tier(pc, o);
+  fill_five(tier);
+  tier.poll();
+  EXPECT_EQ(tier.counters().poll_spills, 0u);
+  EXPECT_EQ(tier.counters().lookup_spills, 0u);
 }
 
 TEST_P(LowerTierTest, AStoreOfAnotherBlockSizeIsRefused) {

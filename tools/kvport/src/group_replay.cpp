@@ -121,7 +121,9 @@ nlohmann::ordered_json tier_counters_json(const HostTierCounters& c) {
           {"lower_tier_offers", c.lower_tier_offers},
           {"lower_tier_writes", c.lower_tier_writes},
           {"lower_tier_hits", c.lower_tier_hits},
-          {"lower_tier_shortfalls", c.lower_tier_shortfalls}};
+          {"lower_tier_shortfalls", c.lower_tier_shortfalls},
+          {"lookup_spills", c.lookup_spills},
+          {"poll_spills", c.poll_spills}};
 }
 
 void run_group_replay(GroupReplayRun& run) {

@@ -149,6 +149,10 @@ class ReplayCommand final : public Command {
     add(app, "--disk-min-hits", disk_min_hits_, "K",
         "Write a block to disk only once lookups hit it K times (SSD wear; default 0: every "
         "block the host drops)");
+    add(app, "--host-free-watermark", host_free_watermark_, "N",
+        "With a disk tier: keep N host slots free by writing the host's least recently used "
+        "blocks to disk in each step (up to 2N at once), so that a lookup reads the disk "
+        "without writing first (default 0: write only when a call needs the room)");
     add(app, "--disk-io", disk_io_, "ENGINE",
         "automatic (io_uring where the kernel allows, else pread/pwrite; the default), "
         "io_uring, or sync (pread/pwrite)");
@@ -304,7 +308,8 @@ class ReplayCommand final : public Command {
     if (!disk_tier_blocks_.given()) {
       for (const auto& [flag, name] :
            {std::pair{&disk_dir_, "--disk-dir"}, std::pair{&disk_min_hits_, "--disk-min-hits"},
-            std::pair{&disk_io_, "--disk-io"}}) {
+            std::pair{&disk_io_, "--disk-io"},
+            std::pair{&host_free_watermark_, "--host-free-watermark"}}) {
         if (flag->given()) {
           throw InvalidArgument(fmt::format("{}: needs --disk-tier-blocks (a disk tier)", name));
         }
@@ -325,6 +330,11 @@ class ReplayCommand final : public Command {
       disk_options_.min_hits = static_cast<std::uint32_t>(
           parse_count_in(disk_min_hits_.value, "--disk-min-hits", 0, UINT32_MAX));
     }
+    if (host_free_watermark_.given()) {
+      options.host_free_watermark =
+          parse_count_in(host_free_watermark_.value, "--host-free-watermark", 0, UINT32_MAX);
+    }
+    host_free_watermark_n_ = options.host_free_watermark;
     if (disk_io_.given()) {
       const std::optional<disk::IoEngine> engine = disk::parse_io_engine(disk_io_.value);
       if (!engine) {
@@ -611,9 +621,10 @@ class ReplayCommand final : public Command {
     table.add_row(
         {"disk written", fmt::format("{} blocks", d.writes),
          fmt::format(
-             "{} of {} offered by the host; {:.1f} MB in {:.3f} s ({:.1f} MB/s) + index "
-             "{:.3f} s; {} modeled",
-             c.lower_tier_writes, c.lower_tier_offers, static_cast<double>(d.write_bytes) / 1e6,
+             "{} of {} offered by the host ({} inside lookups, {} ahead by poll); {:.1f} MB in "
+             "{:.3f} s ({:.1f} MB/s) + index {:.3f} s; {} modeled",
+             c.lower_tier_writes, c.lower_tier_offers, c.lookup_spills, c.poll_spills,
+             static_cast<double>(d.write_bytes) / 1e6,
              static_cast<double>(d.write_ns) / 1e9, mb_per_s(d.write_bytes, d.write_ns),
              static_cast<double>(d.index_ns) / 1e9,
              gb(static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes)))});
@@ -640,6 +651,7 @@ class ReplayCommand final : public Command {
     j["dir"] = disk_options_.dir.string();
     j["io"] = disk_description_;
     j["min_hits"] = disk_options_.min_hits;
+    j["host_free_watermark"] = host_free_watermark_n_;
     j["hit_blocks"] = r.lower_hit_blocks;
     j["hit_rate"] = r.lower_hit_rate();
     j["blocks_at_end"] = disk_blocks_at_end_;
@@ -759,8 +771,10 @@ class ReplayCommand final : public Command {
   TextFlag trace_, capacity_, block_size_, trace_block_tokens_, concurrency_, step_ms_,
       check_every_, host_tier_blocks_, tier_policy_, tier_inclusion_, host_link_gbps_, model_,
       memory_, hf_config_, context_, prefill_chunk_, checkpoint_interval_, events_, events_replay_,
-      events_topic_, events_form_, disk_tier_blocks_, disk_dir_, disk_min_hits_, disk_io_;
+      events_topic_, events_form_, disk_tier_blocks_, disk_dir_, disk_min_hits_, disk_io_,
+      host_free_watermark_;
   disk::DiskStoreOptions disk_options_;
+  std::size_t host_free_watermark_n_ = 0;
   std::string disk_description_;  // the store's I/O path and fallback, once opened
   disk::DiskStoreCounters disk_counters_;
   std::size_t disk_blocks_at_end_ = 0;

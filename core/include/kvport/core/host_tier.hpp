@@ -76,6 +76,13 @@ struct HostTierOptions {
   /// (without waiting) while fewer than this many device blocks are free or
   /// being written back, so allocations rarely wait. 0: only on demand.
   std::size_t free_watermark = 0;
+  /// With a lower tier (set_lower_tier): when fewer than this many host slots
+  /// are free, poll() writes the least recently used host blocks down (one
+  /// batch) until twice this many are, so that a lookup that reads from the
+  /// lower tier, and a write-back, find free slots instead of writing first.
+  /// 0: the host writes down only when a call needs the room. At most
+  /// num_host_blocks / 2.
+  std::size_t host_free_watermark = 0;
   /// How long the tier waits for its copies (an onload in a lookup, a
   /// write-back an allocation needs, synchronize()). A batch that has not
   /// completed by then is abandoned: its device blocks and host slots are
@@ -131,6 +138,11 @@ struct HostTierCounters {
   /// failed, came short, did not verify or missed its deadline, or no host
   /// slot was free for it (the hit ends there).
   std::uint64_t lower_tier_shortfalls = 0;
+  /// Host blocks written down to make room inside a lookup (before it could
+  /// read the lower tier's blocks: on the lookup's path), and by poll() to
+  /// keep host_free_watermark slots free (off it).
+  std::uint64_t lookup_spills = 0;
+  std::uint64_t poll_spills = 0;
 
   /// Adds every counter of `other` (HybridHostTier's totals over groups).
   HostTierCounters& operator+=(const HostTierCounters& other) noexcept;
@@ -195,7 +207,9 @@ class HostTier final : public PrefixCacheTier {
   /// Call once per engine step, after the step's kernels are queued on the
   /// compute stream: completes the copies that finished (non-blocking),
   /// queues the write-through copies of blocks registered since the last
-  /// call, and writes back ahead to keep free_watermark blocks free.
+  /// call, and writes back ahead to keep free_watermark blocks free; with a
+  /// lower tier and host_free_watermark, writes host blocks down to keep that
+  /// many host slots free (synchronously, as the lower tier's put is).
   void poll();
 
   /// Waits for every copy in flight and completes it (or rolls it back, when

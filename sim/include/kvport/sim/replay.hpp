@@ -150,6 +150,10 @@ struct ReplayOptions {
   /// HostTier::set_lower_tier (a store of other bytes: InvalidArgument).
   /// Needs host_tier_blocks > 0. Empty: no lower tier.
   std::function<LowerTierStore*(const KvCacheConfig& config, std::size_t block_bytes)> lower_tier;
+  /// HostTierOptions::host_free_watermark of the host tier (with a lower
+  /// tier: poll() keeps this many host slots free by writing down ahead, so
+  /// lookups read the lower tier without writing first). 0: off.
+  std::size_t host_free_watermark = 0;
   /// The model preset (sim/model_presets.hpp) whose block bytes (every layer's
   /// K and V, bf16, block_size tokens) model the bytes a transfer moves.
   std::string model = "llama-3-8b";
