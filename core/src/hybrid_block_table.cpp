@@ -57,7 +57,8 @@ HybridBlockTable::HybridBlockTable(HybridBlockTable&& other) noexcept
       keep_at_(std::exchange(other.keep_at_, 0)),
       keep_shared_(other.keep_shared_),
       copy_on_writes_(std::exchange(other.copy_on_writes_, 0)),
-      hit_mode_(other.hit_mode_) {}
+      hit_mode_(other.hit_mode_),
+      copy_last_(other.copy_last_) {}
 
 HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept {
   if (this != &other) {
@@ -73,6 +74,7 @@ HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept
     keep_shared_ = other.keep_shared_;
     copy_on_writes_ = std::exchange(other.copy_on_writes_, 0);
     hit_mode_ = other.hit_mode_;
+    copy_last_ = other.copy_last_;
   }
   return *this;
 }
@@ -436,8 +438,15 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   const std::size_t max_blocks = hit_mode_ == PrefixHitMode::full
                                      ? prompt.size() / block_size_
                                      : (prompt.empty() ? 0 : (prompt.size() - 1) / block_size_);
+  std::vector<BlockHash> hashes;
+  if (copy_last_ && hit_mode_ == PrefixHitMode::compute_last_token && block_size_ > 1 &&
+      !prompt.empty() && prompt.size() % block_size_ == 0) {
+    hashes = hash_full_blocks(prompt, block_size_, extra_key_);
+    if (const std::size_t hit = reuse_copying_last_block(prompt, hashes, stream); hit != 0)
+      return hit;
+  }
   if (max_blocks == 0) return 0;
-  std::vector<BlockHash> hashes = hash_full_blocks(prompt, block_size_, extra_key_);
+  if (hashes.empty()) hashes = hash_full_blocks(prompt, block_size_, extra_key_);
   hashes.resize(max_blocks);
 
   const std::size_t ng = groups_.size();
@@ -620,6 +629,85 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   return tokens_.size();
 }
 
+std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> prompt,
+                                                       std::span<const BlockHash> hashes,
+                                                       StreamView stream) {
+  const std::size_t ng = groups_.size();
+  const std::size_t p = hashes.size();  // every block of the prompt
+  const std::size_t next = prompt.size() - 1;  // the token the engine computes
+  absl::InlinedVector<std::size_t, 4> first(ng, 0);
+  for (std::size_t g = 0; g < ng; ++g) {
+    const LayerSpec& spec = cache_->group(g).spec;
+    if (spec.kind == LayerKind::state || cache_->prefix_cache(g).tier() != nullptr) return 0;
+    first[g] = first_needed_block(hit_rule_of(spec), block_size_, next);
+  }
+  // Every block each group needs for the next token, cached on the device.
+  for (std::size_t g = 0; g < ng; ++g) {
+    const PrefixCache& prefix = cache_->prefix_cache(g);
+    for (std::size_t i = first[g]; i < p; ++i)
+      if (!prefix.find(hashes[i])) return 0;
+  }
+  absl::InlinedVector<std::vector<BlockId>, 4> taken(ng);
+  absl::InlinedVector<std::optional<BlockId>, 4> copies(ng);
+  auto give_back = [&]() noexcept {
+    for (std::size_t g = 0; g < ng; ++g) {
+      for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
+        release_block(g, *it);
+      if (copies[g]) release_block(g, *copies[g]);
+    }
+  };
+  try {
+    for (std::size_t g = 0; g < ng; ++g) {
+      PrefixMatch m = cache_->prefix_cache(g).lookup_hashes(hashes.subspan(first[g]));
+      taken[g] = std::move(m.blocks);
+      if (taken[g].size() != p - first[g]) {  // nothing can go between the probe and here
+        give_back();
+        return 0;
+      }
+    }
+    // The copies: a fresh block in every group (taken blocks are held, so
+    // these allocations cannot evict them), or the default rule.
+    for (std::size_t g = 0; g < ng; ++g) {
+      copies[g] = cache_->prefix_cache(g).try_alloc_block();
+      if (!copies[g]) {
+        give_back();
+        return 0;
+      }
+    }
+    for (std::size_t g = 0; g < ng; ++g) {
+      const BlockCopy c{taken[g].back(), *copies[g]};
+      cache_->group_cache(g).copy_blocks({&c, 1}, stream);
+    }
+    for (std::size_t g = 0; g < ng; ++g)
+      groups_[g].blocks.reserve(p);
+    tokens_.reserve(prompt.size());
+  } catch (...) {
+    give_back();
+    for (Group& grp : groups_)
+      grp = Group{};
+    throw;
+  }
+  // Commit: nothing below throws. The cached last blocks' references go back
+  // once their copies are queued (as BlockTable's copy-on-write does).
+  for (std::size_t g = 0; g < ng; ++g) {
+    Group& grp = groups_[g];
+    release_block(g, taken[g].back());
+    taken[g].back() = *copies[g];
+    grp.blocks.assign(first[g], kNullBlock);
+    grp.blocks.insert(grp.blocks.end(), taken[g].begin(), taken[g].end());
+    grp.live_begin = first[g];
+    ++copy_on_writes_;
+  }
+  tokens_.assign(prompt.begin(), prompt.end() - 1);
+  hashes_.assign(hashes.begin(), hashes.end() - 1);  // the last block is partial again
+  // Other requests hit where this prompt ends: its window is kept once the
+  // table holds the last token again.
+  keep_at_ = keep_shared_ ? p : 0;
+  HybridHitCounters& counters = cache_->hit_counters();
+  counters.hit_tokens += tokens_.size();
+  return tokens_.size();
+}
+
 HybridBlockTable HybridBlockTable::adopt(HybridKvCache& cache, std::span<const TokenId> tokens,
                                          std::span<const std::vector<BlockId>> blocks,
                                          std::span<const std::size_t> first_blocks,
@@ -748,6 +836,7 @@ HybridBlockTable HybridBlockTable::fork(StreamView stream) const {
   HybridBlockTable child(*cache_, extra_key_);
   child.hit_mode_ = hit_mode_;
   child.keep_shared_ = keep_shared_;
+  child.copy_last_ = copy_last_;
   const std::size_t ng = groups_.size();
   // State copies first: they are what can fail.
   for (std::size_t g = 0; g < ng; ++g) {

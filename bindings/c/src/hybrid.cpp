@@ -512,6 +512,18 @@ kvport_status kvport_hybrid_block_table_keeps_shared_windows(const kvport_hybrid
   });
 }
 
+kvport_status kvport_hybrid_block_table_set_copy_last_block(kvport_hybrid_block_table* table,
+                                                            int32_t copy) {
+  return guard([&] { hybrid_table_of(table).set_copy_last_block(copy != 0); });
+}
+
+kvport_status kvport_hybrid_block_table_copies_last_block(const kvport_hybrid_block_table* table,
+                                                          int32_t* out) {
+  return guard([&] {
+    put(out, static_cast<std::int32_t>(hybrid_table_of(table).copies_last_block() ? 1 : 0), "out");
+  });
+}
+
 kvport_status kvport_hybrid_block_table_keep_hit_point(kvport_hybrid_block_table* table) {
   return guard([&] { hybrid_table_of(table).keep_hit_point(); });
 }

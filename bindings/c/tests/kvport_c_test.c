@@ -1747,6 +1747,17 @@ static void test_hybrid_shared_pool(kvport_backend* backend) {
   OK(kvport_hybrid_block_table_destroy(t));
   OK(kvport_hybrid_cache_group_blocks_in_use(cache, 0, &n));
   CHECK(n == 0);
+  /* The copy-last-block rule: the 32 cached tokens hit 31, not 28. */
+  OK(kvport_hybrid_block_table_create(cache, 0, &t));
+  OK(kvport_hybrid_block_table_copies_last_block(t, &flag));
+  CHECK(flag == 0);
+  OK(kvport_hybrid_block_table_set_copy_last_block(t, 1));
+  OK(kvport_hybrid_block_table_copies_last_block(t, &flag));
+  CHECK(flag == 1);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_copies_last_block(t, NULL));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(t, tokens, 32, NULL, &n));
+  CHECK(n == 31);
+  OK(kvport_hybrid_block_table_destroy(t));
   check_hybrid_ok(cache);
   OK(kvport_hybrid_cache_destroy(cache));
 

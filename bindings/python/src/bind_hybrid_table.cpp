@@ -88,6 +88,14 @@ void bind_hybrid_table(py::module_& m) {
           [](const PyHybridTable& t, bool keep) { t.table().set_keep_shared_windows(keep); },
           "Keep the sliding-window blocks before the end of the cached prefix the lookup found "
           "while the sequence runs (off by default; HybridBlockTable::set_keep_shared_windows).")
+      .def_property(
+          "copy_last_block",
+          [](const PyHybridTable& t) { return t.table().copies_last_block(); },
+          [](const PyHybridTable& t, bool copy) { t.table().set_copy_last_block(copy); },
+          "With compute_last_token: a block-aligned prompt whose blocks are all cached hits n - 1 "
+          "tokens, every group's last block a private copy (BlockTable's rule); not with a state "
+          "group or a lower tier, nor without a block for a copy (off by default; "
+          "HybridBlockTable::set_copy_last_block).")
       .def(
           "keep_hit_point", [](const PyHybridTable& t) { t.table().keep_hit_point(); },
           "Keep the sliding-window blocks before the table's end (call after prefill: the next "

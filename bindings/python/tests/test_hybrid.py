@@ -180,6 +180,27 @@ def test_shared_pool_plan_and_kept_windows():
         assert cache.shared_pool_blocks == 0 and not cache.in_shared_pool(0)
 
 
+def test_copy_last_block_hits_all_but_the_last_token():
+    layers = gpt_oss_layers()
+    with kvport.HybridKvCache(layers, [32, 64], block_size=16) as cache:
+        prompt = tokens(64)
+        with kvport.HybridBlockTable(cache) as a:
+            a.append_tokens(prompt)
+        with kvport.HybridBlockTable(cache) as b:
+            assert b.reuse_cached_prefix(prompt) == 48  # the default: n - block_size
+        with kvport.HybridBlockTable(cache) as c:
+            assert not c.copy_last_block
+            c.copy_last_block = True
+            assert c.reuse_cached_prefix(prompt) == 63
+            assert c.copy_on_writes == 2  # the last block of each group, copied
+            assert c.num_tokens == 63
+            c.append_tokens(prompt[63:])
+            assert c.num_tokens == 64
+            with c.fork() as child:
+                assert child.copy_last_block
+        assert cache.check_invariants().ok
+
+
 # ---- gpt-oss-like: window 128 + full ---------------------------------------------
 
 def test_window_freeing_after_a_long_decode():

@@ -245,6 +245,108 @@ TEST_F(HybridTableTest, FullModeHitsTheWholePromptAndExtraKeySeparates) {
   expect_ok();
 }
 
+// BlockTable's compute-last-token rule as the table's option: a block-aligned
+// prompt whose blocks are all cached hits n - 1 tokens; every group's last
+// block is a private copy of the cached one, which stays cached, untouched.
+TEST_F(HybridTableTest, CopyLastBlockHitsAllButTheLastTokenInEveryGroup) {
+  const std::vector<TokenId> prompt = tokens(16);
+  const std::vector<BlockHash> h = hash_full_blocks(prompt, kBs);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(prompt, stream);
+    for (std::size_t g = 0; g < 3; ++g) {
+      for (std::size_t i = 0; i < 4; ++i) {
+        const BlockId b = a.blocks(g)[i];
+        if (b != kNullBlock) test::write_pattern_block(cache.group_cache(g), b, 10 * g + i, stream);
+      }
+    }
+  }
+  HybridBlockTable b(cache);
+  EXPECT_FALSE(b.copies_last_block());
+  b.set_copy_last_block(true);
+  EXPECT_TRUE(b.copies_last_block());
+  const std::uint64_t hits_before = cache.hit_counters().hit_tokens;
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 15u);
+  EXPECT_EQ(b.num_tokens(), 15u);
+  EXPECT_EQ(cache.hit_counters().hit_tokens - hits_before, 15u);
+  EXPECT_EQ(b.copy_on_writes(), 3u);  // one copy per group
+  // Next token 15: the window (8) needs tokens 8..14, the chunk 8..15: blocks
+  // 2 and 3; full attention all four.
+  EXPECT_EQ(nulls(b.blocks(0)), 2u);
+  EXPECT_EQ(nulls(b.blocks(1)), 0u);
+  EXPECT_EQ(nulls(b.blocks(2)), 2u);
+  for (std::size_t g = 0; g < 3; ++g) {
+    SCOPED_TRACE(g);
+    PrefixCache& prefix = cache.prefix_cache(g);
+    const std::span<const BlockId> blocks = b.blocks(g);
+    ASSERT_EQ(blocks.size(), 4u);
+    const std::optional<BlockId> cached_last = prefix.find(h[3]);
+    ASSERT_TRUE(cached_last.has_value()) << "the cached last block stays cached";
+    EXPECT_NE(blocks[3], *cached_last);
+    EXPECT_EQ(cache.group_cache(g).ref_count(*cached_last), 1u) << "only the cache holds it";
+    EXPECT_TRUE(test::holds_pattern_block(cache.group_cache(g), blocks[3], 10 * g + 3, stream));
+    EXPECT_TRUE(test::holds_pattern_block(cache.group_cache(g), *cached_last, 10 * g + 3, stream));
+    for (std::size_t i = 0; i < 3; ++i) {
+      if (blocks[i] != kNullBlock) {
+        EXPECT_EQ(blocks[i], prefix.find(h[i]));
+      }
+    }
+  }
+  expect_ok();
+  // The engine computes the last token into the copies; the table goes on.
+  b.append_tokens(std::span<const TokenId>(prompt).subspan(15), stream);
+  EXPECT_EQ(b.num_tokens(), 16u);
+  b.append_tokens(tokens(1, 100), stream);
+  expect_ok();
+}
+
+TEST_F(HybridTableTest, CopyLastBlockFallsBackWhereItCannotCopy) {
+  const std::vector<TokenId> prompt = tokens(16);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(prompt, stream);
+  }
+  // Not aligned, full mode, or the option off: the rules as before.
+  HybridBlockTable odd(cache);
+  odd.set_copy_last_block(true);
+  EXPECT_EQ(odd.reuse_cached_prefix(std::span<const TokenId>(prompt).first(15), stream), 12u);
+  EXPECT_EQ(odd.copy_on_writes(), 0u);
+  HybridBlockTable full(cache);
+  full.set_copy_last_block(true);
+  full.set_prefix_hit_mode(PrefixHitMode::full);
+  EXPECT_EQ(full.reuse_cached_prefix(prompt, stream), 16u);
+  EXPECT_EQ(full.copy_on_writes(), 0u);
+  // Fork and moves carry the option.
+  HybridBlockTable forked = odd.fork(stream);
+  EXPECT_TRUE(forked.copies_last_block());
+  HybridBlockTable moved(std::move(forked));
+  EXPECT_TRUE(moved.copies_last_block());
+  expect_ok();
+}
+
+TEST(HybridCopyLastBlock, WithoutABlockForACopyTheHitIsTheDefaultRules) {
+  // The full group's pool holds the prompt's 4 blocks and nothing else: no
+  // block for its copy.
+  auto backend = host_backend();
+  const Stream stream = backend->create_stream();
+  HybridKvCacheConfig c;
+  c.block_size = kBs;
+  c.layers = {LayerSpec::sliding_window(8, 1, 8, 8), LayerSpec::full_attention(1, 8, 8)};
+  const std::vector<std::size_t> counts{8, 4};
+  HybridKvCache cache(c, counts, *backend);
+  const std::vector<TokenId> prompt = tokens(16);
+  {
+    HybridBlockTable a(cache);
+    a.append_tokens(prompt, stream);
+  }
+  HybridBlockTable b(cache);
+  b.set_copy_last_block(true);
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 12u);
+  EXPECT_EQ(b.copy_on_writes(), 0u);
+  const InvariantReport r = cache.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+}
+
 // One sequence of a gpt-oss-like model decoded to 32k tokens holds the bytes
 // the planner says: the window group stays at its peak.
 TEST(HybridLongContext, WindowGroupStaysAtItsPeak) {
@@ -384,6 +486,21 @@ TEST_F(HybridStateTest, WithoutACheckpointAtTheHitPointTheHitStopsEarlier) {
   HybridBlockTable c(none);
   EXPECT_EQ(c.reuse_cached_prefix(prompt, stream), 0u);
   EXPECT_EQ(none.hit_counters().state_checkpoints, 0u);
+}
+
+TEST_F(HybridStateTest, CopyLastBlockDoesNotApplyWithAStateGroup) {
+  // A state exists at block boundaries only: the hit stays vLLM's n - bs.
+  const std::vector<TokenId> prompt = tokens(8);
+  {
+    HybridBlockTable a(cache);  // checkpoints after tokens 4 and 8
+    a.append_tokens(std::span<const TokenId>(prompt).first(4), stream);
+    a.append_tokens(std::span<const TokenId>(prompt).subspan(4), stream);
+  }
+  HybridBlockTable b(cache);
+  b.set_copy_last_block(true);
+  EXPECT_EQ(b.reuse_cached_prefix(prompt, stream), 4u);
+  EXPECT_EQ(b.copy_on_writes(), 0u);
+  expect_ok();
 }
 
 TEST_F(HybridStateTest, ForkCopiesTheState) {

@@ -940,6 +940,17 @@ kvport_hybrid_block_table_set_keep_shared_windows(kvport_hybrid_block_table* tab
 KVPORT_API kvport_status
 kvport_hybrid_block_table_keeps_shared_windows(const kvport_hybrid_block_table* table, int32_t* out);
 
+/** Nonzero: with KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN, a block-aligned prompt
+ *  whose blocks every group needs are cached hits n - 1 tokens, each group's
+ *  last block a private copy (kvport_block_table's rule;
+ *  kvport::HybridBlockTable::set_copy_last_block). Not with a state group or
+ *  a lower tier, nor without a block for some group's copy: the hit is then
+ *  the default rule's. Off by default. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_set_copy_last_block(kvport_hybrid_block_table* table, int32_t copy);
+KVPORT_API kvport_status
+kvport_hybrid_block_table_copies_last_block(const kvport_hybrid_block_table* table, int32_t* out);
+
 /** Keeps the window blocks just before the table's current end (a point
  *  other requests hit): best-effort, nothing kept out of memory; calling it
  *  again moves the kept point (kvport::HybridBlockTable::keep_hit_point). */

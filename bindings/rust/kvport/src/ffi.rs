@@ -754,6 +754,14 @@ extern "C" {
         table: *const kvport_hybrid_block_table,
         out: *mut i32,
     ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_set_copy_last_block(
+        table: *mut kvport_hybrid_block_table,
+        copy: i32,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_copies_last_block(
+        table: *const kvport_hybrid_block_table,
+        out: *mut i32,
+    ) -> kvport_status;
     pub fn kvport_hybrid_block_table_keep_hit_point(table: *mut kvport_hybrid_block_table) -> kvport_status;
     pub fn kvport_hybrid_block_table_num_kept_blocks(
         table: *const kvport_hybrid_block_table,

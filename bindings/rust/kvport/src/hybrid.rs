@@ -552,6 +552,26 @@ impl<'c> HybridBlockTable<'c> {
         raw != 0
     }
 
+    /// BlockTable's compute-last-token rule as an option (off by default): a
+    /// block-aligned prompt whose blocks are all cached hits n - 1 tokens,
+    /// each group's last block a private copy; not with a state group or a
+    /// lower tier, nor without a block for a copy (the default rule then).
+    pub fn set_copy_last_block(&mut self, copy: bool) {
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_set_copy_last_block(self.raw, i32::from(copy)) },
+            "kvport_hybrid_block_table_set_copy_last_block",
+        );
+    }
+
+    pub fn copies_last_block(&self) -> bool {
+        let mut raw = 0i32;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_copies_last_block(self.raw, &mut raw) },
+            "kvport_hybrid_block_table_copies_last_block",
+        );
+        raw != 0
+    }
+
     /// Keeps the window blocks just before the table's current end (a point
     /// other requests hit); best-effort, nothing kept out of memory; again
     /// moves the kept point.

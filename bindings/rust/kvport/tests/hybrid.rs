@@ -356,6 +356,14 @@ fn shared_pool_moves_memory_between_groups() {
         assert!(cache.check_invariants().unwrap().ok);
     }
     assert_eq!(cache.group_blocks_in_use(0).unwrap(), 0);
+    {
+        // The copy-last-block rule: the 32 cached tokens hit 31, not 28.
+        let mut t = HybridBlockTable::new(&cache, 0).unwrap();
+        assert!(!t.copies_last_block());
+        t.set_copy_last_block(true);
+        assert!(t.copies_last_block());
+        assert_eq!(t.reuse_cached_prefix(&tokens(32, 7), DEFAULT_STREAM).unwrap(), 31);
+    }
 
     // No two groups to share; a count per group other than one.
     let fulls = [full(), full()];

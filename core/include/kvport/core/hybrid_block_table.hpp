@@ -97,6 +97,21 @@ class HybridBlockTable {
   PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
   void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
 
+  /// BlockTable's compute_last_token rule, as an option (off by default):
+  /// with compute_last_token, a block-aligned prompt of n tokens whose every
+  /// block each group needs is cached on the device hits n - 1 tokens
+  /// instead of n - block_size: the last block of every group is copied into
+  /// a fresh block (one batched copy of all its layers per group, on the
+  /// call's stream; copy_on_writes counts each), the table holds the copies
+  /// with block_size - 1 tokens in them, and the cached blocks stay
+  /// untouched. Applies where every group allows it: not with a state group
+  /// (a state exists at block boundaries only), nor with a lower tier under
+  /// some group, nor with block size 1; there, and when some group has no
+  /// free or evictable block for its copy, the hit is the default rule's.
+  /// Copied by fork and moves; release() keeps it.
+  bool copies_last_block() const noexcept { return copy_last_; }
+  void set_copy_last_block(bool copy) noexcept { copy_last_ = copy; }
+
   /// Whether the table keeps the sliding-window blocks before the end of the
   /// cached prefix its lookup found (see keep_hit_point), off by default.
   /// Kept blocks are held (blocks_in_use counts them) but are in no block
@@ -210,6 +225,11 @@ class HybridBlockTable {
   void release_kept(std::size_t g, std::vector<BlockId>& kept) noexcept;
   // keep_window at keep_at_ (the end of the prompt's cached prefix, in
   // blocks) once the table reaches it; then keep_at_ = 0.
+  // reuse_cached_prefix's copy_last_ rule: the hit of n - 1 tokens of a
+  // block-aligned `prompt` (`hashes`: its full blocks' hashes); 0, with
+  // nothing taken, when the rule does not apply or a copy has no block.
+  std::size_t reuse_copying_last_block(std::span<const TokenId> prompt,
+                                       std::span<const BlockHash> hashes, StreamView stream);
   void keep_shared_point() noexcept;
   PoolNeed shared_need(const Plan& plan) const;
   // The first group whose pool lacks blocks for `plan` (num_groups: none).
@@ -233,6 +253,7 @@ class HybridBlockTable {
   bool keep_shared_ = false;         // set_keep_shared_windows
   std::uint64_t copy_on_writes_ = 0;
   PrefixHitMode hit_mode_ = PrefixHitMode::compute_last_token;
+  bool copy_last_ = false;
 };
 
 }  // namespace kvport
