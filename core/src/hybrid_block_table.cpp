@@ -101,6 +101,22 @@ void HybridBlockTable::release_block(std::size_t g, BlockId block) noexcept {
   }
 }
 
+void HybridBlockTable::release_taken(std::span<std::vector<BlockId>> taken) noexcept {
+  for (std::size_t g = 0; g < taken.size(); ++g) {
+    for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
+      release_block(g, *it);
+    taken[g].clear();
+  }
+}
+
+void HybridBlockTable::place_hit(std::size_t g, std::size_t first,
+                                 std::span<const BlockId> blocks) noexcept {
+  Group& grp = groups_[g];
+  grp.blocks.assign(first, kNullBlock);  // reserved by the caller: no allocation
+  grp.blocks.insert(grp.blocks.end(), blocks.begin(), blocks.end());
+  grp.live_begin = first;
+}
+
 void HybridBlockTable::release_before(std::size_t g, std::size_t first) noexcept {
   Group& grp = groups_[g];
   // Oldest first: they are evicted in that order.
@@ -464,10 +480,8 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   absl::InlinedVector<std::size_t, 4> first(ng, 0);
   absl::InlinedVector<std::size_t, 4> onloaded(ng, 0);
   auto give_back = [&]() noexcept {
+    release_taken(taken);
     for (std::size_t g = 0; g < ng; ++g) {
-      for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
-        release_block(g, *it);
-      taken[g].clear();
       onloaded[g] = 0;
       if (slots[g]) release_block(g, *slots[g]);
       slots[g].reset();
@@ -616,9 +630,7 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
       grp.state = slots[g];
       continue;
     }
-    grp.blocks.assign(first[g], kNullBlock);
-    grp.blocks.insert(grp.blocks.end(), taken[g].begin(), taken[g].end());
-    grp.live_begin = first[g];
+    place_hit(g, first[g], taken[g]);
   }
   tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit * block_size_));
   hashes.resize(hit);
@@ -650,11 +662,9 @@ std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> 
   absl::InlinedVector<std::vector<BlockId>, 4> taken(ng);
   absl::InlinedVector<std::optional<BlockId>, 4> copies(ng);
   auto give_back = [&]() noexcept {
-    for (std::size_t g = 0; g < ng; ++g) {
-      for (auto it = taken[g].rbegin(); it != taken[g].rend(); ++it)
-        release_block(g, *it);
+    release_taken(taken);
+    for (std::size_t g = 0; g < ng; ++g)
       if (copies[g]) release_block(g, *copies[g]);
-    }
   };
   try {
     for (std::size_t g = 0; g < ng; ++g) {
@@ -690,12 +700,9 @@ std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> 
   // Commit: nothing below throws. The cached last blocks' references go back
   // once their copies are queued (as BlockTable's copy-on-write does).
   for (std::size_t g = 0; g < ng; ++g) {
-    Group& grp = groups_[g];
     release_block(g, taken[g].back());
     taken[g].back() = *copies[g];
-    grp.blocks.assign(first[g], kNullBlock);
-    grp.blocks.insert(grp.blocks.end(), taken[g].begin(), taken[g].end());
-    grp.live_begin = first[g];
+    place_hit(g, first[g], taken[g]);
     ++copy_on_writes_;
   }
   tokens_.assign(prompt.begin(), prompt.end() - 1);

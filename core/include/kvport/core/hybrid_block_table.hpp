@@ -225,6 +225,12 @@ class HybridBlockTable {
   void release_kept(std::size_t g, std::vector<BlockId>& kept) noexcept;
   // keep_window at keep_at_ (the end of the prompt's cached prefix, in
   // blocks) once the table reaches it; then keep_at_ = 0.
+  // Releases every group's blocks in `taken` (per group, last first) and
+  // empties the lists.
+  void release_taken(std::span<std::vector<BlockId>> taken) noexcept;
+  // Group g starts at a hit: `first` null entries, then `blocks` (the
+  // caller reserved the room).
+  void place_hit(std::size_t g, std::size_t first, std::span<const BlockId> blocks) noexcept;
   // reuse_cached_prefix's copy_last_ rule: the hit of n - 1 tokens of a
   // block-aligned `prompt` (`hashes`: its full blocks' hashes); 0, with
   // nothing taken, when the rule does not apply or a copy has no block.
