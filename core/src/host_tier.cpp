@@ -820,9 +820,9 @@ void validate(const PrefixCache& prefix, const HostTierOptions& o) {
                                       HostTierOptions::kMaxOffloadBatch, o.offload_batch));
   }
   if (o.host_free_watermark > o.num_host_blocks / 2) {
-    throw InvalidArgument(
-        fmt::format("HostTier: host_free_watermark must be at most num_host_blocks / 2 ({}), got {}",
-                    o.num_host_blocks / 2, o.host_free_watermark));
+    throw InvalidArgument(fmt::format(
+        "HostTier: host_free_watermark must be at most num_host_blocks / 2 ({}), got {}",
+        o.num_host_blocks / 2, o.host_free_watermark));
   }
   if (to_string(o.policy) == std::string_view("unknown") ||
       to_string(o.inclusion) == std::string_view("unknown")) {

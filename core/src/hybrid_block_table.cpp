@@ -645,7 +645,7 @@ std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> 
                                                        std::span<const BlockHash> hashes,
                                                        StreamView stream) {
   const std::size_t ng = groups_.size();
-  const std::size_t p = hashes.size();  // every block of the prompt
+  const std::size_t p = hashes.size();         // every block of the prompt
   const std::size_t next = prompt.size() - 1;  // the token the engine computes
   absl::InlinedVector<std::size_t, 4> first(ng, 0);
   for (std::size_t g = 0; g < ng; ++g) {

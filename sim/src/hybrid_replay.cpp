@@ -341,8 +341,8 @@ std::size_t model_block_bytes(const KvCachePlan& plan) noexcept {
   return bytes;
 }
 
-CommonHitRates common_hit_rates(std::span<const TraceRequest> requests,
-                                const HybridReplayResult& a, const HybridReplayResult& b) {
+CommonHitRates common_hit_rates(std::span<const TraceRequest> requests, const HybridReplayResult& a,
+                                const HybridReplayResult& b) {
   if (a.request_hit_tokens.size() != requests.size() ||
       b.request_hit_tokens.size() != requests.size()) {
     throw InvalidArgument(fmt::format(

@@ -1693,7 +1693,8 @@ static void test_hybrid_shared_pool(kvport_backend* backend) {
   int32_t flag = -1;
 
   for (i = 0; i < 4; ++i)
-    layers[i] = attention_spec(i % 2 == 0 ? KVPORT_LAYER_SLIDING_WINDOW : KVPORT_LAYER_FULL_ATTENTION, 8);
+    layers[i] =
+        attention_spec(i % 2 == 0 ? KVPORT_LAYER_SLIDING_WINDOW : KVPORT_LAYER_FULL_ATTENTION, 8);
   fill_tokens(tokens, 32, 7);
 
   OK(kvport_plan_request_init(&request));

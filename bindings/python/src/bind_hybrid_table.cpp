@@ -89,8 +89,7 @@ void bind_hybrid_table(py::module_& m) {
           "Keep the sliding-window blocks before the end of the cached prefix the lookup found "
           "while the sequence runs (off by default; HybridBlockTable::set_keep_shared_windows).")
       .def_property(
-          "copy_last_block",
-          [](const PyHybridTable& t) { return t.table().copies_last_block(); },
+          "copy_last_block", [](const PyHybridTable& t) { return t.table().copies_last_block(); },
           [](const PyHybridTable& t, bool copy) { t.table().set_copy_last_block(copy); },
           "With compute_last_token: a block-aligned prompt whose blocks are all cached hits n - 1 "
           "tokens, every group's last block a private copy (BlockTable's rule); not with a state "

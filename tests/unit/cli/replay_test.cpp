@@ -690,9 +690,15 @@ TEST(cli_replay, DiskTierAdmissionWritesFewerBlocks) {
 TEST(cli_replay, HostFreeWatermarkMovesTheWritesOutOfTheLookups) {
   const TempFile holder("unused", "");
   auto run = [&](const char* sub, std::vector<std::string> extra) {
-    std::vector<std::string> flags{"--capacity-blocks", "200", "--host-tier-blocks", "100",
-                                   "--disk-tier-blocks", "1000", "--disk-dir",
-                                   holder.dir() + sub, "--json"};
+    std::vector<std::string> flags{"--capacity-blocks",
+                                   "200",
+                                   "--host-tier-blocks",
+                                   "100",
+                                   "--disk-tier-blocks",
+                                   "1000",
+                                   "--disk-dir",
+                                   holder.dir() + sub,
+                                   "--json"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     std::vector<std::string> args{"replay", "--trace", kSmallTrace};
     args.insert(args.end(), flags.begin(), flags.end());

@@ -481,8 +481,8 @@ class ClusterRun {
     for (std::uint32_t i = 0; i < config_.instances; ++i) {
       if (!live(i)) continue;
       if (!ends[i].value("flushed", true)) {
-        throw RunFailure(fmt::format(
-            "instance {} did not publish its last events within its flush timeout", i));
+        throw RunFailure(
+            fmt::format("instance {} did not publish its last events within its flush timeout", i));
       }
       if (unsynced_.count(i) != 0) {
         throw RunFailure(
@@ -826,7 +826,9 @@ class ClusterCommand final : public Command {
       const json j = cluster::policy_json(r, baseline);
       const json& router = r.router;
       // Not compared (the run failed first): "-", never "no".
-      const auto count = [&](int v) { return std::count(r.index_exact.begin(), r.index_exact.end(), v); };
+      const auto count = [&](int v) {
+        return std::count(r.index_exact.begin(), r.index_exact.end(), v);
+      };
       const std::string exact = count(0) != 0 ? "no" : count(-1) != 0 ? "-" : "yes";
       table.add_row(
           {r.policy, std::to_string(r.hit_blocks),

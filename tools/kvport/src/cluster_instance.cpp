@@ -123,7 +123,8 @@ class CoordinatorFeed final : public sim::ArrivalFeed {
         lines_.push_back(std::move(line));
       if (lines_.empty() && input_.eof()) {
         // Closed without "Q" or "abort": the coordinator died.
-        throw Error(fmt::format("kvport cluster: instance {}: the coordinator is gone; exiting", id_));
+        throw Error(
+            fmt::format("kvport cluster: instance {}: the coordinator is gone; exiting", id_));
       }
     }
     std::string line = std::move(lines_.front());

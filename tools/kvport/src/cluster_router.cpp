@@ -118,8 +118,8 @@ class RouterProcess {
           throw Error(fmt::format("kvport cluster: router: bad sync '{}'", line));
         }
         const auto iid = static_cast<router::InstanceId>(id);
-        if (!subscriber_.wait_for(iid, next_seq, std::chrono::milliseconds(spec_.sync_timeout_ms)))
-        {
+        if (!subscriber_.wait_for(iid, next_seq,
+                                  std::chrono::milliseconds(spec_.sync_timeout_ms))) {
           ++failed;
           missed += fmt::format(" {}", iid);
         }

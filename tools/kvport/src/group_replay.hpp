@@ -23,8 +23,8 @@ struct GroupReplayRun {
   std::string model_source;  ///< "preset" or "hf-config"
   sim::HybridReplayOptions options;
   std::vector<sim::TraceRequest> requests;  ///< the trace, as both replays read it
-  sim::HybridReplayResult groups;    ///< over the model's groups
-  sim::HybridReplayResult all_full;  ///< every window/chunked layer as full attention
+  sim::HybridReplayResult groups;           ///< over the model's groups
+  sim::HybridReplayResult all_full;         ///< every window/chunked layer as full attention
   /// With --events: where the groups' replay published its events and the
   /// publisher's counters after its flush (the all-full replay publishes none).
   struct Events {

@@ -624,9 +624,8 @@ class ReplayCommand final : public Command {
              "{} of {} offered by the host ({} inside lookups, {} ahead by poll); {:.1f} MB in "
              "{:.3f} s ({:.1f} MB/s) + index {:.3f} s; {} modeled",
              c.lower_tier_writes, c.lower_tier_offers, c.lookup_spills, c.poll_spills,
-             static_cast<double>(d.write_bytes) / 1e6,
-             static_cast<double>(d.write_ns) / 1e9, mb_per_s(d.write_bytes, d.write_ns),
-             static_cast<double>(d.index_ns) / 1e9,
+             static_cast<double>(d.write_bytes) / 1e6, static_cast<double>(d.write_ns) / 1e9,
+             mb_per_s(d.write_bytes, d.write_ns), static_cast<double>(d.index_ns) / 1e9,
              gb(static_cast<double>(d.writes) * static_cast<double>(r.model_block_bytes)))});
     table.add_row(
         {"disk read", fmt::format("{} blocks", d.reads),

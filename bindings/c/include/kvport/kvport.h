@@ -937,8 +937,8 @@ kvport_hybrid_block_table_prefix_hit_mode(const kvport_hybrid_block_table* table
  *  blocks are held until the table is released or destroyed. */
 KVPORT_API kvport_status
 kvport_hybrid_block_table_set_keep_shared_windows(kvport_hybrid_block_table* table, int32_t keep);
-KVPORT_API kvport_status
-kvport_hybrid_block_table_keeps_shared_windows(const kvport_hybrid_block_table* table, int32_t* out);
+KVPORT_API kvport_status kvport_hybrid_block_table_keeps_shared_windows(
+    const kvport_hybrid_block_table* table, int32_t* out);
 
 /** Nonzero: with KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN, a block-aligned prompt
  *  whose blocks every group needs are cached hits n - 1 tokens, each group's

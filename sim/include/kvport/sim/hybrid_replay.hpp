@@ -127,7 +127,7 @@ struct HybridReplayResult {
 /// run rejects requests the other holds (a long prompt that all-full
 /// attention cannot fit), their own hit rates are over different prompts.
 struct CommonHitRates {
-  std::size_t requests = 0;        ///< admitted by both
+  std::size_t requests = 0;         ///< admitted by both
   std::uint64_t prompt_tokens = 0;  ///< of those requests
   double a = 0.0;                   ///< run a's hit tokens over prompt_tokens
   double b = 0.0;                   ///< run b's
@@ -136,8 +136,8 @@ struct CommonHitRates {
 /// CommonHitRates of two results of one trace (`requests`, the trace both
 /// replayed). InvalidArgument when a result's request_hit_tokens does not
 /// have one entry per request.
-CommonHitRates common_hit_rates(std::span<const TraceRequest> requests,
-                                const HybridReplayResult& a, const HybridReplayResult& b);
+CommonHitRates common_hit_rates(std::span<const TraceRequest> requests, const HybridReplayResult& a,
+                                const HybridReplayResult& b);
 
 /// The unit of HybridReplayOptions::host_tier_blocks: the real model's bytes
 /// of one block of every attention layer (the bytes_per_block of the plan's
