@@ -388,7 +388,17 @@ TEST(HybridDisagg, PrefillAbortFailsEveryGroup) {
 TEST(HybridDisagg, DecodeAbortRefusesEveryGroup) {
   Cluster c(mamba_hybrid(), 1, 1);
   HybridPrefillNode pn(*c.prefill[0]->cache, c.prefill[0]->ptrs, 0, 1);
-  HybridDecodeNode dn(*c.decode[0]->cache, c.decode[0]->ptrs);
+  // The decode side has no room until the abort: no group can pull first
+  // (on a loaded machine both pulls could otherwise finish, and be
+  // confirmed, before the abort).
+  DecodeOptions dopt;
+  dopt.assemble_timeout = std::chrono::minutes(5);
+  HybridDecodeNode dn(*c.decode[0]->cache, c.decode[0]->ptrs, dopt);
+  std::vector<std::vector<BlockId>> held(c.decode[0]->groups());
+  for (std::size_t g = 0; g < held.size(); ++g) {
+    while (const std::optional<BlockId> b = c.decode[0]->cache->prefix_cache(g).try_alloc_block())
+      held[g].push_back(*b);
+  }
   const auto t = tokens(2 * kBs);
   ASSERT_TRUE(pn.offer(31, 0, c.prefill[0]->prefill(t), t, c.peers[0]));
   ASSERT_TRUE(eventually([&] {
@@ -405,6 +415,8 @@ TEST(HybridDisagg, DecodeAbortRefusesEveryGroup) {
     return !leases.empty() && dn.pending_requests() == 0;
   }));
   EXPECT_EQ(leases[0].end, LeaseEnd::refused);
+  for (std::size_t g = 0; g < held.size(); ++g)
+    c.decode[0]->cache->prefix_cache(g).release_blocks(held[g]);
   EXPECT_TRUE(c.decode[0]->clean());
   for (std::size_t g = 0; g < 2; ++g)
     EXPECT_EQ(c.decode[0]->cache->prefix_cache(g).num_cached_blocks(), 0u);
