@@ -109,6 +109,19 @@ void HybridBlockTable::release_taken(std::span<std::vector<BlockId>> taken) noex
   }
 }
 
+void HybridBlockTable::reserve_hit(std::size_t blocks, std::size_t tokens) {
+  try {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      if (cache_->group(g).spec.kind != LayerKind::state) groups_[g].blocks.reserve(blocks);
+    }
+    tokens_.reserve(tokens);
+  } catch (...) {
+    for (Group& grp : groups_)
+      grp = Group{};
+    throw;
+  }
+}
+
 void HybridBlockTable::place_hit(std::size_t g, std::size_t first,
                                  std::span<const BlockId> blocks) noexcept {
   Group& grp = groups_[g];
@@ -611,14 +624,9 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
 
   // Commit: nothing below throws (the vectors' memory is reserved first).
   try {
-    for (std::size_t g = 0; g < ng; ++g) {
-      if (rules[g].kind != LayerKind::state) groups_[g].blocks.reserve(hit);
-    }
-    tokens_.reserve(prompt.size());
+    reserve_hit(hit, prompt.size());
   } catch (...) {
     give_back();
-    for (Group& grp : groups_)
-      grp = Group{};
     throw;
   }
   for (std::size_t g = 0; g < ng; ++g) {
@@ -688,13 +696,9 @@ std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> 
       const BlockCopy c{taken[g].back(), *copies[g]};
       cache_->group_cache(g).copy_blocks({&c, 1}, stream);
     }
-    for (std::size_t g = 0; g < ng; ++g)
-      groups_[g].blocks.reserve(p);
-    tokens_.reserve(prompt.size());
+    reserve_hit(p, prompt.size());
   } catch (...) {
     give_back();
-    for (Group& grp : groups_)
-      grp = Group{};
     throw;
   }
   // Commit: nothing below throws. The cached last blocks' references go back

@@ -228,6 +228,10 @@ class HybridBlockTable {
   // Releases every group's blocks in `taken` (per group, last first) and
   // empties the lists.
   void release_taken(std::span<std::vector<BlockId>> taken) noexcept;
+  // Reserves what committing a hit of `blocks` blocks and `tokens` tokens
+  // fills, so that the commit cannot throw; on bad_alloc the (empty) table's
+  // groups are reset and it rethrows.
+  void reserve_hit(std::size_t blocks, std::size_t tokens);
   // Group g starts at a hit: `first` null entries, then `blocks` (the
   // caller reserved the room).
   void place_hit(std::size_t g, std::size_t first, std::span<const BlockId> blocks) noexcept;
