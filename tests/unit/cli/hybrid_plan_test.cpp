@@ -68,21 +68,33 @@ std::vector<std::size_t> all_but(std::size_t first, std::size_t step, std::size_
   return out;
 }
 
-// What every group of every plan must satisfy.
+// What every group of every plan must satisfy: with a pool per group, or
+// with the attention groups in one shared pool (`shared`: their num_blocks is
+// the pool's, their bytes are the pool's bytes, counted once).
 void expect_consistent(const nlohmann::json& j) {
-  std::size_t total = 0, peak = 0;
+  const std::size_t pool_blocks = j["shared_pool_blocks"].get<std::size_t>();
+  EXPECT_EQ(j["shared_pool"].get<bool>(), pool_blocks != 0);
+  std::size_t total = j["shared_pool_bytes"].get<std::size_t>();
+  std::size_t peak = 0, shared_peak_blocks = 0;
   std::size_t concurrent = static_cast<std::size_t>(-1);
   for (const auto& g : j["groups"]) {
     EXPECT_EQ(g["peak_bytes_per_request"], g["peak_blocks_per_request"].get<std::size_t>() *
                                                g["bytes_per_block"].get<std::size_t>());
+    EXPECT_EQ(g["num_layers"], g["layers"].size());
+    peak += g["peak_bytes_per_request"].get<std::size_t>();
+    if (g["shared"].get<bool>()) {
+      EXPECT_EQ(g["num_blocks"], pool_blocks);
+      EXPECT_EQ(g["bytes"], 0u);
+      shared_peak_blocks += g["peak_blocks_per_request"].get<std::size_t>();
+      continue;
+    }
     EXPECT_GE(g["bytes"].get<std::size_t>(),
               g["num_blocks"].get<std::size_t>() * g["bytes_per_block"].get<std::size_t>());
-    EXPECT_EQ(g["num_layers"], g["layers"].size());
     total += g["bytes"].get<std::size_t>();
-    peak += g["peak_bytes_per_request"].get<std::size_t>();
     concurrent = std::min(concurrent, g["num_blocks"].get<std::size_t>() /
                                           g["peak_blocks_per_request"].get<std::size_t>());
   }
+  if (shared_peak_blocks != 0) concurrent = std::min(concurrent, pool_blocks / shared_peak_blocks);
   EXPECT_EQ(j["total_bytes"], total);
   EXPECT_LE(total, j["memory_bytes"].get<std::size_t>());
   EXPECT_EQ(j["peak_bytes_per_request"], peak);
@@ -98,7 +110,8 @@ void expect_consistent(const nlohmann::json& j) {
 // x 64 dims x K+V x bf16 = 2048 B per token and layer. At 32768 tokens a full
 // layer holds 2048 blocks, a window layer ceil((128 - 2 + 1) / 16) + 1 = 9.
 TEST(cli_hybrid_plan, GptOss120b) {
-  const CliResult r = plan_fixture("gpt-oss-120b");
+  // A pool per group: the planner's per-group split.
+  const CliResult r = plan_fixture("gpt-oss-120b", {"--separate-pools"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = r.json();
   expect_consistent(j);
@@ -142,7 +155,8 @@ TEST(cli_hybrid_plan, GptOss120b) {
 }
 
 TEST(cli_hybrid_plan, GptOss20b) {
-  const CliResult r = plan_fixture("gpt-oss-20b");
+  // A pool per group: the planner's per-group split.
+  const CliResult r = plan_fixture("gpt-oss-20b", {"--separate-pools"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = r.json();
   expect_consistent(j);
@@ -157,7 +171,8 @@ TEST(cli_hybrid_plan, GptOss20b) {
 // 8192 B per token and layer. A window layer holds ceil(1023 / 16) + 1 = 65
 // blocks.
 TEST(cli_hybrid_plan, Gemma3_27b) {
-  const CliResult r = plan_fixture("gemma-3-27b");
+  // A pool per group: the planner's per-group split.
+  const CliResult r = plan_fixture("gemma-3-27b", {"--separate-pools"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = r.json();
   expect_consistent(j);
@@ -181,7 +196,8 @@ TEST(cli_hybrid_plan, Gemma3_27b) {
 // (12), the others chunked by 8192 (36); 8 KV heads x 128 x K+V x bf16 = 4096 B
 // per token and layer. A chunked layer holds ceil((8192 - 1 + 1) / 16) = 512.
 TEST(cli_hybrid_plan, Llama4Scout) {
-  const CliResult r = plan_fixture("llama-4-scout");
+  // A pool per group: the planner's per-group split.
+  const CliResult r = plan_fixture("llama-4-scout", {"--separate-pools"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = r.json();
   expect_consistent(j);
@@ -456,7 +472,7 @@ std::string wrapped_gpt_oss_20b(std::string_view top_level_fields) {
 
 TEST(cli_hybrid_plan, TextConfigShapesTheCacheWhenTheTopLevelRepeatsTheLayerCount) {
   const TempFile config("config.json", wrapped_gpt_oss_20b(R"("num_hidden_layers": 24, )"));
-  const CliResult r = plan_json({"--hf-config", config.path()});
+  const CliResult r = plan_json({"--hf-config", config.path(), "--separate-pools"});
   ASSERT_EQ(r.code, 0) << r.err;
   const auto j = r.json();
   expect_consistent(j);
@@ -465,6 +481,47 @@ TEST(cli_hybrid_plan, TextConfigShapesTheCacheWhenTheTopLevelRepeatsTheLayerCoun
   EXPECT_EQ(j["groups"][0]["bytes_per_token"], 12u * 2048u);
   EXPECT_EQ(j["groups"][1]["bytes_per_token"], 12u * 2048u);
   EXPECT_DOUBLE_EQ(j["ratio_to_all_full"].get<double>(), 2057.0 / 4096.0);
+}
+
+// By default the attention groups share one pool, as kvport replay's do:
+// Gemma 3's 52 window and 10 full layers become 6 + 1 groups of up to 10
+// layers whose pages match; the window groups no longer get a fixed share.
+TEST(cli_hybrid_plan, AttentionGroupsShareOnePoolByDefault) {
+  const CliResult shared = plan_fixture("gemma-3-27b");
+  ASSERT_EQ(shared.code, 0) << shared.err;
+  const auto j = shared.json();
+  expect_consistent(j);
+  EXPECT_TRUE(j["shared_pool"].get<bool>());
+  ASSERT_EQ(j["groups"].size(), 7u);
+  std::size_t layers = 0;
+  for (const auto& g : j["groups"]) {
+    EXPECT_TRUE(g["shared"].get<bool>());
+    EXPECT_LE(g["num_layers"].get<std::size_t>(), 10u);
+    layers += g["num_layers"].get<std::size_t>();
+  }
+  EXPECT_EQ(layers, 62u);
+  const CliResult separate = plan_fixture("gemma-3-27b", {"--separate-pools"});
+  ASSERT_EQ(separate.code, 0) << separate.err;
+  const auto s = separate.json();
+  EXPECT_FALSE(s["shared_pool"].get<bool>());
+  EXPECT_EQ(s["shared_pool_blocks"], 0u);
+  // At exactly the planned context a pool per group is sized to the need
+  // (27 requests here); one pool holds nearly as many (26: the 2-layer group
+  // uses 10-layer pages) and follows workloads that differ from the plan.
+  EXPECT_GE(10 * j["max_concurrent_requests"].get<std::size_t>(),
+            9 * s["max_concurrent_requests"].get<std::size_t>());
+  EXPECT_GT(j["max_concurrent_requests"].get<std::size_t>(), 0u);
+  // The text report names the pool and the flag that turns it off.
+  const CliResult text = run_cli({"plan", "--hf-config", fixture("gemma-3-27b"), "--memory",
+                                  "80GiB"});
+  ASSERT_EQ(text.code, 0) << text.err;
+  EXPECT_THAT(text.out, HasSubstr("shared by groups 0, 1, 2, 3, 4, 5, 6"));
+  EXPECT_THAT(text.out, HasSubstr("--separate-pools"));
+  EXPECT_THAT(text.out, HasSubstr("62 layers in 7 KV cache groups"));
+  // A model of one group has nothing to share.
+  const CliResult one = plan_json({"--model", "llama-3-8b"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  EXPECT_FALSE(one.json()["shared_pool"].get<bool>());
 }
 
 TEST(cli_hybrid_plan, TopLevelAndTextConfigThatDisagreeAreRefused) {

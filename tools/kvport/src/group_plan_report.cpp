@@ -2,6 +2,7 @@
 #include "group_plan_report.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <limits>
@@ -99,7 +100,7 @@ void print_group_table(std::ostream& out, std::span<const KvCacheGroup> groups,
                    or_dash(g.bytes_per_token), or_dash(g.bytes_per_request),
                    std::to_string(g.bytes_per_block), std::to_string(g.peak_blocks_per_request),
                    std::to_string(peak_bytes(g)), std::to_string(g.num_blocks),
-                   std::to_string(g.bytes)});
+                   g.shared ? std::string("shared") : std::to_string(g.bytes)});
   }
   table.print(out);
   out << "(bytes of all the group's layers; Peak: what one request holds at its longest)\n";
@@ -123,6 +124,15 @@ void print_group_totals(std::ostream& out, const KvCachePlan& plan, std::size_t 
   out << fmt::format("Shared pool     {} ({}) in one pool of pages padded to the largest group's\n",
                      plan.shared_pool_peak_bytes_per_request,
                      format_bytes(plan.shared_pool_peak_bytes_per_request));
+  if (plan.shared_blocks != 0) {
+    std::vector<std::size_t> members;
+    for (std::size_t i = 0; i < plan.groups.size(); ++i)
+      if (plan.groups[i].shared) members.push_back(i);
+    out << fmt::format(
+        "One pool        {} blocks ({}) shared by groups {}: memory moves between them as "
+        "requests need it (--separate-pools: a pool per group)\n",
+        plan.shared_blocks, format_bytes(plan.shared_bytes), fmt::join(members, ", "));
+  }
   out << fmt::format("Requests        {} at once\n", plan.max_concurrent_requests);
   out << fmt::format("Cache bytes     {} ({}; {} of the budget unused)\n", plan.total_bytes,
                      format_bytes(plan.total_bytes),
@@ -146,7 +156,8 @@ ordered_json group_plans_json(std::span<const KvCacheGroup> groups, const KvCach
                    {"peak_blocks_per_request", g.peak_blocks_per_request},
                    {"peak_bytes_per_request", peak_bytes(g)},
                    {"num_blocks", g.num_blocks},
-                   {"bytes", g.bytes}});
+                   {"bytes", g.bytes},
+                   {"shared", g.shared}});
   }
   return out;
 }
@@ -164,6 +175,9 @@ void add_group_plan_json(ordered_json& j, std::span<const KvCacheGroup> groups,
   j["all_full_peak_bytes_per_request"] = plan.all_full_peak_bytes_per_request;
   j["ratio_to_all_full"] = plan.ratio_to_all_full();
   j["shared_pool_peak_bytes_per_request"] = plan.shared_pool_peak_bytes_per_request;
+  j["shared_pool"] = plan.shared_blocks != 0;
+  j["shared_pool_blocks"] = plan.shared_blocks;
+  j["shared_pool_bytes"] = plan.shared_bytes;
   j["groups"] = group_plans_json(groups, plan);
 }
 

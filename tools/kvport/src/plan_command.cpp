@@ -64,6 +64,10 @@ class PlanCommand final : public Command {
     requests_option_ =
         add_text_option(app, "--requests", requests_, "N",
                         "Requests of --context tokens that must fit at once (an error otherwise)");
+    app.add_flag("--separate-pools", separate_pools_,
+                 "Models with KV cache groups: a pool per group, sized once by the planner "
+                 "(default: the attention groups whose pages match share one pool, split into "
+                 "groups of equal layer count first, as kvport replay does)");
     app.add_flag("--json", json_, "Print one JSON object instead of the table");
   }
 
@@ -88,8 +92,14 @@ class PlanCommand final : public Command {
       }
       return 0;
     }
-    const std::vector<KvCacheGroup> groups = group_layers(shape.layers, shape.block_size);
-    const KvCachePlan plan = plan_groups(shape, groups, request, budget.bytes);
+    // One pool over the attention groups by default: groups of unequal layer
+    // counts are split first (shared_group_layers), so that their pages match.
+    std::vector<KvCacheGroup> groups = group_layers(shape.layers, shape.block_size);
+    if (!separate_pools_) {
+      const std::size_t split = shared_group_layers(groups, shape.block_size, shape.layout);
+      if (split != 0) groups = group_layers(shape.layers, shape.block_size, split);
+    }
+    const KvCachePlan plan = plan_groups(shape, groups, request, budget.bytes, !separate_pools_);
     if (json_) {
       print_hybrid_json(out, shape, budget, backend.get(), groups, plan, request);
     } else {
@@ -118,8 +128,10 @@ class PlanCommand final : public Command {
 
   static KvCachePlan plan_groups(const CacheShapeOptions::Layered& shape,
                                  std::span<const KvCacheGroup> groups,
-                                 const GroupPlanRequest& request, std::size_t budget_bytes) {
+                                 const GroupPlanRequest& request, std::size_t budget_bytes,
+                                 bool shared_pool = false) {
     KvCachePlanRequest r;
+    r.shared_pool = shared_pool;
     r.budget_bytes = budget_bytes;
     r.max_context_tokens = request.context_tokens;
     r.max_requests = request.requests;
@@ -326,6 +338,7 @@ class PlanCommand final : public Command {
   CLI::Option* context_option_ = nullptr;
   CLI::Option* requests_option_ = nullptr;
   bool json_ = false;
+  bool separate_pools_ = false;
 };
 
 }  // namespace
