@@ -512,8 +512,8 @@ TEST(cli_hybrid_plan, AttentionGroupsShareOnePoolByDefault) {
             9 * s["max_concurrent_requests"].get<std::size_t>());
   EXPECT_GT(j["max_concurrent_requests"].get<std::size_t>(), 0u);
   // The text report names the pool and the flag that turns it off.
-  const CliResult text = run_cli({"plan", "--hf-config", fixture("gemma-3-27b"), "--memory",
-                                  "80GiB"});
+  const CliResult text =
+      run_cli({"plan", "--hf-config", fixture("gemma-3-27b"), "--memory", "80GiB"});
   ASSERT_EQ(text.code, 0) << text.err;
   EXPECT_THAT(text.out, HasSubstr("shared by groups 0, 1, 2, 3, 4, 5, 6"));
   EXPECT_THAT(text.out, HasSubstr("--separate-pools"));
