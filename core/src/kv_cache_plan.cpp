@@ -94,6 +94,16 @@ std::size_t shared_group_layers(std::span<const KvCacheGroup> groups, std::size_
   return 4 * *hi < 5 * *lo ? *hi : *lo;
 }
 
+std::vector<KvCacheGroup> planned_groups(std::span<const LayerSpec> layers, std::size_t block_size,
+                                         bool shared_pool, KvCacheLayout layout,
+                                         std::size_t* max_group_layers) {
+  std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
+  const std::size_t split = shared_pool ? shared_group_layers(groups, block_size, layout) : 0;
+  if (split != 0) groups = group_layers(layers, block_size, split);
+  if (max_group_layers != nullptr) *max_group_layers = split;
+  return groups;
+}
+
 std::optional<SharedPoolGeometry> shared_pool_geometry(std::span<const KvCacheGroup> groups,
                                                        std::size_t block_size, KvCacheLayout layout,
                                                        std::vector<std::size_t>* members) {

@@ -377,12 +377,8 @@ HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
                                  const HybridReplayOptions& options, Backend& backend) {
   options.validate();
   const auto start = std::chrono::steady_clock::now();
-  std::vector<KvCacheGroup> groups = group_layers(options.layers, options.block_size);
-  std::size_t split = 0;
-  if (options.shared_pool) {
-    split = shared_group_layers(groups, options.block_size, KvCacheLayout::layer_major);
-    if (split != 0) groups = group_layers(options.layers, options.block_size, split);
-  }
+  const std::vector<KvCacheGroup> groups =
+      planned_groups(options.layers, options.block_size, options.shared_pool);
   KvCachePlanRequest want;
   want.budget_bytes = options.budget_bytes;
   want.max_context_tokens = options.max_context_tokens;

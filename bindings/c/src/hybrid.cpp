@@ -253,12 +253,9 @@ kvport_status kvport_plan_kv_cache(const kvport_layer_spec* specs, size_t num_la
     r.step_tokens = request->step_tokens;
     r.state_checkpoints = request->state_checkpoints;
     r.shared_pool = request->shared_pool != 0;
-    std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
     std::size_t split = 0;
-    if (r.shared_pool) {
-      split = shared_group_layers(groups, block_size, KvCacheLayout::layer_major);
-      if (split != 0) groups = group_layers(layers, block_size, split);
-    }
+    const std::vector<KvCacheGroup> groups =
+        planned_groups(layers, block_size, r.shared_pool, KvCacheLayout::layer_major, &split);
     if (groups_capacity > 0)
       check_capacity(out_groups, groups_capacity, groups.size(), "kvport_plan_kv_cache");
     const KvCachePlan plan = plan_kv_cache(groups, block_size, r);

@@ -79,13 +79,7 @@ void bind_plan(py::module_& m) {
         r.step_tokens = step_tokens;
         r.state_checkpoints = state_checkpoints;
         r.shared_pool = shared_pool;
-        std::vector<KvCacheGroup> groups = group_layers(layers, block_size);
-        if (shared_pool) {
-          const std::size_t split =
-              shared_group_layers(groups, block_size, KvCacheLayout::layer_major);
-          if (split != 0) groups = group_layers(layers, block_size, split);
-        }
-        return plan_kv_cache(groups, block_size, r);
+        return plan_kv_cache(planned_groups(layers, block_size, shared_pool), block_size, r);
       },
       py::arg("layers"), py::arg("block_size"), py::arg("budget_bytes"),
       py::arg("max_context_tokens"), py::kw_only(), py::arg("max_requests") = 0,

@@ -483,6 +483,19 @@ TEST(SharedPoolPlan, UnequalLayerCountsAreSplitIntoGroupsThatShare) {
   ASSERT_TRUE(geo);
   EXPECT_EQ(members.size(), 7u);
   EXPECT_EQ(geo->num_slots, 2u);
+  // planned_groups: the same split with shared_pool, none without, nor where
+  // the groups cannot share (block-major).
+  std::size_t cap = 99;
+  const std::vector<KvCacheGroup> planned =
+      planned_groups(layers, kBs, true, KvCacheLayout::layer_major, &cap);
+  EXPECT_EQ(cap, split);
+  ASSERT_EQ(planned.size(), groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    EXPECT_EQ(planned[g].layers, groups[g].layers);
+  EXPECT_EQ(planned_groups(layers, kBs, false, KvCacheLayout::layer_major, &cap).size(), 2u);
+  EXPECT_EQ(cap, 0u);
+  EXPECT_EQ(planned_groups(layers, kBs, true, KvCacheLayout::block_major, &cap).size(), 2u);
+  EXPECT_EQ(cap, 0u);
   // Within 1.25x (5 and 6): the largest count, one group each (the smaller
   // padded).
   std::vector<LayerSpec> near = {

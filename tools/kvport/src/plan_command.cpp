@@ -93,12 +93,9 @@ class PlanCommand final : public Command {
       return 0;
     }
     // One pool over the attention groups by default: groups of unequal layer
-    // counts are split first (shared_group_layers), so that their pages match.
-    std::vector<KvCacheGroup> groups = group_layers(shape.layers, shape.block_size);
-    if (!separate_pools_) {
-      const std::size_t split = shared_group_layers(groups, shape.block_size, shape.layout);
-      if (split != 0) groups = group_layers(shape.layers, shape.block_size, split);
-    }
+    // counts are split first, so that their pages match.
+    const std::vector<KvCacheGroup> groups =
+        planned_groups(shape.layers, shape.block_size, !separate_pools_, shape.layout);
     const KvCachePlan plan = plan_groups(shape, groups, request, budget.bytes, !separate_pools_);
     if (json_) {
       print_hybrid_json(out, shape, budget, backend.get(), groups, plan, request);

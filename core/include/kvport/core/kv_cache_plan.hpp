@@ -107,6 +107,17 @@ std::size_t peak_blocks_per_request(const LayerSpec& spec, std::size_t block_siz
 std::size_t shared_group_layers(std::span<const KvCacheGroup> groups, std::size_t block_size,
                                 KvCacheLayout layout);
 
+/// The KV cache groups of `layers` that a plan is made over: group_layers,
+/// and with `shared_pool` split into groups of at most shared_group_layers()
+/// layers, so that the attention groups can share one pool (as group_layers
+/// makes them when they cannot). `max_group_layers`, when not null, gets the
+/// cap the grouping used (0: none), what HybridKvCacheConfig::max_group_layers
+/// takes to build the same groups.
+std::vector<KvCacheGroup> planned_groups(std::span<const LayerSpec> layers, std::size_t block_size,
+                                         bool shared_pool,
+                                         KvCacheLayout layout = KvCacheLayout::layer_major,
+                                         std::size_t* max_group_layers = nullptr);
+
 /// The shared pool `groups` can use, and which groups join it: every group
 /// with blocks (full, MLA, window, chunked) when there are at least two, the
 /// layout is layer-major, every layer's K (and V) region has the same bytes in
