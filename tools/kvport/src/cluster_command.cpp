@@ -242,28 +242,35 @@ class ClusterRun {
             fmt::format("{} did not answer within {} s", group_.name(child),
                         std::chrono::duration_cast<std::chrono::seconds>(kReplyTimeout).count()));
       }
-      for (ProcessEvent& e : group_.poll(std::chrono::duration_cast<std::chrono::milliseconds>(
+      for (const ProcessEvent& e : collect(std::chrono::duration_cast<std::chrono::milliseconds>(
                std::min<Clock::duration>(limit - now, std::chrono::milliseconds(500))))) {
-        if (e.kind == ProcessEvent::Kind::line) {
-          lines_[e.child].push_back(std::move(e.text));
-        } else if (e.kind == ProcessEvent::Kind::exited) {
-          exited_[e.child] = how_it_ended(e);
-        } else {
-          throw RunFailure(fmt::format("{}: {}", who(e.child), e.text));
-        }
+        throw RunFailure(fmt::format("{}: {}", who(e.child), e.text));
       }
     }
+  }
+
+  // Polls the children once (up to `wait`), keeping their lines and noting
+  // their exits; returns what went wrong (a line too long), which expect()
+  // fails the run on.
+  std::vector<ProcessEvent> collect(std::chrono::milliseconds wait) {
+    std::vector<ProcessEvent> errors;
+    for (ProcessEvent& e : group_.poll(wait)) {
+      if (e.kind == ProcessEvent::Kind::line) {
+        lines_[e.child].push_back(std::move(e.text));
+      } else if (e.kind == ProcessEvent::Kind::exited) {
+        exited_[e.child] = how_it_ended(e);
+      } else {
+        errors.push_back(std::move(e));
+      }
+    }
+    return errors;
   }
 
   void send(int child, const std::string& line) {
     if (group_.send_line(child, line, std::chrono::seconds(30))) return;
     // A child that died closed its stdin: say so, once its exit is reaped.
-    for (int tries = 0; tries < 10 && exited_.count(child) == 0; ++tries) {
-      for (ProcessEvent& e : group_.poll(std::chrono::milliseconds(100))) {
-        if (e.kind == ProcessEvent::Kind::line) lines_[e.child].push_back(std::move(e.text));
-        if (e.kind == ProcessEvent::Kind::exited) exited_[e.child] = how_it_ended(e);
-      }
-    }
+    for (int tries = 0; tries < 10 && exited_.count(child) == 0; ++tries)
+      (void)collect(std::chrono::milliseconds(100));
     if (exited_.count(child) != 0) {
       throw RunFailure(fmt::format("{} died before it read the op '{}': {}", who(child),
                                    line.substr(0, line.find(' ')), exited_[child]));
@@ -354,10 +361,12 @@ class ClusterRun {
       if (live(i)) send(child_[i], op);
     for (std::uint32_t i = 0; i < config_.instances; ++i)
       if (live(i)) (void)take_report(i, "at");
-    sync_router();
+    (void)sync_router();
   }
 
-  void sync_router() {
+  // The router applies every live instance's events up to the sequence it
+  // reported; returns the instances it did not catch up with in time.
+  std::set<std::uint32_t> sync_router() {
     std::string op = "sync";
     for (std::uint32_t i = 0; i < config_.instances; ++i) {
       if (live(i)) {
@@ -369,10 +378,10 @@ class ClusterRun {
     std::uint64_t failed = 0;
     answer >> failed;
     result_.sync_failures += failed;
-    for (long long id = 0; answer >> id;) {
-      const auto i = static_cast<std::size_t>(id);
-      if (i < next_seq_.size() && !unsynced_.count(i)) unsynced_[i] = next_seq_[i];
-    }
+    std::set<std::uint32_t> missed;
+    for (std::uint32_t id = 0; answer >> id;)
+      missed.insert(id);
+    return missed;
   }
 
   void route(const std::vector<std::size_t>& window, double arrival) {
@@ -431,13 +440,10 @@ class ClusterRun {
     const auto start = Clock::now();
     group_.kill(old, SIGKILL);
     while (exited_.count(old) == 0) {
-      for (ProcessEvent& e : group_.poll(std::chrono::milliseconds(500))) {
-        if (e.kind == ProcessEvent::Kind::line) lines_[e.child].push_back(std::move(e.text));
-        if (e.kind == ProcessEvent::Kind::exited)
-          exited_[e.child] = e.child == old ? "killed by --kill" : how_it_ended(e);
-      }
+      (void)collect(std::chrono::milliseconds(500));
       if (Clock::now() - start > std::chrono::seconds(10)) throw RunFailure("the kill took >10 s");
     }
+    exited_[old] = "killed by --kill";
     child_[victim] = -1;
     const std::size_t dropped = std::stoull(ask(fmt::format("drop {}", victim), "dropped"));
     std::vector<std::size_t> lost(assigned_[victim].begin(), assigned_[victim].end());
@@ -476,19 +482,18 @@ class ClusterRun {
     std::vector<json> ends(config_.instances);
     for (std::uint32_t i = 0; i < config_.instances; ++i)
       if (live(i)) ends[i] = take_report(i, "end");
-    unsynced_.clear();
-    sync_router();
+    const std::set<std::uint32_t> unsynced = sync_router();
     for (std::uint32_t i = 0; i < config_.instances; ++i) {
       if (!live(i)) continue;
       if (!ends[i].value("flushed", true)) {
         throw RunFailure(
             fmt::format("instance {} did not publish its last events within its flush timeout", i));
       }
-      if (unsynced_.count(i) != 0) {
+      if (unsynced.count(i) != 0) {
         throw RunFailure(
             fmt::format("the router did not apply instance {}'s events up to sequence {} within "
                         "{} ms (its index would be compared with a stream it has not read)",
-                        i, unsynced_[i], RouterSpec{}.sync_timeout_ms));
+                        i, next_seq_[i], RouterSpec{}.sync_timeout_ms));
       }
       const json& d = ends[i].at("digest");
       std::istringstream v(
@@ -568,7 +573,6 @@ class ClusterRun {
   std::vector<double> running_, blocks_;         // per instance, at the last report
   std::vector<double> running_time_, blocks_time_;
   std::vector<std::uint64_t> next_seq_;
-  std::map<std::size_t, std::uint64_t> unsynced_;  // instance -> next_seq the router missed
   std::optional<double> last_h_;
   double measured_ms_ = 0.0;
   std::size_t routed_ = 0;
