@@ -287,6 +287,28 @@ struct PrefixCache::State {
     return true;
   }
 
+  // Drops a sequence's reference on `block` (in range): a cached block whose
+  // last sequence reference goes joins queue `q` (reserved); an uncached one
+  // goes back as PagedKvCache::dec_ref says. A release of a cached block no
+  // sequence holds is logged, counted and ignored (a double free).
+  void release_into(BlockId block, const std::source_location& where, LruQueue& q) {
+    if (!entries[block].cached) {
+      kv->dec_ref(block, where);  // handles (and reports) refcount 0 itself
+      return;
+    }
+    const std::uint32_t refs = kv->ref_count(block);
+    if (refs <= 1) {
+      ++counters.ignored_releases;
+      log::error(fmt::format(
+          "PrefixCache::release on cached block {} that no sequence holds (from {}:{} in {}) - a "
+          "double free; ignored so that the cached block is not freed while it is in the cache",
+          block, where.file_name(), where.line(), where.function_name()));
+      return;
+    }
+    kv->dec_ref(block, where);
+    if (refs == 2) link(block, q);  // only the cache's reference is left
+  }
+
   void check_held(BlockId block, const char* op) const {
     check(block, op);
     if (kv->ref_count(block) == 0) {
@@ -529,41 +551,21 @@ std::size_t PrefixCache::insert_run(std::span<const BlockHash> hashes,
 void PrefixCache::release(BlockId block, std::source_location where) {
   State& s = *state_;
   s.check(block, "release");
-  Entry& e = s.entries[block];
-  if (!e.cached) {
-    s.kv->dec_ref(block, where);  // handles (and reports) refcount 0 itself
-    return;
-  }
-  const std::uint32_t refs = s.kv->ref_count(block);
-  if (refs <= 1) {
-    ++s.counters.ignored_releases;
-    log::error(fmt::format(
-        "PrefixCache::release on cached block {} that no sequence holds (from {}:{} in {}) - a "
-        "double free; ignored so that the cached block is not freed while it is in the cache",
-        block, where.file_name(), where.line(), where.function_name()));
-    return;
-  }
-  s.kv->dec_ref(block, where);
-  if (refs == 2) s.link(block);  // only the cache's reference is left
+  s.release_into(block, where, s.lru);
 }
 
 void PrefixCache::release_demoted(BlockId block, std::source_location where) {
   State& s = *state_;
   s.check(block, "release_demoted");
-  if (!s.entries[block].cached || s.kv->ref_count(block) != 2) {
-    release(block, where);  // not the last sequence reference: as release()
-    return;
-  }
+  LruQueue* queue = &s.demoted;
   if (s.demoted.slots.capacity() == 0) {
     try {
       s.demoted.slots.reserve(2 * s.entries.size() + 65);
     } catch (const std::bad_alloc&) {  // no demoted queue: an ordinary release
-      release(block, where);
-      return;
+      queue = &s.lru;
     }
   }
-  s.kv->dec_ref(block, where);
-  s.link(block, s.demoted);
+  s.release_into(block, where, *queue);
 }
 
 void PrefixCache::release_blocks(std::span<const BlockId> table, std::source_location where) {
