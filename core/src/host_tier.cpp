@@ -1039,7 +1039,8 @@ void HostTier::poll() {
     if (have < watermark) s.write_back(std::min(watermark - have, s.options.offload_batch));
   }
   const std::size_t host_watermark = s.options.host_free_watermark;
-  if (host_watermark != 0 && s.lower != nullptr && s.free_slots.size() < host_watermark)
+  // spill() does nothing without a lower tier or with enough slots free.
+  if (host_watermark != 0 && s.free_slots.size() < host_watermark)
     s.counters.poll_spills += s.spill(2 * host_watermark);
 }
 

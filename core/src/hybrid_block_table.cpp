@@ -94,9 +94,14 @@ std::optional<BlockId> HybridBlockTable::state_slot(std::size_t g) const {
   return groups_[g].state;
 }
 
-void HybridBlockTable::release_block(std::size_t g, BlockId block) noexcept {
+void HybridBlockTable::release_block(std::size_t g, BlockId block, bool demoted) noexcept {
   try {
-    cache_->prefix_cache(g).release(block);
+    PrefixCache& prefix = cache_->prefix_cache(g);
+    if (demoted) {
+      prefix.release_demoted(block);
+    } else {
+      prefix.release(block);
+    }
   } catch (...) {  // only logging can throw; the release itself happened
   }
 }
@@ -139,10 +144,7 @@ void HybridBlockTable::release_before(std::size_t g, std::size_t first) noexcept
     // Demoted: evicted before blocks released otherwise (a window's block
     // serves only a hit that ends a window there; the table keeps those of
     // its hit points, keep_window).
-    try {
-      cache_->prefix_cache(g).release_demoted(b);
-    } catch (...) {  // only logging can throw; the release itself happened
-    }
+    release_block(g, b, /*demoted=*/true);
     grp.blocks[i] = kNullBlock;
   }
   grp.live_begin = std::max(grp.live_begin, first);

@@ -250,7 +250,8 @@ class HybridBlockTable {
   bool checkpoint_due() const noexcept;
   void register_full_blocks() noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
-  void release_block(std::size_t g, BlockId block) noexcept;
+  // PrefixCache::release (release_demoted with `demoted`) that never throws.
+  void release_block(std::size_t g, BlockId block, bool demoted = false) noexcept;
 
   HybridKvCache* cache_;
   std::uint64_t extra_key_ = 0;
