@@ -53,6 +53,8 @@ HybridBlockTable::HybridBlockTable(HybridBlockTable&& other) noexcept
       groups_(std::exchange(other.groups_, std::vector<Group>(other.groups_.size()))),
       tokens_(std::exchange(other.tokens_, {})),
       hashes_(std::exchange(other.hashes_, {})),
+      prompt_(std::exchange(other.prompt_, {})),
+      prompt_hashes_(std::exchange(other.prompt_hashes_, {})),
       checkpointed_at_(std::exchange(other.checkpointed_at_, 0)),
       keep_at_(std::exchange(other.keep_at_, 0)),
       keep_shared_(other.keep_shared_),
@@ -69,6 +71,8 @@ HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept
     groups_ = std::exchange(other.groups_, std::vector<Group>(other.groups_.size()));
     tokens_ = std::exchange(other.tokens_, {});
     hashes_ = std::exchange(other.hashes_, {});
+    prompt_ = std::exchange(other.prompt_, {});
+    prompt_hashes_ = std::exchange(other.prompt_hashes_, {});
     checkpointed_at_ = std::exchange(other.checkpointed_at_, 0);
     keep_at_ = std::exchange(other.keep_at_, 0);
     keep_shared_ = other.keep_shared_;
@@ -96,14 +100,26 @@ std::optional<BlockId> HybridBlockTable::state_slot(std::size_t g) const {
 
 void HybridBlockTable::release_block(std::size_t g, BlockId block, bool demoted) noexcept {
   try {
-    PrefixCache& prefix = cache_->prefix_cache(g);
-    if (demoted) {
-      prefix.release_demoted(block);
+    PrefixCache* prefix = prefix_at(g);
+    if (prefix == nullptr) {
+      (void)pool_at(g).free_block(block);
+    } else if (demoted) {
+      prefix->release_demoted(block);
     } else {
-      prefix.release(block);
+      prefix->release(block);
     }
   } catch (...) {  // only logging can throw; the release itself happened
   }
+}
+
+std::size_t HybridBlockTable::available_in(std::size_t g) const noexcept {
+  const PrefixCache* prefix = prefix_at(g);
+  return prefix != nullptr ? prefix->num_available_blocks() : pool_at(g).num_free_blocks();
+}
+
+BlockId HybridBlockTable::alloc_in(std::size_t g) {
+  PrefixCache* prefix = prefix_at(g);
+  return prefix != nullptr ? prefix->alloc_block() : pool_at(g).alloc_block();
 }
 
 void HybridBlockTable::release_taken(std::span<std::vector<BlockId>> taken) noexcept {
@@ -170,6 +186,7 @@ void HybridBlockTable::release() noexcept {
   }
   tokens_.clear();
   hashes_.clear();
+  forget_prompt();
   checkpointed_at_ = 0;
   keep_at_ = 0;
 }
@@ -187,13 +204,14 @@ HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) con
       p.checkpoint = num_tokens > 0 && grp.state && checkpoint_due();
       continue;
     }
-    const PagedKvCache& pool = cache_->group_cache(g);
-    const PrefixCache& prefix = cache_->prefix_cache(g);
+    const PagedKvCache& pool = pool_at(g);
+    const PrefixCache* prefix = prefix_at(g);
     p.release_to = std::max(grp.live_begin, first_needed_block(hit_rule_of(spec), block_size_, n));
     for (std::size_t i = grp.live_begin; i < p.release_to; ++i) {
       const BlockId b = grp.blocks[i];
       if (b == kNullBlock) continue;
-      if (pool.ref_count(b) == (prefix.is_cached(b) ? 2u : 1u)) ++p.releasable;
+      const bool cached = prefix != nullptr && prefix->is_cached(b);
+      if (pool.ref_count(b) == (cached ? 2u : 1u)) ++p.releasable;
     }
     const std::size_t fill = grp.blocks.empty() ? 0 : n - (grp.blocks.size() - 1) * block_size_;
     const std::size_t room = grp.blocks.empty() ? 0 : block_size_ - fill;
@@ -211,6 +229,10 @@ std::vector<HybridBlockTable::GroupNeed> HybridBlockTable::blocks_needed(
   for (const Plan::PerGroup& p : plan.groups)
     out.push_back(GroupNeed{p.needed(), p.releasable});
   return out;
+}
+
+std::size_t HybridBlockTable::group_needed(std::size_t g, std::size_t num_tokens) const {
+  return plan_append(num_tokens).groups[g].needed();
 }
 
 HybridBlockTable::PoolNeed HybridBlockTable::shared_need(const Plan& plan) const {
@@ -232,7 +254,7 @@ std::size_t HybridBlockTable::short_group(const Plan& plan, const PoolNeed& shar
       continue;
     }
     const Plan::PerGroup& p = plan.groups[g];
-    if (p.needed() > cache_->prefix_cache(g).num_available_blocks() + p.releasable) return g;
+    if (p.needed() > available_in(g) + p.releasable) return g;
   }
   return plan.groups.size();
 }
@@ -249,20 +271,23 @@ bool HybridBlockTable::checkpoint_due() const noexcept {
 }
 
 bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
+  // Decode's hot path: the specs are read unchecked, and full attention
+  // skips the freeing rule it does not have.
   const std::size_t n = tokens_.size();
+  const std::vector<KvCacheGroup>& specs = cache_->groups_;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& grp = groups_[g];
-    const LayerSpec& spec = cache_->group(g).spec;
-    if (spec.has_state()) {
-      if (!grp.state) return false;
-      if (checkpoint_due()) return false;
+    const LayerSpec& spec = specs[g].spec;
+    if (spec.kind == LayerKind::state) {
+      if (!grp.state || checkpoint_due()) return false;
       continue;
     }
-    if (grp.blocks.empty()) return false;
-    const std::size_t room = block_size_ - (n - (grp.blocks.size() - 1) * block_size_);
-    if (room < num_tokens) return false;
-    if (first_needed_block(hit_rule_of(spec), block_size_, n) > grp.live_begin) return false;
-    if (cache_->group_cache(g).ref_count(grp.blocks.back()) != 1) return false;
+    const std::size_t held = grp.blocks.size();
+    if (held == 0 || held * block_size_ - n < num_tokens) return false;
+    if (!is_full_kind(spec.kind) &&
+        first_needed_block(hit_rule_of(spec), block_size_, n) > grp.live_begin)
+      return false;
+    if (pool_at(g).ref_count(grp.blocks.back()) != 1) return false;
   }
   return true;
 }
@@ -297,11 +322,16 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
           pool_need.releasable));
     }
     const Plan::PerGroup& p = plan.groups[g];
+    if (ng == 1 && p.releasable == 0) {  // one group: nothing to name
+      throw CacheExhausted(fmt::format(
+          "KV cache exhausted: appending {} tokens needs {} blocks, {} are free{}", tokens.size(),
+          p.needed(), available_in(g), prefix_at(g) != nullptr ? " or evictable" : ""));
+    }
     throw CacheExhausted(fmt::format(
         "KV cache exhausted: appending {} tokens needs {} blocks in group {} ({}), {} are free "
         "or evictable and {} come back from the freeing rules",
-        tokens.size(), p.needed(), g, cache_->group(g).spec.describe(),
-        cache_->prefix_cache(g).num_available_blocks(), p.releasable));
+        tokens.size(), p.needed(), g, cache_->group(g).spec.describe(), available_in(g),
+        p.releasable));
   }
   // Everything that can throw happens before the table changes (but see the
   // freeing rules below).
@@ -316,7 +346,7 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   for (std::size_t g = 0; g < ng; ++g) {
     const Plan::PerGroup& p = plan.groups[g];
     if (cache_->in_shared_pool(g) ? pool_need.needed > pool_need.available
-                                  : p.needed() > cache_->prefix_cache(g).num_available_blocks())
+                                  : p.needed() > available_in(g))
       release_before(g, p.release_to);
   }
 
@@ -332,16 +362,16 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   try {
     for (std::size_t g = 0; g < ng; ++g) {
       const Plan::PerGroup& p = plan.groups[g];
-      PrefixCache& prefix = cache_->prefix_cache(g);
-      PagedKvCache& pool = cache_->group_cache(g);
+      PagedKvCache& pool = pool_at(g);
       fresh[g].reserve(p.needed());
       for (std::size_t i = 0; i < p.needed(); ++i)
-        fresh[g].push_back(prefix.alloc_block());
+        fresh[g].push_back(alloc_in(g));
       if (p.copy_on_write) {
         const BlockCopy c{groups_[g].blocks.back(), fresh[g].front()};
         pool.copy_blocks({&c, 1}, stream);
       }
       if (cache_->group(g).spec.has_state()) {
+        PrefixCache& prefix = cache_->prefix_cache(g);
         if (p.fresh > 0) pool.zero_blocks(fresh[g], stream);  // a new sequence's state starts at 0
         if (p.checkpoint && !prefix.find(hashes_[n / block_size_ - 1])) {
           checkpoint[g] = prefix.try_alloc_block();
@@ -415,10 +445,35 @@ void HybridBlockTable::keep_shared_point() noexcept {
   keep_at_ = 0;
 }
 
+void HybridBlockTable::remember_prompt(std::span<const TokenId> prompt) {
+  std::vector<BlockHash> hashes = hash_full_blocks(prompt, block_size_, extra_key_);
+  prompt_.assign(prompt.begin(), prompt.end());  // strong: on a throw prompt_ is unchanged
+  prompt_hashes_ = std::move(hashes);
+}
+
+void HybridBlockTable::forget_prompt() noexcept {
+  std::vector<TokenId>().swap(prompt_);
+  std::vector<BlockHash>().swap(prompt_hashes_);
+}
+
 void HybridBlockTable::register_full_blocks() noexcept {
+  if (!cache_->caches_prefixes()) return;  // nothing to register in
   const std::size_t full = tokens_.size() / block_size_;
   const std::size_t first = hashes_.size();
   if (first >= full) return;
+  // Blocks the prompt's lookup hashed already, while the table's tokens are
+  // the prompt's: their hashes are taken, not computed again (the blocks
+  // before them are the prompt's too, so the chain is the same). The room
+  // is reserved: push_back does not allocate.
+  std::size_t known = first;
+  for (; known < full && known < prompt_hashes_.size(); ++known) {
+    const auto at = static_cast<std::ptrdiff_t>(known * block_size_);
+    const auto end = at + static_cast<std::ptrdiff_t>(block_size_);
+    if (!std::equal(tokens_.begin() + at, tokens_.begin() + end, prompt_.begin() + at)) break;
+    hashes_.push_back(prompt_hashes_[known]);
+  }
+  // Used up, or the tokens differ: the rest is hashed.
+  if (known == prompt_hashes_.size() || known < full) forget_prompt();
   try {
     // append_tokens reserved the capacity: this does not throw.
     extend_chain_hashes(hashes_, tokens_, block_size_, extra_key_);
@@ -445,9 +500,9 @@ void HybridBlockTable::register_full_blocks() noexcept {
       origin.tokens = tokens.subspan(i * block_size_, (j - i) * block_size_);
       origin.extra_key = extra_key_;
       try {
-        (void)cache_->prefix_cache(g).insert_run(
-            hashes.subspan(i, j - i), std::span<const BlockId>(grp.blocks).subspan(i, j - i),
-            origin);
+        (void)prefix_at(g)->insert_run(hashes.subspan(i, j - i),
+                                       std::span<const BlockId>(grp.blocks).subspan(i, j - i),
+                                       origin);
       } catch (...) {  // cannot happen (the run is valid); the blocks stay uncached
       }
       i = j;
@@ -463,22 +518,24 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
         "prefix can only start an empty table",
         tokens_.size()));
   }
+  if (!cache_->caches_prefixes()) return 0;  // a plain cache caches nothing
   HybridHitCounters& counters = cache_->hit_counters();
   ++counters.lookups;
   counters.lookup_tokens += prompt.size();
+  remember_prompt(prompt);
+  if (groups_.size() == 1 && is_full_kind(cache_->group(0).spec.kind))
+    return reuse_one_group(prompt, stream);
   const std::size_t max_blocks = hit_mode_ == PrefixHitMode::full
                                      ? prompt.size() / block_size_
                                      : (prompt.empty() ? 0 : (prompt.size() - 1) / block_size_);
-  std::vector<BlockHash> hashes;
   if (copy_last_ && hit_mode_ == PrefixHitMode::compute_last_token && block_size_ > 1 &&
       !prompt.empty() && prompt.size() % block_size_ == 0) {
-    hashes = hash_full_blocks(prompt, block_size_, extra_key_);
-    if (const std::size_t hit = reuse_copying_last_block(prompt, hashes, stream); hit != 0)
+    if (const std::size_t hit = reuse_copying_last_block(prompt, prompt_hashes_, stream); hit != 0)
       return hit;
   }
   if (max_blocks == 0) return 0;
-  if (hashes.empty()) hashes = hash_full_blocks(prompt, block_size_, extra_key_);
-  hashes.resize(max_blocks);
+  std::vector<BlockHash> hashes(prompt_hashes_.begin(),
+                                prompt_hashes_.begin() + static_cast<std::ptrdiff_t>(max_blocks));
 
   const std::size_t ng = groups_.size();
   absl::InlinedVector<GroupHitRule, 4> rules(ng);
@@ -649,6 +706,62 @@ std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> promp
   checkpointed_at_ = tokens_.size();  // the state there came from a checkpoint
   counters.hit_tokens += tokens_.size();
   return tokens_.size();
+}
+
+std::size_t HybridBlockTable::reuse_one_group(std::span<const TokenId> prompt, StreamView stream) {
+  PrefixCache& prefix = *prefix_at(0);
+  const bool compute_last = hit_mode_ == PrefixHitMode::compute_last_token;
+  const bool copy_last = copy_last_ && compute_last;
+  std::span<const BlockHash> hashes = prompt_hashes_;
+  // compute_last_token without the copy: at most n - 1 tokens, whole blocks.
+  if (compute_last && !copy_last && !prompt.empty())
+    hashes = hashes.first(std::min(hashes.size(), (prompt.size() - 1) / block_size_));
+  // One lookup: the cached chain (extended by a lower tier, which copies its
+  // blocks in) is the hit.
+  PrefixMatch match = prefix.lookup_hashes(hashes);
+  const bool whole_prompt = copy_last && !match.blocks.empty() && match.num_tokens == prompt.size();
+  std::optional<BlockId> copy;  // the private copy of the last block, if taken
+  std::size_t hit = match.num_tokens;
+  try {
+    if (whole_prompt) {
+      hit = prompt.size() - 1;
+      if (block_size_ > 1) copy = prefix.try_alloc_block();
+      if (copy) {
+        const BlockCopy c{match.blocks.back(), *copy};
+        pool_at(0).copy_blocks({&c, 1}, stream);
+      } else {
+        hit = prompt.size() - block_size_;  // stop before the last block
+      }
+    }
+    reserve_hit(match.blocks.size(), hit);
+  } catch (...) {
+    if (copy) release_block(0, *copy);
+    prefix.release_blocks(match.blocks);
+    throw;
+  }
+  // Commit: nothing below allocates or throws.
+  if (whole_prompt) {
+    // The last block is no longer full in this table: its hash is not the
+    // table's, and the table's reference on the cached block goes back (it
+    // stays cached; the copy was queued before, in stream order).
+    match.hashes.pop_back();
+    const BlockId cached = match.blocks.back();
+    if (copy) {
+      match.blocks.back() = *copy;
+      ++copy_on_writes_;
+    } else {
+      match.blocks.pop_back();
+    }
+    release_block(0, cached);
+  }
+  place_hit(0, 0, match.blocks);
+  tokens_.assign(prompt.begin(), prompt.begin() + static_cast<std::ptrdiff_t>(hit));
+  hashes_ = std::move(match.hashes);
+  keep_at_ = 0;
+  HybridHitCounters& counters = cache_->hit_counters();
+  counters.lower_tier_blocks += match.lower_tier_blocks;
+  counters.hit_tokens += hit;
+  return hit;
 }
 
 std::size_t HybridBlockTable::reuse_copying_last_block(std::span<const TokenId> prompt,

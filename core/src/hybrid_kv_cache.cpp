@@ -102,6 +102,41 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const HybridPoolSizes& 
     // A state slot stands for a block of tokens: its events carry them.
     if (groups_[g].spec.has_state()) prefixes_.back()->set_tokens_per_block(config_.block_size);
   }
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    pool_at_.push_back(caches_[g].get());
+    prefix_at_.push_back(prefixes_[g].get());
+  }
+}
+
+HybridKvCache::HybridKvCache(PagedKvCache& cache, PrefixCache* prefix)
+    : backend_(&cache.backend()), caching_(prefix != nullptr) {
+  const KvCacheConfig& kc = cache.config();
+  config_.layers = layer_specs_of(kc);
+  config_.block_size = kc.block_size;
+  config_.layout = kc.layout;
+  KvCacheGroup group;
+  group.spec = config_.layers.empty() ? LayerSpec{} : config_.layers.front();
+  for (std::size_t l = 0; l < kc.num_layers; ++l) {
+    group.layers.push_back(l);
+    group.layer_dtypes.push_back(kc.dtype_for_layer(l));
+    locations_.push_back(LayerLocation{0, l});
+  }
+  groups_.push_back(std::move(group));
+  in_shared_.assign(1, false);
+  pool_at_.push_back(&cache);
+  prefix_at_.push_back(prefix);
+}
+
+HybridKvCache& HybridKvCache::over(PrefixCache& prefix_cache) {
+  std::unique_ptr<HybridKvCache>& view = prefix_cache.group_view_;
+  if (!view) view.reset(new HybridKvCache(prefix_cache.kv_cache(), &prefix_cache));
+  return *view;
+}
+
+HybridKvCache& HybridKvCache::over(PagedKvCache& cache) {
+  std::unique_ptr<HybridKvCache>& view = cache.group_view_;
+  if (!view) view.reset(new HybridKvCache(cache, nullptr));
+  return *view;
 }
 
 HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const KvCachePlan& plan, Backend& backend,
@@ -136,12 +171,17 @@ const KvCacheGroup& HybridKvCache::group(std::size_t g) const {
 
 PagedKvCache& HybridKvCache::group_cache(std::size_t g) const {
   (void)group(g);
-  return *caches_[g];
+  return *pool_at_[g];
 }
 
 PrefixCache& HybridKvCache::prefix_cache(std::size_t g) const {
   (void)group(g);
-  return *prefixes_[g];
+  if (prefix_at_[g] == nullptr) {
+    throw InvalidArgument(
+        "HybridKvCache::prefix_cache: this is the one-group cache over a PagedKvCache without a "
+        "prefix cache");
+  }
+  return *prefix_at_[g];
 }
 
 std::optional<LayerLocation> HybridKvCache::locate(std::size_t layer) const {
@@ -155,15 +195,16 @@ std::optional<LayerLocation> HybridKvCache::locate(std::size_t layer) const {
 
 std::size_t HybridKvCache::total_bytes() const noexcept {
   std::size_t total = shared_ ? shared_->total_bytes() : 0;
-  for (const auto& c : caches_) {
+  for (const PagedKvCache* c : pool_at_) {
     if (c->shared_pool() == nullptr) total += c->total_bytes();
   }
   return total;
 }
 
 void HybridKvCache::set_event_sink(CacheEventSink* sink) {
-  for (std::size_t g = 0; g < prefixes_.size(); ++g)
-    prefixes_[g]->set_event_sink(sink, group_event_source(g, Medium::gpu));
+  for (std::size_t g = 0; g < prefix_at_.size(); ++g)
+    if (prefix_at_[g] != nullptr)
+      prefix_at_[g]->set_event_sink(sink, group_event_source(g, Medium::gpu));
 }
 
 EventSource HybridKvCache::group_event_source(std::size_t g, Medium medium) const {
@@ -178,20 +219,22 @@ EventSource HybridKvCache::group_event_source(std::size_t g, Medium medium) cons
 }
 
 void HybridKvCache::snapshot(CacheEventSink& sink) const {
-  for (const auto& p : prefixes_)
-    p->snapshot(sink);
+  for (const PrefixCache* p : prefix_at_)
+    if (p != nullptr) p->snapshot(sink);
 }
 
 std::size_t HybridKvCache::blocks_in_use(std::size_t g) const {
-  const PrefixCache& p = prefix_cache(g);
-  return p.kv_cache().num_blocks_in_use() - p.num_evictable_blocks();
+  const PagedKvCache& pool = group_cache(g);
+  const PrefixCache* p = prefix_at_[g];
+  return pool.num_blocks_in_use() - (p != nullptr ? p->num_evictable_blocks() : 0);
 }
 
 std::vector<InvariantReport> HybridKvCache::check_group_invariants() const {
   std::vector<InvariantReport> out;
-  out.reserve(prefixes_.size());
-  for (const auto& p : prefixes_)
-    out.push_back(p->check_invariants());
+  out.reserve(prefix_at_.size());
+  for (std::size_t g = 0; g < prefix_at_.size(); ++g)
+    out.push_back(prefix_at_[g] != nullptr ? prefix_at_[g]->check_invariants()
+                                           : pool_at_[g]->check_invariants());
   return out;
 }
 
@@ -228,7 +271,7 @@ InvariantReport HybridKvCache::check_invariants() const {
 
 void HybridKvCache::synchronize() {
   std::exception_ptr first;
-  for (const auto& c : caches_) {
+  for (PagedKvCache* c : pool_at_) {
     try {
       c->synchronize();
     } catch (...) {

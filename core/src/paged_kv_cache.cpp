@@ -8,6 +8,7 @@
 #include <limits>
 #include <utility>
 
+#include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/shared_block_pool.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/div_ceil.hpp"
@@ -596,11 +597,6 @@ void PagedKvCache::free_blocks(std::span<const BlockId> table, std::source_locat
 void PagedKvCache::return_evicted_block(BlockId block, std::source_location where) {
   check_block(block, "return_evicted_block");
   release(block, BlockOp::evict_return, where);
-}
-
-std::uint32_t PagedKvCache::ref_count(BlockId block) const {
-  check_block(block, "ref_count");
-  return ref_counts_[block];
 }
 
 // ---- pointers ----------------------------------------------------------------------------

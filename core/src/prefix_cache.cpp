@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/prefix_cache.hpp"
 
+#include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/shared_block_pool.hpp"
 
 #include <absl/container/flat_hash_set.h>

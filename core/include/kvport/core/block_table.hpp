@@ -8,31 +8,14 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
+#include "kvport/core/prefix_hit_mode.hpp"
 #include "kvport/platform/stream.hpp"
 
 namespace kvport {
 
 class PrefixCache;
-
-/// How much of a fully cached prompt BlockTable::reuse_cached_prefix may hit.
-enum class PrefixHitMode {
-  /// The default, for engines: the hit leaves at least the prompt's last token
-  /// to compute, since the model must run on at least one token to give the
-  /// logits of the next one (vLLM caps its hit at num_tokens - 1 for the same
-  /// reason). Only a block-aligned prompt whose every block is cached is
-  /// affected: its hit becomes n - 1 tokens, and the last block, which the
-  /// recomputed token writes into, is taken as a private copy of the cached
-  /// block (copy-on-write), never the shared cached block itself.
-  compute_last_token,
-  /// Every cached full block is hit, up to the whole prompt, and shared. For
-  /// callers that move or inspect KV without computing anything (nothing may
-  /// write into a hit block).
-  full,
-};
-
-/// "compute_last_token" or "full" ("unknown" outside the enum).
-const char* to_string(PrefixHitMode mode) noexcept;
 
 /// The blocks of one sequence (a request, or one branch of a parallel-sampling
 /// or beam-search request) and the tokens they hold.
@@ -41,6 +24,13 @@ const char* to_string(PrefixHitMode mode) noexcept;
 /// (and go back to) the prefix cache, every block that fills up is registered
 /// under its chained hash, and reuse_cached_prefix() starts a sequence from
 /// cached blocks.
+///
+/// A model of one full-attention group is the one-group case of KV cache
+/// groups, and this is that case: a BlockTable is a HybridBlockTable over
+/// the cache's one-group view (HybridKvCache::over) with the copy-last-block
+/// rule on (HybridBlockTable::set_copy_last_block), given this interface of
+/// one block list. Every call below forwards to it; group_table() is that
+/// sequence.
 ///
 /// Every block is shared by reference count: fork() gives a child that shares
 /// all of them, and the first append into a shared, partly filled last block
@@ -71,13 +61,13 @@ class BlockTable {
   /// goes into every block hash, so sequences with different keys never share
   /// cached blocks.
   explicit BlockTable(PrefixCache& prefix_cache, std::uint64_t extra_key = 0);
-  ~BlockTable();
+  ~BlockTable() = default;
   BlockTable(const BlockTable&) = delete;
   BlockTable& operator=(const BlockTable&) = delete;
   /// The moved-from table is empty (and can be reused).
-  BlockTable(BlockTable&& other) noexcept;
+  BlockTable(BlockTable&& other) noexcept = default;
   /// Releases this table's blocks first.
-  BlockTable& operator=(BlockTable&& other) noexcept;
+  BlockTable& operator=(BlockTable&& other) noexcept = default;
 
   /// Starts an empty table with the longest cached prefix of full blocks of
   /// `prompt` (PrefixCache::lookup) and returns how many tokens it covers: the
@@ -131,8 +121,8 @@ class BlockTable {
 
   /// How reuse_cached_prefix treats a fully cached prompt; compute_last_token
   /// unless set. fork() and moves carry it over; release() keeps it.
-  PrefixHitMode prefix_hit_mode() const noexcept { return hit_mode_; }
-  void set_prefix_hit_mode(PrefixHitMode mode) noexcept { hit_mode_ = mode; }
+  PrefixHitMode prefix_hit_mode() const noexcept { return table_.prefix_hit_mode(); }
+  void set_prefix_hit_mode(PrefixHitMode mode) noexcept { table_.set_prefix_hit_mode(mode); }
 
   /// Appends `tokens`: fills the last block, then allocates blocks as needed
   /// (from the prefix cache, evicting, when there is one). If the last block
@@ -153,56 +143,31 @@ class BlockTable {
   /// head of the sequence stays cached longest) and empties the table.
   void release() noexcept;
 
-  std::span<const BlockId> blocks() const noexcept { return blocks_; }
-  std::span<const TokenId> tokens() const noexcept { return tokens_; }
-  std::size_t num_blocks() const noexcept { return blocks_.size(); }
-  std::size_t num_tokens() const noexcept { return tokens_.size(); }
-  bool empty() const noexcept { return blocks_.empty(); }
+  std::span<const BlockId> blocks() const noexcept { return table_.group_blocks(0); }
+  std::span<const TokenId> tokens() const noexcept { return table_.tokens(); }
+  std::size_t num_blocks() const noexcept { return blocks().size(); }
+  std::size_t num_tokens() const noexcept { return table_.num_tokens(); }
+  bool empty() const noexcept { return table_.empty(); }
   /// Tokens in the last block (block_size when it is full; 0 when empty).
   std::size_t last_block_fill() const noexcept;
-  std::size_t block_size() const noexcept { return block_size_; }
+  std::size_t block_size() const noexcept { return cache_->config().block_size; }
   /// Copy-on-write copies this table made (append_tokens into a shared
   /// block, and reuse_cached_prefix's copy of a fully cached prompt's last
   /// block).
-  std::uint64_t copy_on_writes() const noexcept { return copy_on_writes_; }
+  std::uint64_t copy_on_writes() const noexcept { return table_.copy_on_writes(); }
   PagedKvCache& kv_cache() const noexcept { return *cache_; }
   /// The prefix cache, or nullptr over a plain PagedKvCache.
   PrefixCache* prefix_cache() const noexcept { return prefix_; }
+  /// The sequence over groups this table is: one group, group 0, over
+  /// HybridKvCache::over(prefix cache, or cache).
+  const HybridBlockTable& group_table() const noexcept { return table_; }
 
  private:
-  // What appending n tokens takes: new blocks past the last one, and whether
-  // the shared, partly filled last block must be copied first.
-  struct AppendPlan {
-    std::size_t fresh_blocks = 0;
-    bool copy_on_write = false;
-    std::size_t blocks() const noexcept { return fresh_blocks + (copy_on_write ? 1 : 0); }
-  };
+  BlockTable(HybridBlockTable table, PagedKvCache* cache, PrefixCache* prefix) noexcept;
 
-  BlockTable(PagedKvCache* cache, PrefixCache* prefix, std::uint64_t extra_key);
-  AppendPlan plan_append(std::size_t num_tokens) const;
-  std::size_t available_blocks() const noexcept;
-  BlockId alloc_one();
-  void release_one(BlockId block) noexcept;
-  void register_full_blocks() noexcept;
-  std::size_t reuse_cached_prefix(std::span<const TokenId> prompt, StreamView stream,
-                                  bool wait_for_copy);
-
+  HybridBlockTable table_;
   PagedKvCache* cache_;
   PrefixCache* prefix_;
-  std::uint64_t extra_key_;
-  std::size_t block_size_;
-  std::vector<BlockId> blocks_;
-  std::vector<TokenId> tokens_;
-  /// Chained hashes of the first hashes_.size() full blocks (prefix cache
-  /// only).
-  std::vector<BlockHash> hashes_;
-  /// The prompt reuse_cached_prefix hashed and its full-block hashes: when
-  /// append_tokens fills those blocks with the same tokens, their hashes are
-  /// taken from here instead of hashed again. Cleared at the first mismatch.
-  std::vector<TokenId> prompt_;
-  std::vector<BlockHash> prompt_hashes_;
-  std::uint64_t copy_on_writes_ = 0;
-  PrefixHitMode hit_mode_ = PrefixHitMode::compute_last_token;
 };
 
 }  // namespace kvport

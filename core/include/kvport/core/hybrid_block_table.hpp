@@ -10,8 +10,8 @@
 
 #include "kvport/core/block_hash.hpp"
 #include "kvport/core/block_id.hpp"
-#include "kvport/core/block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
+#include "kvport/core/prefix_hit_mode.hpp"
 #include "kvport/platform/stream.hpp"
 
 namespace kvport {
@@ -39,9 +39,12 @@ namespace kvport {
 /// group, in the prefix cache's LRU like any block. Checkpoints are
 /// best-effort: with no slot free or evictable, none is taken.
 ///
-/// Every block and hash is the table's; over a cache of one full-attention
-/// group it holds the same blocks as a BlockTable (the single-group hit rule
-/// differs only in the compute-last-token case: see reuse_cached_prefix).
+/// Every block and hash is the table's. A model of one full-attention group
+/// is the one-group case: BlockTable is this table over
+/// HybridKvCache::over(a prefix cache, or a plain PagedKvCache) with
+/// set_copy_last_block(true). Over one full-attention (or MLA) group the hit
+/// is the cached chain of one lookup (a lower tier extends it), and one new
+/// block's hashes are computed once, by extend_chain_hashes, for every group.
 ///
 /// Not thread-safe. The cache must outlive the table; the destructor releases
 /// everything.
@@ -106,8 +109,11 @@ class HybridBlockTable {
   /// with block_size - 1 tokens in them, and the cached blocks stay
   /// untouched. Applies where every group allows it: not with a state group
   /// (a state exists at block boundaries only), nor with a lower tier under
-  /// some group, nor with block size 1; there, and when some group has no
-  /// free or evictable block for its copy, the hit is the default rule's.
+  /// some group of a cache of several groups (over one full-attention or MLA
+  /// group the lower tier's blocks come in first and the last is copied as a
+  /// device one), nor with block size 1; there, and when some group has no
+  /// free or evictable block for its copy, the hit stops before the last
+  /// block (the default rule's hit).
   /// Copied by fork and moves; release() keeps it.
   bool copies_last_block() const noexcept { return copy_last_; }
   void set_copy_last_block(bool copy) noexcept { copy_last_ = copy; }
@@ -199,6 +205,7 @@ class HybridBlockTable {
   std::uint64_t copy_on_writes() const noexcept { return copy_on_writes_; }
 
  private:
+  friend class BlockTable;  // the one-group case: group_blocks(0) on its hot path
   struct Group {
     std::vector<BlockId> blocks;    // block groups; kNullBlock where released
     std::size_t live_begin = 0;     // entries before it are all null
@@ -240,6 +247,10 @@ class HybridBlockTable {
   // nothing taken, when the rule does not apply or a copy has no block.
   std::size_t reuse_copying_last_block(std::span<const TokenId> prompt,
                                        std::span<const BlockHash> hashes, StreamView stream);
+  // reuse_cached_prefix over one full-attention (or MLA) group: the
+  // cached chain is the hit, one lookup (a lower tier extends it), and
+  // copy_last_'s copy works with a lower tier too.
+  std::size_t reuse_one_group(std::span<const TokenId> prompt, StreamView stream);
   void keep_shared_point() noexcept;
   PoolNeed shared_need(const Plan& plan) const;
   // The first group whose pool lacks blocks for `plan` (num_groups: none).
@@ -248,17 +259,36 @@ class HybridBlockTable {
   // A state checkpoint is due at the current token count (a multiple of the
   // interval in blocks, not taken yet).
   bool checkpoint_due() const noexcept;
+  void remember_prompt(std::span<const TokenId> prompt);
+  void forget_prompt() noexcept;
   void register_full_blocks() noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
-  // PrefixCache::release (release_demoted with `demoted`) that never throws.
+  // PrefixCache::release (release_demoted with `demoted`; free_block over a
+  // plain cache) that never throws.
   void release_block(std::size_t g, BlockId block, bool demoted = false) noexcept;
+  // blocks_needed(num_tokens)[g].fresh, without the vector.
+  std::size_t group_needed(std::size_t g, std::size_t num_tokens) const;
+  // Group g's block list, unchecked.
+  std::span<const BlockId> group_blocks(std::size_t g) const noexcept { return groups_[g].blocks; }
+  // Group g's pool and prefix cache (nullptr over a plain cache), unchecked.
+  PagedKvCache& pool_at(std::size_t g) const noexcept { return *cache_->pool_at_[g]; }
+  PrefixCache* prefix_at(std::size_t g) const noexcept { return cache_->prefix_at_[g]; }
+  // Blocks group g can allocate (free, or evictable); one of them.
+  std::size_t available_in(std::size_t g) const noexcept;
+  BlockId alloc_in(std::size_t g);
 
   HybridKvCache* cache_;
   std::uint64_t extra_key_ = 0;
   std::size_t block_size_ = 0;
   std::vector<Group> groups_;
   std::vector<TokenId> tokens_;
-  std::vector<BlockHash> hashes_;    // chained hashes of every full block
+  std::vector<BlockHash> hashes_;  // chained hashes of every full block
+  // The prompt reuse_cached_prefix looked up and its full blocks' hashes:
+  // register_full_blocks takes them while the appended tokens are the
+  // prompt's, instead of hashing again; dropped at the first difference or
+  // once used up.
+  std::vector<TokenId> prompt_;
+  std::vector<BlockHash> prompt_hashes_;
   std::size_t checkpointed_at_ = 0;  // tokens at the last checkpoint (0: none)
   std::size_t keep_at_ = 0;          // keep_shared_point's block (0: none pending)
   bool keep_shared_ = false;         // set_keep_shared_windows

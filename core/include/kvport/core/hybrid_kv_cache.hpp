@@ -120,13 +120,31 @@ class HybridKvCache {
   HybridKvCache(const HybridKvCache&) = delete;
   HybridKvCache& operator=(const HybridKvCache&) = delete;
 
+  /// The one-group cache over `prefix_cache` and its PagedKvCache: a model of
+  /// one full-attention group is the one-group case of groups, and this is
+  /// that case over pools the caller built (what BlockTable runs on; a
+  /// HybridBlockTable over it is a BlockTable's sequence). Nothing is
+  /// allocated and nothing is owned: group 0 is the prefix cache's pool, every
+  /// model layer of it a full-attention layer (layer_specs_of), the event sink
+  /// and tier stay the prefix cache's own. Made on the first call and kept by
+  /// the prefix cache (the same object every call), so it lives as long as the
+  /// prefix cache; its hit_counters() count the lookups of every table over it.
+  static HybridKvCache& over(PrefixCache& prefix_cache);
+  /// The same over a plain `cache` with no prefix cache (kept by the cache):
+  /// tables over it allocate from and free to the cache's free list, register
+  /// nothing and hit nothing; prefix_cache(0) throws InvalidArgument.
+  static HybridKvCache& over(PagedKvCache& cache);
+  /// Whether the groups have prefix caches (false only for over(PagedKvCache&)).
+  bool caches_prefixes() const noexcept { return caching_; }
+
   const HybridKvCacheConfig& config() const noexcept { return config_; }
   std::size_t block_size() const noexcept { return config_.block_size; }
   std::size_t num_layers() const noexcept { return config_.layers.size(); }
   std::size_t num_groups() const noexcept { return groups_.size(); }
   /// Group g (OutOfRange for g >= num_groups()).
   const KvCacheGroup& group(std::size_t g) const;
-  /// Group g's pool and prefix cache (OutOfRange for g >= num_groups()).
+  /// Group g's pool and prefix cache (OutOfRange for g >= num_groups();
+  /// prefix_cache throws InvalidArgument when !caches_prefixes()).
   PagedKvCache& group_cache(std::size_t g) const;
   PrefixCache& prefix_cache(std::size_t g) const;
   /// Where model layer `layer` is; nullopt for a layer without KV. Throws
@@ -173,6 +191,10 @@ class HybridKvCache {
   void synchronize();
 
  private:
+  friend class HybridBlockTable;  // reads pool_at_ and prefix_at_ unchecked on its hot paths
+  // The view of over(): one group over `cache` and `prefix` (nullptr: none).
+  HybridKvCache(PagedKvCache& cache, PrefixCache* prefix);
+
   HybridKvCacheConfig config_;
   std::vector<KvCacheGroup> groups_;
   std::vector<LayerLocation> locations_;  // per model layer; group == SIZE_MAX for none
@@ -181,6 +203,11 @@ class HybridKvCache {
   std::vector<bool> in_shared_;              // per group
   std::vector<std::unique_ptr<PagedKvCache>> caches_;
   std::vector<std::unique_ptr<PrefixCache>> prefixes_;  // destroyed before caches_
+  // Group g's pool and prefix cache: caches_[g] and prefixes_[g], or the
+  // view's borrowed ones (prefix_at_[0] nullptr over a plain cache).
+  std::vector<PagedKvCache*> pool_at_;
+  std::vector<PrefixCache*> prefix_at_;
+  bool caching_ = true;
   HybridHitCounters counters_;
 };
 

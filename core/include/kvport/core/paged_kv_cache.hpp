@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <source_location>
 #include <span>
@@ -20,6 +21,7 @@
 namespace kvport {
 
 class SharedBlockPool;
+class HybridKvCache;
 
 /// Monotonic counters since construction.
 struct KvCacheCounters {
@@ -407,9 +409,17 @@ class PagedKvCache {
   std::vector<CopyRegion> scratch_regions_;
   std::size_t last_fill_regions_ = 0;
   std::vector<StreamView> queued_streams_;  // see queued_streams()
+  // HybridKvCache::over(*this), made on first use (a move leaves it behind).
+  friend class HybridKvCache;
+  std::unique_ptr<HybridKvCache> group_view_;
 };
 
 // ---- hot paths --------------------------------------------------------------------
+
+inline std::uint32_t PagedKvCache::ref_count(BlockId block) const {
+  check_block(block, "ref_count");
+  return ref_counts_[block];
+}
 
 inline BlockId PagedKvCache::take_free(BlockOp op, const std::source_location& where) {
   std::vector<BlockId>& free = *free_;

@@ -80,6 +80,7 @@ struct BlockOrigin {
 };
 
 class PrefixCache;
+class HybridKvCache;
 
 /// A lower tier of the prefix cache (HostTier is the one kvport has): the
 /// prefix cache calls it at three points. Installed with
@@ -347,6 +348,9 @@ class PrefixCache {
 
   struct State;
   std::unique_ptr<State> state_;
+  // HybridKvCache::over(*this), made on first use; destroyed before state_.
+  friend class HybridKvCache;
+  std::unique_ptr<HybridKvCache> group_view_;
 };
 
 }  // namespace kvport
