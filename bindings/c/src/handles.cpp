@@ -112,8 +112,9 @@ void retire(const void* handle, Kind kind) {
     if (entry.object->lent)
       throw StatusError(KVPORT_ERR_INVALID_ARGUMENT,
                         std::string(kind_name(kind)) +
-                            " is borrowed (a hybrid cache's group pool): it is destroyed with "
-                            "the hybrid cache, not on its own");
+                            " is borrowed (a hybrid cache's group pool, or the groups of a "
+                            "prefix cache or cache): it is destroyed with the handle it came "
+                            "from, not on its own");
     if (entry.object->children != 0)
       throw StatusError(KVPORT_ERR_HANDLE_IN_USE,
                         std::string(kind_name(kind)) + " still has " +

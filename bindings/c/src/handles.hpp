@@ -83,6 +83,8 @@ struct CacheObject final : Object {
   std::unique_ptr<PagedKvCache> owned;
   /// The config's per-layer dtypes as C values, for kvport_cache_config.
   std::vector<std::int32_t> layer_dtypes;
+  /// kvport_cache_groups' lent handle, made on first use.
+  kvport_hybrid_cache* groups = nullptr;
 };
 
 struct PrefixCacheObject final : Object {
@@ -90,6 +92,8 @@ struct PrefixCacheObject final : Object {
   /// The prefix cache's event sink while events are enabled (events.cpp).
   std::unique_ptr<events::Publisher> publisher;
   std::unique_ptr<PrefixCache> prefix;
+  /// kvport_prefix_cache_groups' lent handle, made on first use.
+  kvport_hybrid_cache* groups = nullptr;
   /// The prefix cache first: its destructor announces a clear to the
   /// publisher, which then sends what it buffered.
   ~PrefixCacheObject() override {
@@ -107,11 +111,14 @@ struct HybridCacheObject final : Object {
   static constexpr Kind kKind = Kind::hybrid_cache;
   /// Every group's event sink while events are enabled (events.cpp).
   std::unique_ptr<events::Publisher> publisher;
-  std::unique_ptr<HybridKvCache> cache;
+  /// `owned`, or the one-group view of a prefix cache or cache
+  /// (kvport_prefix_cache_groups, kvport_cache_groups: a lent handle).
+  HybridKvCache* cache = nullptr;
+  std::unique_ptr<HybridKvCache> owned;
   /// The cache first (its prefix caches announce their clears), then the
   /// publisher.
   ~HybridCacheObject() override {
-    cache.reset();
+    owned.reset();
     publisher.reset();
   }
   /// Per group: its state tensors as C structs (names point into the

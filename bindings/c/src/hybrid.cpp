@@ -159,13 +159,35 @@ HybridBlockTable& hybrid_table_of(const kvport_hybrid_block_table* handle) {
 
 // The handle of a cache just built: its groups' state tensors described once,
 // no group pool handle yet.
+void describe_groups(HybridCacheObject& object) {
+  const HybridKvCache& cache = *object.cache;
+  for (std::size_t g = 0; g < cache.num_groups(); ++g)
+    object.state_tensors.push_back(c_state_tensors(cache.group(g).spec));
+  object.group_handles.assign(cache.num_groups(), nullptr);
+}
+
 kvport_hybrid_cache* finish_hybrid_cache(std::unique_ptr<HybridCacheObject> object,
                                          BackendObject& parent) {
-  const HybridKvCache& cache = *object->cache;
-  for (std::size_t g = 0; g < cache.num_groups(); ++g)
-    object->state_tensors.push_back(c_state_tensors(cache.group(g).spec));
-  object->group_handles.assign(cache.num_groups(), nullptr);
+  describe_groups(*object);
   return make_handle<kvport_hybrid_cache>(std::move(object), &parent);
+}
+
+// What owns the sequences and pools made over `object`: the object itself,
+// or for a lent view the prefix cache or cache that lent it (which then
+// cannot be destroyed while they live).
+Object& owner_of(HybridCacheObject& object) {
+  return object.lent ? *object.parent : object;
+}
+
+// The lent handle of `view` (in `slot`, made on first use) over `lender`.
+kvport_hybrid_cache* lend_groups(HybridKvCache& view, Object& lender, kvport_hybrid_cache*& slot) {
+  if (slot == nullptr) {
+    auto object = std::make_unique<HybridCacheObject>();
+    object->cache = &view;
+    describe_groups(*object);
+    slot = make_lent_handle<kvport_hybrid_cache>(std::move(object), &lender);
+  }
+  return slot;
 }
 
 }  // namespace
@@ -310,7 +332,8 @@ kvport_status kvport_hybrid_cache_create_shared(kvport_backend* backend,
     sizes.group_blocks.assign(counts.begin(), counts.end());
     require(out, "out");
     auto object = std::make_unique<HybridCacheObject>();
-    object->cache = std::make_unique<HybridKvCache>(std::move(config), sizes, *parent.backend);
+    object->owned = std::make_unique<HybridKvCache>(std::move(config), sizes, *parent.backend);
+    object->cache = object->owned.get();
     *out = finish_hybrid_cache(std::move(object), parent);
   });
 }
@@ -406,7 +429,8 @@ kvport_status kvport_hybrid_cache_group_cache(kvport_hybrid_cache* cache, size_t
       pool->cache = &group_pool;
       for (const KvCacheDtype d : pool->cache->config().layer_dtypes)
         pool->layer_dtypes.push_back(static_cast<std::int32_t>(d));
-      object.group_handles[group] = make_lent_handle<kvport_cache>(std::move(pool), &object);
+      object.group_handles[group] =
+          make_lent_handle<kvport_cache>(std::move(pool), &owner_of(object));
     }
     *out = object.group_handles[group];
   });
@@ -450,6 +474,27 @@ kvport_status kvport_hybrid_cache_synchronize(kvport_hybrid_cache* cache) {
   return guard([&] { hybrid_of(cache).synchronize(); });
 }
 
+kvport_status kvport_prefix_cache_groups(kvport_prefix_cache* prefix, kvport_hybrid_cache** out) {
+  return guard([&] {
+    PrefixCacheObject& object = get<PrefixCacheObject>(prefix);
+    require(out, "out");
+    *out = lend_groups(HybridKvCache::over(*object.prefix), object, object.groups);
+  });
+}
+
+kvport_status kvport_cache_groups(kvport_cache* cache, kvport_hybrid_cache** out) {
+  return guard([&] {
+    CacheObject& object = get<CacheObject>(cache);
+    require(out, "out");
+    if (object.lent) {
+      throw InvalidArgument(
+          "kvport_cache_groups: this cache is a hybrid cache's group pool; its groups are the "
+          "hybrid cache's");
+    }
+    *out = lend_groups(HybridKvCache::over(*object.cache), object, object.groups);
+  });
+}
+
 // ---- hybrid block tables ---------------------------------------------------------------------
 
 kvport_status kvport_hybrid_block_table_create(kvport_hybrid_cache* cache, uint64_t extra_key,
@@ -459,7 +504,7 @@ kvport_status kvport_hybrid_block_table_create(kvport_hybrid_cache* cache, uint6
     require(out, "out");
     auto object = std::make_unique<HybridBlockTableObject>();
     object->table = std::make_unique<HybridBlockTable>(*parent.cache, extra_key);
-    *out = make_handle<kvport_hybrid_block_table>(std::move(object), &parent);
+    *out = make_handle<kvport_hybrid_block_table>(std::move(object), &owner_of(parent));
   });
 }
 

@@ -1982,6 +1982,69 @@ static void test_invalid_handles(void) {
   EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_block_table_copy_on_writes(NULL, &u64));
 }
 
+/* A model of one full-attention group is the one-group case of groups: the
+ * groups of a prefix cache (or a plain cache) are a borrowed hybrid cache
+ * handle, and hybrid tables over it share the prefix cache's blocks. */
+static void test_one_group_views(kvport_backend* backend) {
+  kvport_config c = small_config();
+  kvport_cache *cache = NULL, *pool = NULL;
+  kvport_prefix_cache* prefix = NULL;
+  kvport_hybrid_cache *groups = NULL, *again = NULL, *plain = NULL;
+  kvport_hybrid_block_table *h = NULL, *p = NULL;
+  kvport_block_table* t = NULL;
+  uint32_t tokens[8];
+  size_t n = 0, hit = 0, i;
+
+  for (i = 0; i < 8; ++i)
+    tokens[i] = (uint32_t)(300 + i);
+  OK(kvport_cache_create(&c, 6, backend, &cache));
+  OK(kvport_prefix_cache_create(cache, &prefix));
+  OK(kvport_prefix_cache_groups(prefix, &groups));
+  OK(kvport_prefix_cache_groups(prefix, &again));
+  CHECK(groups == again);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_groups(prefix, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_groups(NULL, &again));
+  OK(kvport_hybrid_cache_num_groups(groups, &n));
+  CHECK(n == 1);
+
+  /* A block table caches 2 blocks; a hybrid table over the groups hits them
+   * (n - 1 tokens in whole blocks: 1 block). */
+  OK(kvport_block_table_create_prefixed(prefix, 0, &t));
+  OK(kvport_block_table_append_tokens(t, tokens, 8, NULL));
+  OK(kvport_block_table_destroy(t));
+  OK(kvport_hybrid_block_table_create(groups, 0, &h));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(h, tokens, 8, NULL, &hit));
+  CHECK(hit == 4);
+  EXPECT(KVPORT_ERR_HANDLE_IN_USE, kvport_prefix_cache_destroy(prefix));
+  CHECK(contains(kvport_last_error(), "live child"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_destroy(groups));
+  CHECK(contains(kvport_last_error(), "borrowed"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_enable_events(groups, NULL));
+  CHECK(contains(kvport_last_error(), "kvport_prefix_cache_enable_events"));
+  OK(kvport_hybrid_cache_group_cache(groups, 0, &pool));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_groups(pool, &plain));
+  OK(kvport_hybrid_block_table_destroy(h));
+
+  /* The plain cache's groups: blocks from the free list, nothing cached. */
+  OK(kvport_cache_groups(cache, &plain));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_groups(cache, NULL));
+  OK(kvport_hybrid_block_table_create(plain, 0, &p));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(p, tokens, 8, NULL, &hit));
+  CHECK(hit == 0);
+  OK(kvport_hybrid_block_table_append_tokens(p, tokens, 8, NULL));
+  OK(kvport_cache_num_free_blocks(cache, &n));
+  CHECK(n == 2); /* 2 cached by the prefix cache, 2 held by p */
+  EXPECT(KVPORT_ERR_HANDLE_IN_USE, kvport_cache_destroy(cache));
+  OK(kvport_hybrid_block_table_destroy(p));
+  OK(kvport_cache_num_free_blocks(cache, &n));
+  CHECK(n == 4);
+
+  OK(kvport_prefix_cache_destroy(prefix));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_num_groups(groups, &n));
+  OK(kvport_cache_destroy(cache));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_hybrid_cache_num_groups(plain, &n));
+}
+
 int main(void) {
   kvport_backend* backend = NULL;
   int s;
@@ -2007,6 +2070,7 @@ int main(void) {
   test_events(backend);
   test_hybrid_shared_pool(backend);
   test_hybrid_events(backend);
+  test_one_group_views(backend);
   test_invalid_handles();
   OK(kvport_backend_destroy(backend));
 

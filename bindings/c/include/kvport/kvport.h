@@ -791,6 +791,26 @@ KVPORT_API kvport_status kvport_hybrid_cache_create_shared(
     size_t state_checkpoint_interval, size_t max_group_layers, size_t shared_blocks,
     const size_t* blocks_per_group, size_t num_groups, kvport_hybrid_cache** out);
 
+/** The groups of a prefix cache: the one-group hybrid cache over it and its
+ *  pool (a model of one full-attention group is the one-group case of KV
+ *  cache groups; kvport_block_table is a hybrid block table over this view).
+ *  A borrowed handle, the same on every call: every kvport_hybrid_cache_* and
+ *  kvport_hybrid_block_table_* call works on it (group 0, full attention,
+ *  every layer of the cache), and tables made over it share the prefix
+ *  cache's blocks, hits and events with kvport_block_table's. The prefix
+ *  cache cannot be destroyed while such tables live (KVPORT_ERR_HANDLE_IN_USE);
+ *  the handle becomes invalid with it. kvport_hybrid_cache_destroy and
+ *  kvport_hybrid_cache_enable_events fail on it with
+ *  KVPORT_ERR_INVALID_ARGUMENT (its events are the prefix cache's). */
+KVPORT_API kvport_status kvport_prefix_cache_groups(kvport_prefix_cache* prefix,
+                                                    kvport_hybrid_cache** out);
+
+/** The same over a plain cache (no prefix cache): tables over it allocate
+ *  and free the cache's blocks, cache nothing and hit nothing (as a
+ *  kvport_block_table over the cache). KVPORT_ERR_INVALID_ARGUMENT for a
+ *  hybrid cache's group pool. */
+KVPORT_API kvport_status kvport_cache_groups(kvport_cache* cache, kvport_hybrid_cache** out);
+
 /** Blocks of the shared pool; 0 when no group draws from one. */
 KVPORT_API kvport_status kvport_hybrid_cache_shared_pool_blocks(const kvport_hybrid_cache* cache,
                                                                 size_t* out);
