@@ -182,7 +182,7 @@ kvport_status kvport_hybrid_cache_enable_events(kvport_hybrid_cache* cache,
     if (object.lent) {
       throw InvalidArgument(
           "kvport_hybrid_cache_enable_events: this is the one-group view of a prefix cache "
-          "(kvport_prefix_cache_groups), whose events are the prefix cache's: use "
+          "(kvport_prefix_cache_as_groups), whose events are the prefix cache's: use "
           "kvport_prefix_cache_enable_events");
     }
     refuse_enabled(object.publisher, "kvport_hybrid_cache_enable_events");

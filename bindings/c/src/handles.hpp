@@ -83,7 +83,7 @@ struct CacheObject final : Object {
   std::unique_ptr<PagedKvCache> owned;
   /// The config's per-layer dtypes as C values, for kvport_cache_config.
   std::vector<std::int32_t> layer_dtypes;
-  /// kvport_cache_groups' lent handle, made on first use.
+  /// kvport_cache_as_groups' lent handle, made on first use.
   kvport_hybrid_cache* groups = nullptr;
 };
 
@@ -92,7 +92,7 @@ struct PrefixCacheObject final : Object {
   /// The prefix cache's event sink while events are enabled (events.cpp).
   std::unique_ptr<events::Publisher> publisher;
   std::unique_ptr<PrefixCache> prefix;
-  /// kvport_prefix_cache_groups' lent handle, made on first use.
+  /// kvport_prefix_cache_as_groups' lent handle, made on first use.
   kvport_hybrid_cache* groups = nullptr;
   /// The prefix cache first: its destructor announces a clear to the
   /// publisher, which then sends what it buffered.
@@ -112,7 +112,7 @@ struct HybridCacheObject final : Object {
   /// Every group's event sink while events are enabled (events.cpp).
   std::unique_ptr<events::Publisher> publisher;
   /// `owned`, or the one-group view of a prefix cache or cache
-  /// (kvport_prefix_cache_groups, kvport_cache_groups: a lent handle).
+  /// (kvport_prefix_cache_as_groups, kvport_cache_as_groups: a lent handle).
   HybridKvCache* cache = nullptr;
   std::unique_ptr<HybridKvCache> owned;
   /// The cache first (its prefix caches announce their clears), then the

@@ -474,7 +474,8 @@ kvport_status kvport_hybrid_cache_synchronize(kvport_hybrid_cache* cache) {
   return guard([&] { hybrid_of(cache).synchronize(); });
 }
 
-kvport_status kvport_prefix_cache_groups(kvport_prefix_cache* prefix, kvport_hybrid_cache** out) {
+kvport_status kvport_prefix_cache_as_groups(kvport_prefix_cache* prefix,
+                                            kvport_hybrid_cache** out) {
   return guard([&] {
     PrefixCacheObject& object = get<PrefixCacheObject>(prefix);
     require(out, "out");
@@ -482,13 +483,13 @@ kvport_status kvport_prefix_cache_groups(kvport_prefix_cache* prefix, kvport_hyb
   });
 }
 
-kvport_status kvport_cache_groups(kvport_cache* cache, kvport_hybrid_cache** out) {
+kvport_status kvport_cache_as_groups(kvport_cache* cache, kvport_hybrid_cache** out) {
   return guard([&] {
     CacheObject& object = get<CacheObject>(cache);
     require(out, "out");
     if (object.lent) {
       throw InvalidArgument(
-          "kvport_cache_groups: this cache is a hybrid cache's group pool; its groups are the "
+          "kvport_cache_as_groups: this cache is a hybrid cache's group pool; its groups are the "
           "hybrid cache's");
     }
     *out = lend_groups(HybridKvCache::over(*object.cache), object, object.groups);

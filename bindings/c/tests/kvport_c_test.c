@@ -1999,11 +1999,11 @@ static void test_one_group_views(kvport_backend* backend) {
     tokens[i] = (uint32_t)(300 + i);
   OK(kvport_cache_create(&c, 6, backend, &cache));
   OK(kvport_prefix_cache_create(cache, &prefix));
-  OK(kvport_prefix_cache_groups(prefix, &groups));
-  OK(kvport_prefix_cache_groups(prefix, &again));
+  OK(kvport_prefix_cache_as_groups(prefix, &groups));
+  OK(kvport_prefix_cache_as_groups(prefix, &again));
   CHECK(groups == again);
-  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_groups(prefix, NULL));
-  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_groups(NULL, &again));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_prefix_cache_as_groups(prefix, NULL));
+  EXPECT(KVPORT_ERR_INVALID_HANDLE, kvport_prefix_cache_as_groups(NULL, &again));
   OK(kvport_hybrid_cache_num_groups(groups, &n));
   CHECK(n == 1);
 
@@ -2022,12 +2022,12 @@ static void test_one_group_views(kvport_backend* backend) {
   EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_cache_enable_events(groups, NULL));
   CHECK(contains(kvport_last_error(), "kvport_prefix_cache_enable_events"));
   OK(kvport_hybrid_cache_group_cache(groups, 0, &pool));
-  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_groups(pool, &plain));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_as_groups(pool, &plain));
   OK(kvport_hybrid_block_table_destroy(h));
 
   /* The plain cache's groups: blocks from the free list, nothing cached. */
-  OK(kvport_cache_groups(cache, &plain));
-  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_groups(cache, NULL));
+  OK(kvport_cache_as_groups(cache, &plain));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_cache_as_groups(cache, NULL));
   OK(kvport_hybrid_block_table_create(plain, 0, &p));
   OK(kvport_hybrid_block_table_reuse_cached_prefix(p, tokens, 8, NULL, &hit));
   CHECK(hit == 0);

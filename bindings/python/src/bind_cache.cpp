@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "convert.hpp"
+#include "hybrid_state.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
@@ -235,7 +236,24 @@ void bind_cache(py::module_& m) {
           "layer's dtype (a float16 array for f16); v None (or empty) for K-only layers, whose "
           "v_block_bytes is 0. Anything else (a str, a list, an object array) is a TypeError.")
       .def("synchronize", [](const PyCache& c) { c.cache().synchronize(); })
-      .def("check_invariants", [](const PyCache& c) { return c.cache().check_invariants(); });
+      .def("check_invariants", [](const PyCache& c) { return c.cache().check_invariants(); })
+      .def(
+          "as_groups",
+          [](const PyCache& c) {
+            const std::shared_ptr<CacheState>& cs = c.state();
+            if (cs->borrowed())
+              throw InvalidArgument(
+                  "PagedKvCache.as_groups: this cache is a hybrid cache's group pool; its groups "
+                  "are the hybrid cache's");
+            auto state = std::make_shared<HybridState>();
+            state->lender = cs;
+            state->backend = cs->backend;
+            state->device = cs->device;
+            state->cache = &kvport::HybridKvCache::over(*cs->cache);
+            return PyHybridCache(std::move(state));
+          },
+          "This cache as the one-group HybridKvCache over it, without a prefix cache: "
+          "HybridBlockTables over it allocate and free its blocks and cache nothing.");
 }
 
 py::object borrowed_cache(std::shared_ptr<const void> lender, Backend& backend, int device,

@@ -141,6 +141,12 @@ void bind_hybrid_cache(py::module_& m) {
       hybrid_cache,
       [](const PyHybridCache& self) {
         HybridState& state = *self.state();
+        if (state.borrowed()) {
+          throw InvalidArgument(
+              "HybridKvCache events: this is the one-group view of a prefix cache "
+              "(PrefixCache.as_groups()), whose events are the prefix cache's: use its "
+              "enable_events");
+        }
         HybridKvCache& cache = *state.cache;
         return EventsTarget{&state.publisher,
                             [&cache](CacheEventSink* sink) { cache.set_event_sink(sink); },

@@ -15,6 +15,7 @@
 
 #include "convert.hpp"
 #include "events.hpp"
+#include "hybrid_state.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/dtype.hpp"
 #include "kvport/core/kv_cache_config.hpp"
@@ -115,6 +116,22 @@ void bind_prefix(py::module_& m) {
                              [](const PyPrefixCache& p) { return p.prefix().counters(); })
       .def_property_readonly("kv_cache",
                              [](const PyPrefixCache& p) { return PyCache(p.state()->cache); })
+      .def(
+          "as_groups",
+          [](const PyPrefixCache& p) {
+            const std::shared_ptr<PrefixState>& ps = p.state();
+            auto state = std::make_shared<HybridState>();
+            state->lender = ps;
+            state->backend = ps->cache->backend;
+            state->device = ps->cache->device;
+            state->cache = &kvport::HybridKvCache::over(*ps->prefix);
+            return PyHybridCache(std::move(state));
+          },
+          "This prefix cache as the one-group HybridKvCache over it (a model of one "
+          "full-attention group is the one-group case of groups; BlockTable is a "
+          "HybridBlockTable over it): HybridBlockTables over it share this prefix cache's "
+          "blocks and hits. Its events are this prefix cache's (enable_events refuses the "
+          "view).")
       .def("check_invariants",
            [](const PyPrefixCache& p) { return p.prefix().check_invariants(); });
   // KV events: medium "GPU", no group.

@@ -39,11 +39,18 @@ namespace kvport::python {
 // ---- owned state ---------------------------------------------------------------
 
 struct HybridState {
-  std::unique_ptr<Backend> backend;
+  /// A view's lender (PrefixCache.as_groups(): its PrefixState; PagedKvCache.as_groups():
+  /// its CacheState), which owns the backend and the pools. Declared first:
+  /// released last.
+  std::shared_ptr<const void> lender;
+  std::unique_ptr<Backend> owned_backend;
+  Backend* backend = nullptr;  // owned_backend, or the lender's
   int device = 0;
   /// Every group's event sink while events are enabled (events.hpp).
   std::shared_ptr<events::Publisher> publisher;
-  std::unique_ptr<HybridKvCache> cache;             // destroyed first (see ~HybridState)
+  std::unique_ptr<HybridKvCache> owned_cache;  // destroyed first (see ~HybridState)
+  /// owned_cache, or the one-group view of the lender (HybridKvCache::over).
+  HybridKvCache* cache = nullptr;
   std::uint64_t generation = process_generation();  // fork_guard.hpp
 
   // The cache (its prefix caches announce their clears), the publisher, then
@@ -51,20 +58,21 @@ struct HybridState {
   // parent's threads).
   ~HybridState() {
     if (generation != process_generation()) {
-      (void)cache.release();
+      (void)owned_cache.release();
       new std::shared_ptr<events::Publisher>(std::move(publisher));  // leaked
-      (void)backend.release();
+      (void)owned_backend.release();
       return;
     }
-    cache.reset();
+    owned_cache.reset();
     publisher.reset();
   }
+  bool borrowed() const noexcept { return lender != nullptr; }
   StreamView stream() const { return backend->default_stream(); }
   void sync() const { backend->synchronize(stream()); }
 };
 
 inline ViewOwner view_owner(const std::shared_ptr<HybridState>& state) {
-  return ViewOwner{state, state->backend.get(), state->device};
+  return ViewOwner{state, state->backend, state->device};
 }
 
 inline bool is_attention(LayerKind k) {
@@ -82,7 +90,8 @@ class PyHybridCache {
       config.layers.push_back(l.cast<LayerSpec>());
     config.state_checkpoint_interval = state_checkpoint_interval;
     auto state = std::make_shared<HybridState>();
-    state->backend = make_backend(backend, device);
+    state->owned_backend = make_backend(backend, device);
+    state->backend = state->owned_backend.get();
     state->device = device;
     PagedKvCacheOptions options;
     options.trace = trace;
@@ -92,7 +101,7 @@ class PyHybridCache {
         throw InvalidArgument("HybridKvCache: block_size " + std::to_string(*block_size) +
                               " differs from the plan's " + std::to_string(plan.block_size));
       config.block_size = plan.block_size;
-      state->cache =
+      state->owned_cache =
           std::make_unique<HybridKvCache>(std::move(config), plan, *state->backend, options);
     } else {
       config.block_size = block_size.value_or(16);
@@ -105,11 +114,15 @@ class PyHybridCache {
             "or a KvCachePlan, not " +
             std::string(py::str(py::type::handle_of(blocks).attr("__name__"))));
       }
-      state->cache =
+      state->owned_cache =
           std::make_unique<HybridKvCache>(std::move(config), counts, *state->backend, options);
     }
+    state->cache = state->owned_cache.get();
     state_ = std::move(state);
   }
+  /// Over a state made elsewhere (the one-group view of a prefix cache or
+  /// cache: PrefixCache.as_groups(), PagedKvCache.as_groups()).
+  explicit PyHybridCache(std::shared_ptr<HybridState> state) : state_(std::move(state)) {}
 
   const std::shared_ptr<HybridState>& state() const {
     if (!state_) throw InvalidArgument("HybridKvCache is closed");

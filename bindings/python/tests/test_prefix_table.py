@@ -110,3 +110,37 @@ def test_table_owner_errors():
     with kvport.PagedKvCache(make_config(), 4) as c:
         with pytest.raises(kvport.InvalidArgument, match="extra_key"):
             kvport.BlockTable(c, extra_key=1)
+
+
+def test_groups_of_a_prefix_cache_are_the_one_group_case(prefix):
+    """A model of one full-attention group is the one-group case of groups:
+    prefix.as_groups() is the HybridKvCache over this prefix cache, and tables of
+    either kind share its blocks and hits."""
+    groups = prefix.as_groups()
+    assert groups.num_groups == 1
+    assert groups.num_layers == 2 and groups.block_size == 4
+    prompt = list(range(200, 208))  # 2 full blocks
+    with kvport.BlockTable(prefix) as t:
+        t.append_tokens(prompt)
+        cached = t.blocks[:2]
+    with kvport.HybridBlockTable(groups) as h:
+        h.copy_last_block = True  # BlockTable's rule: a whole-prompt hit is n - 1 tokens
+        assert h.reuse_cached_prefix(prompt) == 7
+        assert h.blocks(0)[0] == cached[0]
+        assert h.blocks(0)[1] != cached[1]  # the last block is a private copy
+        assert h.copy_on_writes == 1
+    assert groups.check_invariants().ok and prefix.check_invariants().ok
+    with pytest.raises(kvport.InvalidArgument, match="prefix cache's"):
+        groups.enable_events()
+
+
+def test_groups_of_a_plain_cache_cache_nothing():
+    with kvport.PagedKvCache(make_config(), num_blocks=4) as cache:
+        groups = cache.as_groups()
+        with kvport.HybridBlockTable(groups) as h:
+            assert h.reuse_cached_prefix(list(range(8))) == 0
+            h.append_tokens(list(range(8)))
+            assert cache.num_free_blocks == 2
+        assert cache.num_free_blocks == 4
+        with pytest.raises(kvport.InvalidArgument, match="group pool"):
+            groups.group_pool(0).as_groups()

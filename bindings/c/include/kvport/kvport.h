@@ -802,14 +802,14 @@ KVPORT_API kvport_status kvport_hybrid_cache_create_shared(
  *  the handle becomes invalid with it. kvport_hybrid_cache_destroy and
  *  kvport_hybrid_cache_enable_events fail on it with
  *  KVPORT_ERR_INVALID_ARGUMENT (its events are the prefix cache's). */
-KVPORT_API kvport_status kvport_prefix_cache_groups(kvport_prefix_cache* prefix,
+KVPORT_API kvport_status kvport_prefix_cache_as_groups(kvport_prefix_cache* prefix,
                                                     kvport_hybrid_cache** out);
 
 /** The same over a plain cache (no prefix cache): tables over it allocate
  *  and free the cache's blocks, cache nothing and hit nothing (as a
  *  kvport_block_table over the cache). KVPORT_ERR_INVALID_ARGUMENT for a
  *  hybrid cache's group pool. */
-KVPORT_API kvport_status kvport_cache_groups(kvport_cache* cache, kvport_hybrid_cache** out);
+KVPORT_API kvport_status kvport_cache_as_groups(kvport_cache* cache, kvport_hybrid_cache** out);
 
 /** Blocks of the shared pool; 0 when no group draws from one. */
 KVPORT_API kvport_status kvport_hybrid_cache_shared_pool_blocks(const kvport_hybrid_cache* cache,
