@@ -230,6 +230,17 @@ impl PagedKvCache {
         &self.backend
     }
 
+    /// This cache as the one-group [`HybridKvCache`](crate::HybridKvCache)
+    /// over it, without a prefix cache (kvport_cache_as_groups):
+    /// [`HybridBlockTable`](crate::HybridBlockTable)s over it allocate and
+    /// free its blocks and cache nothing. `InvalidArgument` for a hybrid
+    /// cache's group pool.
+    pub fn as_groups(&self) -> Result<crate::hybrid::GroupsView<'_>, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_cache_as_groups(self.raw, &mut raw) })?;
+        Ok(crate::hybrid::GroupsView::new(crate::hybrid::HybridKvCache::lent(raw, self.backend.clone())))
+    }
+
     fn check_gpu(&self, gpu: &dyn GpuBackend) -> Result<(), KvError> {
         if gpu.kvport_backend().same_as(&self.backend) {
             Ok(())

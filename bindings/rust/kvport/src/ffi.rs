@@ -656,6 +656,8 @@ extern "C" {
         num_groups: usize,
         out: *mut *mut kvport_hybrid_cache,
     ) -> kvport_status;
+    pub fn kvport_prefix_cache_as_groups(prefix: *mut kvport_prefix_cache, out: *mut *mut kvport_hybrid_cache) -> kvport_status;
+    pub fn kvport_cache_as_groups(cache: *mut kvport_cache, out: *mut *mut kvport_hybrid_cache) -> kvport_status;
     pub fn kvport_hybrid_cache_shared_pool_blocks(cache: *const kvport_hybrid_cache, out: *mut usize) -> kvport_status;
     pub fn kvport_hybrid_cache_group_in_shared_pool(
         cache: *const kvport_hybrid_cache,

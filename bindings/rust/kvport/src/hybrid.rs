@@ -172,6 +172,30 @@ pub fn plan_kv_cache(layers: &[LayerSpec], block_size: usize, request: &PlanRequ
 
 // ---- hybrid caches -----------------------------------------------------------------
 
+/// A single-group cache seen as a cache of groups: the one-group
+/// [`HybridKvCache`] over a [`PrefixCache`](crate::PrefixCache) or a
+/// [`PagedKvCache`](crate::PagedKvCache) (`as_groups`), borrowed from it. A
+/// model of one full-attention group is the one-group case of groups:
+/// [`HybridBlockTable`]s over it share the prefix cache's blocks and hits
+/// with its [`BlockTable`](crate::BlockTable)s. Derefs to the cache.
+pub struct GroupsView<'p> {
+    cache: HybridKvCache,
+    _lender: std::marker::PhantomData<&'p ()>,
+}
+
+impl<'p> GroupsView<'p> {
+    pub(crate) fn new(cache: HybridKvCache) -> GroupsView<'p> {
+        GroupsView { cache, _lender: std::marker::PhantomData }
+    }
+}
+
+impl<'p> std::ops::Deref for GroupsView<'p> {
+    type Target = HybridKvCache;
+    fn deref(&self) -> &HybridKvCache {
+        &self.cache
+    }
+}
+
 /// Where a model layer lives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LayerLocation {
@@ -202,6 +226,8 @@ pub struct HybridKvCache {
     raw: *mut ffi::kvport_hybrid_cache,
     backend: Backend,
     num_groups: usize,
+    /// The one-group view of a prefix cache (or cache), destroyed with it.
+    lent: bool,
 }
 
 // SAFETY: as PagedKvCache: no thread-affine state; the raw pointer keeps it !Sync.
@@ -210,7 +236,9 @@ unsafe impl Send for HybridKvCache {}
 impl Drop for HybridKvCache {
     fn drop(&mut self) {
         // Tables and group pools borrow the cache: none is alive here.
-        unsafe { ffi::kvport_hybrid_cache_destroy(self.raw) };
+        if !self.lent {
+            unsafe { ffi::kvport_hybrid_cache_destroy(self.raw) };
+        }
     }
 }
 
@@ -279,7 +307,14 @@ impl HybridKvCache {
         })?;
         let mut num_groups = 0usize;
         expect_ok(unsafe { ffi::kvport_hybrid_cache_num_groups(raw, &mut num_groups) }, "kvport_hybrid_cache_num_groups");
-        Ok(HybridKvCache { raw, backend, num_groups })
+        Ok(HybridKvCache { raw, backend, num_groups, lent: false })
+    }
+
+    /// The lent handle `raw` (the one-group view of a prefix cache or cache).
+    pub(crate) fn lent(raw: *mut ffi::kvport_hybrid_cache, backend: Backend) -> HybridKvCache {
+        let mut num_groups = 0usize;
+        expect_ok(unsafe { ffi::kvport_hybrid_cache_num_groups(raw, &mut num_groups) }, "kvport_hybrid_cache_num_groups");
+        HybridKvCache { raw, backend, num_groups, lent: true }
     }
 
     /// Sized by a plan of the same layers and block size, sharing a pool

@@ -7,7 +7,8 @@
 use std::marker::PhantomData;
 use std::ptr;
 
-use crate::backend::stream_ptr;
+use crate::backend::{stream_ptr, Backend};
+use crate::hybrid::{GroupsView, HybridKvCache};
 use crate::cache::{invariant_report, InvariantReport, PagedKvCache};
 use crate::error::{check, expect_ok, KvError};
 use crate::ffi;
@@ -29,6 +30,7 @@ pub struct PrefixCacheCounters {
 /// (the borrow makes those `&mut` methods unavailable).
 pub struct PrefixCache<'c> {
     raw: *mut ffi::kvport_prefix_cache,
+    backend: Backend,
     _cache: PhantomData<&'c PagedKvCache>,
 }
 
@@ -42,7 +44,17 @@ impl<'c> PrefixCache<'c> {
     pub fn new(cache: &'c PagedKvCache) -> Result<PrefixCache<'c>, KvError> {
         let mut raw = ptr::null_mut();
         check(unsafe { ffi::kvport_prefix_cache_create(cache.raw(), &mut raw) })?;
-        Ok(PrefixCache { raw, _cache: PhantomData })
+        Ok(PrefixCache { raw, backend: cache.backend().clone(), _cache: PhantomData })
+    }
+
+    /// This prefix cache as the one-group [`HybridKvCache`] over it
+    /// (kvport_prefix_cache_as_groups): [`HybridBlockTable`](crate::HybridBlockTable)s
+    /// over it share this prefix cache's blocks and hits. Borrowed: it cannot
+    /// outlive the prefix cache.
+    pub fn as_groups(&self) -> Result<GroupsView<'_>, KvError> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { ffi::kvport_prefix_cache_as_groups(self.raw, &mut raw) })?;
+        Ok(GroupsView::new(HybridKvCache::lent(raw, self.backend.clone())))
     }
 
     pub fn raw(&self) -> *mut ffi::kvport_prefix_cache {

@@ -4,8 +4,9 @@
 //! pool, all-or-nothing appends, fork, and the errors.
 
 use kvport::{
-    plan_kv_cache, Backend, HybridBlockTable, HybridKvCache, KvCacheDtype, KvError, LayerKind, LayerLocation,
-    LayerSpec, MlaFormat, PlanRequest, PrefixHitMode, StateDtype, StateTensor, DEFAULT_STREAM, NULL_BLOCK,
+    plan_kv_cache, Backend, BlockTable, HybridBlockTable, HybridKvCache, KvCacheConfig, KvCacheDtype, KvError,
+    LayerKind, LayerLocation, LayerSpec, MlaFormat, PagedKvCache, PlanRequest, PrefixCache, PrefixHitMode,
+    StateDtype, StateTensor, DEFAULT_STREAM, NULL_BLOCK,
 };
 
 const BS: usize = 4;
@@ -372,4 +373,41 @@ fn shared_pool_moves_memory_between_groups() {
     let own = HybridKvCache::new_shared(&fulls, BS, 1, 0, 0, &[12], &gpu).unwrap();
     assert_eq!(own.shared_pool_blocks(), 0);
     assert!(!own.in_shared_pool(0).unwrap());
+}
+
+/// A model of one full-attention group is the one-group case of groups: the
+/// groups of a prefix cache are a HybridKvCache over it, and tables of either
+/// kind share its blocks and hits.
+#[test]
+fn groups_of_a_prefix_cache_are_the_one_group_case() {
+    let gpu = Backend::new("host").unwrap();
+    let cache = PagedKvCache::new(KvCacheConfig::new(2, 2, 16, BS, KvCacheDtype::F16), 6, &gpu).unwrap();
+    let prefix = PrefixCache::new(&cache).unwrap();
+    let groups = prefix.as_groups().unwrap();
+    assert_eq!(groups.num_groups(), 1);
+    let prompt = tokens(8, 500);
+    {
+        let mut t = BlockTable::with_prefix_cache(&prefix, 0).unwrap();
+        t.append_tokens(&prompt, DEFAULT_STREAM).unwrap();
+    }
+    let mut h = HybridBlockTable::new(&groups, 0).unwrap();
+    h.set_copy_last_block(true); // BlockTable's rule: a whole-prompt hit is n - 1 tokens
+    assert_eq!(h.reuse_cached_prefix(&prompt, DEFAULT_STREAM).unwrap(), 7);
+    assert_eq!(h.copy_on_writes(), 1);
+    assert_eq!(h.blocks(0).unwrap().len(), 2);
+    drop(h);
+    assert!(groups.check_invariants().unwrap().ok);
+
+    // A plain cache's groups cache nothing.
+    let plain_cache = PagedKvCache::new(KvCacheConfig::new(2, 2, 16, BS, KvCacheDtype::F16), 4, &gpu).unwrap();
+    let plain = plain_cache.as_groups().unwrap();
+    let mut p = HybridBlockTable::new(&plain, 0).unwrap();
+    assert_eq!(p.reuse_cached_prefix(&prompt, DEFAULT_STREAM).unwrap(), 0);
+    p.append_tokens(&prompt, DEFAULT_STREAM).unwrap();
+    assert_eq!(plain_cache.num_free_blocks(), 2);
+    drop(p);
+    assert_eq!(plain_cache.num_free_blocks(), 4);
+    // A group pool is a hybrid cache's: it has no groups of its own.
+    let pool = groups.group_pool(0).unwrap();
+    assert!(matches!(pool.as_groups(), Err(KvError::InvalidArgument(_))));
 }
