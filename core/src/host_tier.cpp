@@ -18,6 +18,7 @@
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/host_memory.hpp"
 #include "kvport/platform/log.hpp"
+#include "log_nothrow.hpp"
 
 namespace kvport {
 
@@ -133,15 +134,7 @@ struct Quarantine {
 
 enum class WaitResult : std::uint8_t { done, failed, stalled };
 
-// Logs an error; a failure to format or log it is dropped (rollback and
-// noexcept paths must go on).
-template <class... Args>
-void log_error_nothrow(fmt::format_string<Args...> format, Args&&... args) noexcept {
-  try {
-    log::error(fmt::format(format, std::forward<Args>(args)...));
-  } catch (...) {
-  }
-}
+using detail::log_error_nothrow;
 
 }  // namespace
 
@@ -357,6 +350,17 @@ struct HostTier::State {
   // Counts a lookup's hits for the lower tier's admission filter.
   void note_hits(std::span<const BlockHash> hit) noexcept {
     if (lower != nullptr && !hit.empty()) lower->note_hits(hit);
+  }
+
+  // A lookup's run ends with `landed` blocks past the device's match: its
+  // hits (the device's and those) count for the lower tier's admission,
+  // whatever the outcome. Unpins what is left of the run.
+  void end_run(std::size_t landed) noexcept {
+    for (SlotId h : run_hits)
+      if (h != kNoSlot && slots[h].pins > 0) --slots[h].pins;
+    run_hits.clear();
+    note_hits(run_hashes.first(std::min(run_hashes.size(), run_start + landed)));
+    run_hashes = {};
   }
 
   // A lookup's run past the device's prefix, into `hits` (host slots, each
@@ -782,7 +786,14 @@ struct HostTier::State {
   Event copies_done;                // after the last copy queued
   std::vector<Transfer> in_flight;  // write-backs and write-throughs queued, not completed
   std::vector<std::pair<BlockId, BlockHash>> write_queue;  // write-through, not queued yet
-  bool inserting = false;  // the tier's own inserts (onload) are not written through
+  // A lookup's run (find_run .. finish_run): its host slots, pinned; how
+  // many came from the lower tier; the copies into the prefix cache's
+  // blocks; the lookup's hashes and where the device's match ended.
+  std::vector<SlotId> run_hits;
+  std::size_t run_from_lower = 0;
+  std::vector<Transfer> run_onload;
+  std::span<const BlockHash> run_hashes;
+  std::size_t run_start = 0;
   HostTierCounters counters;
   // The lower tier, its events' source (source with medium DISK) and the
   // listener it reports its blocks to.
@@ -911,7 +922,7 @@ std::size_t HostTier::reclaimable_blocks() const noexcept {
 
 void HostTier::on_insert(PrefixCache& /*cache*/, BlockId block, const BlockHash& hash) {
   State& s = *state_;
-  if (s.options.policy != TierPolicy::write_through || s.inserting) return;
+  if (s.options.policy != TierPolicy::write_through) return;
   if (s.index.contains(hash)) return;
   // The queue has room for every device block (reserved at construction): a
   // queued block is held, so it is never evicted and registered again.
@@ -925,103 +936,113 @@ void HostTier::on_insert(PrefixCache& /*cache*/, BlockId block, const BlockHash&
   s.write_queue.emplace_back(block, hash);
 }
 
-void HostTier::extend_match(PrefixCache& cache, std::span<const BlockHash> hashes,
-                            PrefixMatch& match, const std::source_location& where) noexcept {
+// A lookup's continuation below the device, in three steps the prefix cache
+// drives (PrefixCacheTier): find and pin the run, load it into the blocks
+// the prefix cache allocated, let the slots go once it registered them. The
+// tier calls nothing of the prefix cache on this path.
+std::size_t HostTier::find_run(std::span<const BlockHash> hashes, std::size_t start) noexcept {
   State& s = *state_;
-  const std::size_t start = match.blocks.size();
-  std::vector<SlotId> hits;
-  std::vector<Transfer> onload;
-  std::size_t from_lower = 0;  // hits read from the lower tier
-  // Whatever the outcome, the lookup's hits (match.hashes: the device's, and
-  // the tier's when they came in) count for the lower tier's admission.
-  struct NoteHits {
-    State& s;
-    const PrefixMatch& m;
-    ~NoteHits() { s.note_hits(m.hashes); }
-  } note_hits{s, match};
-  auto roll_back = [&] {
-    if (!onload.empty()) {
-      ++s.counters.aborted_transfers;
-      s.counters.aborted_blocks += onload.size();
-    }
-    for (const Transfer& t : onload)
-      s.release_block(t.block);  // uncached: freed, its contents never seen
-    for (SlotId h : hits)
-      if (h != kNoSlot && s.slots[h].pins > 0) --s.slots[h].pins;
-  };
+  s.run_hits.clear();
+  s.run_onload.clear();
+  s.run_from_lower = 0;
+  s.run_hashes = hashes;
+  s.run_start = start;
   try {
-    // Pinned as they are found: not reused by the write-backs the allocations
-    // below may start, and a hash named twice in `hashes` (a caller's span,
-    // not a chain) ends the hit instead of onloading one slot twice.
-    hits.reserve(hashes.size() - start);
-    from_lower = s.find_hits(hashes.subspan(start), start > 0 ? &hashes[start - 1] : nullptr, hits);
-    if (hits.empty()) return;
-    match.blocks.reserve(start + hits.size());  // the appends below must not throw
-    match.hashes.reserve(start + hits.size());
-    onload.reserve(hits.size());
-    for (SlotId h : hits) {
-      const std::optional<BlockId> block = cache.try_alloc_block(where);
-      if (!block) {
-        s.counters.onload_shortfalls += hits.size() - onload.size();
-        break;
-      }
-      onload.push_back({*block, h});
-    }
-    if (onload.empty()) {
-      roll_back();
-      return;
-    }
-    s.queue_copies(onload, HostCopyDirection::host_to_device);
+    // Pinned as they are found: not reused by the write-backs the prefix
+    // cache's allocations may start, and a hash named twice in `hashes` (a
+    // caller's span, not a chain) ends the hit instead of onloading one slot
+    // twice.
+    s.run_hits.reserve(hashes.size() - start);
+    s.run_onload.reserve(hashes.size() - start);
+    s.run_from_lower =
+        s.find_hits(hashes.subspan(start), start > 0 ? &hashes[start - 1] : nullptr, s.run_hits);
   } catch (const std::exception& e) {
-    log_error_nothrow("HostTier: onload of {} block(s) failed: {}", onload.size(), e.what());
-    roll_back();
-    return;
+    log_error_nothrow("HostTier: a lookup's run past block {} failed: {}", start, e.what());
+    s.end_run(0);
+    return 0;
+  }
+  if (s.run_hits.empty()) s.end_run(0);
+  return s.run_hits.size();
+}
+
+TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
+  State& s = *state_;
+  const std::size_t found = s.run_hits.size();
+  if (blocks.size() < found) s.counters.onload_shortfalls += found - blocks.size();
+  // Nothing landed: the caller releases the blocks (uncached: freed, their
+  // contents never seen).
+  auto roll_back = [&] {
+    if (!s.run_onload.empty()) {
+      ++s.counters.aborted_transfers;
+      s.counters.aborted_blocks += s.run_onload.size();
+    }
+    s.run_onload.clear();
+    s.end_run(0);
+    return TierLoad{};
+  };
+  // Reserved by find_run: the pushes do not throw.
+  for (std::size_t i = 0; i < blocks.size() && i < found; ++i)
+    s.run_onload.push_back({blocks[i], s.run_hits[i]});
+  if (s.run_onload.empty()) return roll_back();
+  try {
+    s.queue_copies(s.run_onload, HostCopyDirection::host_to_device);
+  } catch (const std::exception& e) {
+    log_error_nothrow("HostTier: onload of {} block(s) failed: {}", s.run_onload.size(), e.what());
+    return roll_back();
   }
   // The caller computes on these blocks next: wait for the copy. A failure
   // rolls back this onload and everything else in flight; a copy that misses
   // its deadline leaves its blocks and slots in quarantine (the device may
   // still write them), and the lookup keeps its device hit.
-  const WaitResult waited = s.wait_all(onload);
+  const WaitResult waited = s.wait_all(s.run_onload);
   if (waited == WaitResult::stalled) {
-    for (std::size_t i = onload.size(); i < hits.size(); ++i)
-      --s.slots[hits[i]].pins;  // not read: the quarantined reads keep theirs
-    return;
+    // The quarantine holds the blocks (their references are the tier's now)
+    // and the slots they read.
+    const TierLoad kept{0, s.run_onload.size()};
+    for (std::size_t i = s.run_onload.size(); i < found; ++i)
+      --s.slots[s.run_hits[i]].pins;  // not read: the quarantined reads keep theirs
+    s.run_hits.clear();
+    s.run_onload.clear();
+    s.end_run(0);
+    return kept;
   }
-  if (waited == WaitResult::failed) {
-    roll_back();
-    return;
-  }
-  // The copy completed: register the blocks (visible to lookups from now on).
-  for (SlotId h : hits)
-    --s.slots[h].pins;
-  s.inserting = true;
-  for (const Transfer& t : onload) {
-    const BlockHash hash = s.hashes[t.slot];
-    try {
-      cache.insert(hash, t.block, s.origin_of(t.slot), where);
-    } catch (const std::exception& e) {  // a refcount overflow: the block stays private
-      log_error_nothrow("HostTier: registering onloaded block {} failed: {}", t.block, e.what());
-    }
-    match.blocks.push_back(t.block);
-    match.hashes.push_back(hash);
+  if (waited == WaitResult::failed) return roll_back();
+  // Landed: the references go back to the caller. The slots not loaded are
+  // let go; the loaded ones stay pinned until finish_run (run_origin reads them).
+  for (std::size_t i = s.run_onload.size(); i < found; ++i)
+    --s.slots[s.run_hits[i]].pins;
+  s.run_hits.resize(s.run_onload.size());
+  return TierLoad{s.run_onload.size(), 0};
+}
+
+BlockOrigin HostTier::run_origin(std::size_t i) const noexcept {
+  const State& s = *state_;
+  return s.origin_of(s.run_onload[i].slot);
+}
+
+void HostTier::finish_run() noexcept {
+  State& s = *state_;
+  const std::size_t landed = s.run_onload.size();
+  for (const Transfer& t : s.run_onload) {
+    --s.slots[t.slot].pins;
     if (s.options.inclusion == TierInclusion::exclusive) {
       s.free_slot(t.slot);
     } else {
       s.touch(t.slot);
     }
   }
-  s.inserting = false;
-  match.num_tokens = match.blocks.size() * cache.block_size();
-  match.lower_tier_blocks += onload.size();
   // The hits from the lower tier among those onloaded (the first ones of
-  // `hits`: the rest stay on the host).
+  // the run: the rest stay on the host).
   std::size_t lower_onloaded = 0;
-  for (std::size_t k = 0; k < from_lower && s.lower_pos[k] < onload.size(); ++k)
+  for (std::size_t k = 0; k < s.run_from_lower && s.lower_pos[k] < landed; ++k)
     ++lower_onloaded;
-  s.counters.onloads += onload.size();
-  s.counters.host_hits += onload.size() - lower_onloaded;
+  s.counters.onloads += landed;
+  s.counters.host_hits += landed - lower_onloaded;
   s.counters.lower_tier_hits += lower_onloaded;
-  s.counters.onload_bytes += onload.size() * s.slot_bytes;
+  s.counters.onload_bytes += landed * s.slot_bytes;
+  s.run_hits.clear();
+  s.run_onload.clear();
+  s.end_run(landed);
 }
 
 // ---- public calls ---------------------------------------------------------------------------
@@ -1060,7 +1081,7 @@ bool HostTier::is_on_host(const BlockHash& hash) const {
 }
 
 bool HostTier::holds(const BlockHash& hash) const noexcept {
-  // What extend_match would onload: ready and no onload reading it.
+  // What find_run would pin: ready and no onload reading it.
   const State& s = *state_;
   auto it = s.index.find(hash);
   if (it != s.index.end()) {

@@ -16,6 +16,7 @@
 
 #include "kvport/platform/error.hpp"
 #include "kvport/platform/log.hpp"
+#include "log_nothrow.hpp"
 
 namespace kvport {
 namespace {
@@ -264,9 +265,11 @@ struct PrefixCache::State {
   // Registers `block` (in range, held) under `hash` with its origin; false
   // when the block or the hash is cached already. Throws what inc_ref throws
   // (a refcount at its limit), changing nothing.
+  // A block the tier brought in (`from_tier`) is not announced to it.
   bool register_block(PrefixCache& self, const BlockHash& hash, BlockId block,
                       const std::optional<BlockHash>& parent, std::span<const TokenId> tokens,
-                      std::uint64_t extra_key, const std::source_location& where) {
+                      std::uint64_t extra_key, const std::source_location& where,
+                      bool from_tier = false) {
     Entry& e = entries[block];
     if (e.cached) return false;
     // The index hashes and compares a block by entries[block].hash, so the
@@ -284,8 +287,68 @@ struct PrefixCache::State {
     e.cached = true;
     ++counters.inserts;
     if (!origins.empty()) record_origin(block, parent, tokens, extra_key);
-    if (tier != nullptr) tier->on_insert(self, block, hash);
+    if (tier != nullptr && !from_tier) tier->on_insert(self, block, hash);
     return true;
+  }
+
+  // The lookup's continuation below the device (PrefixCacheTier): the tier
+  // finds and pins a run after the device's match, this cache allocates the
+  // device blocks for it, the tier loads them, this cache registers what
+  // landed (announced as stored on the device, not to the tier: it holds
+  // them already) and appends it to `match`.
+  void load_from_tier(PrefixCache& self, std::span<const BlockHash> hashes, PrefixMatch& match,
+                      const std::source_location& where) noexcept {
+    const std::size_t start = match.blocks.size();
+    const std::size_t run = tier->find_run(hashes, start);
+    if (run == 0) return;
+    std::vector<BlockId> blocks;
+    try {
+      blocks.reserve(run);
+      match.blocks.reserve(start + run);  // the appends below must not throw
+      match.hashes.reserve(start + run);
+      for (std::size_t i = 0; i < run; ++i) {
+        const std::optional<BlockId> block = self.try_alloc_block(where);
+        if (!block) break;
+        blocks.push_back(*block);
+      }
+    } catch (const std::exception& e) {
+      detail::log_error_nothrow("PrefixCache: allocating {} block(s) for the tier's run failed: {}",
+                                run, e.what());
+      for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+        try {
+          self.release(*it, where);  // uncached: freed
+        } catch (...) {              // only logging can throw; the release itself happened
+        }
+      }
+      blocks.clear();
+    }
+    const TierLoad load = tier->load_run(blocks);
+    const std::size_t landed = load.landed;
+    for (std::size_t i = blocks.size(); i-- > landed + load.kept;) {
+      try {
+        self.release(blocks[i], where);  // uncached: freed, its contents never seen
+      } catch (...) {                    // only logging can throw; the release itself happened
+      }
+    }
+    if (landed == 0) return;
+    for (std::size_t i = 0; i < landed; ++i) {
+      const BlockHash& hash = hashes[start + i];
+      const BlockOrigin origin = tier->run_origin(i);
+      try {
+        if (register_block(self, hash, blocks[i], origin.parent, origin.tokens, origin.extra_key,
+                           where, /*from_tier=*/true) &&
+            sink != nullptr)
+          emit_stored({&hash, 1}, origin.parent, origin.tokens, origin.extra_key);
+      } catch (const std::exception& e) {  // a refcount overflow: the block stays private
+        detail::log_error_nothrow("PrefixCache: registering block {} from the tier failed: {}",
+                                  blocks[i], e.what());
+      }
+      match.blocks.push_back(blocks[i]);
+      match.hashes.push_back(hash);
+    }
+    match.num_tokens = match.blocks.size() * self.block_size();
+    match.lower_tier_blocks += landed;
+    tier->finish_run();
   }
 
   // Drops a sequence's reference on `block` (in range): a cached block whose
@@ -448,7 +511,7 @@ PrefixMatch PrefixCache::lookup_hashes(std::span<const BlockHash> hashes,
   s.counters.hits += match.blocks.size();
   s.counters.misses += hashes.size() - match.blocks.size();
   if (s.tier != nullptr && match.blocks.size() < hashes.size())
-    s.tier->extend_match(*this, hashes, match, where);
+    s.load_from_tier(*this, hashes, match, where);
   return match;
 }
 

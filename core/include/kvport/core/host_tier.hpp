@@ -327,8 +327,10 @@ class HostTier final : public PrefixCacheTier {
   void on_free_list_empty(PrefixCache& cache, const std::source_location& where) override;
   void on_insert(PrefixCache& cache, BlockId block, const BlockHash& hash) override;
   std::size_t reclaimable_blocks() const noexcept override;
-  void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes, PrefixMatch& match,
-                    const std::source_location& where) noexcept override;
+  std::size_t find_run(std::span<const BlockHash> hashes, std::size_t start) noexcept override;
+  TierLoad load_run(std::span<const BlockId> blocks) noexcept override;
+  BlockOrigin run_origin(std::size_t i) const noexcept override;
+  void finish_run() noexcept override;
   bool holds(const BlockHash& hash) const noexcept override;
 
   struct State;

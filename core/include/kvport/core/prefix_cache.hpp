@@ -82,11 +82,29 @@ struct BlockOrigin {
 class PrefixCache;
 class HybridKvCache;
 
-/// A lower tier of the prefix cache (HostTier is the one kvport has): the
-/// prefix cache calls it at three points. Installed with
-/// PrefixCache::set_tier; the tier must outlive its installation. Each call
-/// may use the PrefixCache's public API (alloc, insert, release, detach_lru),
-/// except that it must not re-enter a lookup.
+/// A lower tier of the prefix cache (HostTier is the one kvport has).
+/// Installed with PrefixCache::set_tier; the tier must outlive its
+/// installation.
+///
+/// A lookup continues below the device with the seam turned downward (vLLM's
+/// lookup, prepare load, complete load; Dynamo's "the target pool
+/// allocates"): the prefix cache asks the tier for a run (find_run: the tier
+/// pins its slots, reading lower-tier blocks into them first), allocates the
+/// device blocks itself, asks the tier to load them (load_run), registers
+/// what landed, and tells the tier (finish_run). On that path the tier calls
+/// nothing of the prefix cache. Only on_free_list_empty, on the allocation
+/// path, may use the prefix cache's public API (detach_lru, release) to free
+/// blocks it wrote back.
+/// What PrefixCacheTier::load_run did with the blocks it was given, in
+/// order: the first `landed` hold the run's contents and are the caller's
+/// again; the next `kept` the tier holds (in quarantine: a copy that missed
+/// its deadline may still write them; the tier releases them later); the
+/// rest the caller releases (nothing was written that anyone will read).
+struct TierLoad {
+  std::size_t landed = 0;
+  std::size_t kept = 0;
+};
+
 class PrefixCacheTier {
  public:
   virtual ~PrefixCacheTier() = default;
@@ -99,13 +117,24 @@ class PrefixCacheTier {
   virtual std::size_t reclaimable_blocks() const noexcept = 0;
   /// `block` was just registered under `hash` by PrefixCache::insert.
   virtual void on_insert(PrefixCache& cache, BlockId block, const BlockHash& hash) = 0;
-  /// lookup_hashes matched `match` on the device for `hashes`; the tier may
-  /// append blocks for the hashes that follow (with the caller owning one
-  /// reference on each, as for the device's) and must keep `match`
-  /// consistent (blocks, hashes, num_tokens, lower_tier_blocks). Must not
-  /// throw: on failure the match stays as it was.
-  virtual void extend_match(PrefixCache& cache, std::span<const BlockHash> hashes,
-                            PrefixMatch& match, const std::source_location& where) noexcept = 0;
+  /// A lookup of `hashes` matched the first `start` on the device: how many
+  /// of the hashes that follow the tier can bring in, in order, each pinned
+  /// (kept from reuse) until load_run. 0 ends the lookup's run here (nothing
+  /// pinned). Must not throw: a failure is a shorter run.
+  virtual std::size_t find_run(std::span<const BlockHash> hashes, std::size_t start) noexcept = 0;
+  /// Copies the first blocks.size() blocks of the run find_run pinned
+  /// (blocks.size() <= its count) into `blocks`, device blocks the prefix
+  /// cache allocated (one reference each), and waits; the rest of the run is
+  /// unpinned. What became of each block: TierLoad. With landed > 0 the
+  /// caller registers those blocks (run_origin(i) is block i's origin) and
+  /// then calls finish_run; with landed == 0 the run is over.
+  virtual TierLoad load_run(std::span<const BlockId> blocks) noexcept = 0;
+  /// What block i of the loaded run holds (its parent, tokens, extra key),
+  /// valid until finish_run.
+  virtual BlockOrigin run_origin(std::size_t i) const noexcept = 0;
+  /// The loaded blocks are registered: the tier lets their slots go (an
+  /// exclusive tier) or keeps them (inclusive), and counts the onload.
+  virtual void finish_run() noexcept = 0;
   /// Whether a lookup reaching `hash` would find it in the tier now (its
   /// copy complete, visible): a probe that takes nothing and copies nothing,
   /// for lookups that decide a hit before bringing its blocks in (the hybrid
