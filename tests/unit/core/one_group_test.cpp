@@ -11,6 +11,7 @@
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/host_tier.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
@@ -166,6 +167,33 @@ TEST_F(OneGroupTest, CopyLastBlockWithALowerTierOverOneGroup) {
   EXPECT_TRUE(test::holds_pattern_block(cache, h.blocks(0)[1], 101, stream));  // the copy
   EXPECT_NE(pc.find(a[1]), h.blocks(0)[1]);  // the cached block stays untouched
   EXPECT_TIER_INVARIANTS(tier);
+}
+
+// The tier over groups of a one-group cache is a HostTier under the prefix
+// cache: BlockTables hit what it wrote back, as under a HostTier of their own.
+TEST_F(OneGroupTest, TheHostTierOverGroupsOfOneGroupIsTheHostTierOfThePrefixCache) {
+  HybridKvCache& view = HybridKvCache::over(pc);
+  HybridHostTierOptions o;
+  o.slots_per_group = {8};
+  HybridHostTier tier(view, o);
+  ASSERT_NE(tier.group_tier(0), nullptr);
+  EXPECT_EQ(pc.tier(), tier.group_tier(0));
+  for (TokenId first : {100, 200, 300, 400}) {
+    BlockTable t(pc);
+    t.append_tokens(tokens(8, first), stream);
+    for (std::size_t i = 0; i < t.num_blocks(); ++i)
+      test::write_pattern_block(cache, t.blocks()[i], first + i, stream);
+    tier.poll();
+  }
+  tier.synchronize();
+  const std::vector<BlockHash> a = hash_full_blocks(tokens(8, 100), 4);
+  ASSERT_FALSE(pc.find(a[0]).has_value());  // evicted, written back
+  BlockTable t(pc);
+  EXPECT_EQ(t.reuse_cached_prefix(tokens(9, 100), stream), 8u);
+  EXPECT_EQ(tier.group_tier(0)->counters().onloads, 2u);
+  backend->synchronize(stream);
+  EXPECT_TRUE(test::holds_pattern_block(cache, t.blocks()[0], 100, stream));
+  EXPECT_TRUE(test::holds_pattern_block(cache, t.blocks()[1], 101, stream));
 }
 
 }  // namespace

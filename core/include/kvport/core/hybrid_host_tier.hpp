@@ -57,6 +57,10 @@ std::vector<std::size_t> split_host_slots(const KvCachePlan& plan, std::size_t h
 /// but not a state group's checkpoint is no hit for that group, so the hit
 /// ends at the last point where every group has what it needs.
 ///
+/// A model of one group is the one-group case: over HybridKvCache::over(a
+/// prefix cache) this is a HostTier under that prefix cache, and its hits are
+/// the single lookup of the one-group table (BlockTable's).
+///
 /// Not thread-safe. The cache must outlive the tier; the destructor waits for
 /// every copy and uninstalls every group's tier.
 class HybridHostTier {
