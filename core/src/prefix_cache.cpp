@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <exception>
 #include <limits>
 #include <new>
@@ -79,6 +80,12 @@ struct LruQueue {
   std::size_t head = 0;    // the slots before it are consumed
   std::size_t live = 0;    // live slots
   std::size_t pushes = 0;  // since the last compaction
+  // The head last found live (oldest()) and the state's unlink count then:
+  // while neither moved it is still live, and its tick is known, so a shared
+  // pool's scan for the oldest block of every group reads no entry again.
+  std::size_t checked_head = SIZE_MAX;
+  std::uint64_t checked_unlinks = 0;
+  std::uint64_t checked_tick = 0;
 };
 
 }  // namespace
@@ -140,6 +147,7 @@ struct PrefixCache::State {
   void link(BlockId block) noexcept { link(block, lru); }
 
   void unlink(Entry& e) {
+    ++unlinks;
     e.linked = false;
     --(e.demoted ? demoted : lru).live;
     e.demoted = false;
@@ -160,6 +168,7 @@ struct PrefixCache::State {
       q.slots.resize(out);
       q.head = 0;
       q.pushes = 0;
+      q.checked_head = SIZE_MAX;
     }
     q.slots.push_back(slot);
     ++q.pushes;
@@ -172,8 +181,12 @@ struct PrefixCache::State {
   // dropped.
   const QueueSlot& oldest() noexcept {
     LruQueue& q = victims();
+    if (q.head == q.checked_head && q.checked_unlinks == unlinks) return q.slots[q.head];
     while (!live(q.slots[q.head]))
       ++q.head;
+    q.checked_head = q.head;
+    q.checked_unlinks = unlinks;
+    q.checked_tick = pool != nullptr ? ticks[q.slots[q.head].block] : 0;
     return q.slots[q.head];
   }
 
@@ -184,6 +197,13 @@ struct PrefixCache::State {
     const BlockId block = oldest().block;
     ++q.head;
     unlink(entries[block]);
+    // The next eviction (a shared pool's scan, which asks every group for
+    // its oldest block) reads the new head's entry and tick: fetch them now.
+    if (q.head < q.slots.size()) {
+      const BlockId next = q.slots[q.head].block;
+      __builtin_prefetch(&entries[next]);
+      if (pool != nullptr) __builtin_prefetch(&ticks[next]);
+    }
     return block;
   }
 
@@ -409,6 +429,7 @@ struct PrefixCache::State {
   HashIndex index;                   // the cached blocks, keyed by their hash
   LruQueue lru;                      // released blocks, least recently first
   LruQueue demoted;                  // release_demoted's blocks, evicted before lru's
+  std::uint64_t unlinks = 0;         // blocks that left a queue (LruQueue::checked_head)
   PrefixCacheCounters counters;
   PrefixCacheTier* tier = nullptr;
   // Events: the sink (nullptr: none) and what it is told the source is; the
@@ -431,7 +452,8 @@ bool PrefixCache::oldest_evictable_tick(std::uint64_t& tick, bool& demoted) {
   State& s = *state_;
   if (s.evictable() == 0) return false;
   demoted = s.demoted.live != 0;
-  tick = s.ticks[s.oldest().block];
+  (void)s.oldest();
+  tick = s.victims().checked_tick;
   return true;
 }
 
