@@ -803,7 +803,7 @@ KVPORT_API kvport_status kvport_hybrid_cache_create_shared(
  *  kvport_hybrid_cache_enable_events fail on it with
  *  KVPORT_ERR_INVALID_ARGUMENT (its events are the prefix cache's). */
 KVPORT_API kvport_status kvport_prefix_cache_as_groups(kvport_prefix_cache* prefix,
-                                                    kvport_hybrid_cache** out);
+                                                       kvport_hybrid_cache** out);
 
 /** The same over a plain cache (no prefix cache): tables over it allocate
  *  and free the cache's blocks, cache nothing and hit nothing (as a
