@@ -969,6 +969,12 @@ TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
   State& s = *state_;
   const std::size_t found = s.run_hits.size();
   if (blocks.size() < found) s.counters.onload_shortfalls += found - blocks.size();
+  // The run's slots past those being read are not read: unpinned.
+  auto unpin_unread = [&] {
+    for (std::size_t i = s.run_onload.size(); i < found; ++i)
+      --s.slots[s.run_hits[i]].pins;
+    s.run_hits.resize(s.run_onload.size());
+  };
   // Nothing landed: the caller releases the blocks (uncached: freed, their
   // contents never seen).
   auto roll_back = [&] {
@@ -999,9 +1005,8 @@ TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
     // The quarantine holds the blocks (their references are the tier's now)
     // and the slots they read.
     const TierLoad kept{0, s.run_onload.size()};
-    for (std::size_t i = s.run_onload.size(); i < found; ++i)
-      --s.slots[s.run_hits[i]].pins;  // not read: the quarantined reads keep theirs
-    s.run_hits.clear();
+    unpin_unread();
+    s.run_hits.clear();  // the quarantined reads keep their pins
     s.run_onload.clear();
     s.end_run(0);
     return kept;
@@ -1009,9 +1014,7 @@ TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
   if (waited == WaitResult::failed) return roll_back();
   // Landed: the references go back to the caller. The slots not loaded are
   // let go; the loaded ones stay pinned until finish_run (run_origin reads them).
-  for (std::size_t i = s.run_onload.size(); i < found; ++i)
-    --s.slots[s.run_hits[i]].pins;
-  s.run_hits.resize(s.run_onload.size());
+  unpin_unread();
   return TierLoad{s.run_onload.size(), 0};
 }
 

@@ -109,7 +109,7 @@ HybridKvCache::HybridKvCache(HybridKvCacheConfig config, const HybridPoolSizes& 
 }
 
 HybridKvCache::HybridKvCache(PagedKvCache& cache, PrefixCache* prefix)
-    : backend_(&cache.backend()), caching_(prefix != nullptr) {
+    : backend_(&cache.backend()) {
   const KvCacheConfig& kc = cache.config();
   config_.layers = layer_specs_of(kc);
   config_.block_size = kc.block_size;

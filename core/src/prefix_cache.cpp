@@ -322,6 +322,7 @@ struct PrefixCache::State {
     const std::size_t run = tier->find_run(hashes, start);
     if (run == 0) return;
     std::vector<BlockId> blocks;
+    std::size_t offered = 0;  // blocks handed to the tier: all, unless allocating failed
     try {
       blocks.reserve(run);
       match.blocks.reserve(start + run);  // the appends below must not throw
@@ -331,18 +332,12 @@ struct PrefixCache::State {
         if (!block) break;
         blocks.push_back(*block);
       }
+      offered = blocks.size();
     } catch (const std::exception& e) {
       detail::log_error_nothrow("PrefixCache: allocating {} block(s) for the tier's run failed: {}",
                                 run, e.what());
-      for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
-        try {
-          self.release(*it, where);  // uncached: freed
-        } catch (...) {              // only logging can throw; the release itself happened
-        }
-      }
-      blocks.clear();
     }
-    const TierLoad load = tier->load_run(blocks);
+    const TierLoad load = tier->load_run(std::span<const BlockId>(blocks).first(offered));
     const std::size_t landed = load.landed;
     for (std::size_t i = blocks.size(); i-- > landed + load.kept;) {
       try {

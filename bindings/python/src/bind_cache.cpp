@@ -245,12 +245,8 @@ void bind_cache(py::module_& m) {
               throw InvalidArgument(
                   "PagedKvCache.as_groups: this cache is a hybrid cache's group pool; its groups "
                   "are the hybrid cache's");
-            auto state = std::make_shared<HybridState>();
-            state->lender = cs;
-            state->backend = cs->backend;
-            state->device = cs->device;
-            state->cache = &kvport::HybridKvCache::over(*cs->cache);
-            return PyHybridCache(std::move(state));
+            return PyHybridCache::lent(cs, cs->backend, cs->device,
+                                       kvport::HybridKvCache::over(*cs->cache));
           },
           "This cache as the one-group HybridKvCache over it, without a prefix cache: "
           "HybridBlockTables over it allocate and free its blocks and cache nothing.");

@@ -93,7 +93,8 @@ void bind_hybrid_table(py::module_& m) {
           [](const PyHybridTable& t, bool copy) { t.table().set_copy_last_block(copy); },
           "With compute_last_token: a block-aligned prompt whose blocks are all cached hits n - 1 "
           "tokens, every group's last block a private copy (BlockTable's rule); not with a state "
-          "group or a lower tier, nor without a block for a copy (off by default; "
+          "group, a lower tier under several groups, nor without a block for a copy (off by "
+          "default; "
           "HybridBlockTable::set_copy_last_block).")
       .def(
           "keep_hit_point", [](const PyHybridTable& t) { t.table().keep_hit_point(); },

@@ -120,12 +120,8 @@ void bind_prefix(py::module_& m) {
           "as_groups",
           [](const PyPrefixCache& p) {
             const std::shared_ptr<PrefixState>& ps = p.state();
-            auto state = std::make_shared<HybridState>();
-            state->lender = ps;
-            state->backend = ps->cache->backend;
-            state->device = ps->cache->device;
-            state->cache = &kvport::HybridKvCache::over(*ps->prefix);
-            return PyHybridCache(std::move(state));
+            return PyHybridCache::lent(ps, ps->cache->backend, ps->cache->device,
+                                       kvport::HybridKvCache::over(*ps->prefix));
           },
           "This prefix cache as the one-group HybridKvCache over it (a model of one "
           "full-attention group is the one-group case of groups; BlockTable is a "

@@ -120,9 +120,18 @@ class PyHybridCache {
     state->cache = state->owned_cache.get();
     state_ = std::move(state);
   }
-  /// Over a state made elsewhere (the one-group view of a prefix cache or
-  /// cache: PrefixCache.as_groups(), PagedKvCache.as_groups()).
-  explicit PyHybridCache(std::shared_ptr<HybridState> state) : state_(std::move(state)) {}
+  /// The one-group view `view` (HybridKvCache::over) of a cache that
+  /// `lender` keeps alive with `backend` (PrefixCache.as_groups(),
+  /// PagedKvCache.as_groups()).
+  static PyHybridCache lent(std::shared_ptr<const void> lender, Backend* backend, int device,
+                            HybridKvCache& view) {
+    auto state = std::make_shared<HybridState>();
+    state->lender = std::move(lender);
+    state->backend = backend;
+    state->device = device;
+    state->cache = &view;
+    return PyHybridCache(std::move(state));
+  }
 
   const std::shared_ptr<HybridState>& state() const {
     if (!state_) throw InvalidArgument("HybridKvCache is closed");
@@ -271,6 +280,8 @@ class PyHybridCache {
   }
 
  private:
+  explicit PyHybridCache(std::shared_ptr<HybridState> state) : state_(std::move(state)) {}
+
   std::shared_ptr<HybridState> state_;
 };
 

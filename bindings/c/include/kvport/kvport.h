@@ -963,9 +963,9 @@ KVPORT_API kvport_status kvport_hybrid_block_table_keeps_shared_windows(
 /** Nonzero: with KVPORT_PREFIX_HIT_COMPUTE_LAST_TOKEN, a block-aligned prompt
  *  whose blocks every group needs are cached hits n - 1 tokens, each group's
  *  last block a private copy (kvport_block_table's rule;
- *  kvport::HybridBlockTable::set_copy_last_block). Not with a state group or
- *  a lower tier, nor without a block for some group's copy: the hit is then
- *  the default rule's. Off by default. */
+ *  kvport::HybridBlockTable::set_copy_last_block). Not with a state group, a
+ *  lower tier under a cache of several groups, nor without a block for some
+ *  group's copy: the hit is then the default rule's. Off by default. */
 KVPORT_API kvport_status
 kvport_hybrid_block_table_set_copy_last_block(kvport_hybrid_block_table* table, int32_t copy);
 KVPORT_API kvport_status

@@ -589,8 +589,9 @@ impl<'c> HybridBlockTable<'c> {
 
     /// BlockTable's compute-last-token rule as an option (off by default): a
     /// block-aligned prompt whose blocks are all cached hits n - 1 tokens,
-    /// each group's last block a private copy; not with a state group or a
-    /// lower tier, nor without a block for a copy (the default rule then).
+    /// each group's last block a private copy; not with a state group, a
+    /// lower tier under a cache of several groups, nor without a block for a
+    /// copy (the default rule then).
     pub fn set_copy_last_block(&mut self, copy: bool) {
         expect_ok(
             unsafe { ffi::kvport_hybrid_block_table_set_copy_last_block(self.raw, i32::from(copy)) },

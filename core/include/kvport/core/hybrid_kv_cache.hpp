@@ -135,7 +135,7 @@ class HybridKvCache {
   /// nothing and hit nothing; prefix_cache(0) throws InvalidArgument.
   static HybridKvCache& over(PagedKvCache& cache);
   /// Whether the groups have prefix caches (false only for over(PagedKvCache&)).
-  bool caches_prefixes() const noexcept { return caching_; }
+  bool caches_prefixes() const noexcept { return prefix_at_.front() != nullptr; }
 
   const HybridKvCacheConfig& config() const noexcept { return config_; }
   std::size_t block_size() const noexcept { return config_.block_size; }
@@ -207,7 +207,6 @@ class HybridKvCache {
   // view's borrowed ones (prefix_at_[0] nullptr over a plain cache).
   std::vector<PagedKvCache*> pool_at_;
   std::vector<PrefixCache*> prefix_at_;
-  bool caching_ = true;
   HybridHitCounters counters_;
 };
 
