@@ -15,7 +15,7 @@ compared are over the requests both runs admitted (`common` in the JSON):
 all-full attention rejects prompts it cannot fit, and its own rate is then
 over fewer, shorter prompts; the table shows the whole-trace rates beside. (The >= 1.8x
 running at 32k-token requests is a long-context replay's:
-tests/unit/sim/hybrid_replay_test.cpp; --context only sets what the planner
+tests/unit/sim/model_replay_test.cpp; --context only sets what the planner
 plans for, the requests stay the trace's.) The script prints a Markdown table and a
 last line "targets: N of M settings met"; exit status 0 when every run's
 invariants held (not when targets are met: that is for the reader).

@@ -98,6 +98,7 @@ HybridHostTier::HybridHostTier(HybridKvCache& cache, const HybridHostTierOptions
     o.inclusion = options.inclusion;
     o.offload_batch = options.offload_batch;
     o.free_watermark = options.free_watermark;
+    o.host_free_watermark = options.host_free_watermark;
     try {
       tiers_[g] = std::make_unique<HostTier>(cache.prefix_cache(g), o, compute_stream);
     } catch (const InvalidArgument& e) {

@@ -175,9 +175,13 @@ TEST_F(OneGroupTest, TheHostTierOverGroupsOfOneGroupIsTheHostTierOfThePrefixCach
   HybridKvCache& view = HybridKvCache::over(pc);
   HybridHostTierOptions o;
   o.slots_per_group = {8};
+  o.free_watermark = 1;
+  o.host_free_watermark = 2;  // the options reach the group's HostTier
   HybridHostTier tier(view, o);
   ASSERT_NE(tier.group_tier(0), nullptr);
   EXPECT_EQ(pc.tier(), tier.group_tier(0));
+  EXPECT_EQ(tier.group_tier(0)->options().free_watermark, 1u);
+  EXPECT_EQ(tier.group_tier(0)->options().host_free_watermark, 2u);
   for (TokenId first : {100, 200, 300, 400}) {
     BlockTable t(pc);
     t.append_tokens(tokens(8, first), stream);

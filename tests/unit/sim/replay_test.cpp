@@ -155,6 +155,60 @@ TEST(sim_replay, RunReplayOnGeneratedRequests) {
   EXPECT_THROW((void)run_replay(requests, options, *backend), InvalidArgument);
 }
 
+// run_replay is the one replay workload over its cache seen as one group: its
+// result has the group fields replay_model's has (model_replay.hpp), and
+// they agree with the one-group counters.
+TEST(sim_replay, OneGroupRunFillsTheGroupFields) {
+  std::vector<TraceRequest> requests;
+  for (std::size_t i = 0; i < 40; ++i) {
+    TraceRequest r;
+    r.timestamp_ms = static_cast<double>(i * 3);
+    r.input_length = 200 + 50 * i;
+    r.output_length = 30;
+    r.hash_ids = {i % 4, 100 + i};
+    requests.push_back(r);
+  }
+  ReplayOptions options;
+  options.capacity_blocks = 96;  // tight: some requests wait, some are rejected
+  options.trace_block_tokens = 128;
+  options.concurrency = 8;
+  const auto backend = make_host_backend();
+  const ReplayResult r = run_replay(requests, options, *backend);
+  ASSERT_TRUE(r.ok()) << r.invariants.to_string();
+  ASSERT_EQ(r.groups.size(), 1u);
+  const GroupUsage& g = r.groups[0];
+  EXPECT_EQ(g.spec.kind, LayerKind::full_attention);
+  EXPECT_EQ(g.num_blocks, options.capacity_blocks);
+  EXPECT_GT(g.bytes_per_block, 0u);
+  EXPECT_EQ(g.bytes_per_block, r.model_block_bytes);
+  // Sampled at the end of each step: at most the peak taken at every change.
+  EXPECT_GT(g.peak_blocks_in_use, 0u);
+  EXPECT_LE(g.peak_blocks_in_use, r.peak_blocks_in_use);
+  EXPECT_LE(r.peak_blocks_in_use, options.capacity_blocks);
+  EXPECT_GE(g.block_steps, g.peak_blocks_in_use);
+  EXPECT_GE(r.peak_running, 1u);
+  EXPECT_LE(r.peak_running, options.concurrency);
+  EXPECT_GT(r.mean_running, 0.0);
+  EXPECT_LE(r.mean_running, static_cast<double>(r.peak_running));
+  EXPECT_EQ(g.hit_blocks, r.hit_blocks);
+  // One entry per request: the hit of its first admission, -1 when rejected.
+  ASSERT_EQ(r.request_hit_tokens.size(), requests.size());
+  std::uint64_t hits = 0;
+  std::size_t never = 0;
+  for (const std::int64_t h : r.request_hit_tokens) {
+    if (h < 0) {
+      ++never;
+      continue;
+    }
+    hits += static_cast<std::uint64_t>(h);
+  }
+  EXPECT_EQ(hits, r.hit_tokens);
+  EXPECT_EQ(never, r.rejected);
+  EXPECT_GT(r.rejected, 0u);  // the longest prompts do not fit 96 blocks
+  EXPECT_GT(r.hit_tokens, 0u);
+  EXPECT_EQ(r.planned_context_tokens, 0u);  // no plan: the minimal cache
+}
+
 // Hands over the requests of `chosen` at their timestamps, at most `batch` a
 // call (so that later ones wait for a later step), and records the callbacks.
 class ListFeed final : public ArrivalFeed {

@@ -19,7 +19,7 @@ std::string percent(double ratio) {
   return fmt::format("{:.1f}%", 100.0 * ratio);
 }
 
-nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
+nlohmann::ordered_json result_json(const sim::ReplayResult& r) {
   nlohmann::ordered_json j;
   j["requests"] = r.requests;
   j["completed"] = r.completed;
@@ -30,7 +30,7 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   j["mean_running"] = r.mean_running;
   j["prompt_tokens"] = r.prompt_tokens;
   j["hit_tokens"] = r.hit_tokens;
-  j["hit_rate"] = r.hit_rate();
+  j["hit_rate"] = r.token_hit_rate();
   j["prefill_tokens"] = r.prefill_tokens;
   j["recomputed_tokens"] = r.recomputed_tokens;
   j["generated_tokens"] = r.generated_tokens;
@@ -45,7 +45,7 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   j["pool_bytes"] = r.pool_bytes;
   j["peak_bytes_in_use"] = r.peak_bytes_in_use();
   nlohmann::ordered_json groups = nlohmann::ordered_json::array();
-  for (const sim::HybridGroupUsage& g : r.groups) {
+  for (const sim::GroupUsage& g : r.groups) {
     nlohmann::ordered_json u;
     u["kind"] = std::string(to_string(g.spec.kind));
     u["spec"] = g.spec.describe();
@@ -71,7 +71,7 @@ nlohmann::ordered_json result_json(const sim::HybridReplayResult& r) {
   return j;
 }
 
-void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
+void group_table(std::ostream& out, const sim::ReplayResult& r) {
   const bool tier = r.host_tier_blocks != 0;
   std::vector<std::string> header = {"group",       "kind",        "layers",     "blocks",
                                      "bytes/block", "peak blocks", "peak bytes", "hit blocks"};
@@ -81,7 +81,7 @@ void group_table(std::ostream& out, const sim::HybridReplayResult& r) {
   }
   TextTable table(header, {TextTable::Align::left, TextTable::Align::left});
   for (std::size_t g = 0; g < r.groups.size(); ++g) {
-    const sim::HybridGroupUsage& u = r.groups[g];
+    const sim::GroupUsage& u = r.groups[g];
     std::vector<std::string> row = {std::to_string(g),
                                     u.spec.describe(),
                                     std::to_string(u.num_layers),
@@ -130,17 +130,17 @@ void run_group_replay(GroupReplayRun& run) {
   run.requests = sim::read_mooncake_trace(run.trace);
   const std::vector<sim::TraceRequest>& requests = run.requests;
   const std::unique_ptr<Backend> backend = make_host_backend();
-  run.groups = sim::replay_hybrid(requests, run.options, *backend);
-  sim::HybridReplayOptions all_full = run.options;
+  run.groups = sim::replay_model(requests, run.options, *backend);
+  sim::ModelReplayOptions all_full = run.options;
   all_full.layers = sim::as_all_full_attention(run.options.layers);
   all_full.event_sink = nullptr;  // the comparison is not the model's cache
-  run.all_full = sim::replay_hybrid(requests, all_full, *backend);
+  run.all_full = sim::replay_model(requests, all_full, *backend);
 }
 
 void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
-  const sim::HybridReplayOptions& o = run.options;
-  const sim::HybridReplayResult& g = run.groups;
-  const sim::HybridReplayResult& f = run.all_full;
+  const sim::ModelReplayOptions& o = run.options;
+  const sim::ReplayResult& g = run.groups;
+  const sim::ReplayResult& f = run.all_full;
   out << fmt::format(
       "kvport replay: {} requests from {}\n"
       "model {} ({}), {} layers; {} of KV memory, {} tokens per block, prefill chunks of {}, "
@@ -173,14 +173,14 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
   row("rejected", std::to_string(g.rejected), std::to_string(f.rejected));
   row("peak running", std::to_string(g.peak_running), std::to_string(f.peak_running));
   row("mean running", fmt::format("{:.1f}", g.mean_running), fmt::format("{:.1f}", f.mean_running));
-  row("token hit rate", percent(g.hit_rate()), percent(f.hit_rate()));
+  row("token hit rate", percent(g.token_hit_rate()), percent(f.token_hit_rate()));
   const sim::CommonHitRates common = sim::common_hit_rates(run.requests, g, f);
   if (common.requests != g.completed || common.requests != f.completed) {
     row(fmt::format("  on the {} requests both admitted", common.requests).c_str(),
         percent(common.a), percent(common.b));
   }
   if (o.host_tier_blocks != 0) {
-    auto of_prompts = [](const sim::HybridReplayResult& r) {
+    auto of_prompts = [](const sim::ReplayResult& r) {
       return percent(r.prompt_tokens == 0 ? 0.0
                                           : static_cast<double>(r.host_hit_tokens) /
                                                 static_cast<double>(r.prompt_tokens));
@@ -215,7 +215,7 @@ void print_group_replay_text(std::ostream& out, const GroupReplayRun& run) {
 }
 
 void print_group_replay_json(std::ostream& out, const GroupReplayRun& run) {
-  const sim::HybridReplayOptions& o = run.options;
+  const sim::ModelReplayOptions& o = run.options;
   nlohmann::ordered_json j;
   j["mode"] = "groups";
   j["trace"] = run.trace;

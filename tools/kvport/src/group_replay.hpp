@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // `kvport replay --memory SIZE`: the trace over a model's KV cache groups
-// (sim::replay_hybrid), beside the same model as all full attention with the
+// (sim::replay_model), beside the same model as all full attention with the
 // same memory, as a report or one JSON object.
 #pragma once
 
@@ -12,7 +12,7 @@
 
 #include "kvport/core/host_tier.hpp"
 #include "kvport/events/publisher.hpp"
-#include "kvport/sim/hybrid_replay.hpp"
+#include "kvport/sim/model_replay.hpp"
 
 namespace kvport::cli {
 
@@ -21,10 +21,10 @@ struct GroupReplayRun {
   std::string trace;         ///< the trace's path
   std::string model;         ///< the model's (escaped) name
   std::string model_source;  ///< "preset" or "hf-config"
-  sim::HybridReplayOptions options;
+  sim::ModelReplayOptions options;
   std::vector<sim::TraceRequest> requests;  ///< the trace, as both replays read it
-  sim::HybridReplayResult groups;           ///< over the model's groups
-  sim::HybridReplayResult all_full;         ///< every window/chunked layer as full attention
+  sim::ReplayResult groups;                 ///< over the model's groups
+  sim::ReplayResult all_full;               ///< every window/chunked layer as full attention
   /// With --events: where the groups' replay published its events and the
   /// publisher's counters after its flush (the all-full replay publishes none).
   struct Events {
@@ -41,7 +41,7 @@ nlohmann::ordered_json tier_counters_json(const HostTierCounters& counters);
 /// Runs both replays of `run.options` over the trace at `run.trace` (the
 /// options' layers are the model's) on a host backend and fills the results;
 /// the options' event_sink receives the groups' replay's events only.
-/// Throws what the trace reader and replay_hybrid throw.
+/// Throws what the trace reader and replay_model throw.
 void run_group_replay(GroupReplayRun& run);
 
 /// The report: the run's settings, a row per group (kind, layers, blocks,

@@ -405,7 +405,7 @@ class ReplayCommand final : public Command {
     }
     GroupReplayRun run;
     run.trace = trace_.value;
-    sim::HybridReplayOptions& o = run.options;
+    sim::ModelReplayOptions& o = run.options;
     try {
       o.budget_bytes = parse_byte_size(memory_.value);
     } catch (const InvalidArgument& e) {

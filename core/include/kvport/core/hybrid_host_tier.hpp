@@ -28,6 +28,9 @@ struct HybridHostTierOptions {
   TierInclusion inclusion = TierInclusion::exclusive;
   std::size_t offload_batch = 32;
   std::size_t free_watermark = 0;
+  /// HostTierOptions::host_free_watermark of every group's tier: with a lower
+  /// tier, poll() keeps this many host slots free by writing down ahead.
+  std::size_t host_free_watermark = 0;
 };
 
 /// Host slots per group for `host_bytes` of host memory, so that the host

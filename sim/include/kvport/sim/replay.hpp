@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Replay of a Mooncake request trace (mooncake_trace.hpp) over a
-// PrefixCache: the simulation behind `kvport replay`.
+// Replay of a Mooncake request trace (mooncake_trace.hpp) over a KV cache
+// of groups: the simulation behind `kvport replay`. One workload
+// (sim/src/replay_workload.cpp) runs every replay: run_replay sets it up over
+// a minimal PrefixCache seen as its one group (HybridKvCache::over), and
+// replay_model (model_replay.hpp) over a real model's planned groups. Both
+// give a ReplayResult.
 //
 // Requests run under the one scheduler loop of scheduler.hpp, with these
 // choices (RetirePoint::before_admission, retry_head_after_release):
@@ -11,7 +15,8 @@
 //   - tokens: a request's prompt is its trace tokens, then unique tokens
 //     (trace_tokens.hpp); every generated token is unique to the request.
 //   - admission: FIFO, at most `concurrency` running. The head reuses its
-//     cached prefix (BlockTable::reuse_cached_prefix) and prefills the rest;
+//     cached prefix (HybridBlockTable::reuse_cached_prefix; over one group
+//     it copies the last block as BlockTable does) and prefills the rest;
 //     when the blocks for the rest are not available (free or evictable), it
 //     gives the prefix back and waits until a running request releases
 //     blocks. Its first admission counts its prompt and hit blocks and its
@@ -53,6 +58,7 @@
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/cache_events.hpp"
 #include "kvport/core/host_tier.hpp"
+#include "kvport/core/layer_spec.hpp"
 #include "kvport/core/lower_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/core/prefix_cache.hpp"
@@ -205,6 +211,26 @@ struct ReplayOptions {
   void validate() const;
 };
 
+/// One group of a replay's cache, in group order (the minimal cache of
+/// run_replay: its one full-attention group).
+struct GroupUsage {
+  LayerSpec spec;                   ///< the real model's layer (one group: full attention)
+  std::size_t num_layers = 0;       ///< the real model's layers in the group
+  std::size_t num_blocks = 0;       ///< the group's pool (from the plan)
+  std::size_t bytes_per_block = 0;  ///< the real model's bytes of one block (slot)
+  std::size_t peak_blocks_in_use = 0;
+  std::size_t peak_bytes_in_use() const noexcept { return peak_blocks_in_use * bytes_per_block; }
+  std::uint64_t block_steps = 0;  ///< blocks in use summed over steps (mean = / steps)
+  /// Blocks (state: checkpoints) the hits of admitted requests took in this
+  /// group, at first admission; of those, the ones the host tier copied in.
+  std::uint64_t hit_blocks = 0;
+  std::uint64_t host_hit_blocks = 0;
+  std::size_t host_slots = 0;      ///< the group's host slots (0: no tier)
+  HostTierCounters tier_counters;  ///< the group's HostTier at the end
+};
+
+/// What a replay measured: run_replay's (one group) and replay_model's (a
+/// model's groups) are the same workload and give the same result.
 struct ReplayResult {
   std::size_t requests = 0;   ///< in the trace
   std::size_t completed = 0;  ///< generated all their output tokens
@@ -247,11 +273,45 @@ struct ReplayResult {
 
   double wall_s = 0.0;  ///< host time of the simulation (not of reading the trace)
 
+  // Running requests and groups.
+  std::size_t peak_running = 0;  ///< most requests running at once (at the end of a step)
+  double mean_running = 0.0;     ///< running requests, mean over steps
+  /// Per group, in group order (one entry for run_replay's cache).
+  std::vector<GroupUsage> groups;
+  /// Per request, in trace order: the tokens its first admission hit, or -1
+  /// when it was never admitted (rejected; with a feed, never handed over).
+  /// Lets two runs be compared on the requests both admitted
+  /// (common_hit_rates, model_replay.hpp).
+  std::vector<std::int64_t> request_hit_tokens;
+  std::uint64_t state_checkpoints = 0;  ///< state groups' checkpoints (HybridHitCounters)
+  /// Tokens of the hits whose blocks came partly from the host tier, and the
+  /// lookups whose hit was decided again because a host block failed to come
+  /// in (HybridHitCounters::short_hits), with the tokens they lost.
+  std::uint64_t host_hit_tokens = 0;
+  std::uint64_t short_hits = 0;
+  std::uint64_t short_hit_tokens = 0;
+
+  // The plan of a model's groups (replay_model; 0 for run_replay's cache).
+  std::size_t planned_context_tokens = 0;  ///< the context the plan was made for
+  std::size_t shared_pool_blocks = 0;      ///< blocks of the shared pool (0: none)
+  std::size_t host_bytes = 0;              ///< the real model's bytes of every host slot
+  std::size_t budget_bytes = 0;            ///< ModelReplayOptions::budget_bytes
+  std::size_t pool_bytes = 0;              ///< the real model's bytes of every pool (<= budget)
+  /// The groups' peak bytes in use, summed (each group's own peak).
+  std::size_t peak_bytes_in_use() const noexcept {
+    std::size_t total = 0;
+    for (const GroupUsage& g : groups)
+      total += g.peak_bytes_in_use();
+    return total;
+  }
+
   // Host tier (all 0 without one). The hit split is taken at the admission
   // that counts the hits (a request's first): device_hit_blocks +
   // host_hit_blocks + lower_hit_blocks == hit_blocks. A host hit is a block onloaded by that
   // admission's lookup; blocks an earlier, failed attempt of the same request
-  // onloaded are device hits by then.
+  // onloaded are device hits by then. With several groups the split is not
+  // taken (host_hit_blocks and lower_hit_blocks stay 0): see groups[g] and
+  // host_hit_tokens.
   std::uint64_t device_hit_blocks = 0;
   std::uint64_t host_hit_blocks = 0;
   /// Blocks that admission's lookup read from the lower tier (through host
@@ -260,7 +320,9 @@ struct ReplayResult {
   std::size_t host_tier_blocks = 0;
   std::size_t model_block_bytes = 0;  ///< bytes of one block of the model (the modeled transfers)
   double host_link_gbps = 0.0;
-  HostTierCounters tier;  ///< the tier's counters at the end (bytes of the simulated cache)
+  /// The tier's counters at the end, summed over groups (bytes of the
+  /// simulated cache).
+  HostTierCounters tier;
   std::size_t host_blocks_at_end = 0;  ///< ready host blocks after the last request
 
   /// PrefixCache::check_invariants() (HostTier::check_invariants() with a

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The requests of a trace in arrival order, handed to the scheduler as its
 // clock passes them: the arrive/idle half of a trace-driven Workload
-// (replay.hpp, hybrid_replay.hpp), written once.
+// (sim/src/replay_workload.hpp), written once.
 #pragma once
 
 #include <algorithm>

@@ -1,12 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// Replay of a Mooncake trace over a hybrid model's KV cache groups
-// (HybridKvCache, HybridBlockTable): `kvport replay` for models with sliding
-// window, chunked, MLA or state layers, and beside it the same model treated
-// as all full attention, with the same memory.
+// Replay of a Mooncake trace over a real model's KV cache groups
+// (HybridKvCache, HybridBlockTable): `kvport replay --memory` for any model
+// (full attention, sliding window, chunked, MLA or state layers), and beside
+// it the same model treated as all full attention, with the same memory.
 //
-// The scheduler loop is the one of scheduler.hpp, with the choices of
-// replay.hpp (FIFO admission with prefix reuse, one token per running request
-// per step, preemption of the newest, RetirePoint::before_admission), plus:
+// The workload is run_replay's (replay.hpp: one workload over groups, the
+// same rules and result), set up over the model's groups, plus:
 //   - memory: `budget_bytes` of the REAL model is split between its groups by
 //     plan_kv_cache (max_context_tokens, prefill_chunk_tokens as the step);
 //     the simulated pools have those block counts but one tiny layer each, so
@@ -32,10 +31,11 @@
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/platform/backend.hpp"
 #include "kvport/sim/mooncake_trace.hpp"
+#include "kvport/sim/replay.hpp"
 
 namespace kvport::sim {
 
-struct HybridReplayOptions {
+struct ModelReplayOptions {
   std::vector<LayerSpec> layers;  ///< the model, one spec per layer
   std::size_t block_size = 16;    ///< tokens per block
   std::size_t budget_bytes = 0;   ///< the real model's KV memory (> 0)
@@ -59,68 +59,10 @@ struct HybridReplayOptions {
   TierInclusion tier_inclusion = TierInclusion::exclusive;
   /// Receives the run's cache events (null: none): every group's, with its
   /// group_idx, kind and window, on the device (GPU) and the host tier
-  /// (CPU). Must outlive run_hybrid_replay.
+  /// (CPU). Must outlive replay_model.
   CacheEventSink* event_sink = nullptr;
   /// Throws InvalidArgument naming the option for a zero size or no layers.
   void validate() const;
-};
-
-/// One group in the replay.
-struct HybridGroupUsage {
-  LayerSpec spec;
-  std::size_t num_layers = 0;
-  std::size_t num_blocks = 0;       ///< the group's pool (from the plan)
-  std::size_t bytes_per_block = 0;  ///< the real model's bytes of one block (slot)
-  std::size_t peak_blocks_in_use = 0;
-  std::size_t peak_bytes_in_use() const noexcept { return peak_blocks_in_use * bytes_per_block; }
-  std::uint64_t block_steps = 0;  ///< blocks in use summed over steps (mean = / steps)
-  /// Blocks (state: checkpoints) the hits of admitted requests took in this
-  /// group, at first admission; of those, the ones the host tier copied in.
-  std::uint64_t hit_blocks = 0;
-  std::uint64_t host_hit_blocks = 0;
-  std::size_t host_slots = 0;      ///< the group's host slots (0: no tier)
-  HostTierCounters tier_counters;  ///< the group's HostTier at the end
-};
-
-struct HybridReplayResult {
-  std::size_t requests = 0;
-  std::size_t completed = 0;
-  std::size_t rejected = 0;
-  std::size_t preemptions = 0;
-  std::uint64_t steps = 0;
-  std::size_t planned_context_tokens = 0;  ///< the context the plan was made for
-  std::size_t shared_pool_blocks = 0;      ///< blocks of the shared pool (0: none)
-  std::size_t peak_running = 0;            ///< most requests running at once
-  double mean_running = 0.0;               ///< running requests, mean over steps
-  std::uint64_t prompt_tokens = 0;         ///< of admitted requests, at first admission
-  std::uint64_t hit_tokens = 0;
-  std::uint64_t prefill_tokens = 0;
-  std::uint64_t recomputed_tokens = 0;
-  std::uint64_t generated_tokens = 0;
-  std::uint64_t state_checkpoints = 0;
-  /// Tokens of the hits whose blocks came partly from the host tier, and the
-  /// lookups whose hit was decided again because a host block failed to come
-  /// in (HybridHitCounters::short_hits), with the tokens they lost.
-  std::uint64_t host_hit_tokens = 0;
-  std::uint64_t short_hits = 0;
-  std::uint64_t short_hit_tokens = 0;
-  std::size_t host_tier_blocks = 0;  ///< the option
-  std::size_t host_bytes = 0;        ///< the real model's bytes of every host slot
-  std::size_t budget_bytes = 0;
-  std::size_t pool_bytes = 0;  ///< the real model's bytes of every pool (<= budget)
-  std::vector<HybridGroupUsage> groups;
-  /// Per request, in trace order: the tokens its first admission hit, or -1
-  /// when it was never admitted (rejected). Lets two runs be compared on the
-  /// requests both admitted (common_hit_rates).
-  std::vector<std::int64_t> request_hit_tokens;
-  InvariantReport invariants;  ///< at the end (every block back)
-  double wall_s = 0.0;
-  double hit_rate() const noexcept {
-    return prompt_tokens == 0
-               ? 0.0
-               : static_cast<double>(hit_tokens) / static_cast<double>(prompt_tokens);
-  }
-  std::size_t peak_bytes_in_use() const noexcept;
 };
 
 /// Two runs' token hit rates over only the requests both admitted: when one
@@ -136,10 +78,10 @@ struct CommonHitRates {
 /// CommonHitRates of two results of one trace (`requests`, the trace both
 /// replayed). InvalidArgument when a result's request_hit_tokens does not
 /// have one entry per request.
-CommonHitRates common_hit_rates(std::span<const TraceRequest> requests, const HybridReplayResult& a,
-                                const HybridReplayResult& b);
+CommonHitRates common_hit_rates(std::span<const TraceRequest> requests, const ReplayResult& a,
+                                const ReplayResult& b);
 
-/// The unit of HybridReplayOptions::host_tier_blocks: the real model's bytes
+/// The unit of ModelReplayOptions::host_tier_blocks: the real model's bytes
 /// of one block of every attention layer (the bytes_per_block of the plan's
 /// full, MLA, window and chunked groups; state groups hold no blocks), what
 /// --host-tier-blocks counts for a model without groups.
@@ -147,8 +89,8 @@ std::size_t model_block_bytes(const KvCachePlan& plan) noexcept;
 
 /// Runs the replay. Throws InvalidArgument for bad options or a budget the
 /// planner cannot split, and what the scheduler throws.
-HybridReplayResult replay_hybrid(std::span<const TraceRequest> requests,
-                                 const HybridReplayOptions& options, Backend& backend);
+ReplayResult replay_model(std::span<const TraceRequest> requests, const ModelReplayOptions& options,
+                          Backend& backend);
 
 /// `layers` with every sliding-window and chunked layer made full attention
 /// of the same heads (what a runtime without groups holds).

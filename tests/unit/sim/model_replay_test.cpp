@@ -15,7 +15,7 @@
 #include "kvport/backends/host_backend.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
 #include "kvport/platform/error.hpp"
-#include "kvport/sim/hybrid_replay.hpp"
+#include "kvport/sim/model_replay.hpp"
 
 namespace kvport::sim {
 namespace {
@@ -48,22 +48,22 @@ std::vector<TraceRequest> long_context_trace() {
   return out;
 }
 
-TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
+TEST(ModelReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
   const std::vector<TraceRequest> trace = long_context_trace();
-  HybridReplayOptions o;
+  ModelReplayOptions o;
   o.layers = gpt_oss_120b();
   o.budget_bytes = std::size_t{40} << 30;
   o.max_context_tokens = 32768;
-  const HybridReplayResult hybrid = replay_hybrid(trace, o, *backend);
+  const ReplayResult hybrid = replay_model(trace, o, *backend);
   o.layers = as_all_full_attention(o.layers);
-  const HybridReplayResult full = replay_hybrid(trace, o, *backend);
+  const ReplayResult full = replay_model(trace, o, *backend);
 
   std::printf(
       "hybrid: peak running %zu, mean %.1f, hit rate %.3f, peak bytes %zu, preemptions %zu\n"
       "all-full: peak running %zu, mean %.1f, hit rate %.3f, peak bytes %zu, preemptions %zu\n",
-      hybrid.peak_running, hybrid.mean_running, hybrid.hit_rate(), hybrid.peak_bytes_in_use(),
-      hybrid.preemptions, full.peak_running, full.mean_running, full.hit_rate(),
+      hybrid.peak_running, hybrid.mean_running, hybrid.token_hit_rate(), hybrid.peak_bytes_in_use(),
+      hybrid.preemptions, full.peak_running, full.mean_running, full.token_hit_rate(),
       full.peak_bytes_in_use(), full.preemptions);
   EXPECT_EQ(hybrid.completed, trace.size());
   EXPECT_EQ(full.completed, trace.size());
@@ -82,7 +82,7 @@ TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   EXPECT_LE(hybrid.groups[0].peak_blocks_in_use, 41 * hybrid.peak_running);
   // Per request: every one admitted, their hits add up; the same run
   // compared with itself on the requests both admitted is its own rate.
-  for (const HybridReplayResult* r : {&hybrid, &full}) {
+  for (const ReplayResult* r : {&hybrid, &full}) {
     ASSERT_EQ(r->request_hit_tokens.size(), trace.size());
     std::uint64_t sum = 0;
     for (const std::int64_t h : r->request_hit_tokens) {
@@ -93,15 +93,15 @@ TEST(HybridReplay, GptOssAdmitsAboutTwiceTheRequestsOfAllFull) {
   }
   const CommonHitRates common = common_hit_rates(trace, hybrid, full);
   EXPECT_EQ(common.requests, trace.size());
-  EXPECT_DOUBLE_EQ(common.a, hybrid.hit_rate());
-  EXPECT_DOUBLE_EQ(common.b, full.hit_rate());
+  EXPECT_DOUBLE_EQ(common.a, hybrid.token_hit_rate());
+  EXPECT_DOUBLE_EQ(common.b, full.token_hit_rate());
 }
 
-TEST(HybridReplay, CommonHitRatesCountOnlyTheRequestsBothAdmitted) {
+TEST(ModelReplay, CommonHitRatesCountOnlyTheRequestsBothAdmitted) {
   // Request 1 rejected by a, request 2 by b: only request 0 counts.
   const std::vector<TraceRequest> trace = long_context_trace();
   const std::vector<TraceRequest> three(trace.begin(), trace.begin() + 3);
-  HybridReplayResult a, b;
+  ReplayResult a, b;
   a.request_hit_tokens = {1024, -1, 4096};
   b.request_hit_tokens = {512, 2048, -1};
   const CommonHitRates c = common_hit_rates(three, a, b);
@@ -114,7 +114,7 @@ TEST(HybridReplay, CommonHitRatesCountOnlyTheRequestsBothAdmitted) {
               testing::ThrowsMessage<InvalidArgument>(testing::HasSubstr("3 requests")));
 }
 
-TEST(HybridReplay, AnAdmissionThatDoesNotFitComputesNothingAndIsNoHit) {
+TEST(ModelReplay, AnAdmissionThatDoesNotFitComputesNothingAndIsNoHit) {
   // Long requests that share nothing, all at once, in memory that holds a
   // few: every hit would be a request's own work from a try that did not
   // fit (its chunks cached, then found by its retry), which is not a hit.
@@ -125,12 +125,12 @@ TEST(HybridReplay, AnAdmissionThatDoesNotFitComputesNothingAndIsNoHit) {
     for (std::uint64_t& h : r.hash_ids)
       h = next_hash++;
   }
-  HybridReplayOptions o;
+  ModelReplayOptions o;
   o.layers = gpt_oss_120b();
   o.budget_bytes = std::size_t{8} << 30;
   for (bool all_full : {false, true}) {
     if (all_full) o.layers = as_all_full_attention(o.layers);
-    const HybridReplayResult r = replay_hybrid(trace, o, *backend);
+    const ReplayResult r = replay_model(trace, o, *backend);
     EXPECT_EQ(r.completed, trace.size()) << "all_full " << all_full;
     EXPECT_EQ(r.hit_tokens, 0u) << "all_full " << all_full;
     EXPECT_LT(r.peak_running, trace.size()) << "memory binds";
@@ -177,12 +177,12 @@ std::vector<LayerSpec> mamba_hybrid() {
   return layers;
 }
 
-TEST(HybridReplay, AHostTierBringsEveryGroupBack) {
+TEST(ModelReplay, AHostTierBringsEveryGroupBack) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
   const std::vector<TraceRequest> trace = return_after_churn_trace();
   for (const bool mamba : {false, true}) {
     SCOPED_TRACE(mamba ? "mamba hybrid" : "gpt-oss");
-    HybridReplayOptions o;
+    ModelReplayOptions o;
     o.layers = mamba ? mamba_hybrid() : gpt_oss_120b();
     o.max_context_tokens = 17 * 512 + 16;
     o.state_checkpoint_interval = 32;  // every 512 tokens
@@ -195,12 +195,12 @@ TEST(HybridReplay, AHostTierBringsEveryGroupBack) {
       return want;
     }());
     o.budget_bytes = 2 * plan.peak_bytes_per_request + plan.peak_bytes_per_request / 2;
-    const HybridReplayResult bare = replay_hybrid(trace, o, *backend);
+    const ReplayResult bare = replay_model(trace, o, *backend);
     EXPECT_EQ(bare.hit_tokens, 0u);  // A was evicted from every group
     // Room for A and the churn in every group (the Mamba model's unit is its
     // attention block: its checkpoints take most of the host memory).
     o.host_tier_blocks = (mamba ? 5 : 1) * 16 * 17 * 512 / 16;
-    const HybridReplayResult tiered = replay_hybrid(trace, o, *backend);
+    const ReplayResult tiered = replay_model(trace, o, *backend);
     EXPECT_TRUE(tiered.invariants.ok) << tiered.invariants.to_string();
     EXPECT_EQ(tiered.completed, trace.size());
     // A's next turn hits its whole first turn (its last 512-token block is
@@ -209,7 +209,7 @@ TEST(HybridReplay, AHostTierBringsEveryGroupBack) {
     EXPECT_EQ(tiered.host_hit_tokens, tiered.hit_tokens);
     EXPECT_EQ(tiered.host_tier_blocks, o.host_tier_blocks);
     EXPECT_GT(tiered.host_bytes, 0u);
-    for (const HybridGroupUsage& g : tiered.groups) {
+    for (const GroupUsage& g : tiered.groups) {
       SCOPED_TRACE(g.spec.describe());
       EXPECT_GT(g.host_slots, 0u);
       EXPECT_GT(g.host_hit_blocks, 0u);
@@ -236,10 +236,10 @@ struct SourceRecorder final : CacheEventSink {
   void cleared(const EventSource&) noexcept override { ++cleared_events; }
 };
 
-TEST(HybridReplay, EventsNameEveryGroupOnTheDeviceAndTheHost) {
+TEST(ModelReplay, EventsNameEveryGroupOnTheDeviceAndTheHost) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 30});
   const std::vector<TraceRequest> trace = return_after_churn_trace();
-  HybridReplayOptions o;
+  ModelReplayOptions o;
   o.layers = gpt_oss_120b();
   o.max_context_tokens = 17 * 512 + 16;
   // Room for about two requests on the device: blocks go to the host tier.
@@ -252,10 +252,10 @@ TEST(HybridReplay, EventsNameEveryGroupOnTheDeviceAndTheHost) {
   }());
   o.budget_bytes = 2 * plan.peak_bytes_per_request + plan.peak_bytes_per_request / 2;
   o.host_tier_blocks = 16 * 17 * 512 / 16;
-  const HybridReplayResult bare = replay_hybrid(trace, o, *backend);
+  const ReplayResult bare = replay_model(trace, o, *backend);
   SourceRecorder sink;
   o.event_sink = &sink;
-  const HybridReplayResult with = replay_hybrid(trace, o, *backend);
+  const ReplayResult with = replay_model(trace, o, *backend);
   EXPECT_EQ(with.hit_tokens, bare.hit_tokens);
   EXPECT_EQ(with.completed, bare.completed);
   EXPECT_TRUE(with.invariants.ok) << with.invariants.to_string();
@@ -281,9 +281,9 @@ TEST(HybridReplay, EventsNameEveryGroupOnTheDeviceAndTheHost) {
   EXPECT_GT(sink.cleared_events, 0u);
 }
 
-TEST(HybridReplay, OptionsAreValidated) {
+TEST(ModelReplay, OptionsAreValidated) {
   auto backend = make_host_backend(HostBackendOptions{std::size_t{1} << 26});
-  HybridReplayOptions o;
+  ModelReplayOptions o;
   EXPECT_THROW(o.validate(), InvalidArgument);
   o.layers = gpt_oss_120b();
   EXPECT_THROW(o.validate(), InvalidArgument);  // no budget
@@ -294,7 +294,7 @@ TEST(HybridReplay, OptionsAreValidated) {
   EXPECT_NO_THROW(o.validate());
   o.budget_bytes = 1000;  // less than a block of each group
   const std::vector<TraceRequest> trace = long_context_trace();
-  EXPECT_THROW((void)replay_hybrid(trace, o, *backend), InvalidArgument);
+  EXPECT_THROW((void)replay_model(trace, o, *backend), InvalidArgument);
 }
 
 }  // namespace
