@@ -1,18 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "kvport/core/host_tier.hpp"
 
-#include <absl/container/flat_hash_map.h>
 #include <fmt/format.h>
-
-#include <boost/intrusive/list.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <exception>
-#include <limits>
 #include <thread>
 #include <utility>
 
+#include "host_slots.hpp"
 #include "kvport/core/block_regions.hpp"
 #include "kvport/platform/byte_size.hpp"
 #include "kvport/platform/error.hpp"
@@ -74,47 +71,12 @@ HostTierCounters& HostTierCounters::operator+=(const HostTierCounters& o) noexce
 
 namespace {
 
-using SlotId = std::uint32_t;
-constexpr SlotId kNoSlot = std::numeric_limits<SlotId>::max();
-
-// quarantined: the destination of a write-back abandoned at its deadline,
-// out of the index, reused only once the copy can no longer write into it.
-enum class SlotState : std::uint8_t { free, filling, ready, quarantined };
-
-// The host LRU's hook: plain links (no safe-mode or auto-unlink resets), as
-// the hand-written prev/next ids were. State::slots never reallocates, so
-// the links stay valid for the tier's lifetime.
-using LruHook =
-    boost::intrusive::list_member_hook<boost::intrusive::link_mode<boost::intrusive::normal_link>>;
-
-// What the LRU and the state checks read, 24 bytes; the slot's block hash
-// (read when the slot is freed or reused) is in State::hashes.
-struct Slot {
-  LruHook lru;  // linked while ready
-  // Onloads reading it: inside a lookup, or abandoned at their deadline
-  // (quarantined reads) until their copy can no longer run.
-  std::uint32_t pins = 0;
-  SlotState state = SlotState::free;
-};
-
-static_assert(sizeof(Slot) == 24, "docs/prefix-caching.md says 24 bytes a slot");
-
-// Ready slots, least recently used first. Its size is State::ready.
-using SlotLru =
-    boost::intrusive::list<Slot, boost::intrusive::member_hook<Slot, LruHook, &Slot::lru>,
-                           boost::intrusive::constant_time_size<false>>;
-
-// What a slot's block was registered with on the device (its parent, tokens
-// and extra key): what the tier's BlockStored announces, and what an onload
-// registers the block with again. Its tokens live in State::origin_tokens.
-struct SlotOrigin {
-  BlockHash parent;
-  std::uint64_t extra_key = 0;
-  bool has_parent = false;
-  bool has_tokens = false;
-};
-
-static_assert(sizeof(SlotOrigin) == 32, "host_tier.hpp and docs/events.md say 32 bytes");
+using detail::HostSlots;
+using detail::kNoSlot;
+using detail::Slot;
+using detail::SlotId;
+using detail::SlotOrigin;
+using detail::SlotState;
 
 // One device block in a write-back or write-through copy.
 struct Transfer {
@@ -161,57 +123,25 @@ struct HostTier::State {
         compute_stream(compute),
         slot_bytes(slot_bytes_for(*kv)),
         block_size(p.tokens_per_block()),
-        slots(o.num_host_blocks),
-        hashes(o.num_host_blocks),
-        origins(o.num_host_blocks),
-        origin_tokens(o.num_host_blocks * p.tokens_per_block()),
+        host(*backend, o.num_host_blocks, slot_bytes, block_size),
         stream(backend->create_stream()),
         compute_done(backend->create_event()),
         copies_done(backend->create_event()) {
-    free_slots.reserve(slots.size());
-    for (std::size_t i = slots.size(); i-- > 0;)
-      free_slots.push_back(static_cast<SlotId>(i));
-    // Everything a call may append to is sized here, so that no call
-    // allocates (and throws halfway) once blocks are detached or slots taken:
-    // at most one index entry and one transfer per host slot, at most one
-    // write-through entry per device block (it holds the block). The index is
-    // reserved 1/8 above its most entries (and at least 32), as PrefixCache's:
-    // below the load at which absl grows instead of reusing tombstones.
-    const std::size_t n = slots.size();
-    index.reserve(std::max<std::size_t>(n + n / 8 + 1, 32));
+    // Everything a call may append to is sized here (the slot store sizes
+    // its own), so that no call allocates (and throws halfway) once blocks
+    // are detached or slots taken: at most one transfer per host slot, at
+    // most one write-through entry per device block (it holds the block).
+    const std::size_t n = host.size();
     in_flight.reserve(n);
     staged.reserve(n);
     write_queue.reserve(kv->num_blocks());
-    memory = static_cast<std::byte*>(backend->alloc_host(n * slot_bytes));
-  }
-
-  ~State() { backend->free_host(memory); }
-
-  std::byte* slot_ptr(SlotId s) const { return memory + std::size_t{s} * slot_bytes; }
-
-  // ---- host LRU (ready slots; front = least recently used) -----------------------------
-  SlotId id_of(const Slot& slot) const noexcept {
-    return static_cast<SlotId>(&slot - slots.data());
-  }
-  void lru_push_back(SlotId s) noexcept { lru.push_back(slots[s]); }
-  void lru_remove(SlotId s) noexcept { lru.erase(lru.iterator_to(slots[s])); }
-  void touch(SlotId s) noexcept {
-    Slot& slot = slots[s];
-    lru.splice(lru.end(), lru, lru.iterator_to(slot));  // to the most recently used end
   }
 
   // ---- events --------------------------------------------------------------------------
-  std::span<TokenId> tokens_of(SlotId s) noexcept {
-    return {origin_tokens.data() + std::size_t{s} * block_size, block_size};
-  }
-  std::span<const TokenId> tokens_of(SlotId s) const noexcept {
-    return {origin_tokens.data() + std::size_t{s} * block_size, block_size};
-  }
-
   // Keeps what `block` (being copied into slot s) was registered with on the
   // device, when the prefix cache keeps it.
   void remember_origin(SlotId s, BlockId block) noexcept {
-    SlotOrigin& o = origins[s];
+    SlotOrigin& o = host.origins[s];
     o = SlotOrigin{};
     std::optional<BlockOrigin> from;
     try {
@@ -223,24 +153,16 @@ struct HostTier::State {
     o.parent = from->parent.value_or(BlockHash{});
     o.extra_key = from->extra_key;
     o.has_tokens = from->tokens.size() == block_size;
-    if (o.has_tokens) std::copy(from->tokens.begin(), from->tokens.end(), tokens_of(s).begin());
-  }
-
-  BlockOrigin origin_of(SlotId s) const noexcept {
-    const SlotOrigin& o = origins[s];
-    BlockOrigin origin;
-    if (o.has_parent) origin.parent = o.parent;
-    if (o.has_tokens) origin.tokens = tokens_of(s);
-    origin.extra_key = o.extra_key;
-    return origin;
+    if (o.has_tokens)
+      std::copy(from->tokens.begin(), from->tokens.end(), host.tokens_of(s).begin());
   }
 
   void announce(CacheEventSink& to, SlotId s) const noexcept { announce(to, s, source); }
 
   void announce(CacheEventSink& to, SlotId s, const EventSource& from) const noexcept {
-    const BlockOrigin origin = origin_of(s);
+    const BlockOrigin origin = host.origin_of(s);
     BlockStoredView view;
-    view.hashes = {&hashes[s], 1};
+    view.hashes = {&host.hashes[s], 1};
     view.parent = origin.parent;
     view.tokens = origin.tokens;
     view.block_size = static_cast<std::uint32_t>(block_size);
@@ -248,55 +170,23 @@ struct HostTier::State {
     to.stored(from, view);
   }
 
-  // Frees a filling or ready slot (drops its hash from the index). A ready
+  // Frees a filling, ready or quarantined slot (HostSlots::free). A ready
   // slot was announced: its removal is.
-  void free_slot(SlotId s) {
-    Slot& slot = slots[s];
-    if (slot.state == SlotState::ready) {
-      if (sink != nullptr) sink->removed(source, {&hashes[s], 1});
-      lru_remove(s);
-      --ready;
-    } else if (slot.state == SlotState::filling) {
-      --filling;
-    } else if (slot.state == SlotState::quarantined) {
-      --quarantined_slots;
-      slot.state = SlotState::free;
-      slot.pins = 0;
-      free_slots.push_back(s);
-      return;  // out of the index since its quarantine
-    }
-    index.erase(hashes[s]);
-    slot.state = SlotState::free;
-    slot.pins = 0;
-    free_slots.push_back(s);
+  void free_slot(SlotId s) noexcept {
+    if (host.free(s) && sink != nullptr) sink->removed(source, {&host.hashes[s], 1});
   }
 
-  // A slot for a new block under `hash`, marked filling: a free one, or the
-  // least recently used ready one no onload is reading. nullopt when every
-  // slot is filling or pinned.
+  // A slot for a new block under `hash`, marked filling (HostSlots::acquire):
+  // an evicted ready block's removal is announced and counted. nullopt when
+  // every slot is filling or pinned.
   std::optional<SlotId> acquire_slot(const BlockHash& hash) {
-    SlotId s = kNoSlot;
-    if (!free_slots.empty()) {
-      s = free_slots.back();
-      free_slots.pop_back();
-    } else {
-      for (const Slot& c : lru) {
-        if (c.pins == 0) {
-          s = id_of(c);
-          break;
-        }
-      }
-      if (s == kNoSlot) return std::nullopt;
-      free_slot(s);
-      free_slots.pop_back();
+    const HostSlots::Acquired got = host.acquire(hash);
+    if (got.evicted) {
+      if (sink != nullptr) sink->removed(source, {&*got.evicted, 1});
       ++counters.host_evictions;
     }
-    index.emplace(hash, s);  // never allocates (reserved), so nothing to undo
-    Slot& slot = slots[s];
-    hashes[s] = hash;
-    slot.state = SlotState::filling;
-    ++filling;
-    return s;
+    if (got.slot == kNoSlot) return std::nullopt;
+    return got.slot;
   }
 
   // ---- lower tier --------------------------------------------------------------------
@@ -304,8 +194,8 @@ struct HostTier::State {
   // Announces a block of the lower tier (medium DISK): with the origin its
   // host slot kept while the host has it (a block being spilled), else bare.
   void announce_lower(CacheEventSink& to, const BlockHash& h) const noexcept {
-    if (const auto it = index.find(h);
-        it != index.end() && slots[it->second].state == SlotState::ready) {
+    if (const auto it = host.index.find(h);
+        it != host.index.end() && host.slots[it->second].state == SlotState::ready) {
       announce(to, it->second, lower_source);
       return;
     }
@@ -320,19 +210,19 @@ struct HostTier::State {
   // one batch; returns how many it freed. Without a lower tier nothing:
   // acquire_slot drops them then.
   std::size_t spill(std::size_t n) noexcept {
-    if (lower == nullptr || free_slots.size() >= n) return 0;
-    const std::size_t need = n - free_slots.size();
+    if (lower == nullptr || host.free_slots.size() >= n) return 0;
+    const std::size_t need = n - host.free_slots.size();
     try {
       spill_slots.clear();
       spill_hashes.clear();
       spill_images.clear();
-      for (const Slot& c : lru) {
+      for (const Slot& c : host.lru) {
         if (spill_slots.size() == need) break;
         if (c.pins != 0) continue;
-        const SlotId id = id_of(c);
+        const SlotId id = host.id_of(c);
         spill_slots.push_back(id);
-        spill_hashes.push_back(hashes[id]);
-        spill_images.emplace_back(slot_ptr(id), slot_bytes);
+        spill_hashes.push_back(host.hashes[id]);
+        spill_images.emplace_back(host.slot_ptr(id), slot_bytes);
       }
     } catch (const std::exception&) {  // bad_alloc: acquire_slot drops them instead
       return 0;
@@ -357,7 +247,7 @@ struct HostTier::State {
   // whatever the outcome. Unpins what is left of the run.
   void end_run(std::size_t landed) noexcept {
     for (SlotId h : run_hits)
-      if (h != kNoSlot && slots[h].pins > 0) --slots[h].pins;
+      if (h != kNoSlot && host.slots[h].pins > 0) --host.slots[h].pins;
     run_hits.clear();
     note_hits(run_hashes.first(std::min(run_hashes.size(), run_start + landed)));
     run_hashes = {};
@@ -375,8 +265,8 @@ struct HostTier::State {
     lower_pos.clear();
     lower_hashes.clear();
     for (const BlockHash& h : run) {
-      if (auto it = index.find(h); it != index.end()) {
-        Slot& slot = slots[it->second];
+      if (auto it = host.index.find(h); it != host.index.end()) {
+        Slot& slot = host.slots[it->second];
         if (slot.state != SlotState::ready || slot.pins != 0) break;
         ++slot.pins;
         hits.push_back(it->second);
@@ -400,11 +290,11 @@ struct HostTier::State {
     for (; n < d; ++n) {
       // A hash named twice (a caller's span, not a chain) is in the index
       // since its first slot was taken: the run ends there.
-      if (index.contains(lower_hashes[n])) break;
+      if (host.index.contains(lower_hashes[n])) break;
       const std::optional<SlotId> id = acquire_slot(lower_hashes[n]);
       if (!id) break;  // every other slot is pinned by this lookup
       hits[lower_pos[n]] = *id;
-      lower_bufs.emplace_back(slot_ptr(*id), slot_bytes);
+      lower_bufs.emplace_back(host.slot_ptr(*id), slot_bytes);
     }
     // One batch, straight into the slots.
     const std::size_t got =
@@ -420,18 +310,14 @@ struct HostTier::State {
       }
       // On the host from now on: its parent is the block before it in the
       // chain; its tokens and extra key were not kept below.
-      SlotOrigin& o = origins[id];
+      SlotOrigin& o = host.origins[id];
       o = SlotOrigin{};
       const std::size_t at = lower_pos[k];
       const BlockHash* parent = at > 0 ? &run[at - 1] : before;
       o.has_parent = parent != nullptr;
       if (parent != nullptr) o.parent = *parent;
-      Slot& slot = slots[id];
-      slot.state = SlotState::ready;
-      slot.pins = 1;
-      --filling;
-      ++ready;
-      lru_push_back(id);
+      host.mark_ready(id);
+      host.slots[id].pins = 1;
       if (sink != nullptr) announce(*sink, id);
     }
     if (options.inclusion == TierInclusion::exclusive && got > 0) {
@@ -440,7 +326,7 @@ struct HostTier::State {
     if (got < lower_hashes.size()) {  // the run ends at the first block not read
       const std::size_t end = lower_pos[got];
       for (std::size_t i = end; i < hits.size(); ++i)
-        if (hits[i] != kNoSlot) --slots[hits[i]].pins;
+        if (hits[i] != kNoSlot) --host.slots[hits[i]].pins;
       hits.resize(end);
     }
     return got;
@@ -454,7 +340,7 @@ struct HostTier::State {
   void queue_copies(std::span<const Transfer> batch, HostCopyDirection direction) {
     regions.clear();
     for (const Transfer& t : batch)
-      append_block_regions(*kv, t.block, slot_ptr(t.slot), regions);
+      append_block_regions(*kv, t.block, host.slot_ptr(t.slot), regions);
     backend->record_event(compute_done, compute_stream);
     backend->wait_event(stream, compute_done);
     try {
@@ -492,11 +378,7 @@ struct HostTier::State {
       return;
     }
     for (const Transfer& t : in_flight) {
-      Slot& slot = slots[t.slot];
-      slot.state = SlotState::ready;
-      --filling;
-      ++ready;
-      lru_push_back(t.slot);
+      host.mark_ready(t.slot);
       if (sink != nullptr) announce(*sink, t.slot);  // visible from now on
       ++counters.offloads;
       counters.offload_bytes += slot_bytes;
@@ -622,13 +504,8 @@ struct HostTier::State {
     log_error_nothrow(
         "HostTier: {} block copies missed the {} ms deadline; quarantined until they end", blocks,
         options.copy_timeout.count());
-    for (const Transfer& t : in_flight) {
-      Slot& slot = slots[t.slot];
-      index.erase(hashes[t.slot]);
-      slot.state = SlotState::quarantined;
-      --filling;
-      ++quarantined_slots;
-    }
+    for (const Transfer& t : in_flight)
+      host.quarantine(t.slot);
     quarantined_blocks += blocks;
     in_flight.clear();
   }
@@ -662,7 +539,7 @@ struct HostTier::State {
         release_block(t.block);
       }
       for (const Transfer& t : q.reads) {
-        if (slots[t.slot].pins > 0) --slots[t.slot].pins;
+        if (host.slots[t.slot].pins > 0) --host.slots[t.slot].pins;
         release_block(t.block);  // uncached: freed
       }
       quarantined_blocks -= q.writes.size() + q.reads.size();
@@ -697,8 +574,8 @@ struct HostTier::State {
   // Takes a host slot for `block` (held by the tier) under `hash`, or gives
   // the block back when the host has it already or has no slot.
   void stage(BlockId block, const BlockHash& hash, std::vector<Transfer>& batch) {
-    if (auto it = index.find(hash); it != index.end()) {
-      if (slots[it->second].state == SlotState::ready) touch(it->second);
+    if (auto it = host.index.find(hash); it != host.index.end()) {
+      if (host.slots[it->second].state == SlotState::ready) host.touch(it->second);
       ++counters.already_on_host;
       release_block(block);
       return;
@@ -717,11 +594,11 @@ struct HostTier::State {
   std::size_t write_back(std::size_t n) {
     victims.clear();
     // More victims than host slots would only be dropped uncopied.
-    const std::size_t detached = prefix->detach_lru(std::min(n, slots.size()), victims);
+    const std::size_t detached = prefix->detach_lru(std::min(n, host.slots.size()), victims);
     if (lower != nullptr) {
       std::size_t need = 0;
       for (const auto& [block, hash] : victims)
-        need += index.contains(hash) ? 0 : 1;
+        need += host.index.contains(hash) ? 0 : 1;
       spill(need);
     }
     staged.clear();
@@ -766,21 +643,11 @@ struct HostTier::State {
   StreamView compute_stream;
   std::size_t slot_bytes;
   std::size_t block_size;
-  std::vector<Slot> slots;
-  std::vector<BlockHash> hashes;       // per slot: its block's, while filling or ready
-  std::vector<SlotOrigin> origins;     // per slot
-  std::vector<TokenId> origin_tokens;  // block_size per slot
+  HostSlots host;  // the slot store (host_slots.hpp)
   CacheEventSink* sink = nullptr;
   EventSource source{Medium::cpu, std::nullopt, std::nullopt, std::nullopt};
-  std::vector<SlotId> free_slots;
-  absl::flat_hash_map<BlockHash, SlotId, BlockHashHasher> index;  // filling and ready slots
-  SlotLru lru;  // over slots, which outlive it (declared before)
-  std::size_t filling = 0;
-  std::size_t ready = 0;
-  std::size_t quarantined_slots = 0;   // slots in SlotState::quarantined
   std::size_t quarantined_blocks = 0;  // device blocks quarantined copies hold
   std::vector<Quarantine> quarantine;
-  std::byte* memory = nullptr;
   Stream stream;
   Event compute_done;               // the compute stream's work before a copy
   Event copies_done;                // after the last copy queued
@@ -923,7 +790,7 @@ std::size_t HostTier::reclaimable_blocks() const noexcept {
 void HostTier::on_insert(PrefixCache& /*cache*/, BlockId block, const BlockHash& hash) {
   State& s = *state_;
   if (s.options.policy != TierPolicy::write_through) return;
-  if (s.index.contains(hash)) return;
+  if (s.host.index.contains(hash)) return;
   // The queue has room for every device block (reserved at construction): a
   // queued block is held, so it is never evicted and registered again.
   if (s.write_queue.size() == s.write_queue.capacity()) return;
@@ -972,7 +839,7 @@ TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
   // The run's slots past those being read are not read: unpinned.
   auto unpin_unread = [&] {
     for (std::size_t i = s.run_onload.size(); i < found; ++i)
-      --s.slots[s.run_hits[i]].pins;
+      --s.host.slots[s.run_hits[i]].pins;
     s.run_hits.resize(s.run_onload.size());
   };
   // Nothing landed: the caller releases the blocks (uncached: freed, their
@@ -1020,18 +887,18 @@ TierLoad HostTier::load_run(std::span<const BlockId> blocks) noexcept {
 
 BlockOrigin HostTier::run_origin(std::size_t i) const noexcept {
   const State& s = *state_;
-  return s.origin_of(s.run_onload[i].slot);
+  return s.host.origin_of(s.run_onload[i].slot);
 }
 
 void HostTier::finish_run() noexcept {
   State& s = *state_;
   const std::size_t landed = s.run_onload.size();
   for (const Transfer& t : s.run_onload) {
-    --s.slots[t.slot].pins;
+    --s.host.slots[t.slot].pins;
     if (s.options.inclusion == TierInclusion::exclusive) {
       s.free_slot(t.slot);
     } else {
-      s.touch(t.slot);
+      s.host.touch(t.slot);
     }
   }
   // The hits from the lower tier among those onloaded (the first ones of
@@ -1064,7 +931,7 @@ void HostTier::poll() {
   }
   const std::size_t host_watermark = s.options.host_free_watermark;
   // spill() does nothing without a lower tier or with enough slots free.
-  if (host_watermark != 0 && s.free_slots.size() < host_watermark)
+  if (host_watermark != 0 && s.host.free_slots.size() < host_watermark)
     s.counters.poll_spills += s.spill(2 * host_watermark);
 }
 
@@ -1079,31 +946,31 @@ std::size_t HostTier::offload(std::size_t max_blocks) {
 
 bool HostTier::is_on_host(const BlockHash& hash) const {
   const State& s = *state_;
-  auto it = s.index.find(hash);
-  return it != s.index.end() && s.slots[it->second].state == SlotState::ready;
+  auto it = s.host.index.find(hash);
+  return it != s.host.index.end() && s.host.slots[it->second].state == SlotState::ready;
 }
 
 bool HostTier::holds(const BlockHash& hash) const noexcept {
   // What find_run would pin: ready and no onload reading it.
   const State& s = *state_;
-  auto it = s.index.find(hash);
-  if (it != s.index.end()) {
-    return s.slots[it->second].state == SlotState::ready && s.slots[it->second].pins == 0;
+  auto it = s.host.index.find(hash);
+  if (it != s.host.index.end()) {
+    return s.host.slots[it->second].state == SlotState::ready && s.host.slots[it->second].pins == 0;
   }
   return s.lower != nullptr && s.lower->contains(hash);
 }
 
 std::size_t HostTier::num_host_blocks() const noexcept {
-  return state_->slots.size();
+  return state_->host.slots.size();
 }
 std::size_t HostTier::num_ready_blocks() const noexcept {
-  return state_->ready;
+  return state_->host.ready;
 }
 std::size_t HostTier::num_filling_blocks() const noexcept {
-  return state_->filling;
+  return state_->host.filling;
 }
 std::size_t HostTier::num_free_host_blocks() const noexcept {
-  return state_->free_slots.size();
+  return state_->host.free_slots.size();
 }
 std::size_t HostTier::num_held_device_blocks() const noexcept {
   return state_->in_flight.size() + state_->write_queue.size() + state_->quarantined_blocks;
@@ -1112,13 +979,13 @@ std::size_t HostTier::num_quarantined_blocks() const noexcept {
   return state_->quarantined_blocks;
 }
 std::size_t HostTier::num_quarantined_slots() const noexcept {
-  return state_->quarantined_slots;
+  return state_->host.quarantined_slots;
 }
 std::size_t HostTier::slot_bytes() const noexcept {
   return state_->slot_bytes;
 }
 std::span<std::byte> HostTier::slot_memory() const noexcept {
-  return {state_->memory, state_->slots.size() * state_->slot_bytes};
+  return {state_->host.memory, state_->host.slots.size() * state_->slot_bytes};
 }
 const HostTierOptions& HostTier::options() const noexcept {
   return state_->options;
@@ -1173,19 +1040,19 @@ const EventSource& HostTier::event_source() const noexcept {
 
 void HostTier::snapshot(CacheEventSink& sink) const {
   const State& s = *state_;
-  std::vector<bool> seen(s.slots.size(), false);
+  std::vector<bool> seen(s.host.slots.size(), false);
   std::vector<SlotId> chain;
-  for (const Slot& slot : s.lru) {
-    const SlotId c = s.id_of(slot);
+  for (const Slot& slot : s.host.lru) {
+    const SlotId c = s.host.id_of(slot);
     if (seen[c]) continue;
     // Parents that are ready on the host first, as PrefixCache::snapshot.
     chain.clear();
     for (SlotId x = c;;) {
       seen[x] = true;
       chain.push_back(x);
-      if (!s.origins[x].has_parent) break;
-      auto it = s.index.find(s.origins[x].parent);
-      if (it == s.index.end() || s.slots[it->second].state != SlotState::ready ||
+      if (!s.host.origins[x].has_parent) break;
+      auto it = s.host.index.find(s.host.origins[x].parent);
+      if (it == s.host.index.end() || s.host.slots[it->second].state != SlotState::ready ||
           seen[it->second]) {
         break;
       }
@@ -1207,9 +1074,9 @@ std::size_t HostTier::origin_bytes_per_slot() const noexcept {
 std::vector<BlockHash> HostTier::host_lru_order() const {
   const State& s = *state_;
   std::vector<BlockHash> order;
-  order.reserve(s.ready);
-  for (const Slot& slot : s.lru)
-    order.push_back(s.hashes[s.id_of(slot)]);
+  order.reserve(s.host.ready);
+  for (const Slot& slot : s.host.lru)
+    order.push_back(s.host.hashes[s.host.id_of(slot)]);
   return order;
 }
 
@@ -1235,7 +1102,7 @@ InvariantReport HostTier::check_invariants() const {
   std::size_t ready = 0;
   std::size_t quarantined = 0;
   // Between calls only quarantined onloads pin slots (one pin each).
-  std::vector<std::uint32_t> read_pins(s.slots.size(), 0);
+  std::vector<std::uint32_t> read_pins(s.host.slots.size(), 0);
   std::size_t quarantined_blocks = 0;
   std::size_t quarantined_writes = 0;
   for (const Quarantine& q : s.quarantine) {
@@ -1248,8 +1115,8 @@ InvariantReport HostTier::check_invariants() const {
     report.add_violation(fmt::format("{} quarantined blocks counted, {} in the quarantine",
                                      s.quarantined_blocks, quarantined_blocks));
   }
-  for (SlotId i = 0; i < s.slots.size(); ++i) {
-    const Slot& slot = s.slots[i];
+  for (SlotId i = 0; i < s.host.slots.size(); ++i) {
+    const Slot& slot = s.host.slots[i];
     if (slot.pins != read_pins[i]) {
       report.add_violation(
           fmt::format("host slot {} has {} pins between calls, {} from quarantined onloads", i,
@@ -1270,25 +1137,26 @@ InvariantReport HostTier::check_invariants() const {
         break;
     }
     if (slot.state == SlotState::filling || slot.state == SlotState::ready) {
-      auto it = s.index.find(s.hashes[i]);
-      if (it == s.index.end() || it->second != i) {
+      auto it = s.host.index.find(s.host.hashes[i]);
+      if (it == s.host.index.end() || it->second != i) {
         report.add_violation(
             fmt::format("host slot {} (hash {}) is not what the host index holds for its hash", i,
-                        s.hashes[i].to_string()));
+                        s.host.hashes[i].to_string()));
       }
     }
   }
-  if (free + filling + ready + quarantined != s.slots.size() || free != s.free_slots.size() ||
-      filling != s.filling || ready != s.ready || quarantined != s.quarantined_slots) {
+  if (free + filling + ready + quarantined != s.host.slots.size() ||
+      free != s.host.free_slots.size() || filling != s.host.filling || ready != s.host.ready ||
+      quarantined != s.host.quarantined_slots) {
     report.add_violation(fmt::format(
         "host slots: {} free ({} listed) + {} filling ({} counted) + {} ready ({} counted) + {} "
         "quarantined ({} counted) != {}",
-        free, s.free_slots.size(), filling, s.filling, ready, s.ready, quarantined,
-        s.quarantined_slots, s.slots.size()));
+        free, s.host.free_slots.size(), filling, s.host.filling, ready, s.host.ready, quarantined,
+        s.host.quarantined_slots, s.host.slots.size()));
   }
-  std::vector<bool> listed(s.slots.size(), false);
-  for (SlotId f : s.free_slots) {
-    if (f >= s.slots.size() || s.slots[f].state != SlotState::free) {
+  std::vector<bool> listed(s.host.slots.size(), false);
+  for (SlotId f : s.host.free_slots) {
+    if (f >= s.host.slots.size() || s.host.slots[f].state != SlotState::free) {
       report.add_violation(fmt::format("the free slot list holds slot {}, which is not free", f));
     } else if (listed[f]) {
       report.add_violation(fmt::format("the free slot list holds slot {} twice", f));
@@ -1299,30 +1167,33 @@ InvariantReport HostTier::check_invariants() const {
   if (s.prefix->tier() != this) {
     report.add_violation("the prefix cache's tier is not this HostTier");
   }
-  if (s.index.size() != filling + ready) {
+  if (s.host.index.size() != filling + ready) {
     report.add_violation(fmt::format("the host index has {} entries for {} filling + {} ready",
-                                     s.index.size(), filling, ready));
+                                     s.host.index.size(), filling, ready));
   }
   // Walked both ways (bounded, should the links be corrupt): the same slots,
   // each ready and inside the slot array.
   std::size_t linked = 0;
-  std::vector<bool> in_lru(s.slots.size(), false);
-  for (auto it = s.lru.begin(); it != s.lru.end() && linked <= s.slots.size(); ++it, ++linked) {
+  std::vector<bool> in_lru(s.host.slots.size(), false);
+  for (auto it = s.host.lru.begin(); it != s.host.lru.end() && linked <= s.host.slots.size();
+       ++it, ++linked) {
     const Slot* p = &*it;
-    if (p < s.slots.data() || p >= s.slots.data() + s.slots.size()) {
+    if (p < s.host.slots.data() || p >= s.host.slots.data() + s.host.slots.size()) {
       report.add_violation("the host LRU order links a slot outside the slot array");
       break;
     }
-    const SlotId c = s.id_of(*p);
+    const SlotId c = s.host.id_of(*p);
     if (p->state != SlotState::ready)
       report.add_violation(fmt::format("host slot {} is in the LRU order but not ready", c));
     if (in_lru[c]) report.add_violation(fmt::format("host slot {} is in the LRU order twice", c));
     in_lru[c] = true;
   }
   std::size_t back_linked = 0;
-  for (auto it = s.lru.rbegin(); it != s.lru.rend() && back_linked <= s.slots.size(); ++it) {
+  for (auto it = s.host.lru.rbegin(); it != s.host.lru.rend() && back_linked <= s.host.slots.size();
+       ++it) {
     const Slot* p = &*it;
-    if (p < s.slots.data() || p >= s.slots.data() + s.slots.size() || !in_lru[s.id_of(*p)]) {
+    if (p < s.host.slots.data() || p >= s.host.slots.data() + s.host.slots.size() ||
+        !in_lru[s.host.id_of(*p)]) {
       report.add_violation("host LRU links are inconsistent (backward walk differs)");
       break;
     }
@@ -1341,7 +1212,7 @@ InvariantReport HostTier::check_invariants() const {
     report.add_violation(fmt::format("{} transfers in flight for {} filling host slots",
                                      s.in_flight.size(), filling));
   }
-  std::vector<bool> slot_seen(s.slots.size(), false);
+  std::vector<bool> slot_seen(s.host.slots.size(), false);
   std::vector<bool> block_seen(s.kv->num_blocks(), false);
   auto hold_once = [&](BlockId block) {
     if (block >= block_seen.size() || block_seen[block]) {
@@ -1353,7 +1224,7 @@ InvariantReport HostTier::check_invariants() const {
     return true;
   };
   for (const Transfer& t : s.in_flight) {
-    if (t.slot >= s.slots.size() || s.slots[t.slot].state != SlotState::filling ||
+    if (t.slot >= s.host.slots.size() || s.host.slots[t.slot].state != SlotState::filling ||
         slot_seen[t.slot]) {
       report.add_violation(
           fmt::format("host slot {} is in flight but not filling, or twice", t.slot));
@@ -1380,7 +1251,7 @@ InvariantReport HostTier::check_invariants() const {
   // (a write-back's and an onload's uncached with the tier's reference only).
   for (const Quarantine& q : s.quarantine) {
     for (const Transfer& t : q.writes) {
-      if (t.slot >= s.slots.size() || s.slots[t.slot].state != SlotState::quarantined ||
+      if (t.slot >= s.host.slots.size() || s.host.slots[t.slot].state != SlotState::quarantined ||
           slot_seen[t.slot]) {
         report.add_violation(fmt::format(
             "host slot {} is a quarantined write's but not quarantined, or twice", t.slot));
