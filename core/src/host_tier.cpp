@@ -9,6 +9,7 @@
 #include <thread>
 #include <utility>
 
+#include "copy_engine.hpp"
 #include "host_slots.hpp"
 #include "kvport/core/block_regions.hpp"
 #include "kvport/platform/byte_size.hpp"
@@ -71,6 +72,7 @@ HostTierCounters& HostTierCounters::operator+=(const HostTierCounters& o) noexce
 
 namespace {
 
+using detail::CopyEngine;
 using detail::HostSlots;
 using detail::kNoSlot;
 using detail::Slot;
@@ -84,12 +86,10 @@ struct Transfer {
   SlotId slot;
 };
 
-// Copies abandoned at their deadline, with the stream they were queued on and
-// the event recorded after them: their device blocks stay held and their host
-// slots out of use until the event completes (poll) or the tier is destroyed.
-struct Quarantine {
-  Stream stream;
-  Event done;
+// What copies abandoned at their deadline hold (CopyEngine's payload): their
+// device blocks stay held and their host slots out of use until their event
+// completes (poll) or the tier is destroyed.
+struct HeldCopies {
   std::vector<Transfer> writes;  // device -> host: slot quarantined, block held
   std::vector<Transfer> reads;   // host -> device (onloads): slot pinned, block held
 };
@@ -124,9 +124,7 @@ struct HostTier::State {
         slot_bytes(slot_bytes_for(*kv)),
         block_size(p.tokens_per_block()),
         host(*backend, o.num_host_blocks, slot_bytes, block_size),
-        stream(backend->create_stream()),
-        compute_done(backend->create_event()),
-        copies_done(backend->create_event()) {
+        copies(*backend, compute, o.copy_timeout, "HostTier") {
     // Everything a call may append to is sized here (the slot store sizes
     // its own), so that no call allocates (and throws halfway) once blocks
     // are detached or slots taken: at most one transfer per host slot, at
@@ -334,39 +332,18 @@ struct HostTier::State {
 
   // ---- copies ------------------------------------------------------------------------
   // Queues one batch (device -> host for write-backs), ordered after the
-  // compute stream's work so far, and records copies_done after it. When it
+  // compute stream's work so far, and records the batch's end (CopyEngine::queue). When it
   // throws, no copy of the batch is still running: the caller may roll the
   // batch back (free its slots and blocks).
   void queue_copies(std::span<const Transfer> batch, HostCopyDirection direction) {
     regions.clear();
     for (const Transfer& t : batch)
       append_block_regions(*kv, t.block, host.slot_ptr(t.slot), regions);
-    backend->record_event(compute_done, compute_stream);
-    backend->wait_event(stream, compute_done);
-    try {
-      if (direction == HostCopyDirection::device_to_host) {
-        backend->copy_batch_d2h_async(regions, stream);
-      } else {
-        backend->copy_batch_h2d_async(regions, stream);
-      }
-      backend->record_event(copies_done, stream);
-    } catch (...) {
-      // Part of the batch may be queued: a copy call that queues one copy per
-      // region (HIP; CUDA without cudaMemcpyBatchAsync) returns at the first
-      // failing region, and a failed record leaves the whole copy queued.
-      // Let it finish before the caller rolls back, or an onload could write
-      // into a block already handed to a new owner. An error there may be an
-      // earlier batch's, still in flight: roll those back now, or the next
-      // wait_all would see a clean stream and publish them.
-      try {
-        backend->synchronize(stream);
-      } catch (const Error& e) {
-        log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
-                          in_flight.size(), e.what());
-        finish_in_flight(false);
-      }
-      throw;
-    }
+    copies.queue(regions, direction, [&](const Error& e) {
+      log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
+                        in_flight.size(), e.what());
+      finish_in_flight(false);
+    });
   }
 
   // Completes (ok) or rolls back (!ok) every write-back and write-through in
@@ -410,53 +387,19 @@ struct HostTier::State {
     }
   }
 
-  // Whether the copies queued on the tier's stream ended, without waiting;
-  // true when the query itself fails (the stream's synchronize then reports
-  // it, and the copies are rolled back).
-  bool copies_ended() {
-    try {
-      return backend->query_event(copies_done);
-    } catch (const Error& e) {
-      log_error_nothrow("HostTier: query_event failed: {}", e.what());
-      return true;
-    }
-  }
-
-  // Waits for the copies queued on the tier's stream, until the deadline:
-  // true when they completed (or failed: synchronize reports it), false when
-  // the deadline passed first. Without a deadline, the stream's synchronize.
-  bool wait_until_done() {
-    if (options.copy_timeout.count() == 0) return true;
-    const auto deadline = std::chrono::steady_clock::now() + options.copy_timeout;
-    // Spin briefly (a batch of blocks takes microseconds to milliseconds),
-    // then sleep in growing steps up to 200 us.
-    auto pause = std::chrono::microseconds(0);
-    for (;;) {
-      if (copies_ended()) return true;
-      if (std::chrono::steady_clock::now() >= deadline) return false;
-      if (pause.count() == 0) {
-        std::this_thread::yield();
-        pause = std::chrono::microseconds(1);
-      } else {
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::microseconds(200));
-      }
-    }
-  }
-
   // Synchronizes the tier's stream and completes everything in flight:
   // failed (everything in flight rolled back) when the stream reported an
   // error; stalled when the copies did not complete by the deadline (they
   // and `reads`, an onload's copies, are abandoned into quarantine).
   WaitResult wait_all(std::span<const Transfer> reads = {}) {
     if (in_flight.empty() && reads.empty()) return WaitResult::done;
-    if (!wait_until_done()) {
+    if (!copies.wait_until_done()) {
       abandon(reads);
       return WaitResult::stalled;
     }
     bool ok = true;
     try {
-      backend->synchronize(stream);
+      copies.synchronize();
     } catch (const Error& e) {
       ok = false;
       log_error_nothrow("HostTier: a copy failed; rolling back {} block(s) in flight: {}",
@@ -471,34 +414,25 @@ struct HostTier::State {
   // goes on with a new stream. When no new stream can be made, it waits for
   // the old one instead (nothing is abandoned).
   void abandon(std::span<const Transfer> reads) {
-    std::optional<Stream> new_stream;
-    std::optional<Event> new_event;
-    std::vector<Transfer> writes;
-    std::vector<Transfer> onloads;
+    const std::size_t blocks = in_flight.size() + reads.size();
     try {
-      new_stream.emplace(backend->create_stream());
-      new_event.emplace(backend->create_event());
-      writes.assign(in_flight.begin(), in_flight.end());
-      onloads.assign(reads.begin(), reads.end());
-      quarantine.reserve(quarantine.size() + 1);
+      HeldCopies held;
+      held.writes.assign(in_flight.begin(), in_flight.end());
+      held.reads.assign(reads.begin(), reads.end());
+      copies.quarantine(std::move(held));
     } catch (const std::exception& e) {
       log_error_nothrow(
           "HostTier: copies missed their deadline and no new stream could be made ({}); waiting",
           e.what());
       bool ok = true;
       try {
-        backend->synchronize(stream);
+        copies.synchronize();
       } catch (const Error&) {
         ok = false;
       }
       finish_in_flight(ok);
       return;
     }
-    const std::size_t blocks = writes.size() + onloads.size();
-    quarantine.push_back(Quarantine{std::move(stream), std::move(copies_done), std::move(writes),
-                                    std::move(onloads)});  // reserved: no throw
-    stream = std::move(*new_stream);
-    copies_done = std::move(*new_event);
     ++counters.stalled_transfers;
     counters.stalled_blocks += blocks;
     log_error_nothrow(
@@ -513,27 +447,7 @@ struct HostTier::State {
   // Gives back what quarantined copies held once their event completed (or
   // every quarantine, waiting, when `wait`).
   void release_quarantine(bool wait) noexcept {
-    std::size_t kept = 0;
-    for (std::size_t i = 0; i < quarantine.size(); ++i) {
-      Quarantine& q = quarantine[i];
-      bool done = wait;
-      if (!done) {
-        try {
-          done = backend->query_event(q.done);
-        } catch (const Error&) {
-          done = true;  // the synchronize below reports it
-        }
-      }
-      if (!done) {
-        if (kept != i) quarantine[kept] = std::move(q);
-        ++kept;
-        continue;
-      }
-      try {
-        backend->synchronize(q.stream);
-      } catch (const Error& e) {
-        log_error_nothrow("HostTier: a quarantined copy failed: {}", e.what());
-      }
+    copies.release_quarantine(wait, [&](const HeldCopies& q) noexcept {
       for (const Transfer& t : q.writes) {  // the contents are not trusted
         free_slot(t.slot);
         release_block(t.block);
@@ -543,15 +457,14 @@ struct HostTier::State {
         release_block(t.block);  // uncached: freed
       }
       quarantined_blocks -= q.writes.size() + q.reads.size();
-    }
-    quarantine.erase(quarantine.begin() + static_cast<std::ptrdiff_t>(kept), quarantine.end());
+    });
   }
 
   // Completes what finished, without waiting.
   void reap() {
-    if (!quarantine.empty()) release_quarantine(false);
+    if (!copies.quarantined().empty()) release_quarantine(false);
     if (in_flight.empty()) return;
-    if (copies_ended()) wait_all();
+    if (copies.ended()) wait_all();
   }
 
   // Queues the copies of `batch` (device -> host) and moves them in flight;
@@ -647,11 +560,8 @@ struct HostTier::State {
   CacheEventSink* sink = nullptr;
   EventSource source{Medium::cpu, std::nullopt, std::nullopt, std::nullopt};
   std::size_t quarantined_blocks = 0;  // device blocks quarantined copies hold
-  std::vector<Quarantine> quarantine;
-  Stream stream;
-  Event compute_done;               // the compute stream's work before a copy
-  Event copies_done;                // after the last copy queued
-  std::vector<Transfer> in_flight;  // write-backs and write-throughs queued, not completed
+  CopyEngine<HeldCopies> copies;       // the tier's stream, deadline and quarantine
+  std::vector<Transfer> in_flight;     // write-backs and write-throughs queued, not completed
   std::vector<std::pair<BlockId, BlockHash>> write_queue;  // write-through, not queued yet
   // A lookup's run (find_run .. finish_run): its host slots, pinned; how
   // many came from the lower tier; the copies into the prefix cache's
@@ -1105,7 +1015,8 @@ InvariantReport HostTier::check_invariants() const {
   std::vector<std::uint32_t> read_pins(s.host.slots.size(), 0);
   std::size_t quarantined_blocks = 0;
   std::size_t quarantined_writes = 0;
-  for (const Quarantine& q : s.quarantine) {
+  for (const auto& entry : s.copies.quarantined()) {
+    const HeldCopies& q = entry.payload;
     quarantined_blocks += q.writes.size() + q.reads.size();
     quarantined_writes += q.writes.size();
     for (const Transfer& t : q.reads)
@@ -1249,7 +1160,8 @@ InvariantReport HostTier::check_invariants() const {
   }
   // Quarantine: every write's slot quarantined (once), every block held once
   // (a write-back's and an onload's uncached with the tier's reference only).
-  for (const Quarantine& q : s.quarantine) {
+  for (const auto& entry : s.copies.quarantined()) {
+    const HeldCopies& q = entry.payload;
     for (const Transfer& t : q.writes) {
       if (t.slot >= s.host.slots.size() || s.host.slots[t.slot].state != SlotState::quarantined ||
           slot_seen[t.slot]) {
