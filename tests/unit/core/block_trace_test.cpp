@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
+#include <source_location>
 #include <string>
 #include <string_view>
 
@@ -31,6 +32,19 @@ PagedKvCacheOptions traced(std::size_t depth = BlockTrace::kDefaultDepth) {
   options.trace_depth = depth;
   return options;
 }
+
+// clang 15 (Debian 12's) evaluates std::source_location::current() in a
+// default argument where the function is declared, not where it is called:
+// every trace entry then names kvport's header. The tests of the caller's file
+// and line skip there, saying so; GCC (the host preset's compiler) runs them.
+std::uint_least32_t line_here(std::source_location where = std::source_location::current()) {
+  return where.line();
+}
+#define KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS()                                                  \
+  if (line_here() != static_cast<std::uint_least32_t>(__LINE__))                                \
+  GTEST_SKIP() << "this compiler evaluates std::source_location::current() in a default "       \
+                  "argument where the function is declared, not at the call (clang 15): trace " \
+                  "entries name kvport's header instead of the caller"
 
 void expect_entry(const BlockTraceEntry& e, BlockOp op, std::uint32_t refcount, int line) {
   EXPECT_EQ(e.op, op) << to_string(e.op) << " vs " << to_string(op);
@@ -53,6 +67,7 @@ class BlockTraceTest : public ::testing::Test {
 };
 
 TEST_F(BlockTraceTest, HistoryRecordsOperationRefcountAndCallerLine) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   ASSERT_TRUE(cache.trace().is_on());
   test::QuietLog quiet;  // the deliberate double free below logs an error
@@ -76,6 +91,7 @@ TEST_F(BlockTraceTest, HistoryRecordsOperationRefcountAndCallerLine) {
 }
 
 TEST_F(BlockTraceTest, TryAllocAndEvictReturnAreRecorded) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   test::QuietLog quiet;
   BlockId b = 0;
@@ -95,6 +111,7 @@ TEST_F(BlockTraceTest, TryAllocAndEvictReturnAreRecorded) {
 }
 
 TEST_F(BlockTraceTest, RingKeepsOnlyTheLastDepthEntries) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced(4));
   EXPECT_EQ(cache.trace().depth(), 4u);
   const BlockId b = cache.alloc_block();
@@ -145,6 +162,7 @@ TEST_F(BlockTraceTest, DefaultDepth) {
 }
 
 TEST_F(BlockTraceTest, DumpPrintsOneLinePerEntry) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   BlockId b = 0;
   const int alloc_line = (b = cache.alloc_block(), __LINE__);
@@ -220,6 +238,7 @@ TEST_F(BlockTraceTest, ScopedEnvRestoresThePreviousValue) {
 }
 
 TEST_F(BlockTraceTest, DoubleFreeLogContainsTheHistory) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   BlockId b = 0;
   const int alloc_line = (b = cache.alloc_block(), __LINE__);
@@ -240,6 +259,7 @@ TEST_F(BlockTraceTest, DoubleFreeLogContainsTheHistory) {
 }
 
 TEST_F(BlockTraceTest, EvictReturnAtZeroWarningContainsTheHistory) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   BlockId b = 0;
   const int alloc_line = (b = cache.alloc_block(), __LINE__);
@@ -252,6 +272,7 @@ TEST_F(BlockTraceTest, EvictReturnAtZeroWarningContainsTheHistory) {
 }
 
 TEST_F(BlockTraceTest, IncRefOnFreeBlockErrorContainsTheHistory) {
+  KVPORT_SKIP_WITHOUT_CALLER_LOCATIONS();
   PagedKvCache cache(test::small_config(), 4, *backend_, traced());
   BlockId b = 0;
   const int alloc_line = (b = cache.alloc_block(), __LINE__);

@@ -225,7 +225,7 @@ class FaultInjectingTransport final : public Transport {
         return;
       }
       case FaultKind::stall: {
-        stall_.emplace();
+        stall_ = Stall{};
         stall_->conn = conn;
         stall_->ops = std::move(local);
         stall_->done = std::move(done);
