@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Installs the Debian 12 packages kvport builds with, if any are missing.
-# Usage: scripts/deps.sh [--hip] [--fuzz] [--plots] [--peer|--torch]
-#   --hip adds hipcc + libamdhip64-dev; --fuzz clang + its libFuzzer runtime;
+# Usage: scripts/deps.sh [--hip] [--fuzz|--clang] [--plots] [--peer|--torch]
+#   --hip adds hipcc + libamdhip64-dev; --fuzz (or --clang) clang 15 and its
+#   libFuzzer and sanitizer runtimes (the fuzz, asan and tsan presets);
 #   --plots python3-matplotlib for scripts/bench.sh; --peer (or --torch)
 #   python3-torch (CPU-only PyTorch 1.13, for /usr/bin/python3: about 180
 #   packages) for the PyTorch peer of the zeroing bench (benchmarks/peer), its
@@ -35,7 +36,9 @@ for arg in "$@"; do
     --hip) packages+=(hipcc libamdhip64-dev) ;;
     --plots) packages+=(python3 python3-matplotlib) ;;
     --peer | --torch) packages+=(python3 python3-torch) ;;
-    --fuzz) packages+=(clang-15 libclang-common-15-dev) ;;  # clang 15 (std::source_location); its libFuzzer runtime
+    # clang 15 (std::source_location) and its runtimes: libFuzzer (the fuzz
+    # preset), ASan, UBSan and TSan (the asan and tsan presets compile with it).
+    --fuzz | --clang) packages+=(clang-15 libclang-common-15-dev) ;;
     *) echo "deps.sh: unknown option '$arg'" >&2; exit 2 ;;
   esac
 done

@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 preset="${1:-host}"
 
 case "$preset" in
-  hip | ci) scripts/deps.sh --hip ;;  # Debian's hipcc + libamdhip64-dev
+  hip | ci) scripts/deps.sh --hip ;;      # Debian's hipcc + libamdhip64-dev
+  asan | tsan) scripts/deps.sh --clang ;;  # the sanitizer presets compile with clang 15
   *) scripts/deps.sh ;;
 esac
 cmake --preset "$preset"

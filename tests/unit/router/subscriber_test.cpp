@@ -48,7 +48,14 @@ using Blocks = std::vector<std::pair<std::uint64_t, Tier>>;
 // The Subscriber is single-threaded, so TSan has little to check here beyond
 // libzmq, which is suppressed (tests/tsan.supp): under TSan each test skips,
 // saying so; the host and asan presets run every one.
-#if defined(__SANITIZE_THREAD__)
+#if defined(__SANITIZE_THREAD__)  // GCC
+#define KVPORT_UNDER_TSAN 1
+#elif defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define KVPORT_UNDER_TSAN 1
+#endif
+#endif
+#if defined(KVPORT_UNDER_TSAN)
 #define SKIP_SOCKET_TIMING_UNDER_TSAN() \
   GTEST_SKIP() << "socket timing test: not run under ThreadSanitizer (host and asan run it)"
 #else
