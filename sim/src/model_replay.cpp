@@ -192,12 +192,7 @@ ReplayResult replay_model(std::span<const TraceRequest> requests, const ModelRep
     cache.set_event_sink(options.event_sink);
     if (tier) tier->set_event_sink(options.event_sink);
   }
-  detail::ReplayWorkloadOptions run;
-  run.block_size = options.block_size;
-  run.trace_block_tokens = options.trace_block_tokens;
-  run.concurrency = options.concurrency;
-  run.step_ms = options.step_ms;
-  run.prefix_hit_mode = options.prefix_hit_mode;
+  detail::ReplayWorkloadOptions run = detail::shared_workload_options(options);
   run.prefill_chunk_tokens = options.prefill_chunk_tokens;
   ReplayResult result =
       detail::run_replay_workload(requests, run, cache, tier.get(), stream, std::move(usage));

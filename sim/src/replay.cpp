@@ -140,13 +140,8 @@ ReplayResult run_replay(std::span<const TraceRequest> requests, const ReplayOpti
     LowerTierStore* store = options.lower_tier(cache.config(), host->slot_bytes());
     if (store != nullptr) host->set_lower_tier(store);
   }
-  detail::ReplayWorkloadOptions run;
-  run.block_size = options.block_size;
-  run.trace_block_tokens = options.trace_block_tokens;
-  run.concurrency = options.concurrency;
-  run.step_ms = options.step_ms;
+  detail::ReplayWorkloadOptions run = detail::shared_workload_options(options);
   run.check_every = options.check_every;
-  run.prefix_hit_mode = options.prefix_hit_mode;
   run.copy_last_block = true;  // as BlockTable
   run.fit_before_onload = true;
   run.write_contents = static_cast<bool>(options.lower_tier);

@@ -47,6 +47,18 @@ struct ReplayWorkloadOptions {
   const std::function<void(std::size_t, std::size_t)>* progress = nullptr;
 };
 
+/// The parameters ReplayOptions and ModelReplayOptions share, from either.
+template <typename Options>
+ReplayWorkloadOptions shared_workload_options(const Options& options) {
+  ReplayWorkloadOptions run;
+  run.block_size = options.block_size;
+  run.trace_block_tokens = options.trace_block_tokens;
+  run.concurrency = options.concurrency;
+  run.step_ms = options.step_ms;
+  run.prefix_hit_mode = options.prefix_hit_mode;
+  return run;
+}
+
 /// Runs `requests` over `cache` (and `tier`, null: none) on `stream`. Fills
 /// every field of ReplayResult the run decides (not the setup's: the plan,
 /// model bytes, link); result.groups must hold one entry per group of the
