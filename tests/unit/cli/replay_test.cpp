@@ -84,6 +84,12 @@ TEST(cli_replay, JsonReportOnTheSmallTraceIsConsistent) {
   EXPECT_GE(u(j, "lookups"), u(j, "completed"));
   EXPECT_GT(u(j, "peak_blocks_in_use"), 0u);
   EXPECT_LE(u(j, "peak_blocks_in_use"), 4096u);
+  // Running requests, as the groups' replay reports them: at most
+  // --concurrency, the mean over the steps at most the peak.
+  EXPECT_GE(u(j, "peak_running"), 1u);
+  EXPECT_LE(u(j, "peak_running"), 64u);
+  EXPECT_GT(j["mean_running"].get<double>(), 0.0);
+  EXPECT_LE(j["mean_running"].get<double>(), j["peak_running"].get<double>());
   EXPECT_GT(j["simulated_ms"].get<double>(), 0.0);
   EXPECT_GT(j["requests_per_s"].get<double>(), 0.0);
   EXPECT_GT(j["operations_per_s"].get<double>(), 0.0);
@@ -153,6 +159,7 @@ TEST(cli_replay, TextReport) {
   EXPECT_THAT(r.out, HasSubstr("block hit rate"));
   EXPECT_THAT(r.out, HasSubstr("evictions"));
   EXPECT_THAT(r.out, HasSubstr("preemptions"));
+  EXPECT_THAT(r.out, HasSubstr("running requests"));
   EXPECT_THAT(r.out, HasSubstr("Invariants  ok"));
   EXPECT_THAT(r.out, HasSubstr("Result      OK"));
 }

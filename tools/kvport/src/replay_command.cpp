@@ -580,6 +580,8 @@ class ReplayCommand final : public Command {
                    fmt::format("{} blocks cached at the end", r.cached_blocks_at_end)});
     table.add_row({"preemptions", std::to_string(r.preemptions),
                    fmt::format("{} tokens recomputed", r.recomputed_tokens)});
+    table.add_row({"running requests", std::to_string(r.peak_running),
+                   fmt::format("peak; mean {:.1f} over the steps", r.mean_running)});
     table.add_row({"peak blocks in use", std::to_string(r.peak_blocks_in_use),
                    fmt::format("of {}", o.capacity_blocks)});
     table.add_row({"queueing", fmt::format("{:.1f} ms", r.mean_queue_ms),
@@ -702,6 +704,8 @@ class ReplayCommand final : public Command {
     j["last_block_copies"] = r.last_block_copies;
     j["evictions"] = r.evictions;
     j["preemptions"] = r.preemptions;
+    j["peak_running"] = r.peak_running;
+    j["mean_running"] = r.mean_running;
     j["prefill_tokens"] = r.prefill_tokens;
     j["recomputed_tokens"] = r.recomputed_tokens;
     j["generated_tokens"] = r.generated_tokens;
