@@ -795,17 +795,24 @@ std::vector<DecodeResult> DecodeNode::poll() {
         break;
     }
   }
-  for (PeerId lost : s.agent.take_lost_peers()) {
-    ++s.counters.peers_lost;
-    s.lost.push_back(lost);
-    s.on_lost(lost);
-  }
+  const auto take_lost = [&s] {
+    for (PeerId lost : s.agent.take_lost_peers()) {
+      ++s.counters.peers_lost;
+      s.lost.push_back(lost);
+      s.on_lost(lost);
+    }
+  };
+  take_lost();
   const auto now = Clock::now();
   for (auto it = s.requests.begin(); it != s.requests.end();) {
     auto next = std::next(it);
     s.step(it, now);
     it = next;
   }
+  // The agent's thread may have lost a peer while the requests were stepped,
+  // failing a transfer one of them just read: the loss is counted in this
+  // poll too, so that no request is reported failed by a loss not counted yet.
+  take_lost();
   s.release_quarantine(std::chrono::milliseconds(0));
   return std::exchange(s.results, {});
 }
