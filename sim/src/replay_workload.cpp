@@ -38,8 +38,9 @@ class ReplayWorkload final : public Workload {
         one_group_(cache.num_groups() == 1 && cache.shared_pool() == nullptr),
         state_(requests.size()),
         feed_(options.feed) {
-    if (groups.size() != cache.num_groups()) {
-      throw std::logic_error("kvport replay: a usage entry per group is needed (a bug)");
+    if (groups.size() != cache.num_groups() || !cache.caches_prefixes()) {
+      throw std::logic_error(
+          "kvport replay: a cache of prefix caches and a usage entry per group are needed (a bug)");
     }
     result_.groups = std::move(groups);
     if (feed_ != nullptr) arrival_ms_.assign(requests.size(), 0.0);
@@ -92,13 +93,12 @@ class ReplayWorkload final : public Workload {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
     for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
-      if (!cache_.caches_prefixes()) break;
       const PrefixCacheCounters& counters = cache_.prefix_cache(g).counters();
       result_.evictions += counters.evictions;
       result_.cache_inserts += counters.inserts;
-      result_.cached_blocks_at_end += cache_.prefix_cache(g).num_cached_blocks();
     }
-    if (cache_.caches_prefixes()) result_.lookups = cache_.prefix_cache(0).counters().lookups;
+    result_.cached_blocks_at_end = cached_blocks();
+    result_.lookups = cache_.prefix_cache(0).counters().lookups;
     for (const PagedKvCache* pool : pools_)
       result_.allocations += pool->counters().allocs;
     const HybridHitCounters& hits = cache_.hit_counters();
@@ -208,25 +208,28 @@ class ReplayWorkload final : public Workload {
     table.set_copy_last_block(options_.copy_last_block);
     table.set_keep_shared_windows(true);
     const std::uint64_t lower_before = cache_.hit_counters().lower_tier_blocks;
-    const HostTierCounters tier_before = tier_counters();
-    onloads_before_.clear();
+    tier_taken_.clear();
     for (std::size_t g = 0; g < cache_.num_groups(); ++g)
-      onloads_before_.push_back(tier_ != nullptr ? tier_->counters(g).onloads : 0);
+      tier_taken_.push_back(tier_ != nullptr ? tier_->counters(g) : HostTierCounters{});
     const std::size_t hit = table.reuse_cached_prefix(scratch_, stream_);
     if (!state.tried) {
       state.tried = true;
       state.first_hit = hit;
     }
     const bool from_host = cache_.hit_counters().lower_tier_blocks != lower_before;
-    const HostTierCounters tier_after = tier_counters();
     const bool copied_last_block = table.copy_on_writes() != 0;
     group_hits_.clear();
-    host_blocks_.clear();
     for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
       const bool state_group = cache_.group(g).spec.kind == LayerKind::state;
       group_hits_.push_back(state_group ? (hit != 0 ? 1 : 0) : table.num_live_blocks(g));
-      host_blocks_.push_back(tier_ != nullptr ? tier_->counters(g).onloads - onloads_before_[g]
-                                              : 0);
+      // What the lookup took from the host (and below): after - before.
+      HostTierCounters& taken = tier_taken_[g];
+      if (tier_ != nullptr) {
+        const HostTierCounters after = tier_->counters(g);
+        taken.onloads = after.onloads - taken.onloads;
+        taken.host_hits = after.host_hits - taken.host_hits;
+        taken.lower_tier_hits = after.lower_tier_hits - taken.lower_tier_hits;
+      }
     }
     // Admitted only when the whole prefill fits: a try that computed some
     // chunks and then gave up would leave them cached, and its retry would
@@ -266,12 +269,11 @@ class ReplayWorkload final : public Workload {
       if (one_group_) {
         // A fully cached prompt's last block may have been onloaded and then
         // dropped (no block free for its private copy): at most hit_blocks.
-        const std::uint64_t from_host_blocks =
-            std::min<std::uint64_t>(tier_after.host_hits - tier_before.host_hits, hit_blocks);
+        const HostTierCounters& taken = tier_taken_[0];
+        const std::uint64_t from_host_blocks = std::min<std::uint64_t>(taken.host_hits, hit_blocks);
         result_.host_hit_blocks += from_host_blocks;
         result_.lower_hit_blocks +=
-            std::min<std::uint64_t>(tier_after.lower_tier_hits - tier_before.lower_tier_hits,
-                                    hit_blocks - from_host_blocks);
+            std::min<std::uint64_t>(taken.lower_tier_hits, hit_blocks - from_host_blocks);
       }
       if (copied_last_block) ++result_.last_block_copies;
       result_.prompt_tokens += request.input_length;
@@ -280,7 +282,7 @@ class ReplayWorkload final : public Workload {
       if (from_host) result_.host_hit_tokens += counted;
       for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
         result_.groups[g].hit_blocks += group_hits_[g];
-        result_.groups[g].host_hit_blocks += host_blocks_[g];
+        result_.groups[g].host_hit_blocks += tier_taken_[g].onloads;
       }
       const double arrived = feed_ != nullptr ? arrival_ms_[id] : request.timestamp_ms;
       const double queued = scheduler.now_ms() - arrived;
@@ -415,8 +417,7 @@ class ReplayWorkload final : public Workload {
 
   // Blocks group g can take: free or evictable.
   std::size_t available(std::size_t g) const {
-    return cache_.caches_prefixes() ? cache_.prefix_cache(g).num_available_blocks()
-                                    : cache_.group_cache(g).num_free_blocks();
+    return cache_.prefix_cache(g).num_available_blocks();
   }
 
   // With a host tier, a lookup onloads the host's part of the prefix into
@@ -474,11 +475,10 @@ class ReplayWorkload final : public Workload {
     p.running = scheduler.running().size();
     p.waiting = scheduler.num_waiting();
     p.blocks_in_use = blocks_in_use();
-    for (std::size_t g = 0; cache_.caches_prefixes() && g < cache_.num_groups(); ++g)
-      p.cached_blocks += cache_.prefix_cache(g).num_cached_blocks();
+    p.cached_blocks = cached_blocks();
     p.completed = scheduler.stats().completed;
     p.rejected = scheduler.stats().rejected;
-    if (cache_.caches_prefixes()) p.prefix = &cache_.prefix_cache(0);
+    p.prefix = &cache_.prefix_cache(0);
     if (tier_ != nullptr) p.tier = tier_->group_tier(0);
     return p;
   }
@@ -488,9 +488,17 @@ class ReplayWorkload final : public Workload {
     std::size_t in_use = 0;
     for (const PagedKvCache* pool : pools_)
       in_use += pool->num_blocks_in_use();
-    for (std::size_t g = 0; cache_.caches_prefixes() && g < cache_.num_groups(); ++g)
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
       in_use -= cache_.prefix_cache(g).num_evictable_blocks();
     return in_use;
+  }
+
+  // Blocks in the groups' prefix caches.
+  std::size_t cached_blocks() const {
+    std::size_t n = 0;
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
+      n += cache_.prefix_cache(g).num_cached_blocks();
+    return n;
   }
 
   static std::size_t live_blocks(const HybridBlockTable& table) {
@@ -498,10 +506,6 @@ class ReplayWorkload final : public Workload {
     for (std::size_t g = 0; g < table.cache().num_groups(); ++g)
       n += table.num_live_blocks(g);
     return n;
-  }
-
-  HostTierCounters tier_counters() const {
-    return tier_ != nullptr ? tier_->total_counters() : HostTierCounters{};
   }
 
   InvariantReport check_invariants() const {
@@ -540,9 +544,10 @@ class ReplayWorkload final : public Workload {
   std::size_t finished_ = 0;  // completed or rejected
   std::size_t admitted_ = 0;  // requests admitted at least once
   std::uint64_t running_steps_ = 0;
-  std::vector<std::uint64_t> onloads_before_;  // try_admit's scratch
+  // try_admit's scratch, per group: the tier's counters before the lookup,
+  // then what the lookup took (onloads, host and lower-tier hits).
+  std::vector<HostTierCounters> tier_taken_;
   std::vector<std::uint64_t> group_hits_;
-  std::vector<std::uint64_t> host_blocks_;
   std::vector<TokenId> scratch_;
   std::vector<std::uint8_t> k_content_;  // write_contents' buffers
   std::vector<std::uint8_t> v_content_;
