@@ -121,9 +121,7 @@ struct HostTier::State {
         backend(&kv->backend()),
         options(o),
         compute_stream(compute),
-        slot_bytes(slot_bytes_for(*kv)),
-        block_size(p.tokens_per_block()),
-        host(*backend, o.num_host_blocks, slot_bytes, block_size),
+        host(*backend, o.num_host_blocks, slot_bytes_for(*kv), p.tokens_per_block()),
         copies(*backend, compute, o.copy_timeout, "HostTier") {
     // Everything a call may append to is sized here (the slot store sizes
     // its own), so that no call allocates (and throws halfway) once blocks
@@ -150,7 +148,7 @@ struct HostTier::State {
     o.has_parent = from->parent.has_value();
     o.parent = from->parent.value_or(BlockHash{});
     o.extra_key = from->extra_key;
-    o.has_tokens = from->tokens.size() == block_size;
+    o.has_tokens = from->tokens.size() == host.block_size;
     if (o.has_tokens)
       std::copy(from->tokens.begin(), from->tokens.end(), host.tokens_of(s).begin());
   }
@@ -163,7 +161,7 @@ struct HostTier::State {
     view.hashes = {&host.hashes[s], 1};
     view.parent = origin.parent;
     view.tokens = origin.tokens;
-    view.block_size = static_cast<std::uint32_t>(block_size);
+    view.block_size = static_cast<std::uint32_t>(host.block_size);
     view.extra_key = origin.extra_key;
     to.stored(from, view);
   }
@@ -199,7 +197,7 @@ struct HostTier::State {
     }
     BlockStoredView view;
     view.hashes = {&h, 1};
-    view.block_size = static_cast<std::uint32_t>(block_size);
+    view.block_size = static_cast<std::uint32_t>(host.block_size);
     to.stored(lower_source, view);
   }
 
@@ -220,7 +218,7 @@ struct HostTier::State {
         const SlotId id = host.id_of(c);
         spill_slots.push_back(id);
         spill_hashes.push_back(host.hashes[id]);
-        spill_images.emplace_back(host.slot_ptr(id), slot_bytes);
+        spill_images.emplace_back(host.slot_ptr(id), host.slot_bytes);
       }
     } catch (const std::exception&) {  // bad_alloc: acquire_slot drops them instead
       return 0;
@@ -292,7 +290,7 @@ struct HostTier::State {
       const std::optional<SlotId> id = acquire_slot(lower_hashes[n]);
       if (!id) break;  // every other slot is pinned by this lookup
       hits[lower_pos[n]] = *id;
-      lower_bufs.emplace_back(host.slot_ptr(*id), slot_bytes);
+      lower_bufs.emplace_back(host.slot_ptr(*id), host.slot_bytes);
     }
     // One batch, straight into the slots.
     const std::size_t got =
@@ -358,7 +356,7 @@ struct HostTier::State {
       host.mark_ready(t.slot);
       if (sink != nullptr) announce(*sink, t.slot);  // visible from now on
       ++counters.offloads;
-      counters.offload_bytes += slot_bytes;
+      counters.offload_bytes += host.slot_bytes;
       release_block(t.block);
     }
     in_flight.clear();
@@ -554,8 +552,6 @@ struct HostTier::State {
   Backend* backend;
   HostTierOptions options;
   StreamView compute_stream;
-  std::size_t slot_bytes;
-  std::size_t block_size;
   HostSlots host;  // the slot store (host_slots.hpp)
   CacheEventSink* sink = nullptr;
   EventSource source{Medium::cpu, std::nullopt, std::nullopt, std::nullopt};
@@ -819,7 +815,7 @@ void HostTier::finish_run() noexcept {
   s.counters.onloads += landed;
   s.counters.host_hits += landed - lower_onloaded;
   s.counters.lower_tier_hits += lower_onloaded;
-  s.counters.onload_bytes += landed * s.slot_bytes;
+  s.counters.onload_bytes += landed * s.host.slot_bytes;
   s.run_hits.clear();
   s.run_onload.clear();
   s.end_run(landed);
@@ -892,10 +888,10 @@ std::size_t HostTier::num_quarantined_slots() const noexcept {
   return state_->host.quarantined_slots;
 }
 std::size_t HostTier::slot_bytes() const noexcept {
-  return state_->slot_bytes;
+  return state_->host.slot_bytes;
 }
 std::span<std::byte> HostTier::slot_memory() const noexcept {
-  return {state_->host.memory, state_->host.slots.size() * state_->slot_bytes};
+  return {state_->host.memory, state_->host.slots.size() * state_->host.slot_bytes};
 }
 const HostTierOptions& HostTier::options() const noexcept {
   return state_->options;
@@ -911,10 +907,10 @@ PrefixCache& HostTier::prefix_cache() const noexcept {
 
 void HostTier::set_lower_tier(LowerTierStore* store) {
   State& s = *state_;
-  if (store != nullptr && store->block_bytes() != s.slot_bytes) {
+  if (store != nullptr && store->block_bytes() != s.host.slot_bytes) {
     throw InvalidArgument(
         fmt::format("HostTier::set_lower_tier: the store's blocks have {} bytes, host slots {}",
-                    store->block_bytes(), s.slot_bytes));
+                    store->block_bytes(), s.host.slot_bytes));
   }
   if (store != nullptr && s.sink != nullptr) {
     const std::vector<BlockHash> stored = store->stored_hashes();  // may throw: nothing changed
@@ -978,7 +974,7 @@ void HostTier::snapshot(CacheEventSink& sink) const {
 }
 
 std::size_t HostTier::origin_bytes_per_slot() const noexcept {
-  return sizeof(SlotOrigin) + state_->block_size * sizeof(TokenId);
+  return sizeof(SlotOrigin) + state_->host.block_size * sizeof(TokenId);
 }
 
 std::vector<BlockHash> HostTier::host_lru_order() const {
