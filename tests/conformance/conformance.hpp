@@ -19,6 +19,7 @@
 
 #include "kvport/platform/backend.hpp"
 #include "kvport/platform/registry.hpp"
+#include "kvport/testing/sanitizers.hpp"
 
 namespace kvport::conformance {
 
@@ -35,17 +36,7 @@ inline constexpr std::size_t kGpusimCapacity = 8 * kGiB;
 
 /// Whether this build runs under ThreadSanitizer (the tsan preset), which
 /// makes gpusim's lane-by-lane kernels some 25 times slower.
-#if defined(__SANITIZE_THREAD__)
-inline constexpr bool kThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-inline constexpr bool kThreadSanitizer = true;
-#else
-inline constexpr bool kThreadSanitizer = false;
-#endif
-#else
-inline constexpr bool kThreadSanitizer = false;
-#endif
+using kvport::testing::kThreadSanitizer;
 
 /// Every backend the suite is instantiated for: the compiled ones, then the
 /// test-only ones (gpusim, fault_host).

@@ -29,6 +29,7 @@
 #include "disk_test_util.hpp"
 #include "kvport/disk/disk_store.hpp"
 #include "kvport/platform/error.hpp"
+#include "kvport/testing/sanitizers.hpp"
 #include "kvport/testing/time_scale.hpp"
 
 namespace kvport::disk {
@@ -389,18 +390,9 @@ TEST_F(HostileDirTest, AWarmOpenDescribesTheDataFileAsTheColdOneDid) {
 
 // ---- an index far larger than the store could have written -------------------------------
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define KVPORT_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define KVPORT_TEST_SANITIZED 1
-#endif
-#endif
-
 TEST_F(HostileDirTest, AHugeIndexIsStreamedInBoundedMemoryAndCompacted) {
-#ifdef KVPORT_TEST_SANITIZED
-  GTEST_SKIP() << "an address-space limit cannot be set under a sanitizer";
-#else
+  if (kvport::testing::kAddressSanitizer || kvport::testing::kThreadSanitizer)
+    GTEST_SKIP() << "an address-space limit cannot be set under a sanitizer";
   { auto s = DiskStore::open(options()); }
   // 512 MiB of records (sparse: zeros, none valid) for 16 slots.
   constexpr std::uint64_t kIndexBytes = std::uint64_t{1} << 29;
@@ -425,7 +417,6 @@ TEST_F(HostileDirTest, AHugeIndexIsStreamedInBoundedMemoryAndCompacted) {
     if (fs::file_size(tier() / "index.log") != 0) return 6;
     return put(*s, chain(5, 2)) == 2 ? 0 : 7;
   }));
-#endif
 }
 
 // ---- an index that cannot be written ------------------------------------------------------

@@ -33,6 +33,7 @@
 #include "kvport/events/wire.hpp"
 #include "kvport/platform/error.hpp"
 #include "kvport/router/router_index.hpp"
+#include "kvport/testing/sanitizers.hpp"
 #include "kvport/testing/time_scale.hpp"
 
 namespace kvport::router {
@@ -48,19 +49,9 @@ using Blocks = std::vector<std::pair<std::uint64_t, Tier>>;
 // The Subscriber is single-threaded, so TSan has little to check here beyond
 // libzmq, which is suppressed (tests/tsan.supp): under TSan each test skips,
 // saying so; the host and asan presets run every one.
-#if defined(__SANITIZE_THREAD__)  // GCC
-#define KVPORT_UNDER_TSAN 1
-#elif defined(__has_feature)  // clang
-#if __has_feature(thread_sanitizer)
-#define KVPORT_UNDER_TSAN 1
-#endif
-#endif
-#if defined(KVPORT_UNDER_TSAN)
-#define SKIP_SOCKET_TIMING_UNDER_TSAN() \
+#define SKIP_SOCKET_TIMING_UNDER_TSAN()    \
+  if (::kvport::testing::kThreadSanitizer) \
   GTEST_SKIP() << "socket timing test: not run under ThreadSanitizer (host and asan run it)"
-#else
-#define SKIP_SOCKET_TIMING_UNDER_TSAN() (void)0
-#endif
 
 constexpr std::uint32_t kBs = 16;  // IndexOptions' default block size
 
