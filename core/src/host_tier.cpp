@@ -17,6 +17,7 @@
 #include "kvport/platform/host_memory.hpp"
 #include "kvport/platform/log.hpp"
 #include "log_nothrow.hpp"
+#include "lower_link.hpp"
 
 namespace kvport {
 
@@ -75,6 +76,7 @@ namespace {
 using detail::CopyEngine;
 using detail::HostSlots;
 using detail::kNoSlot;
+using detail::LowerLink;
 using detail::Slot;
 using detail::SlotId;
 using detail::SlotOrigin;
@@ -101,20 +103,6 @@ using detail::log_error_nothrow;
 }  // namespace
 
 struct HostTier::State {
-  // Announces the lower tier's blocks (medium DISK) to the tier's sink.
-  struct LowerListener final : LowerTierStore::Listener {
-    explicit LowerListener(State* s) : state(s) {}
-    void stored(std::span<const BlockHash> stored_hashes) noexcept override {
-      if (state->sink == nullptr) return;
-      for (const BlockHash& h : stored_hashes)
-        state->announce_lower(*state->sink, h);
-    }
-    void removed(std::span<const BlockHash> removed_hashes) noexcept override {
-      if (state->sink != nullptr) state->sink->removed(state->lower_source, removed_hashes);
-    }
-    State* state;
-  };
-
   State(PrefixCache& p, const HostTierOptions& o, StreamView compute)
       : prefix(&p),
         kv(&p.kv_cache()),
@@ -153,9 +141,12 @@ struct HostTier::State {
       std::copy(from->tokens.begin(), from->tokens.end(), host.tokens_of(s).begin());
   }
 
-  void announce(CacheEventSink& to, SlotId s) const noexcept { announce(to, s, source); }
+  // Tokens per block, as the tier's (and its lower tier's) events say.
+  std::uint32_t event_block_size() const noexcept {
+    return static_cast<std::uint32_t>(host.block_size);
+  }
 
-  void announce(CacheEventSink& to, SlotId s, const EventSource& from) const noexcept {
+  void announce(CacheEventSink& to, SlotId s) const noexcept {
     const BlockOrigin origin = host.origin_of(s);
     BlockStoredView view;
     view.hashes = {&host.hashes[s], 1};
@@ -163,7 +154,7 @@ struct HostTier::State {
     view.tokens = origin.tokens;
     view.block_size = static_cast<std::uint32_t>(host.block_size);
     view.extra_key = origin.extra_key;
-    to.stored(from, view);
+    to.stored(source, view);
   }
 
   // Frees a filling, ready or quarantined slot (HostSlots::free). A ready
@@ -187,55 +178,19 @@ struct HostTier::State {
 
   // ---- lower tier --------------------------------------------------------------------
 
-  // Announces a block of the lower tier (medium DISK): with the origin its
-  // host slot kept while the host has it (a block being spilled), else bare.
-  void announce_lower(CacheEventSink& to, const BlockHash& h) const noexcept {
-    if (const auto it = host.index.find(h);
-        it != host.index.end() && host.slots[it->second].state == SlotState::ready) {
-      announce(to, it->second, lower_source);
-      return;
-    }
-    BlockStoredView view;
-    view.hashes = {&h, 1};
-    view.block_size = static_cast<std::uint32_t>(host.block_size);
-    to.stored(lower_source, view);
-  }
-
   // Frees host slots until `n` are free (or no ready slot is left unpinned),
   // offering the least recently used ready blocks to the lower tier first, as
   // one batch; returns how many it freed. Without a lower tier nothing:
   // acquire_slot drops them then.
   std::size_t spill(std::size_t n) noexcept {
-    if (lower == nullptr || host.free_slots.size() >= n) return 0;
-    const std::size_t need = n - host.free_slots.size();
-    try {
-      spill_slots.clear();
-      spill_hashes.clear();
-      spill_images.clear();
-      for (const Slot& c : host.lru) {
-        if (spill_slots.size() == need) break;
-        if (c.pins != 0) continue;
-        const SlotId id = host.id_of(c);
-        spill_slots.push_back(id);
-        spill_hashes.push_back(host.hashes[id]);
-        spill_images.emplace_back(host.slot_ptr(id), host.slot_bytes);
-      }
-    } catch (const std::exception&) {  // bad_alloc: acquire_slot drops them instead
-      return 0;
-    }
-    if (spill_slots.empty()) return 0;
-    counters.lower_tier_offers += spill_slots.size();
-    counters.lower_tier_writes += lower->put(spill_hashes, spill_images);
-    for (SlotId id : spill_slots) {
+    if (lower_link.store() == nullptr || host.free_slots.size() >= n) return 0;
+    const std::span<const SlotId> offered =
+        lower_link.offer(host, n - host.free_slots.size(), counters);
+    for (SlotId id : offered) {
       free_slot(id);
       ++counters.host_evictions;
     }
-    return spill_slots.size();
-  }
-
-  // Counts a lookup's hits for the lower tier's admission filter.
-  void note_hits(std::span<const BlockHash> hit) noexcept {
-    if (lower != nullptr && !hit.empty()) lower->note_hits(hit);
+    return offered.size();
   }
 
   // A lookup's run ends with `landed` blocks past the device's match: its
@@ -245,7 +200,7 @@ struct HostTier::State {
     for (SlotId h : run_hits)
       if (h != kNoSlot && host.slots[h].pins > 0) --host.slots[h].pins;
     run_hits.clear();
-    note_hits(run_hashes.first(std::min(run_hashes.size(), run_start + landed)));
+    lower_link.note_hits(run_hashes.first(std::min(run_hashes.size(), run_start + landed)));
     run_hashes = {};
   }
 
@@ -258,8 +213,7 @@ struct HostTier::State {
   // (bad_alloc) before the read; the caller unpins `hits` then.
   std::size_t find_hits(std::span<const BlockHash> run, const BlockHash* before,
                         std::vector<SlotId>& hits) {
-    lower_pos.clear();
-    lower_hashes.clear();
+    lower_link.begin_run();
     for (const BlockHash& h : run) {
       if (auto it = host.index.find(h); it != host.index.end()) {
         Slot& slot = host.slots[it->second];
@@ -268,59 +222,47 @@ struct HostTier::State {
         hits.push_back(it->second);
         continue;
       }
-      if (lower == nullptr || !lower->contains(h)) break;
-      lower_pos.push_back(hits.size());
-      lower_hashes.push_back(h);
+      if (!lower_link.find(h, hits.size())) break;
       hits.push_back(kNoSlot);
     }
-    if (lower_hashes.empty()) return 0;
-    const std::size_t d = lower_hashes.size();
-    lower_bufs.reserve(d);  // may throw: nothing changed yet
-    lower_bufs.clear();
-    // Nothing below throws. Room on the host first: spilling writes host
-    // blocks down, which may evict the lower tier's least recently used
-    // blocks, so the ones about to be read are made its most recent.
-    lower->touch(lower_hashes);
-    counters.lookup_spills += spill(d);
-    std::size_t n = 0;
-    for (; n < d; ++n) {
+    const std::span<const BlockHash> below = lower_link.run_hashes();
+    const std::span<const std::size_t> at = lower_link.run_positions();
+    if (below.empty()) return 0;
+    lower_link.prepare_reads();  // may throw: nothing changed yet
+    // Nothing below throws. Room on the host first (the blocks about to be
+    // read are the store's most recent: the spill evicts others there).
+    counters.lookup_spills += spill(below.size());
+    for (std::size_t n = 0; n < below.size(); ++n) {
       // A hash named twice (a caller's span, not a chain) is in the index
       // since its first slot was taken: the run ends there.
-      if (host.index.contains(lower_hashes[n])) break;
-      const std::optional<SlotId> id = acquire_slot(lower_hashes[n]);
+      if (host.index.contains(below[n])) break;
+      const std::optional<SlotId> id = acquire_slot(below[n]);
       if (!id) break;  // every other slot is pinned by this lookup
-      hits[lower_pos[n]] = *id;
-      lower_bufs.emplace_back(host.slot_ptr(*id), host.slot_bytes);
+      hits[at[n]] = *id;
+      lower_link.read_into({host.slot_ptr(*id), host.slot_bytes});
     }
-    // One batch, straight into the slots.
-    const std::size_t got =
-        n == 0 ? 0
-               : lower->get_prefix(std::span<const BlockHash>(lower_hashes).first(n), lower_bufs);
-    counters.lower_tier_shortfalls += lower_hashes.size() - got;
-    for (std::size_t k = 0; k < lower_hashes.size(); ++k) {
-      const SlotId id = hits[lower_pos[k]];
+    const std::size_t got = lower_link.read(counters);  // one batch, straight into the slots
+    for (std::size_t k = 0; k < below.size(); ++k) {
+      const SlotId id = hits[at[k]];
       if (k >= got) {
         if (id != kNoSlot) free_slot(id);  // filling: never announced
-        hits[lower_pos[k]] = kNoSlot;
+        hits[at[k]] = kNoSlot;
         continue;
       }
       // On the host from now on: its parent is the block before it in the
       // chain; its tokens and extra key were not kept below.
       SlotOrigin& o = host.origins[id];
       o = SlotOrigin{};
-      const std::size_t at = lower_pos[k];
-      const BlockHash* parent = at > 0 ? &run[at - 1] : before;
+      const BlockHash* parent = at[k] > 0 ? &run[at[k] - 1] : before;
       o.has_parent = parent != nullptr;
       if (parent != nullptr) o.parent = *parent;
       host.mark_ready(id);
       host.slots[id].pins = 1;
       if (sink != nullptr) announce(*sink, id);
     }
-    if (options.inclusion == TierInclusion::exclusive && got > 0) {
-      lower->erase(std::span<const BlockHash>(lower_hashes).first(got));
-    }
-    if (got < lower_hashes.size()) {  // the run ends at the first block not read
-      const std::size_t end = lower_pos[got];
+    if (options.inclusion == TierInclusion::exclusive) lower_link.erase_read(got);
+    if (got < below.size()) {  // the run ends at the first block not read
+      const std::size_t end = at[got];
       for (std::size_t i = end; i < hits.size(); ++i)
         if (hits[i] != kNoSlot) --host.slots[hits[i]].pins;
       hits.resize(end);
@@ -506,7 +448,7 @@ struct HostTier::State {
     victims.clear();
     // More victims than host slots would only be dropped uncopied.
     const std::size_t detached = prefix->detach_lru(std::min(n, host.slots.size()), victims);
-    if (lower != nullptr) {
+    if (lower_link.store() != nullptr) {
       std::size_t need = 0;
       for (const auto& [block, hash] : victims)
         need += host.index.contains(hash) ? 0 : 1;
@@ -568,21 +510,14 @@ struct HostTier::State {
   std::span<const BlockHash> run_hashes;
   std::size_t run_start = 0;
   HostTierCounters counters;
-  // The lower tier, its events' source (source with medium DISK) and the
-  // listener it reports its blocks to.
-  LowerTierStore* lower = nullptr;
+  // The lower-tier link (lower_link.hpp) and the source its store announces
+  // its own blocks as (the tier's source with medium DISK).
+  LowerLink lower_link{host.size()};
   EventSource lower_source{Medium::disk, std::nullopt, std::nullopt, std::nullopt};
-  LowerListener lower_listener{this};
   // Scratch, kept to avoid allocating per call.
   std::vector<std::pair<BlockId, BlockHash>> victims;
   std::vector<Transfer> staged;
   std::vector<HostCopyRegion> regions;
-  std::vector<SlotId> spill_slots;
-  std::vector<BlockHash> spill_hashes;
-  std::vector<std::span<const std::byte>> spill_images;
-  std::vector<std::size_t> lower_pos;  // a lookup's run: positions read from the lower tier
-  std::vector<BlockHash> lower_hashes;
-  std::vector<std::span<std::byte>> lower_bufs;
 };
 
 // ---- construction ---------------------------------------------------------------------------
@@ -646,10 +581,11 @@ HostTier::~HostTier() {
   for (const auto& [block, hash] : s.write_queue)
     s.release_block(block);
   s.write_queue.clear();
-  if (s.lower != nullptr) s.lower->set_listener(nullptr);
+  LowerTierStore* const lower = s.lower_link.store();
+  if (lower != nullptr) lower->set_event_sink(nullptr, {}, 0);
   if (s.sink != nullptr) {
     s.sink->cleared(s.source);
-    if (s.lower != nullptr) s.sink->cleared(s.lower_source);
+    if (lower != nullptr) s.sink->cleared(s.lower_source);
   }
 }
 
@@ -810,7 +746,7 @@ void HostTier::finish_run() noexcept {
   // The hits from the lower tier among those onloaded (the first ones of
   // the run: the rest stay on the host).
   std::size_t lower_onloaded = 0;
-  for (std::size_t k = 0; k < s.run_from_lower && s.lower_pos[k] < landed; ++k)
+  for (std::size_t k = 0; k < s.run_from_lower && s.lower_link.run_positions()[k] < landed; ++k)
     ++lower_onloaded;
   s.counters.onloads += landed;
   s.counters.host_hits += landed - lower_onloaded;
@@ -863,7 +799,7 @@ bool HostTier::holds(const BlockHash& hash) const noexcept {
   if (it != s.host.index.end()) {
     return s.host.slots[it->second].state == SlotState::ready && s.host.slots[it->second].pins == 0;
   }
-  return s.lower != nullptr && s.lower->contains(hash);
+  return s.lower_link.contains(hash);
 }
 
 std::size_t HostTier::num_host_blocks() const noexcept {
@@ -912,17 +848,31 @@ void HostTier::set_lower_tier(LowerTierStore* store) {
         fmt::format("HostTier::set_lower_tier: the store's blocks have {} bytes, host slots {}",
                     store->block_bytes(), s.host.slot_bytes));
   }
-  if (store != nullptr && s.sink != nullptr) {
-    const std::vector<BlockHash> stored = store->stored_hashes();  // may throw: nothing changed
-    s.lower_listener.stored(stored);
+  // The store announces its own blocks to the tier's sink, as the tier's
+  // source with medium DISK: what it holds already first.
+  if (store != nullptr) {
+    EventSource source = s.lower_source;  // the copies may throw: nothing changed
+    EventSource before = store->event_source();
+    CacheEventSink* const before_sink = store->event_sink();
+    const std::uint32_t before_block_size = store->event_block_size();
+    store->set_event_sink(s.sink, std::move(source), s.event_block_size());
+    if (s.sink != nullptr) {
+      try {
+        store->snapshot(*s.sink);  // throws before announcing anything
+      } catch (...) {
+        store->set_event_sink(before_sink, std::move(before), before_block_size);
+        throw;
+      }
+    }
   }
-  if (s.lower != nullptr && s.lower != store) s.lower->set_listener(nullptr);
-  s.lower = store;
-  if (store != nullptr) store->set_listener(&s.lower_listener);
+  LowerTierStore* const before_store = s.lower_link.store();
+  if (before_store != nullptr && before_store != store)
+    before_store->set_event_sink(nullptr, {}, 0);
+  s.lower_link.set_store(store);
 }
 
 LowerTierStore* HostTier::lower_tier() const noexcept {
-  return state_->lower;
+  return state_->lower_link.store();
 }
 
 // ---- events ---------------------------------------------------------------------------------
@@ -930,10 +880,15 @@ LowerTierStore* HostTier::lower_tier() const noexcept {
 void HostTier::set_event_sink(CacheEventSink* sink, EventSource source) {
   State& s = *state_;
   if (sink != nullptr) s.prefix->keep_block_origins();
+  EventSource lower_source = source;  // may throw: nothing changed
+  lower_source.medium = Medium::disk;
+  EventSource for_store = lower_source;
   s.sink = sink;
   s.source = std::move(source);
-  s.lower_source = s.source;
-  s.lower_source.medium = Medium::disk;
+  s.lower_source = std::move(lower_source);
+  // The store announces its own blocks, to the same sink.
+  if (LowerTierStore* const lower = s.lower_link.store(); lower != nullptr)
+    lower->set_event_sink(sink, std::move(for_store), s.event_block_size());
 }
 
 CacheEventSink* HostTier::event_sink() const noexcept {
@@ -967,10 +922,8 @@ void HostTier::snapshot(CacheEventSink& sink) const {
     for (auto it = chain.rbegin(); it != chain.rend(); ++it)
       s.announce(sink, *it);
   }
-  if (s.lower != nullptr) {
-    for (const BlockHash& h : s.lower->stored_hashes())
-      s.announce_lower(sink, h);
-  }
+  // The store's own blocks, as it announces them.
+  if (LowerTierStore* const lower = s.lower_link.store(); lower != nullptr) lower->snapshot(sink);
 }
 
 std::size_t HostTier::origin_bytes_per_slot() const noexcept {

@@ -344,7 +344,7 @@ struct DiskStore::State {
   // that may not be recorded.
   enum class IndexTrouble : std::uint8_t { none, no_room, failed };
   IndexTrouble index_trouble = IndexTrouble::none;
-  LowerTierStore::Listener* listener = nullptr;
+  DiskStore::Listener* listener = nullptr;
   DiskStoreCounters counters;
 
   ~State() {
@@ -1270,7 +1270,7 @@ std::string DiskStore::io_description() const {
   return d;
 }
 
-void DiskStore::set_listener(LowerTierStore::Listener* listener) noexcept {
+void DiskStore::set_listener(Listener* listener) noexcept {
   state_->listener = listener;
 }
 

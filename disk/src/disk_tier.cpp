@@ -12,18 +12,23 @@ namespace kvport::disk {
 
 namespace {
 
-// Logs what a store call threw; the tier above goes on with "nothing".
-void log_failure(const char* call, const std::exception& e) noexcept {
+// Logs why a store call failed; the tier above goes on with "nothing".
+void log_failure(const char* call, const char* why) noexcept {
   try {
-    log::error(std::string("disk tier: ") + call + " failed: " + e.what());
+    log::error(std::string("disk tier: ") + call + " failed: " + why);
   } catch (...) {
   }
+}
+
+void log_failure(const char* call, const std::exception& e) noexcept {
+  log_failure(call, e.what());
 }
 
 }  // namespace
 
 DiskTier::DiskTier(std::unique_ptr<DiskStore> store) : store_(std::move(store)) {
   if (!store_) throw InvalidArgument("DiskTier: no store");
+  store_->set_listener(&announcer_);
 }
 
 std::unique_ptr<DiskTier> DiskTier::open(const DiskStoreOptions& options) {
@@ -31,7 +36,7 @@ std::unique_ptr<DiskTier> DiskTier::open(const DiskStoreOptions& options) {
 }
 
 DiskTier::~DiskTier() {
-  store_->set_listener(nullptr);
+  store_->set_listener(nullptr);  // the store may outlive nothing, but says nothing more
 }
 
 std::size_t DiskTier::block_bytes() const noexcept {
@@ -39,13 +44,23 @@ std::size_t DiskTier::block_bytes() const noexcept {
 }
 
 std::size_t DiskTier::put(std::span<const BlockHash> hashes,
-                          std::span<const std::span<const std::byte>> images) noexcept {
-  try {
-    return store_->put(hashes, images);
-  } catch (const std::exception& e) {
-    log_failure("put", e);
+                          std::span<const std::span<const std::byte>> images,
+                          std::span<const BlockOrigin> origins) noexcept {
+  if (!origins.empty() && origins.size() != hashes.size()) {
+    log_failure("put", "origins and hashes differ in size");
     return 0;
   }
+  put_hashes_ = hashes;
+  put_origins_ = origins;
+  std::size_t kept = 0;
+  try {
+    kept = store_->put(hashes, images);
+  } catch (const std::exception& e) {
+    log_failure("put", e);
+  }
+  put_hashes_ = {};
+  put_origins_ = {};
+  return kept;
 }
 
 bool DiskTier::contains(const BlockHash& hash) const noexcept {
@@ -88,8 +103,12 @@ std::vector<BlockHash> DiskTier::stored_hashes() const {
   return store_->lru_order();
 }
 
-void DiskTier::set_listener(Listener* listener) noexcept {
-  store_->set_listener(listener);
+void DiskTier::Announcer::stored(std::span<const BlockHash> hashes) noexcept {
+  tier->announce_stored(tier->put_hashes_, tier->put_origins_, hashes);
+}
+
+void DiskTier::Announcer::removed(std::span<const BlockHash> hashes) noexcept {
+  tier->announce_removed(hashes);
 }
 
 }  // namespace kvport::disk

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "core_test_util.hpp"
@@ -135,7 +136,7 @@ TEST_P(LowerTierTest, DroppedHostBlocksComeBackThroughAHostSlotWithTheirContents
   HostTier tier(pc, options());
   tier.set_lower_tier(&store);
   EXPECT_EQ(tier.lower_tier(), &store);
-  EXPECT_EQ(store.listener() != nullptr, true);
+  EXPECT_EQ(store.event_block_size(), pc.tokens_per_block());  // announcing as the tier's disk
   fill_five(tier);
   const std::vector<BlockHash> a = hashes_of(100);
   EXPECT_TRUE(store.contains(a[0]));
@@ -278,7 +279,7 @@ TEST_P(LowerTierTest, HoldsCountsTheLowerTierAndUninstallingStopsIt) {
   const PrefixCacheTier* base = pc.tier();
   EXPECT_TRUE(base->holds(a0));
   tier.set_lower_tier(nullptr);
-  EXPECT_EQ(store.listener(), nullptr);
+  EXPECT_EQ(store.event_block_size(), 0u);  // no longer announcing for the tier
   EXPECT_FALSE(base->holds(a0));
   PrefixMatch m = pc.lookup(tokens(9, 100));
   EXPECT_TRUE(m.blocks.empty());  // the lower tier is not asked any more
@@ -315,7 +316,7 @@ TEST_P(LowerTierTest, AStoreOfAnotherBlockSizeIsRefused) {
   MemoryStore wrong(tier.slot_bytes() + 1, 4);
   test::expect_invalid_argument([&] { tier.set_lower_tier(&wrong); }, "host slots");
   EXPECT_EQ(tier.lower_tier(), nullptr);
-  EXPECT_EQ(wrong.listener(), nullptr);
+  EXPECT_EQ(wrong.event_block_size(), 0u);
 }
 
 TEST_P(LowerTierTest, AdmissionCountsTheLookupsHits) {
@@ -382,13 +383,38 @@ TEST_P(LowerTierTest, LowerTierEventsCarryMediumDisk) {
   EXPECT_EQ(sink.errors, 0);
 }
 
+// The store announces its own blocks to whatever sink the tier has, in
+// whichever order the two were installed, and stops when the tier's stops.
+TEST_P(LowerTierTest, TheStoreAnnouncesToTheTiersSinkWhicheverCameFirst) {
+  MediumSink sink;
+  MemoryStore store(HostTier::slot_bytes_for(cache), 4);  // outlives the tier
+  {
+    HostTier tier(pc, options());
+    tier.set_lower_tier(&store);
+    EXPECT_EQ(store.event_sink(), nullptr);
+    pc.set_event_sink(&sink);
+    tier.set_event_sink(&sink,
+                        EventSource{Medium::cpu, 3u, std::string("full_attention"), std::nullopt});
+    EXPECT_EQ(store.event_sink(), &sink);
+    EXPECT_EQ(store.event_source().medium, Medium::disk);
+    EXPECT_EQ(store.event_source().group_idx, std::optional<std::uint32_t>(3));
+    fill_five(tier);
+    EXPECT_TRUE(sink.has(Medium::disk, hashes_of(100)[0]));
+    tier.set_event_sink(nullptr);
+    EXPECT_EQ(store.event_sink(), nullptr);
+    pc.set_event_sink(nullptr);
+  }
+  EXPECT_EQ(store.event_sink(), nullptr);
+  EXPECT_EQ(sink.errors, 0);
+}
+
 TEST_P(LowerTierTest, InstallingAStoreThatHoldsBlocksAnnouncesThem) {
   MemoryStore store(HostTier::slot_bytes_for(cache), 8);  // outlives the tier
   HostTier tier(pc, options());
   std::vector<std::byte> image(tier.slot_bytes(), std::byte{7});
   const std::vector<BlockHash> a = hashes_of(100);
   const std::span<const std::byte> images[2] = {image, image};
-  ASSERT_EQ(store.put(a, images), 2u);  // a store that was warm at start
+  ASSERT_EQ(store.put(a, images, {}), 2u);  // a store that was warm at start
   MediumSink sink;
   tier.set_event_sink(&sink);
   tier.set_lower_tier(&store);
@@ -419,7 +445,7 @@ TEST(HybridLowerTier, SetLowerTierChecksTheGroup) {
   test::expect_invalid_argument([&] { tier.set_lower_tier(1, &store); }, "no host tier");
   EXPECT_THROW(tier.set_lower_tier(3, &store), OutOfRange);
   tier.set_lower_tier(0, nullptr);
-  EXPECT_EQ(store.listener(), nullptr);
+  EXPECT_EQ(store.event_block_size(), 0u);  // no longer announcing for the tier
 }
 
 }  // namespace

@@ -27,9 +27,11 @@ class MemoryStore final : public LowerTierStore {
   std::size_t block_bytes() const noexcept override { return block_bytes_; }
 
   std::size_t put(std::span<const BlockHash> hashes,
-                  std::span<const std::span<const std::byte>> images) noexcept override {
+                  std::span<const std::span<const std::byte>> images,
+                  std::span<const BlockOrigin> origins) noexcept override {
     ++put_calls;
     if (hashes.size() != images.size()) return 0;
+    if (!origins.empty() && origins.size() != hashes.size()) return 0;
     std::vector<BlockHash> stored;
     for (std::size_t i = 0; i < hashes.size(); ++i) {
       if (images[i].size() != block_bytes_ || blocks_.contains(hashes[i])) continue;
@@ -40,13 +42,13 @@ class MemoryStore final : public LowerTierStore {
       if (blocks_.size() == capacity_) {
         const BlockHash victim = lru_.front();
         remove(victim);
-        if (listener_ != nullptr) listener_->removed({&victim, 1});
+        announce_removed({&victim, 1});
       }
       blocks_[hashes[i]].assign(images[i].begin(), images[i].end());
       lru_.push_back(hashes[i]);
       stored.push_back(hashes[i]);
     }
-    if (listener_ != nullptr && !stored.empty()) listener_->stored(stored);
+    announce_stored(hashes, origins, stored);
     return stored.size();
   }
 
@@ -62,7 +64,7 @@ class MemoryStore final : public LowerTierStore {
       if (reads_left && *reads_left == 0) {  // a failed read: dropped, never served
         const BlockHash h = hashes[got];
         remove(h);
-        if (listener_ != nullptr) listener_->removed({&h, 1});
+        announce_removed({&h, 1});
         break;
       }
       if (reads_left) --*reads_left;
@@ -85,7 +87,7 @@ class MemoryStore final : public LowerTierStore {
     for (const BlockHash& h : hashes) {
       if (!blocks_.contains(h)) continue;
       remove(h);
-      if (listener_ != nullptr) listener_->removed({&h, 1});
+      announce_removed({&h, 1});
     }
   }
 
@@ -95,10 +97,8 @@ class MemoryStore final : public LowerTierStore {
   }
 
   std::vector<BlockHash> stored_hashes() const override { return {lru_.begin(), lru_.end()}; }
-  void set_listener(Listener* listener) noexcept override { listener_ = listener; }
 
   std::size_t size() const { return blocks_.size(); }
-  Listener* listener() const { return listener_; }
 
   std::size_t min_hits = 0;
   std::optional<std::size_t> reads_left;
@@ -121,7 +121,6 @@ class MemoryStore final : public LowerTierStore {
   std::map<BlockHash, std::vector<std::byte>, Less> blocks_;
   std::map<BlockHash, std::size_t, Less> hits_;
   std::list<BlockHash> lru_;
-  Listener* listener_ = nullptr;
 };
 
 }  // namespace kvport::test

@@ -3,17 +3,19 @@
 // HostTier and a DiskTier under it. Blocks go device -> host -> disk and
 // come back with their bytes; a restart on the same directory finds them
 // (warm restart); a page corrupted between runs is a shorter hit, never
-// served; the store's listener sees every block come and go; and SIGKILL
+// served; the disk tier announces every block that comes and goes; and SIGKILL
 // while the stack writes back under load leaves no wrong byte in any block a
 // restarted stack returns.
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "../core/core_test_util.hpp"
@@ -159,22 +161,37 @@ TEST(DiskTierStack, APageCorruptedBetweenRunsIsAShorterHitNeverServed) {
   EXPECT_TIER_INVARIANTS(*s.tier);
 }
 
-// Records what the store announces.
-class Recorder final : public LowerTierStore::Listener {
+// Records what the disk tier announces, as a router would: the blocks held
+// at its source, and what each was announced with.
+class Recorder final : public CacheEventSink {
  public:
-  void stored(std::span<const BlockHash> hashes) noexcept override {
-    for (const BlockHash& h : hashes)
+  struct Announced {
+    std::optional<BlockHash> parent;
+    std::vector<TokenId> tokens;
+    std::uint64_t extra_key = 0;
+    std::uint32_t block_size = 0;
+  };
+  void stored(const EventSource& source, const BlockStoredView& v) noexcept override {
+    sources.insert(source.medium == Medium::disk ? "disk" : "other");
+    for (const BlockHash& h : v.hashes) {
       if (!held.insert({h.high, h.low}).second) ++errors;
+      announced[{h.high, h.low}] =
+          Announced{v.parent, {v.tokens.begin(), v.tokens.end()}, v.extra_key, v.block_size};
+    }
   }
-  void removed(std::span<const BlockHash> hashes) noexcept override {
+  void removed(const EventSource& /*source*/, std::span<const BlockHash> hashes) noexcept override {
     for (const BlockHash& h : hashes)
       if (held.erase({h.high, h.low}) != 1) ++errors;
   }
+  void cleared(const EventSource& /*source*/) noexcept override { held.clear(); }
+  static std::pair<std::uint64_t, std::uint64_t> key(const BlockHash& h) { return {h.high, h.low}; }
   std::set<std::pair<std::uint64_t, std::uint64_t>> held;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, Announced> announced;
+  std::set<std::string> sources;
   int errors = 0;
 };
 
-TEST(DiskTierAdapter, TheListenerSeesEveryBlockComeAndGo) {
+TEST(DiskTierAdapter, TheDiskTierAnnouncesItsOwnBlocksComeAndGo) {
   TempDir dir;
   DiskStoreOptions o;
   o.dir = dir.path() / "tier";
@@ -183,7 +200,7 @@ TEST(DiskTierAdapter, TheListenerSeesEveryBlockComeAndGo) {
   o.layout = {{"k", "v"}};
   DiskTier tier(DiskStore::open(o));
   Recorder rec;
-  tier.set_listener(&rec);
+  tier.set_event_sink(&rec, EventSource{Medium::disk, std::nullopt, std::nullopt, std::nullopt}, 2);
   std::vector<BlockHash> hashes = test::chain(7, 6);
   std::vector<std::vector<std::byte>> images;
   std::vector<std::span<const std::byte>> views;
@@ -191,16 +208,53 @@ TEST(DiskTierAdapter, TheListenerSeesEveryBlockComeAndGo) {
     images.push_back(test::image_of(h, 100));
   for (const auto& im : images)
     views.emplace_back(im);
-  EXPECT_EQ(tier.put(hashes, views), 4u);  // 6 blocks, 4 slots: the first 4 are kept
-  EXPECT_EQ(rec.held.size(), 4u);
+  // What each block was registered with: its parent, two tokens, an extra key.
+  std::vector<TokenId> toks(2 * hashes.size());
+  std::vector<BlockOrigin> origins(hashes.size());
+  for (std::size_t i = 0; i < hashes.size(); ++i) {
+    toks[2 * i] = static_cast<TokenId>(10 * i);
+    toks[2 * i + 1] = static_cast<TokenId>(10 * i + 1);
+    if (i > 0) origins[i].parent = hashes[i - 1];
+    origins[i].tokens = std::span<const TokenId>(toks).subspan(2 * i, 2);
+    origins[i].extra_key = 77;
+  }
+  // Origins that do not match the hashes: nothing kept, nothing announced.
+  EXPECT_EQ(tier.put(hashes, views, std::span<const BlockOrigin>(origins).first(2)), 0u);
+  EXPECT_TRUE(rec.held.empty());
+  EXPECT_EQ(tier.put(hashes, views, origins), 4u);  // 6 blocks, 4 slots: the first 4 are kept
+  ASSERT_EQ(rec.held.size(), 4u);
+  EXPECT_EQ(rec.sources, std::set<std::string>{"disk"});
+  const Recorder::Announced& second = rec.announced[Recorder::key(hashes[1])];
+  EXPECT_EQ(second.parent, std::optional<BlockHash>(hashes[0]));
+  EXPECT_EQ(second.tokens, (std::vector<TokenId>{10, 11}));
+  EXPECT_EQ(second.extra_key, 77u);
+  EXPECT_EQ(second.block_size, 2u);
+  EXPECT_FALSE(rec.announced[Recorder::key(hashes[0])].parent.has_value());
   tier.erase(std::span<const BlockHash>(hashes).subspan(1, 1));
   EXPECT_FALSE(tier.contains(hashes[1]));
   EXPECT_EQ(rec.held.size(), 3u);
+  // Two more blocks, bare: one goes into the free slot, one evicts the oldest.
+  EXPECT_EQ(tier.put(std::span<const BlockHash>(hashes).subspan(4, 2),
+                     std::span<const std::span<const std::byte>>(views).subspan(4, 2), {}),
+            2u);
+  EXPECT_EQ(rec.held.size(), 4u);
+  EXPECT_FALSE(rec.held.contains(Recorder::key(hashes[0])));  // evicted: removed
+  EXPECT_TRUE(rec.announced[Recorder::key(hashes[5])].tokens.empty());
   EXPECT_EQ(rec.errors, 0);
-  EXPECT_EQ(tier.stored_hashes().size(), 3u);
+  // A snapshot lists the same blocks, bare.
+  Recorder snap;
+  tier.snapshot(snap);
+  EXPECT_EQ(snap.held, rec.held);
+  EXPECT_FALSE(snap.announced[Recorder::key(hashes[3])].parent.has_value());
+  EXPECT_EQ(tier.stored_hashes().size(), 4u);
+  // No sink: nothing more is announced.
+  tier.set_event_sink(nullptr, EventSource{Medium::disk, std::nullopt, std::nullopt, std::nullopt},
+                      2);
+  tier.erase(std::span<const BlockHash>(hashes).subspan(2, 1));
+  EXPECT_EQ(rec.held.size(), 4u);
   // Bad sizes: nothing kept, nothing thrown.
   std::vector<std::span<const std::byte>> short_views(hashes.size());
-  EXPECT_EQ(tier.put(hashes, short_views), 0u);
+  EXPECT_EQ(tier.put(hashes, short_views, {}), 0u);
   std::vector<std::span<std::byte>> none;
   EXPECT_EQ(tier.get_prefix(hashes, none), 0u);
   EXPECT_THROW(DiskTier(std::unique_ptr<DiskStore>()), InvalidArgument);

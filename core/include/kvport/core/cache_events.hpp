@@ -69,6 +69,19 @@ struct BlockStoredView {
   std::uint64_t extra_key = 0;
 };
 
+/// What a registered block holds beside its hash: what a BlockStored event
+/// announces (below). For a run of blocks (PrefixCache::insert_run)
+/// `parent` is the block before the first and `tokens` covers every block.
+struct BlockOrigin {
+  /// The hash of the block before (absent: a sequence's first block).
+  std::optional<BlockHash> parent;
+  /// The block's tokens, tokens_per_block() of them per block; empty: not known (the
+  /// block is announced without tokens).
+  std::span<const TokenId> tokens;
+  /// The extra key the hash was chained with (0: none).
+  std::uint64_t extra_key = 0;
+};
+
 /// Receives a cache's events. Called on the cache's thread, inside its
 /// operations: must not throw and must not block (a publisher copies into a
 /// bounded buffer and drops, counted, when it is full).

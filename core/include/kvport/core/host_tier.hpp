@@ -228,10 +228,13 @@ class HostTier final : public PrefixCacheTier {
   /// Installs `store` under the host (nullptr: none, the default): from then
   /// on the host offers it the blocks it drops and lookups continue in it
   /// (see the class comment); holds() counts its blocks. The store must stay
-  /// valid until it is uninstalled or the tier destroyed; the tier becomes
-  /// its listener. With an event sink installed, the store's blocks are
-  /// announced (medium DISK) at once. Throws InvalidArgument when its
-  /// block_bytes() is not slot_bytes() (nothing changes then).
+  /// valid until it is uninstalled or the tier destroyed. The store
+  /// announces its own blocks to the tier's event sink
+  /// (LowerTierStore::set_event_sink: the tier's source, medium DISK), and
+  /// what it holds already at once when a sink is installed; an uninstalled
+  /// store announces nothing more. Throws InvalidArgument when its
+  /// block_bytes() is not slot_bytes(), std::bad_alloc announcing what it
+  /// holds (nothing changes then).
   void set_lower_tier(LowerTierStore* store);
   LowerTierStore* lower_tier() const noexcept;
 
@@ -244,10 +247,11 @@ class HostTier final : public PrefixCacheTier {
   /// announces nothing), removed when a visible slot is dropped (reused for a
   /// newer block, or given back after an exclusive onload: the block then
   /// leaves the host, and the device's prefix cache announces it stored),
-  /// cleared by the destructor when a sink is still installed. The lower tier's
-  /// blocks are announced with the same source but medium DISK: stored once
-  /// durable there (with the parent and tokens the host slot kept), removed
-  /// when the store drops them. Called inside
+  /// cleared by the destructor when a sink is still installed. The lower tier
+  /// announces its own blocks to the same sink with the same source but
+  /// medium DISK: stored once durable there (with the parent and tokens the
+  /// host slot kept, which the tier hands it with the blocks), removed when
+  /// the store drops them. Called inside
   /// the tier's calls and the prefix cache's (on the cache's thread); the sink
   /// must stay valid until it is uninstalled or the tier destroyed. Each slot
   /// keeps the parent, tokens and extra key its block was registered with on
@@ -262,8 +266,8 @@ class HostTier final : public PrefixCacheTier {
   const EventSource& event_source() const noexcept;
   /// The BlockStored events of every visible host block (one per block, a
   /// block after its parent where the parent is visible too), with
-  /// event_source(); then, with a lower tier, one for each of its blocks
-  /// (medium DISK, without tokens). On the tier's thread, as
+  /// event_source(); then, with a lower tier, its LowerTierStore::snapshot
+  /// (medium DISK, without parents or tokens). On the tier's thread, as
   /// PrefixCache::snapshot.
   void snapshot(CacheEventSink& sink) const;
   /// Host memory each slot's origin takes (besides slot_bytes()): 32 bytes

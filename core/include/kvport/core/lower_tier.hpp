@@ -7,10 +7,12 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
+#include "kvport/core/cache_events.hpp"
 
 namespace kvport {
 
@@ -18,22 +20,11 @@ namespace kvport {
 /// an image of block_bytes() bytes (a host slot's bytes). Every call is
 /// synchronous and bounded by the store's own deadline; none throws: a
 /// failure is a shorter answer (fewer blocks kept or read), counted by the
-/// store. Not thread-safe: the host tier calls it on its own thread.
+/// store. The store announces its own blocks' events (set_event_sink), as
+/// the host tier announces its own. Not thread-safe: the host tier calls it
+/// on its own thread.
 class LowerTierStore {
  public:
-  /// Told of the blocks that become visible in the store and of those that
-  /// leave it (for the host tier's events, medium DISK). Called inside the
-  /// store's calls; must not throw.
-  class Listener {
-   public:
-    virtual ~Listener() = default;
-    /// `hashes` became visible: their data and records are durable.
-    virtual void stored(std::span<const BlockHash> hashes) noexcept = 0;
-    /// `hashes` left the store: evicted for newer blocks, dropped after a
-    /// failed or corrupted read, erased, or lost with a deleted file.
-    virtual void removed(std::span<const BlockHash> hashes) noexcept = 0;
-  };
-
   virtual ~LowerTierStore() = default;
 
   /// Bytes of one block's image; HostTier::set_lower_tier requires its
@@ -42,10 +33,14 @@ class LowerTierStore {
 
   /// Keeps the blocks `images[i]` under `hashes[i]` (the host is dropping
   /// them), as one batch: those it admits and does not hold already, each
-  /// visible only once durable. Returns how many became visible. Spans of
-  /// different sizes or images of the wrong size keep nothing (0).
+  /// visible only once durable, and announced then (stored, to the event
+  /// sink) with `origins[i]`, what the block was registered with (empty: each
+  /// announced bare). Returns how many became visible. Spans of different
+  /// sizes (origins: empty or as many as hashes) or images of the wrong size
+  /// keep nothing (0).
   virtual std::size_t put(std::span<const BlockHash> hashes,
-                          std::span<const std::span<const std::byte>> images) noexcept = 0;
+                          std::span<const std::span<const std::byte>> images,
+                          std::span<const BlockOrigin> origins) noexcept = 0;
 
   /// Whether `hash` is stored and visible (no I/O).
   virtual bool contains(const BlockHash& hash) const noexcept = 0;
@@ -71,12 +66,46 @@ class LowerTierStore {
   /// that admits every block ignores it).
   virtual void note_hits(std::span<const BlockHash> hashes) noexcept = 0;
 
-  /// Every visible hash, least recently used first (HostTier::snapshot).
+  /// Every visible hash, least recently used first (snapshot).
   /// O(blocks); may throw std::bad_alloc.
   virtual std::vector<BlockHash> stored_hashes() const = 0;
 
-  /// Installs `listener` (nullptr: none). It must stay valid until replaced.
-  virtual void set_listener(Listener* listener) noexcept = 0;
+  // ---- events: the store announces its own blocks ---------------------------
+
+  /// Announces, from now on, every block that becomes visible (stored, with
+  /// the origin put() was given) and every one that leaves (removed: evicted
+  /// for newer blocks, dropped after a failed or corrupted read, erased, or
+  /// lost with a deleted file) to `sink` (nullptr: none) as `source`, for
+  /// blocks of `block_size` tokens. Announces nothing of what the store
+  /// holds already (snapshot does). HostTier::set_lower_tier and
+  /// HostTier::set_event_sink install the host tier's sink here, with its
+  /// source and medium DISK. `sink` must stay valid until replaced.
+  void set_event_sink(CacheEventSink* sink, EventSource source, std::uint32_t block_size) noexcept;
+  /// The sink set_event_sink installed (nullptr: none).
+  CacheEventSink* event_sink() const noexcept { return sink_; }
+  /// The source the store announces as (medium DISK until set_event_sink).
+  const EventSource& event_source() const noexcept { return source_; }
+  /// Tokens per block, as its events say (0 until set_event_sink).
+  std::uint32_t event_block_size() const noexcept { return block_size_; }
+  /// Announces every visible block to `sink` as event_source(), least
+  /// recently used first, without parents or tokens: a store keeps only its
+  /// blocks' hashes, so only its live stored events carry origins. O(blocks);
+  /// may throw std::bad_alloc before announcing anything.
+  void snapshot(CacheEventSink& sink) const;
+
+ protected:
+  /// For implementations, inside put(): announces `visible`, those of the
+  /// put's `hashes` that became visible, in the put's order, each with its
+  /// entry of `origins` (parallel to `hashes`; empty: bare).
+  void announce_stored(std::span<const BlockHash> hashes, std::span<const BlockOrigin> origins,
+                       std::span<const BlockHash> visible) const noexcept;
+  /// For implementations: announces that `hashes` left the store.
+  void announce_removed(std::span<const BlockHash> hashes) const noexcept;
+
+ private:
+  CacheEventSink* sink_ = nullptr;
+  EventSource source_{Medium::disk, std::nullopt, std::nullopt, std::nullopt};
+  std::uint32_t block_size_ = 0;
 };
 
 }  // namespace kvport

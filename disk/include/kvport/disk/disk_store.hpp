@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "kvport/core/block_hash.hpp"
-#include "kvport/core/lower_tier.hpp"
 #include "kvport/core/paged_kv_cache.hpp"
 #include "kvport/disk/file_io.hpp"
 
@@ -145,6 +144,19 @@ struct DiskStoreCounters {
 /// Not thread-safe (like the tiers above it).
 class DiskStore {
  public:
+  /// Told of the blocks that become visible in the store and of those that
+  /// leave it (DiskTier announces them as the disk tier's events). Called
+  /// inside the store's calls; must not throw.
+  class Listener {
+   public:
+    virtual ~Listener() = default;
+    /// `hashes` became visible (put): their data and records are durable.
+    virtual void stored(std::span<const BlockHash> hashes) noexcept = 0;
+    /// `hashes` left the store: evicted for newer blocks, dropped after a
+    /// failed or corrupted read, erased, or lost with a deleted file.
+    virtual void removed(std::span<const BlockHash> hashes) noexcept = 0;
+  };
+
   /// Opens (or creates) the store. Cost: the data file's preallocation
   /// (fallocate, at every writer's open) and one pass over the index,
   /// streamed through a 256 KiB buffer (memory O(num_slots) whatever the
@@ -228,7 +240,7 @@ class DiskStore {
   /// Tells `listener` (nullptr: none) of every block that becomes visible
   /// (put, once durable) and every one that leaves (evicted, dropped after a
   /// failed read or at detach, erased). It must stay valid until replaced.
-  void set_listener(LowerTierStore::Listener* listener) noexcept;
+  void set_listener(Listener* listener) noexcept;
   /// Stored hashes, least recently used first. O(n): for tests and
   /// snapshots (DiskTier::stored_hashes).
   std::vector<BlockHash> lru_order() const;

@@ -15,8 +15,10 @@ namespace kvport::disk {
 /// The disk tier under a HostTier: the LowerTierStore calls on a DiskStore
 /// it owns. Its calls never throw: a store error (bad sizes, a failure to
 /// allocate) is logged and answered as "nothing kept / nothing read"; I/O
-/// failures are the store's, counted in store().counters(). Not
-/// thread-safe, like the tiers above it.
+/// failures are the store's, counted in store().counters(). It announces
+/// its own blocks' events (LowerTierStore::set_event_sink): a block once
+/// durable, with the origin put() was given, and every block the store
+/// drops, whatever the reason. Not thread-safe, like the tiers above it.
 class DiskTier final : public LowerTierStore {
  public:
   /// Takes `store` (not null: InvalidArgument).
@@ -33,7 +35,8 @@ class DiskTier final : public LowerTierStore {
 
   std::size_t block_bytes() const noexcept override;
   std::size_t put(std::span<const BlockHash> hashes,
-                  std::span<const std::span<const std::byte>> images) noexcept override;
+                  std::span<const std::span<const std::byte>> images,
+                  std::span<const BlockOrigin> origins) noexcept override;
   bool contains(const BlockHash& hash) const noexcept override;
   std::size_t get_prefix(std::span<const BlockHash> hashes,
                          std::span<const std::span<std::byte>> out) noexcept override;
@@ -42,10 +45,22 @@ class DiskTier final : public LowerTierStore {
   void erase(std::span<const BlockHash> hashes) noexcept override;
   void note_hits(std::span<const BlockHash> hashes) noexcept override;
   std::vector<BlockHash> stored_hashes() const override;
-  void set_listener(Listener* listener) noexcept override;
 
  private:
+  // The store's listener: announces what it reports as the disk tier's
+  // events, with the origins of the put in progress.
+  struct Announcer final : DiskStore::Listener {
+    explicit Announcer(DiskTier* t) : tier(t) {}
+    void stored(std::span<const BlockHash> hashes) noexcept override;
+    void removed(std::span<const BlockHash> hashes) noexcept override;
+    DiskTier* tier;
+  };
+
   std::unique_ptr<DiskStore> store_;
+  Announcer announcer_{this};
+  // The put in progress (its hashes and origins), for Announcer::stored.
+  std::span<const BlockHash> put_hashes_;
+  std::span<const BlockOrigin> put_origins_;
 };
 
 }  // namespace kvport::disk
