@@ -17,6 +17,11 @@
 //    register, release), one full group, against BlockTable.
 //  - BM_HybridDecodeOneGroup: one token per append, one full group, against
 //    BlockTable; the tables restart every 8192 tokens.
+//  - BM_SpeculativeStep/accept:P: speculative decoding over gpt-oss's groups,
+//    k = 4 drafts per step (append_draft), P% of them accepted (commit), the
+//    rest dropped (truncate), then the verifier's token (append_tokens): ns
+//    per token a step adds against today's decode (one append_tokens per
+//    token) on the same groups. Target (issue 32): x_decode <= 2.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -189,6 +194,50 @@ void BM_HybridDecodeOneGroup(benchmark::State& state) {
   report(state, tb, th, 1.0);
 }
 BENCHMARK(BM_HybridDecodeOneGroup);
+
+void BM_SpeculativeStep(benchmark::State& state) {
+  constexpr std::size_t kDrafts = 4;
+  const auto accepted = static_cast<std::size_t>(state.range(0)) * kDrafts / 100;
+  Hybrid dec(gpt_oss_groups());
+  Hybrid spec(gpt_oss_groups());
+  HybridBlockTable dt(dec.cache);
+  HybridBlockTable st(spec.cache);
+  TokenId next_d = 0, next_s = 0;
+  std::size_t spec_tokens = 0, decode_tokens = 0;
+  std::vector<TokenId> drafts(kDrafts);
+  Clock::duration td{}, ts{};
+  for (auto _ : state) {
+    auto start = Clock::now();
+    for (int i = 0; i < kPhase; ++i) {
+      if (dt.num_tokens() >= 8192) dt.release();
+      const TokenId token = next_d++;
+      dt.append_tokens({&token, 1}, dec.stream);
+      ++decode_tokens;
+    }
+    td += Clock::now() - start;
+    start = Clock::now();
+    for (int i = 0; i < kPhase; ++i) {
+      if (st.num_tokens() >= 8192) st.release();
+      for (TokenId& d : drafts)
+        d = next_s++;
+      st.append_draft(drafts, spec.stream);
+      st.commit(accepted);
+      st.truncate(st.num_committed());
+      const TokenId bonus = next_s++;
+      st.append_tokens({&bonus, 1}, spec.stream);
+      spec_tokens += accepted + 1;
+    }
+    ts += Clock::now() - start;
+  }
+  const double d =
+      std::chrono::duration<double, std::nano>(td).count() / static_cast<double>(decode_tokens);
+  const double s =
+      std::chrono::duration<double, std::nano>(ts).count() / static_cast<double>(spec_tokens);
+  state.counters["decode_ns_per_token"] = d;
+  state.counters["spec_ns_per_token"] = s;
+  state.counters["x_decode"] = s / d;
+}
+BENCHMARK(BM_SpeculativeStep)->ArgName("accept")->Arg(0)->Arg(50)->Arg(100);
 
 }  // namespace
 }  // namespace kvport::bench

@@ -52,6 +52,7 @@ HybridBlockTable::HybridBlockTable(HybridBlockTable&& other) noexcept
       block_size_(other.block_size_),
       groups_(std::exchange(other.groups_, std::vector<Group>(other.groups_.size()))),
       tokens_(std::exchange(other.tokens_, {})),
+      draft_(std::exchange(other.draft_, {})),
       hashes_(std::exchange(other.hashes_, {})),
       prompt_(std::exchange(other.prompt_, {})),
       prompt_hashes_(std::exchange(other.prompt_hashes_, {})),
@@ -70,6 +71,7 @@ HybridBlockTable& HybridBlockTable::operator=(HybridBlockTable&& other) noexcept
     block_size_ = other.block_size_;
     groups_ = std::exchange(other.groups_, std::vector<Group>(other.groups_.size()));
     tokens_ = std::exchange(other.tokens_, {});
+    draft_ = std::exchange(other.draft_, {});
     hashes_ = std::exchange(other.hashes_, {});
     prompt_ = std::exchange(other.prompt_, {});
     prompt_hashes_ = std::exchange(other.prompt_hashes_, {});
@@ -185,6 +187,7 @@ void HybridBlockTable::release() noexcept {
     grp = Group{};
   }
   tokens_.clear();
+  draft_.clear();
   hashes_.clear();
   forget_prompt();
   checkpointed_at_ = 0;
@@ -194,7 +197,10 @@ void HybridBlockTable::release() noexcept {
 HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) const {
   Plan plan;
   plan.groups.resize(groups_.size());
-  const std::size_t n = tokens_.size();
+  // Room is counted past every token held, drafts included; the freeing
+  // rules see the committed tokens only (a rollback may need the rest).
+  const std::size_t committed = tokens_.size();
+  const std::size_t n = committed + draft_.size();
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const LayerSpec& spec = cache_->group(g).spec;
     const Group& grp = groups_[g];
@@ -206,7 +212,8 @@ HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) con
     }
     const PagedKvCache& pool = pool_at(g);
     const PrefixCache* prefix = prefix_at(g);
-    p.release_to = std::max(grp.live_begin, first_needed_block(hit_rule_of(spec), block_size_, n));
+    p.release_to =
+        std::max(grp.live_begin, first_needed_block(hit_rule_of(spec), block_size_, committed));
     for (std::size_t i = grp.live_begin; i < p.release_to; ++i) {
       const BlockId b = grp.blocks[i];
       if (b == kNullBlock) continue;
@@ -272,8 +279,10 @@ bool HybridBlockTable::checkpoint_due() const noexcept {
 
 bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
   // Decode's hot path: the specs are read unchecked, and full attention
-  // skips the freeing rule it does not have.
-  const std::size_t n = tokens_.size();
+  // skips the freeing rule it does not have. Room past every token held; the
+  // freeing rule on the committed ones.
+  const std::size_t committed = tokens_.size();
+  const std::size_t n = committed + draft_.size();
   const std::vector<KvCacheGroup>& specs = cache_->groups_;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& grp = groups_[g];
@@ -285,7 +294,7 @@ bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
     const std::size_t held = grp.blocks.size();
     if (held == 0 || held * block_size_ - n < num_tokens) return false;
     if (!is_full_kind(spec.kind) &&
-        first_needed_block(hit_rule_of(spec), block_size_, n) > grp.live_begin)
+        first_needed_block(hit_rule_of(spec), block_size_, committed) > grp.live_begin)
       return false;
     if (pool_at(g).ref_count(grp.blocks.back()) != 1) return false;
   }
@@ -293,10 +302,37 @@ bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
 }
 
 void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
+  if (!draft_.empty()) {
+    throw InvalidArgument(fmt::format(
+        "HybridBlockTable::append_tokens: the table holds {} draft tokens; commit or truncate "
+        "them first",
+        draft_.size()));
+  }
+  append(tokens, stream, /*draft=*/false);
+}
+
+void HybridBlockTable::append_draft(std::span<const TokenId> tokens, StreamView stream) {
+  const std::vector<KvCacheGroup>& specs = cache_->groups_;  // unchecked: every step calls this
+  for (std::size_t g = 0; g < specs.size(); ++g) {
+    if (specs[g].spec.has_state()) {
+      throw InvalidArgument(fmt::format(
+          "HybridBlockTable::append_draft: group {} ({}) keeps a recurrent state: draft tokens "
+          "there need 1 + k state slots per request, which the table does not keep",
+          g, specs[g].spec.describe()));
+    }
+  }
+  append(tokens, stream, /*draft=*/true);
+}
+
+void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream, bool draft) {
   if (tokens.empty()) return;
   // Decode's usual case: every group's last block has room, nothing to free,
   // copy or checkpoint.
   if (fits_in_place(tokens.size())) {
+    if (draft) {
+      draft_.insert(draft_.end(), tokens.begin(), tokens.end());
+      return;
+    }
     tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
     if (tokens_.size() % block_size_ == 0) {
       try {
@@ -336,8 +372,12 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
   // Everything that can throw happens before the table changes (but see the
   // freeing rules below).
   const std::size_t n = tokens_.size();
-  reserve_total(tokens_, n + tokens.size());
-  reserve_total(hashes_, (n + tokens.size()) / block_size_);
+  if (draft) {
+    reserve_total(draft_, draft_.size() + tokens.size());
+  } else {
+    reserve_total(tokens_, n + tokens.size());
+    reserve_total(hashes_, (n + tokens.size()) / block_size_);
+  }
   for (std::size_t g = 0; g < ng; ++g)
     reserve_total(groups_[g].blocks, groups_[g].blocks.size() + plan.groups[g].fresh);
 
@@ -428,9 +468,82 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
       break;
     }
   }
+  if (draft) {
+    draft_.insert(draft_.end(), tokens.begin(), tokens.end());  // reserved
+    return;
+  }
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   register_full_blocks();
   keep_shared_point();
+}
+
+void HybridBlockTable::commit(std::size_t n) {
+  if (n > draft_.size()) {
+    throw InvalidArgument(
+        fmt::format("HybridBlockTable::commit: {} tokens, but the table holds {} draft tokens", n,
+                    draft_.size()));
+  }
+  if (n == 0) return;
+  const std::size_t committed = tokens_.size() + n;
+  reserve_total(tokens_, committed);  // may throw: nothing changed
+  reserve_total(hashes_, committed / block_size_);
+  const auto end = draft_.begin() + static_cast<std::ptrdiff_t>(n);
+  tokens_.insert(tokens_.end(), draft_.begin(), end);
+  draft_.erase(draft_.begin(), end);
+  register_full_blocks();
+  keep_shared_point();
+}
+
+void HybridBlockTable::truncate(std::size_t n) {
+  if (n < tokens_.size() || n > num_tokens()) {
+    throw InvalidArgument(fmt::format(
+        "HybridBlockTable::truncate: {} tokens is outside [{}, {}]: the table holds {} committed "
+        "tokens, which are never taken back, and {} draft tokens",
+        n, tokens_.size(), num_tokens(), tokens_.size(), draft_.size()));
+  }
+  draft_.resize(n - tokens_.size());
+  // The blocks wholly past token n held draft tokens only: never registered,
+  // so released they are freed. Last first.
+  const std::size_t keep = div_ceil(n, block_size_);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    Group& grp = groups_[g];
+    while (grp.blocks.size() > keep) {
+      const BlockId b = grp.blocks.back();
+      grp.blocks.pop_back();
+      if (b != kNullBlock) release_block(g, b);
+    }
+  }
+}
+
+InvariantReport HybridBlockTable::check_invariants() const {
+  InvariantReport report;
+  const std::size_t want = div_ceil(num_tokens(), block_size_);
+  const std::size_t full = tokens_.size() / block_size_;  // blocks full of committed tokens
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const Group& grp = groups_[g];
+    if (cache_->group(g).spec.has_state()) continue;
+    if (grp.blocks.size() != want && !(grp.blocks.empty() && num_tokens() == 0)) {
+      report.add_violation(fmt::format("group {} holds {} block entries for {} tokens ({} wanted)",
+                                       g, grp.blocks.size(), num_tokens(), want));
+    }
+    for (std::size_t i = 0; i < std::min(grp.live_begin, grp.blocks.size()); ++i) {
+      if (grp.blocks[i] != kNullBlock) {
+        report.add_violation(fmt::format(
+            "group {}: entry {} is live before the first live entry {}", g, i, grp.live_begin));
+      }
+    }
+    const PrefixCache* prefix = prefix_at(g);
+    if (prefix == nullptr) continue;
+    for (std::size_t i = full; i < grp.blocks.size(); ++i) {
+      if (grp.blocks[i] != kNullBlock && prefix->is_cached(grp.blocks[i])) {
+        report.add_violation(fmt::format(
+            "group {}: block {} (entry {}) holds tokens past the {} committed full blocks but is "
+            "cached: another request could hit it",
+            g, grp.blocks[i], i, full));
+      }
+    }
+  }
+  return report;
 }
 
 void HybridBlockTable::keep_shared_point() noexcept {
@@ -512,11 +625,11 @@ void HybridBlockTable::register_full_blocks() noexcept {
 
 std::size_t HybridBlockTable::reuse_cached_prefix(std::span<const TokenId> prompt,
                                                   StreamView stream) {
-  if (!tokens_.empty()) {
+  if (!empty()) {
     throw InvalidArgument(fmt::format(
         "HybridBlockTable::reuse_cached_prefix: the table already holds {} tokens; a cached "
         "prefix can only start an empty table",
-        tokens_.size()));
+        num_tokens()));
   }
   if (!cache_->caches_prefixes()) return 0;  // a plain cache caches nothing
   HybridHitCounters& counters = cache_->hit_counters();
@@ -959,6 +1072,12 @@ void HybridBlockTable::keep_hit_point() noexcept {
 }
 
 HybridBlockTable HybridBlockTable::fork(StreamView stream) const {
+  if (!draft_.empty()) {
+    throw InvalidArgument(
+        fmt::format("HybridBlockTable::fork: the table holds {} draft tokens; commit or truncate "
+                    "them first",
+                    draft_.size()));
+  }
   HybridBlockTable child(*cache_, extra_key_);
   child.hit_mode_ = hit_mode_;
   child.keep_shared_ = keep_shared_;

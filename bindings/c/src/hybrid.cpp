@@ -586,6 +586,40 @@ kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_block_table*
   });
 }
 
+kvport_status kvport_hybrid_block_table_append_draft(kvport_hybrid_block_table* table,
+                                                     const uint32_t* tokens, size_t num_tokens,
+                                                     kvport_stream* stream) {
+  return guard([&] {
+    HybridBlockTable& t = hybrid_table_of(table);
+    const auto ids = span_of(tokens, num_tokens, "tokens");
+    t.append_draft(ids, stream_for(t.cache().backend(), stream));
+  });
+}
+
+kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_table* table,
+                                               size_t num_tokens) {
+  return guard([&] { hybrid_table_of(table).commit(num_tokens); });
+}
+
+kvport_status kvport_hybrid_block_table_truncate(kvport_hybrid_block_table* table,
+                                                 size_t num_tokens) {
+  return guard([&] { hybrid_table_of(table).truncate(num_tokens); });
+}
+
+kvport_status kvport_hybrid_block_table_num_committed(const kvport_hybrid_block_table* table,
+                                                      size_t* out) {
+  return guard([&] { put(out, hybrid_table_of(table).num_committed(), "out"); });
+}
+
+kvport_status kvport_hybrid_block_table_check_invariants(const kvport_hybrid_block_table* table,
+                                                         kvport_invariant_report* report,
+                                                         char* text, size_t text_size,
+                                                         size_t* text_needed) {
+  return guard([&] {
+    write_report(hybrid_table_of(table).check_invariants(), report, text, text_size, text_needed);
+  });
+}
+
 kvport_status kvport_hybrid_block_table_can_append(const kvport_hybrid_block_table* table,
                                                    size_t num_tokens, bool* out) {
   return guard([&] { put(out, hybrid_table_of(table).can_append(num_tokens), "out"); });

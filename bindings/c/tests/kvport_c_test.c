@@ -1144,6 +1144,74 @@ static size_t count_null(const uint32_t* ids, size_t n) {
 }
 
 /* gpt-oss-like: window 8 and full attention, 4-token blocks. */
+/* Speculative decoding: drafts get blocks but no hits until committed;
+ * truncate frees the blocks only they used; the errors name the limit. */
+static void test_hybrid_speculative(kvport_backend* backend) {
+  kvport_layer_spec layers[2];
+  kvport_layer_spec mamba[5];
+  size_t counts[2] = {16, 16};
+  size_t mamba_counts[3] = {8, 4, 8};
+  kvport_hybrid_cache *cache = NULL, *with_state = NULL;
+  kvport_hybrid_block_table *t = NULL, *probe = NULL, *s = NULL;
+  kvport_stream* stream = NULL;
+  kvport_invariant_report r;
+  char text[256];
+  uint32_t tokens[32];
+  size_t n = 0, hit = 0, in_use = 0;
+
+  layers[0] = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 8);
+  layers[1] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  fill_tokens(tokens, 32, 1);
+  OK(kvport_hybrid_cache_create(backend, layers, 2, 4, 1, counts, 2, &cache));
+  OK(kvport_stream_create(backend, &stream));
+  OK(kvport_hybrid_block_table_create(cache, 0, &t));
+  OK(kvport_hybrid_block_table_append_tokens(t, tokens, 8, stream));
+  OK(kvport_hybrid_block_table_append_draft(t, tokens + 8, 8, stream)); /* 2 blocks of drafts */
+  OK(kvport_hybrid_block_table_num_tokens(t, &n));
+  CHECK(n == 16);
+  OK(kvport_hybrid_block_table_num_committed(t, &n));
+  CHECK(n == 8);
+  /* Another request with the same 17 tokens hits the committed blocks only. */
+  OK(kvport_hybrid_block_table_create(cache, 0, &probe));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(probe, tokens, 17, stream, &hit));
+  CHECK(hit == 8);
+  OK(kvport_hybrid_block_table_destroy(probe));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_commit(t, 9));
+  CHECK(contains(kvport_last_error(), "holds 8 draft tokens"));
+  OK(kvport_hybrid_block_table_commit(t, 4)); /* block 2 is committed */
+  OK(kvport_hybrid_block_table_create(cache, 0, &probe));
+  OK(kvport_hybrid_block_table_reuse_cached_prefix(probe, tokens, 17, stream, &hit));
+  CHECK(hit == 12);
+  OK(kvport_hybrid_block_table_destroy(probe));
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 1, &in_use));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_truncate(t, 11));
+  CHECK(contains(kvport_last_error(), "never taken back"));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_append_tokens(t, tokens, 1, stream));
+  CHECK(contains(kvport_last_error(), "commit or truncate"));
+  OK(kvport_hybrid_block_table_truncate(t, 12)); /* the 4 rejected held block 3 alone */
+  OK(kvport_hybrid_cache_group_blocks_in_use(cache, 1, &n));
+  CHECK(n == in_use - 1);
+  OK(kvport_hybrid_block_table_check_invariants(t, &r, text, sizeof text, NULL));
+  CHECK(r.ok);
+  EXPECT(KVPORT_ERR_INVALID_HANDLE,
+         kvport_hybrid_block_table_check_invariants(NULL, &r, text, sizeof text, NULL));
+  OK(kvport_hybrid_block_table_destroy(t));
+  check_hybrid_ok(cache);
+
+  /* A state group refuses drafts. */
+  mamba_layers(mamba);
+  OK(kvport_hybrid_cache_create(backend, mamba, 5, 4, 1, mamba_counts, 3, &with_state));
+  OK(kvport_hybrid_block_table_create(with_state, 0, &s));
+  OK(kvport_hybrid_block_table_append_tokens(s, tokens, 4, stream));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_append_draft(s, tokens, 2, stream));
+  CHECK(contains(kvport_last_error(), "state slots"));
+  OK(kvport_hybrid_block_table_destroy(s));
+  OK(kvport_hybrid_cache_destroy(with_state));
+  OK(kvport_stream_destroy(stream));
+  OK(kvport_hybrid_cache_destroy(cache));
+}
+
 static void test_hybrid_window_tables(kvport_backend* backend) {
   kvport_layer_spec layers[3];
   size_t counts[2] = {16, 16};
@@ -2066,6 +2134,7 @@ int main(void) {
   test_prefix_and_tables(backend);
   test_hybrid_cache(backend);
   test_hybrid_window_tables(backend);
+  test_hybrid_speculative(backend);
   test_hybrid_state_tables(backend);
   test_events(backend);
   test_hybrid_shared_pool(backend);

@@ -51,6 +51,37 @@ void bind_hybrid_table(py::module_& m) {
           },
           py::arg("tokens"), "All or nothing across groups (CacheExhausted names the group).")
       .def(
+          "append_draft",
+          [](const PyHybridTable& t, const py::object& tokens) {
+            const U32Batch batch = u32_batch(tokens, "token id");
+            t.table().append_draft(batch.ids, t.stream());
+            t.sync();
+          },
+          py::arg("tokens"),
+          "Speculative decoding: KV slots for draft tokens, never hashed, registered or "
+          "announced until committed; the freeing rules see the committed length only. All or "
+          "nothing (CacheExhausted); InvalidArgument with a state group.")
+      .def(
+          "commit", [](const PyHybridTable& t, std::size_t n) { t.table().commit(n); },
+          py::arg("num_tokens"),
+          "Commits the first num_tokens draft tokens (accepted): their full blocks are registered "
+          "and announced.")
+      .def(
+          "truncate", [](const PyHybridTable& t, std::size_t n) { t.table().truncate(n); },
+          py::arg("num_tokens"),
+          "Keeps the first num_tokens tokens (at least the committed ones): drops the draft "
+          "tokens past it and frees the blocks only they used.")
+      .def_property_readonly("num_committed",
+                             [](const PyHybridTable& t) { return t.table().num_committed(); })
+      .def_property_readonly("num_draft_tokens",
+                             [](const PyHybridTable& t) { return t.table().num_draft_tokens(); })
+      .def_property_readonly(
+          "draft_tokens", [](const PyHybridTable& t) { return id_list(t.table().draft_tokens()); })
+      .def(
+          "check_invariants", [](const PyHybridTable& t) { return t.table().check_invariants(); },
+          "No block holding a draft token (or not yet full of committed tokens) is cached; one "
+          "entry per block of num_tokens in each attention group.")
+      .def(
           "can_append",
           [](const PyHybridTable& t, std::size_t n) { return t.table().can_append(n); },
           py::arg("num_tokens"))
@@ -75,10 +106,12 @@ void bind_hybrid_table(py::module_& m) {
       .def(
           "state_slot", [](const PyHybridTable& t, IndexArg g) { return t.table().state_slot(g); },
           py::arg("group"), "Group g's working state slot, or None.")
-      .def_property_readonly("tokens",
-                             [](const PyHybridTable& t) { return id_list(t.table().tokens()); })
-      .def_property_readonly("num_tokens",
-                             [](const PyHybridTable& t) { return t.table().num_tokens(); })
+      .def_property_readonly(
+          "tokens", [](const PyHybridTable& t) { return id_list(t.table().tokens()); },
+          "The committed tokens (draft_tokens follow them).")
+      .def_property_readonly(
+          "num_tokens", [](const PyHybridTable& t) { return t.table().num_tokens(); },
+          "Every token the table holds KV slots for: committed and draft.")
       .def_property_readonly("empty", [](const PyHybridTable& t) { return t.table().empty(); })
       .def_property_readonly("copy_on_writes",
                              [](const PyHybridTable& t) { return t.table().copy_on_writes(); })

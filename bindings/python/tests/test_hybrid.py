@@ -255,6 +255,47 @@ def test_window_hit_needs_only_the_last_blocks():
             assert other.reuse_cached_prefix(prompt) == 0
 
 
+def test_speculative_steps_never_make_a_rejected_token_hittable():
+    layers = gpt_oss_layers(window=32)
+    prompt = tokens(40)
+    with kvport.HybridKvCache(layers, [64, 64], block_size=16) as cache:
+        with kvport.HybridBlockTable(cache) as t:
+            t.append_tokens(prompt)
+            drafts = [900, 901, 902, 903, 904, 905, 906, 907, 908, 909]
+            t.append_draft(drafts)  # 50 tokens: block 3 holds drafts only
+            assert (t.num_tokens, t.num_committed, t.num_draft_tokens) == (50, 40, 10)
+            assert t.tokens == prompt and t.draft_tokens == drafts
+            assert len(t.blocks(1)) == 4 and t.check_invariants().ok
+            with kvport.HybridBlockTable(cache) as probe:  # drafts are not hit
+                assert probe.reuse_cached_prefix(prompt + drafts + [1]) == 32
+            t.commit(8)  # the verifier accepts 8: block 2 (tokens 32..47) is committed
+            assert (t.num_committed, t.num_draft_tokens) == (48, 2)
+            with kvport.HybridBlockTable(cache) as probe:
+                assert probe.reuse_cached_prefix(prompt + drafts + [1]) == 48
+            in_use = cache.blocks_in_use(1)
+            t.truncate(t.num_committed)  # 2 rejected: block 3 held only them
+            assert t.num_tokens == 48 and cache.blocks_in_use(1) == in_use - 1
+            with pytest.raises(kvport.InvalidArgument, match="never taken back"):
+                t.truncate(47)
+            with pytest.raises(kvport.InvalidArgument, match="draft tokens"):
+                t.commit(1)
+            t.append_tokens([77])  # the verifier's own next token
+            t.append_draft([5, 6])
+            with pytest.raises(kvport.InvalidArgument, match="commit or truncate"):
+                t.append_tokens([1])
+            with pytest.raises(kvport.InvalidArgument, match="commit or truncate"):
+                t.fork()
+            t.truncate(49)
+            assert t.check_invariants().ok
+            check_ok(cache)
+    state_model = mamba_layers()
+    with kvport.HybridKvCache(state_model, [8, 32], block_size=16) as cache:
+        with kvport.HybridBlockTable(cache) as t:
+            t.append_tokens(tokens(16))
+            with pytest.raises(kvport.InvalidArgument, match="1 \\+ k state slots"):
+                t.append_draft([1, 2])
+
+
 def test_attention_views_match_the_group_pools():
     layers = gpt_oss_layers()
     with kvport.HybridKvCache(layers, [8, 16], block_size=16) as cache:

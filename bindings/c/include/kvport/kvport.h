@@ -991,6 +991,40 @@ KVPORT_API kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_b
                                                                  size_t num_tokens,
                                                                  kvport_stream* stream);
 
+/* Speculative decoding (docs/hybrid-models.md, "Speculative decoding"):
+ * draft tokens get KV slots but are never hashed, registered or announced
+ * until committed, and the freeing rules see the committed length only. */
+
+/** Appends draft tokens after every token the table holds, allocating as
+ *  kvport_hybrid_block_table_append_tokens (all or nothing:
+ *  KVPORT_ERR_CACHE_EXHAUSTED names the group). KVPORT_ERR_INVALID_ARGUMENT
+ *  for a cache with a state group. */
+KVPORT_API kvport_status kvport_hybrid_block_table_append_draft(kvport_hybrid_block_table* table,
+                                                                const uint32_t* tokens,
+                                                                size_t num_tokens,
+                                                                kvport_stream* stream);
+/** Commits the first `num_tokens` draft tokens (accepted): their full blocks
+ *  are registered in every group's prefix cache and announced.
+ *  KVPORT_ERR_INVALID_ARGUMENT when it exceeds the draft tokens held. */
+KVPORT_API kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_table* table,
+                                                          size_t num_tokens);
+/** Keeps the first `num_tokens` tokens: drops the draft tokens past it and
+ *  frees the blocks only they used. KVPORT_ERR_INVALID_ARGUMENT below the
+ *  committed tokens (never taken back) or above every token held. */
+KVPORT_API kvport_status kvport_hybrid_block_table_truncate(kvport_hybrid_block_table* table,
+                                                            size_t num_tokens);
+/** Committed tokens; kvport_hybrid_block_table_num_tokens counts the draft
+ *  tokens too. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_num_committed(const kvport_hybrid_block_table* table, size_t* out);
+/** The table's own checks (no block holding a draft token, or not yet full of
+ *  committed tokens, is cached; one entry per block of its tokens in each
+ *  attention group), written as kvport_hybrid_cache_check_invariants writes
+ *  its report. */
+KVPORT_API kvport_status kvport_hybrid_block_table_check_invariants(
+    const kvport_hybrid_block_table* table, kvport_invariant_report* report, char* text,
+    size_t text_size, size_t* text_needed);
+
 /** Whether appending `num_tokens` would find every block it needs in every
  *  group (free or evictable, counting what the freeing rules release). */
 KVPORT_API kvport_status kvport_hybrid_block_table_can_append(
@@ -1020,6 +1054,7 @@ KVPORT_API kvport_status kvport_hybrid_block_table_fork(const kvport_hybrid_bloc
 /** Releases every block and slot and empties the table (it stays usable). */
 KVPORT_API kvport_status kvport_hybrid_block_table_release(kvport_hybrid_block_table* table);
 
+/** Every token the table holds KV slots for: committed and draft. */
 KVPORT_API kvport_status
 kvport_hybrid_block_table_num_tokens(const kvport_hybrid_block_table* table, size_t* out);
 

@@ -776,6 +776,25 @@ extern "C" {
         num_tokens: usize,
         stream: *mut kvport_stream,
     ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_append_draft(
+        table: *mut kvport_hybrid_block_table,
+        tokens: *const u32,
+        num_tokens: usize,
+        stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_commit(table: *mut kvport_hybrid_block_table, num_tokens: usize) -> kvport_status;
+    pub fn kvport_hybrid_block_table_truncate(table: *mut kvport_hybrid_block_table, num_tokens: usize) -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_committed(
+        table: *const kvport_hybrid_block_table,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_check_invariants(
+        table: *const kvport_hybrid_block_table,
+        report: *mut kvport_invariant_report,
+        text: *mut c_char,
+        text_size: usize,
+        text_needed: *mut usize,
+    ) -> kvport_status;
     pub fn kvport_hybrid_block_table_can_append(
         table: *const kvport_hybrid_block_table,
         num_tokens: usize,

@@ -645,6 +645,48 @@ impl<'c> HybridBlockTable<'c> {
         })
     }
 
+    /// Speculative decoding: appends draft tokens, which get KV slots but are
+    /// never hashed, registered or announced until committed (the freeing
+    /// rules see the committed length only). All or nothing:
+    /// `CacheExhausted` naming the group; `InvalidArgument` for a cache with
+    /// a state group.
+    pub fn append_draft(&mut self, tokens: &[u32], stream: u64) -> Result<(), KvError> {
+        check(unsafe {
+            ffi::kvport_hybrid_block_table_append_draft(self.raw, tokens.as_ptr(), tokens.len(), stream_ptr(stream))
+        })
+    }
+
+    /// Commits the first `num_tokens` draft tokens (accepted): their full
+    /// blocks are registered and announced. `InvalidArgument` past the drafts
+    /// held.
+    pub fn commit(&mut self, num_tokens: usize) -> Result<(), KvError> {
+        check(unsafe { ffi::kvport_hybrid_block_table_commit(self.raw, num_tokens) })
+    }
+
+    /// Keeps the first `num_tokens` tokens: drops the draft tokens past it
+    /// and frees the blocks only they used. `InvalidArgument` below the
+    /// committed tokens (never taken back) or past every token held.
+    pub fn truncate(&mut self, num_tokens: usize) -> Result<(), KvError> {
+        check(unsafe { ffi::kvport_hybrid_block_table_truncate(self.raw, num_tokens) })
+    }
+
+    /// Committed tokens ([`num_tokens`](Self::num_tokens) counts the drafts too).
+    pub fn num_committed(&self) -> usize {
+        let mut n = 0usize;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_num_committed(self.raw, &mut n) },
+            "kvport_hybrid_block_table_num_committed",
+        );
+        n
+    }
+
+    /// The table's own checks: no block holding a draft token (or not yet
+    /// full of committed tokens) is cached.
+    pub fn check_invariants(&self) -> Result<InvariantReport, KvError> {
+        let raw = self.raw;
+        invariant_report(|r, t, n, needed| unsafe { ffi::kvport_hybrid_block_table_check_invariants(raw, r, t, n, needed) })
+    }
+
     /// Whether appending `num_tokens` would find every block it needs.
     pub fn can_append(&self, num_tokens: usize) -> bool {
         let mut ok = false;
@@ -681,6 +723,7 @@ impl<'c> HybridBlockTable<'c> {
         check(unsafe { ffi::kvport_hybrid_block_table_release(self.raw) })
     }
 
+    /// Every token the table holds KV slots for: committed and draft.
     pub fn num_tokens(&self) -> usize {
         let mut n = 0usize;
         expect_ok(unsafe { ffi::kvport_hybrid_block_table_num_tokens(self.raw, &mut n) }, "kvport_hybrid_block_table_num_tokens");

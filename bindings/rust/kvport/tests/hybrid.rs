@@ -247,6 +247,41 @@ fn window_freeing_hits_and_all_or_nothing() {
 }
 
 #[test]
+fn speculative_drafts_are_hit_only_once_committed() {
+    let gpu = Backend::host().unwrap();
+    let layers = vec![window(8), full()];
+    let cache = HybridKvCache::new(&layers, BS, 1, &[16, 16], &gpu).unwrap();
+    let all = tokens(17, 1);
+    let hit_of = |n: usize| {
+        let mut probe = HybridBlockTable::new(&cache, 0).unwrap();
+        probe.reuse_cached_prefix(&all[..n], DEFAULT_STREAM).unwrap()
+    };
+    let mut t = HybridBlockTable::new(&cache, 0).unwrap();
+    t.append_tokens(&all[..8], DEFAULT_STREAM).unwrap();
+    t.append_draft(&all[8..16], DEFAULT_STREAM).unwrap();
+    assert_eq!((t.num_tokens(), t.num_committed()), (16, 8));
+    assert_eq!(hit_of(17), 8); // the drafts are not cached
+    assert!(matches!(t.commit(9), Err(KvError::InvalidArgument(_))));
+    t.commit(4).unwrap();
+    assert_eq!(hit_of(17), 12);
+    assert!(matches!(t.truncate(11), Err(KvError::InvalidArgument(_))));
+    assert!(matches!(t.append_tokens(&[1], DEFAULT_STREAM), Err(KvError::InvalidArgument(_))));
+    t.truncate(12).unwrap();
+    assert_eq!(t.blocks(1).unwrap().len(), 3);
+    assert!(t.check_invariants().unwrap().ok);
+    t.append_tokens(&[99], DEFAULT_STREAM).unwrap();
+    assert!(cache.check_invariants().unwrap().ok);
+
+    let with_state = HybridKvCache::new(&mamba_layers(), BS, 1, &[8, 4, 8], &gpu).unwrap();
+    let mut s = HybridBlockTable::new(&with_state, 0).unwrap();
+    s.append_tokens(&tokens(4, 1), DEFAULT_STREAM).unwrap();
+    match s.append_draft(&[1, 2], DEFAULT_STREAM) {
+        Err(KvError::InvalidArgument(m)) => assert!(m.contains("state slots"), "{}", m),
+        other => panic!("a state group took drafts: {:?}", other),
+    }
+}
+
+#[test]
 fn state_checkpoints_hit_with_the_same_bytes() {
     let gpu = Backend::host().unwrap();
     let cache = HybridKvCache::new(&mamba_layers(), BS, 1, &[16, 8, 16], &gpu).unwrap();

@@ -156,6 +156,44 @@ class HybridBlockTable {
   /// sequence's span).
   void append_tokens(std::span<const TokenId> tokens, StreamView stream);
 
+  // ---- speculative decoding ------------------------------------------------------------
+  //
+  // A step that verifies k drafted tokens: append_draft(k drafts) gives them
+  // KV slots (the verifier writes their KV), commit(a) keeps the a accepted,
+  // truncate(num_committed()) drops the rest, and append_tokens(bonus)
+  // continues. Only committed tokens are hashed, registered in the prefix
+  // caches and announced, so no other request ever hits a rejected token's
+  // KV; the freeing rules run on the committed length, so a rollback never
+  // needs a block the table gave back (docs/hybrid-models.md, "Speculative
+  // decoding").
+
+  /// Appends `tokens` as draft tokens after every token the table holds:
+  /// their blocks are allocated (a shared last block copied first) as
+  /// append_tokens allocates, all or nothing (CacheExhausted names the
+  /// group; can_append counts drafts the same way), but nothing is hashed,
+  /// registered or announced, and the freeing rules see the committed
+  /// length only. Several calls add up. InvalidArgument for a cache with a
+  /// state group (speculation there needs 1 + k state slots per request,
+  /// which the table does not keep yet).
+  void append_draft(std::span<const TokenId> tokens, StreamView stream);
+  /// Commits the first `n` draft tokens (those the verifier accepted): their
+  /// full blocks are hashed and registered in every group's prefix cache
+  /// (announced), as append_tokens registers. InvalidArgument when `n`
+  /// exceeds num_draft_tokens(); std::bad_alloc leaves the table as it was.
+  void commit(std::size_t n);
+  /// Keeps the first `n` tokens: the draft tokens past `n` are dropped
+  /// (rejected) and the blocks wholly past token n, which only they used, are
+  /// freed (never registered: nothing another request could see is undone).
+  /// InvalidArgument when n < num_committed() (committed tokens are never
+  /// taken back) or n > num_tokens().
+  void truncate(std::size_t n);
+  /// Tokens committed: num_tokens() less the draft tokens.
+  std::size_t num_committed() const noexcept { return tokens_.size(); }
+  /// Draft tokens held (appended by append_draft, not committed or dropped).
+  std::size_t num_draft_tokens() const noexcept { return draft_.size(); }
+  /// The draft tokens, after tokens().
+  std::span<const TokenId> draft_tokens() const noexcept { return draft_; }
+
   /// Keeps, until release(), the blocks every sliding-window group needs for
   /// a later request to hit at the table's last full block (the end of the
   /// prompt, when called after prefill: the next turn of a conversation hits
@@ -179,7 +217,8 @@ class HybridBlockTable {
   /// A table sharing every live block (one reference each) with the same
   /// tokens; each state group's working state is copied into a new slot on
   /// `stream`. Throws CacheExhausted (strong guarantee) when a state group
-  /// has no slot for the copy.
+  /// has no slot for the copy, InvalidArgument while the table holds draft
+  /// tokens (commit or truncate them first).
   HybridBlockTable fork(StreamView stream) const;
 
   /// Releases every block and slot: the live blocks last position first over
@@ -197,12 +236,20 @@ class HybridBlockTable {
   /// group).
   std::optional<BlockId> state_slot(std::size_t g) const;
 
+  /// The committed tokens (draft_tokens() follow them).
   std::span<const TokenId> tokens() const noexcept { return tokens_; }
-  std::size_t num_tokens() const noexcept { return tokens_.size(); }
-  bool empty() const noexcept { return tokens_.empty(); }
+  /// Every token the table holds KV slots for: committed and draft.
+  std::size_t num_tokens() const noexcept { return tokens_.size() + draft_.size(); }
+  bool empty() const noexcept { return num_tokens() == 0; }
   HybridKvCache& cache() const noexcept { return *cache_; }
   /// Copy-on-write copies (every group) this table made.
   std::uint64_t copy_on_writes() const noexcept { return copy_on_writes_; }
+
+  /// Empty when consistent: each attention group holds one entry per block
+  /// of num_tokens(), no entry before its first live one is live, and no
+  /// block that holds a draft token (or is not yet full of committed tokens)
+  /// is cached in its prefix cache, so no other request can hit it. O(blocks).
+  InvariantReport check_invariants() const;
 
  private:
   friend class BlockTable;  // the one-group case: group_blocks(0) on its hot path
@@ -224,6 +271,8 @@ class HybridBlockTable {
   };
 
   Plan plan_append(std::size_t num_tokens) const;
+  // append_tokens (committed) and append_draft (`draft`).
+  void append(std::span<const TokenId> tokens, StreamView stream, bool draft);
   // Replaces `into` (group g's kept references) with one more reference on
   // each live block g needs for a hit ending at block `end_block`; none for
   // full attention, MLA and state. Keeps nothing when that fails.
@@ -281,8 +330,9 @@ class HybridBlockTable {
   std::uint64_t extra_key_ = 0;
   std::size_t block_size_ = 0;
   std::vector<Group> groups_;
-  std::vector<TokenId> tokens_;
-  std::vector<BlockHash> hashes_;  // chained hashes of every full block
+  std::vector<TokenId> tokens_;    // committed
+  std::vector<TokenId> draft_;     // append_draft's, after tokens_
+  std::vector<BlockHash> hashes_;  // chained hashes of every full committed block
   // The prompt reuse_cached_prefix looked up and its full blocks' hashes:
   // register_full_blocks takes them while the appended tokens are the
   // prompt's, instead of hashing again; dropped at the first difference or
