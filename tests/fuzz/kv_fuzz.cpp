@@ -38,7 +38,7 @@
 // four layers of any kind (kvport/testing/hybrid_model.hpp), so several KV
 // cache groups; byte 0 the blocks per group, byte 2 the block size and the
 // state checkpoint interval, bytes 3..7 the layers; then 5 bytes per
-// operation (start, decode, fork, release, evict), checked against the
+// operation (start, decode, fork, release, evict, speculate), checked against the
 // rules' definitions every full_check_every() operations (16) and at the end.
 //
 // Hybrid tier mode, when bits 1..3 of byte 1 are 111 (byte 1 % 16 is 14 or

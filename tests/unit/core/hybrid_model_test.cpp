@@ -47,7 +47,7 @@ TEST_P(HybridModelProperty, RandomOperationStreamsKeepEveryRule) {
   for (std::size_t g = 0; g < group_layers(c.layers, c.block_size).size(); ++g)
     counts.push_back(6 + rng() % 20);
   HybridKvCache cache(c, counts, *backend);
-  const std::discrete_distribution<int> pick({6, 6, 1, 3, 1});
+  const std::discrete_distribution<int> pick({6, 6, 1, 3, 1, 3});
   {
     HybridDriver driver(cache, stream);
     for (int step = 0; step < 3000; ++step) {
@@ -59,6 +59,13 @@ TEST_P(HybridModelProperty, RandomOperationStreamsKeepEveryRule) {
     }
     EXPECT_GT(driver.hits(), 50u) << "the stream must exercise hits";
     EXPECT_GT(driver.refused_appends(), 0u) << "and exhaustion";
+    bool state = false;
+    for (std::size_t g = 0; g < cache.num_groups(); ++g)
+      state = state || cache.group(g).spec.has_state();
+    if (!state) {
+      EXPECT_GT(driver.speculative_steps(), 50u) << "and speculative steps";
+      EXPECT_GT(driver.committed_drafts(), 0u);
+    }
     driver.release_all();
     cache.synchronize();
   }
@@ -129,9 +136,10 @@ struct TierWorld {
   std::optional<HybridHostTier> tier;
 };
 
-// start, decode, fork, release, evict, offload, poll, synchronize (, fault)
+// start, decode, fork, release, evict, speculate, offload, poll, synchronize
+// (, fault)
 HybridOp draw(std::mt19937& rng, bool faults) {
-  std::discrete_distribution<int> d({6, 6, 1, 3, 1, 1, 2, 1, faults ? 1.0 : 0.0});
+  std::discrete_distribution<int> d({6, 6, 1, 3, 1, 2, 1, 2, 1, faults ? 1.0 : 0.0});
   return HybridOp{static_cast<HybridOpKind>(d(rng)), static_cast<std::uint32_t>(rng()),
                   static_cast<std::uint32_t>(rng())};
 }

@@ -60,6 +60,10 @@ enum class HybridOpKind : std::uint8_t {
   fork,     ///< sequence a forks
   release,  ///< sequence a ends
   evict,    ///< group a evicts b % 4 + 1 cached blocks
+  /// Sequence a takes a speculative step: b % 4 + 1 draft tokens
+  /// (append_draft), (b / 4) % (drafts + 1) of them committed, the rest
+  /// truncated; with a state group the drafts must be refused.
+  speculate,
   // With a HybridHostTier only (else nothing); kNumPlainHybridOps leaves them out.
   offload,      ///< group a's tier offloads b % 5 blocks
   poll,         ///< HybridHostTier::poll
@@ -71,13 +75,14 @@ enum class HybridOpKind : std::uint8_t {
   count,
 };
 
-/// The kinds that act without a host tier (start .. evict): what a decoder of
-/// the plain hybrid mode draws from.
-inline constexpr std::uint8_t kNumPlainHybridOps = 5;
+/// The kinds that act without a host tier (start .. speculate): what a
+/// decoder of the plain hybrid mode draws from.
+inline constexpr std::uint8_t kNumPlainHybridOps = 6;
 
 inline const char* to_string(HybridOpKind k) {
-  constexpr const char* kNames[] = {"start",   "decode", "fork",        "release", "evict",
-                                    "offload", "poll",   "synchronize", "fault",   "count"};
+  constexpr const char* kNames[] = {"start",       "decode",    "fork",    "release",
+                                    "evict",       "speculate", "offload", "poll",
+                                    "synchronize", "fault",     "count"};
   return kNames[static_cast<std::size_t>(k)];
 }
 
@@ -158,6 +163,9 @@ class HybridDriver {
   void set_full_check_every(std::size_t k) { full_check_every_ = k == 0 ? 1 : k; }
 
   std::size_t hits() const noexcept { return hits_; }
+  /// Speculative steps taken (drafts appended) and draft tokens committed.
+  std::size_t speculative_steps() const noexcept { return speculated_; }
+  std::size_t committed_drafts() const noexcept { return committed_drafts_; }
   std::size_t refused_appends() const noexcept { return refused_; }
   /// Hits that came (partly) from a host tier, and the blocks of every hit
   /// read back and found right.
@@ -200,6 +208,9 @@ class HybridDriver {
       case HybridOpKind::evict:
         (void)cache_call(
             [&] { return cache_.prefix_cache(op.a % cache_.num_groups()).evict(op.b % 4 + 1); });
+        break;
+      case HybridOpKind::speculate:
+        if (!seqs_.empty()) return speculate(seqs_[op.a % seqs_.size()], op.b);
         break;
       case HybridOpKind::offload:
         if (tier_ != nullptr) {
@@ -450,6 +461,65 @@ class HybridDriver {
     return append_checked(t, tokens);
   }
 
+  // A speculative step: drafts appended (as an append is checked: a refusal
+  // or a failed copy leaves the table as it was), nothing holding them cached
+  // while they are pending, then some committed and the rest truncated.
+  std::string speculate(HybridBlockTable& t, std::uint32_t b) {
+    const std::size_t k = b % 4 + 1;
+    const std::size_t accept = (b / 4) % (k + 1);
+    std::vector<TokenId> drafts(k);
+    for (TokenId& d : drafts)
+      d = static_cast<TokenId>(1000 + next_unique_++);
+    const std::size_t committed = t.num_committed();
+    bool state = false;
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
+      state = state || cache_.group(g).spec.has_state();
+    if (state) {
+      try {
+        t.append_draft(drafts, stream_);
+      } catch (const InvalidArgument&) {
+        return t.num_tokens() == committed ? "" : "a refused append_draft changed the table";
+      }
+      return "append_draft took drafts over a state group";
+    }
+    const bool can = t.can_append(k);
+    std::vector<std::size_t> in_use;
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
+      in_use.push_back(cache_.blocks_in_use(g));
+    try {
+      cache_call([&] { t.append_draft(drafts, stream_); });
+      if (!can) return "can_append said no, append_draft succeeded";
+      if (compute_stream_failed()) return "";
+    } catch (const BackendError& e) {
+      if (!faulted_) throw;
+      ++faults_thrown_;
+      if (t.num_tokens() != committed)
+        return std::string("a failed append_draft changed the table: ") + e.what();
+      return "";
+    } catch (const CacheExhausted&) {
+      if (can) return "can_append said yes, append_draft threw CacheExhausted";
+      ++refused_;
+      if (t.num_tokens() != committed) return "a refused append_draft changed the table";
+      for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
+        if (cache_.blocks_in_use(g) != in_use[g])
+          return "a refused append_draft changed group " + std::to_string(g) + "'s blocks";
+      }
+      return "";
+    }
+    if (t.num_draft_tokens() != k) return "append_draft holds the wrong number of drafts";
+    if (const InvariantReport r = t.check_invariants(); !r.ok)
+      return "with draft tokens pending: " + r.to_string();
+    cache_call([&] { t.commit(accept); });
+    cache_call([&] { t.truncate(t.num_committed()); });
+    if (t.num_tokens() != committed + accept || t.num_draft_tokens() != 0)
+      return "commit and truncate left " + std::to_string(t.num_tokens()) + " tokens for " +
+             std::to_string(committed + accept);
+    ++speculated_;
+    committed_drafts_ += accept;
+    if (tier_ != nullptr) compute(t, committed);
+    return "";
+  }
+
   // Appends; a refusal must leave the table and the groups as they were.
   std::string append_checked(HybridBlockTable& t, std::span<const TokenId> tokens) {
     const bool can = t.can_append(tokens.size());
@@ -497,6 +567,8 @@ class HybridDriver {
           continue;
         }
         const std::span<const BlockId> blocks = t.blocks(g);
+        if (const InvariantReport r = t.check_invariants(); !r.ok)
+          return "a sequence's own checks: " + r.to_string();
         if (blocks.size() != div_ceil(n, bs))
           return "group " + std::to_string(g) + " holds " + std::to_string(blocks.size()) +
                  " entries for " + std::to_string(n) + " tokens";
@@ -564,6 +636,8 @@ class HybridDriver {
   std::vector<HybridBlockTable> seqs_;
   std::size_t hits_ = 0;
   std::size_t refused_ = 0;
+  std::size_t speculated_ = 0;
+  std::size_t committed_drafts_ = 0;
   std::uint32_t next_unique_ = 0;
   std::size_t full_check_every_ = 1;
   std::uint64_t applied_ = 0;
