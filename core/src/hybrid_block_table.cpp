@@ -95,6 +95,11 @@ std::size_t HybridBlockTable::num_live_blocks(std::size_t g) const {
   return groups_[g].blocks.size() - groups_[g].live_begin;
 }
 
+std::span<const BlockId> HybridBlockTable::draft_state_slots(std::size_t g) const {
+  (void)cache_->group(g);
+  return groups_[g].draft_states;
+}
+
 std::optional<BlockId> HybridBlockTable::state_slot(std::size_t g) const {
   (void)cache_->group(g);
   return groups_[g].state;
@@ -183,6 +188,8 @@ void HybridBlockTable::release() noexcept {
     Group& grp = groups_[g];
     release_kept(g, grp.kept_end);
     release_kept(g, grp.kept_hit);
+    for (auto it = grp.draft_states.rbegin(); it != grp.draft_states.rend(); ++it)
+      release_block(g, *it);
     if (grp.state) release_block(g, *grp.state);
     grp = Group{};
   }
@@ -194,7 +201,7 @@ void HybridBlockTable::release() noexcept {
   keep_at_ = 0;
 }
 
-HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) const {
+HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens, bool draft) const {
   Plan plan;
   plan.groups.resize(groups_.size());
   // Room is counted past every token held, drafts included; the freeing
@@ -206,7 +213,9 @@ HybridBlockTable::Plan HybridBlockTable::plan_append(std::size_t num_tokens) con
     const Group& grp = groups_[g];
     Plan::PerGroup& p = plan.groups[g];
     if (spec.has_state()) {
-      p.fresh = (!grp.state && num_tokens > 0) ? 1 : 0;
+      // A new working slot; with drafts also one slot per draft token (the
+      // state after it, which the verifier writes).
+      p.fresh = ((!grp.state && num_tokens > 0) ? 1 : 0) + (draft ? num_tokens : 0);
       p.checkpoint = num_tokens > 0 && grp.state && checkpoint_due();
       continue;
     }
@@ -271,13 +280,18 @@ bool HybridBlockTable::can_append(std::size_t num_tokens) const {
   return short_group(plan, shared_need(plan)) == plan.groups.size();
 }
 
+bool HybridBlockTable::can_append_draft(std::size_t num_tokens) const {
+  const Plan plan = plan_append(num_tokens, /*draft=*/true);
+  return short_group(plan, shared_need(plan)) == plan.groups.size();
+}
+
 bool HybridBlockTable::checkpoint_due() const noexcept {
   const std::size_t n = tokens_.size();
   const std::size_t interval = cache_->config().state_checkpoint_interval;
   return interval > 0 && n > 0 && n % (interval * block_size_) == 0 && checkpointed_at_ != n;
 }
 
-bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
+bool HybridBlockTable::fits_in_place(std::size_t num_tokens, bool draft) const {
   // Decode's hot path: the specs are read unchecked, and full attention
   // skips the freeing rule it does not have. Room past every token held; the
   // freeing rule on the committed ones.
@@ -288,7 +302,7 @@ bool HybridBlockTable::fits_in_place(std::size_t num_tokens) const {
     const Group& grp = groups_[g];
     const LayerSpec& spec = specs[g].spec;
     if (spec.kind == LayerKind::state) {
-      if (!grp.state || checkpoint_due()) return false;
+      if (draft || !grp.state || checkpoint_due()) return false;  // drafts take state slots
       continue;
     }
     const std::size_t held = grp.blocks.size();
@@ -312,15 +326,6 @@ void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView
 }
 
 void HybridBlockTable::append_draft(std::span<const TokenId> tokens, StreamView stream) {
-  const std::vector<KvCacheGroup>& specs = cache_->groups_;  // unchecked: every step calls this
-  for (std::size_t g = 0; g < specs.size(); ++g) {
-    if (specs[g].spec.has_state()) {
-      throw InvalidArgument(fmt::format(
-          "HybridBlockTable::append_draft: group {} ({}) keeps a recurrent state: draft tokens "
-          "there need 1 + k state slots per request, which the table does not keep",
-          g, specs[g].spec.describe()));
-    }
-  }
   append(tokens, stream, /*draft=*/true);
 }
 
@@ -328,7 +333,7 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
   if (tokens.empty()) return;
   // Decode's usual case: every group's last block has room, nothing to free,
   // copy or checkpoint.
-  if (fits_in_place(tokens.size())) {
+  if (fits_in_place(tokens.size(), draft)) {
     if (draft) {
       draft_.insert(draft_.end(), tokens.begin(), tokens.end());
       return;
@@ -345,7 +350,7 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
     }
     return;
   }
-  const Plan plan = plan_append(tokens.size());
+  const Plan plan = plan_append(tokens.size(), draft);
   const std::size_t ng = groups_.size();
   const PoolNeed pool_need = shared_need(plan);
   if (const std::size_t g = short_group(plan, pool_need); g < ng) {
@@ -374,6 +379,10 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
   const std::size_t n = tokens_.size();
   if (draft) {
     reserve_total(draft_, draft_.size() + tokens.size());
+    for (std::size_t g = 0; g < ng; ++g) {
+      if (cache_->group(g).spec.has_state())
+        reserve_total(groups_[g].draft_states, groups_[g].draft_states.size() + tokens.size());
+    }
   } else {
     reserve_total(tokens_, n + tokens.size());
     reserve_total(hashes_, (n + tokens.size()) / block_size_);
@@ -412,7 +421,10 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
       }
       if (cache_->group(g).spec.has_state()) {
         PrefixCache& prefix = cache_->prefix_cache(g);
-        if (p.fresh > 0) pool.zero_blocks(fresh[g], stream);  // a new sequence's state starts at 0
+        // A new sequence's state starts at 0 (a draft's slot is the
+        // verifier's to write).
+        if (!groups_[g].state && !fresh[g].empty())
+          pool.zero_blocks(std::span<const BlockId>(fresh[g]).first(1), stream);
         if (p.checkpoint && !prefix.find(hashes_[n / block_size_ - 1])) {
           checkpoint[g] = prefix.try_alloc_block();
           if (checkpoint[g]) {
@@ -432,7 +444,9 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
     const Plan::PerGroup& p = plan.groups[g];
     Group& grp = groups_[g];
     if (cache_->group(g).spec.has_state()) {
-      if (!fresh[g].empty()) grp.state = fresh[g].front();
+      auto next = fresh[g].begin();
+      if (!grp.state && next != fresh[g].end()) grp.state = *next++;
+      grp.draft_states.insert(grp.draft_states.end(), next, fresh[g].end());  // reserved
       if (checkpoint[g]) {
         PrefixCache& prefix = cache_->prefix_cache(g);
         // The checkpoint is the state after block k: announced as block k
@@ -484,14 +498,52 @@ void HybridBlockTable::commit(std::size_t n) {
                     draft_.size()));
   }
   if (n == 0) return;
-  const std::size_t committed = tokens_.size() + n;
+  const std::size_t before = tokens_.size();
+  const std::size_t committed = before + n;
   reserve_total(tokens_, committed);  // may throw: nothing changed
   reserve_total(hashes_, committed / block_size_);
   const auto end = draft_.begin() + static_cast<std::ptrdiff_t>(n);
   tokens_.insert(tokens_.end(), draft_.begin(), end);
   draft_.erase(draft_.begin(), end);
   register_full_blocks();
+  commit_states(before, n);
   keep_shared_point();
+}
+
+void HybridBlockTable::commit_states(std::size_t before, std::size_t n) noexcept {
+  const std::size_t interval = cache_->config().state_checkpoint_interval * block_size_;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    Group& grp = groups_[g];
+    if (!cache_->group(g).spec.has_state()) continue;
+    // The state after the n-th draft is the working state now.
+    release_block(g, *grp.state);
+    grp.state = grp.draft_states[n - 1];
+    for (std::size_t i = 0; i + 1 < n; ++i) {
+      const BlockId slot = grp.draft_states[i];
+      const std::size_t at = before + i + 1;  // tokens the state is after
+      // A checkpoint's position: the slot is the checkpoint, cached under
+      // the hash of the block it ends (as append_tokens caches a copy).
+      if (interval > 0 && at % interval == 0 && cache_->caches_prefixes()) {
+        const std::size_t k = at / block_size_ - 1;
+        PrefixCache& prefix = cache_->prefix_cache(g);
+        if (!prefix.find(hashes_[k])) {
+          BlockOrigin origin;
+          if (k > 0) origin.parent = hashes_[k - 1];
+          origin.tokens = std::span<const TokenId>(tokens_).subspan(k * block_size_, block_size_);
+          origin.extra_key = extra_key_;
+          try {
+            (void)prefix.insert(hashes_[k], slot, origin);
+            ++cache_->hit_counters().state_checkpoints;
+            checkpointed_at_ = at;
+          } catch (...) {  // out of memory for the index: no checkpoint
+          }
+        }
+      }
+      release_block(g, slot);  // cached: evictable; else freed
+    }
+    grp.draft_states.erase(grp.draft_states.begin(),
+                           grp.draft_states.begin() + static_cast<std::ptrdiff_t>(n));
+  }
 }
 
 void HybridBlockTable::truncate(std::size_t n) {
@@ -503,10 +555,15 @@ void HybridBlockTable::truncate(std::size_t n) {
   }
   draft_.resize(n - tokens_.size());
   // The blocks wholly past token n held draft tokens only: never registered,
-  // so released they are freed. Last first.
+  // so released they are freed. Last first. A state group's slots for the
+  // dropped drafts likewise.
   const std::size_t keep = div_ceil(n, block_size_);
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     Group& grp = groups_[g];
+    while (grp.draft_states.size() > draft_.size()) {
+      release_block(g, grp.draft_states.back());
+      grp.draft_states.pop_back();
+    }
     while (grp.blocks.size() > keep) {
       const BlockId b = grp.blocks.back();
       grp.blocks.pop_back();
@@ -521,7 +578,24 @@ InvariantReport HybridBlockTable::check_invariants() const {
   const std::size_t full = tokens_.size() / block_size_;  // blocks full of committed tokens
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const Group& grp = groups_[g];
-    if (cache_->group(g).spec.has_state()) continue;
+    if (cache_->group(g).spec.has_state()) {
+      if (grp.draft_states.size() != draft_.size()) {
+        report.add_violation(fmt::format("state group {} holds {} draft state slots for {} drafts",
+                                         g, grp.draft_states.size(), draft_.size()));
+      }
+      const PrefixCache* prefix = prefix_at(g);
+      for (BlockId slot : grp.draft_states) {
+        if (prefix != nullptr && prefix->is_cached(slot)) {
+          report.add_violation(
+              fmt::format("state group {}: draft state slot {} is cached", g, slot));
+        }
+      }
+      if (grp.state && prefix != nullptr && prefix->is_cached(*grp.state)) {
+        report.add_violation(
+            fmt::format("state group {}: the working slot {} is cached", g, *grp.state));
+      }
+      continue;
+    }
     if (grp.blocks.size() != want && !(grp.blocks.empty() && num_tokens() == 0)) {
       report.add_violation(fmt::format("group {} holds {} block entries for {} tokens ({} wanted)",
                                        g, grp.blocks.size(), num_tokens(), want));

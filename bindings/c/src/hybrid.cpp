@@ -596,6 +596,24 @@ kvport_status kvport_hybrid_block_table_append_draft(kvport_hybrid_block_table* 
   });
 }
 
+kvport_status kvport_hybrid_block_table_can_append_draft(const kvport_hybrid_block_table* table,
+                                                         size_t num_tokens, bool* out) {
+  return guard([&] { put(out, hybrid_table_of(table).can_append_draft(num_tokens), "out"); });
+}
+
+kvport_status kvport_hybrid_block_table_draft_state_slots(const kvport_hybrid_block_table* table,
+                                                          size_t group, uint32_t* out,
+                                                          size_t capacity, size_t* out_count) {
+  return guard([&] {
+    const HybridBlockTable& t = hybrid_table_of(table);
+    require(out_count, "out_count");
+    const std::span<const BlockId> slots = t.draft_state_slots(group);
+    check_capacity(out, capacity, slots.size(), "kvport_hybrid_block_table_draft_state_slots");
+    std::copy(slots.begin(), slots.end(), out);
+    *out_count = slots.size();
+  });
+}
+
 kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_table* table,
                                                size_t num_tokens) {
   return guard([&] { hybrid_table_of(table).commit(num_tokens); });
@@ -604,6 +622,11 @@ kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_table* table,
 kvport_status kvport_hybrid_block_table_truncate(kvport_hybrid_block_table* table,
                                                  size_t num_tokens) {
   return guard([&] { hybrid_table_of(table).truncate(num_tokens); });
+}
+
+kvport_status kvport_hybrid_block_table_num_draft_tokens(const kvport_hybrid_block_table* table,
+                                                         size_t* out) {
+  return guard([&] { put(out, hybrid_table_of(table).num_draft_tokens(), "out"); });
 }
 
 kvport_status kvport_hybrid_block_table_num_committed(const kvport_hybrid_block_table* table,

@@ -1156,8 +1156,9 @@ static void test_hybrid_speculative(kvport_backend* backend) {
   kvport_stream* stream = NULL;
   kvport_invariant_report r;
   char text[256];
-  uint32_t tokens[32];
+  uint32_t tokens[32], slots[4], working = 0;
   size_t n = 0, hit = 0, in_use = 0;
+  bool can = false, has = false;
 
   layers[0] = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 8);
   layers[1] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
@@ -1199,13 +1200,29 @@ static void test_hybrid_speculative(kvport_backend* backend) {
   OK(kvport_hybrid_block_table_destroy(t));
   check_hybrid_ok(cache);
 
-  /* A state group refuses drafts. */
+  /* A state group (group 1) gets a slot per draft; the accepted one's works on. */
   mamba_layers(mamba);
   OK(kvport_hybrid_cache_create(backend, mamba, 5, 4, 1, mamba_counts, 3, &with_state));
   OK(kvport_hybrid_block_table_create(with_state, 0, &s));
-  OK(kvport_hybrid_block_table_append_tokens(s, tokens, 4, stream));
-  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_hybrid_block_table_append_draft(s, tokens, 2, stream));
-  CHECK(contains(kvport_last_error(), "state slots"));
+  OK(kvport_hybrid_block_table_append_tokens(s, tokens, 2, stream));
+  OK(kvport_hybrid_block_table_can_append_draft(s, 3, &can));
+  CHECK(can);
+  OK(kvport_hybrid_block_table_can_append_draft(s, 4, &can));
+  CHECK(!can); /* 4 state slots, 1 working */
+  OK(kvport_hybrid_block_table_append_draft(s, tokens + 2, 2, stream));
+  OK(kvport_hybrid_block_table_num_draft_tokens(s, &n));
+  CHECK(n == 2);
+  OK(kvport_hybrid_block_table_draft_state_slots(s, 1, slots, 4, &n));
+  CHECK(n == 2);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_hybrid_block_table_draft_state_slots(s, 1, slots, 1, &n));
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_hybrid_block_table_draft_state_slots(s, 9, slots, 4, &n));
+  OK(kvport_hybrid_block_table_commit(s, 1));
+  OK(kvport_hybrid_block_table_state_slot(s, 1, &has, &working));
+  CHECK(has && working == slots[0]);
+  OK(kvport_hybrid_block_table_truncate(s, 3));
+  OK(kvport_hybrid_block_table_draft_state_slots(s, 1, slots, 4, &n));
+  CHECK(n == 0);
   OK(kvport_hybrid_block_table_destroy(s));
   OK(kvport_hybrid_cache_destroy(with_state));
   OK(kvport_stream_destroy(stream));

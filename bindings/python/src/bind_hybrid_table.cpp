@@ -58,14 +58,27 @@ void bind_hybrid_table(py::module_& m) {
             t.sync();
           },
           py::arg("tokens"),
-          "Speculative decoding: KV slots for draft tokens, never hashed, registered or "
-          "announced until committed; the freeing rules see the committed length only. All or "
-          "nothing (CacheExhausted); InvalidArgument with a state group.")
+          "Speculative decoding: KV slots for draft tokens (and a state slot per draft in a "
+          "state group), never hashed, registered or announced until committed; the freeing "
+          "rules see the committed length only. All or nothing (CacheExhausted).")
+      .def(
+          "can_append_draft",
+          [](const PyHybridTable& t, std::size_t n) { return t.table().can_append_draft(n); },
+          py::arg("num_tokens"), "Whether append_draft(num_tokens tokens) would fit.")
+      .def(
+          "draft_state_slots",
+          [](const PyHybridTable& t, IndexArg g) {
+            return id_list(t.table().draft_state_slots(g));
+          },
+          py::arg("group"),
+          "State group g's slots for the state after each draft token (the verifier writes "
+          "them); [] for other groups.")
       .def(
           "commit", [](const PyHybridTable& t, std::size_t n) { t.table().commit(n); },
           py::arg("num_tokens"),
           "Commits the first num_tokens draft tokens (accepted): their full blocks are registered "
-          "and announced.")
+          "and announced; a state group's state after the last of them becomes the working "
+          "state.")
       .def(
           "truncate", [](const PyHybridTable& t, std::size_t n) { t.table().truncate(n); },
           py::arg("num_tokens"),

@@ -288,12 +288,21 @@ def test_speculative_steps_never_make_a_rejected_token_hittable():
             t.truncate(49)
             assert t.check_invariants().ok
             check_ok(cache)
-    state_model = mamba_layers()
-    with kvport.HybridKvCache(state_model, [8, 32], block_size=16) as cache:
+    # A state group: one slot per draft; the accepted one's becomes the working state.
+    with kvport.HybridKvCache(mamba_layers(), [8, 32], block_size=16) as cache:
         with kvport.HybridBlockTable(cache) as t:
-            t.append_tokens(tokens(16))
-            with pytest.raises(kvport.InvalidArgument, match="1 \\+ k state slots"):
-                t.append_draft([1, 2])
+            t.append_tokens(tokens(10))
+            working = t.state_slot(0)
+            assert t.can_append_draft(3) and not t.can_append_draft(8)
+            t.append_draft([1, 2, 3])
+            slots = t.draft_state_slots(0)
+            assert len(slots) == 3 and working not in slots and t.draft_state_slots(1) == []
+            t.commit(2)
+            assert t.state_slot(0) == slots[1] and t.draft_state_slots(0) == [slots[2]]
+            t.truncate(12)
+            assert t.draft_state_slots(0) == [] and t.check_invariants().ok
+            assert cache.blocks_in_use(0) == 1
+            check_ok(cache)
 
 
 def test_attention_views_match_the_group_pools():

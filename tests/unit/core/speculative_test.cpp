@@ -3,7 +3,8 @@
 // never hashed, registered or announced; commit registers what the verifier
 // accepted; truncate drops the rest and frees only blocks the drafts alone
 // used; the freeing rules see the committed length, so a rollback never
-// needs a released block. A seeded random walk over several tables checks
+// needs a released block; a state group keeps a slot per draft and works on
+// with the accepted one's. A seeded random walk over several tables checks
 // that no lookup ever hits a rejected token.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -202,16 +203,99 @@ TEST_F(SpeculativeTest, ErrorsNameTheLimit) {
   expect_ok(child);
 }
 
-TEST_F(SpeculativeTest, AStateGroupRefusesDrafts) {
+// Writes `value` into every byte of state slot `slot` of group g (what the
+// verifier writes), and reads a slot's first byte back.
+void write_state(HybridKvCache& cache, std::size_t g, BlockId slot, std::uint8_t value,
+                 StreamView stream) {
+  PagedKvCache& pool = cache.group_cache(g);
+  for (std::size_t layer = 0; layer < pool.num_layers(); ++layer) {
+    pool.write_block(layer, slot, std::vector<std::uint8_t>(pool.k_block_bytes(layer), value),
+                     std::vector<std::uint8_t>(pool.v_block_bytes(layer), value), stream);
+  }
+}
+std::uint8_t read_state(HybridKvCache& cache, std::size_t g, BlockId slot, StreamView stream) {
+  return cache.group_cache(g).read_block(0, slot, stream).k.at(0);
+}
+
+// A Mamba-like model: group 0 a recurrent state, group 1 full attention.
+HybridKvCacheConfig state_model() {
   HybridKvCacheConfig c;
   c.block_size = kBs;
+  c.state_checkpoint_interval = 1;
   c.layers = {LayerSpec::recurrent_state({StateTensor{"ssm", {2, 2}, StateDtype::f32}}),
               LayerSpec::full_attention(1, 8, 8)};
-  HybridKvCache with_state(c, std::vector<std::size_t>{4, 16}, *backend);
+  return c;
+}
+
+TEST_F(SpeculativeTest, AStateGroupKeepsOneSlotPerDraftAndTheAcceptedOneWorks) {
+  HybridKvCache with_state(state_model(), std::vector<std::size_t>{8, 16}, *backend);
   HybridBlockTable t(with_state);
-  t.append_tokens(tokens(4, 1), stream);
-  test::expect_invalid_argument([&] { t.append_draft(tokens(2, 9), stream); }, "1 + k state slots");
-  EXPECT_EQ(t.num_tokens(), 4u);
+  t.append_tokens(tokens(6, 1), stream);
+  const BlockId working = *t.state_slot(0);
+  EXPECT_TRUE(t.draft_state_slots(0).empty());
+  EXPECT_TRUE(t.draft_state_slots(1).empty());  // not a state group
+  EXPECT_THROW((void)t.draft_state_slots(2), OutOfRange);
+  const std::size_t slots_before = with_state.blocks_in_use(0);
+  // 4 drafts: positions 7..10. The verifier writes the state after each.
+  t.append_draft(tokens(4, 100), stream);
+  const std::vector<BlockId> drafts(t.draft_state_slots(0).begin(), t.draft_state_slots(0).end());
+  ASSERT_EQ(drafts.size(), 4u);
+  EXPECT_EQ(with_state.blocks_in_use(0), slots_before + 4);
+  EXPECT_EQ(std::count(drafts.begin(), drafts.end(), working), 0);
+  for (std::size_t i = 0; i < drafts.size(); ++i)
+    write_state(with_state, 0, drafts[i], static_cast<std::uint8_t>(10 + i), stream);
+  expect_ok(t);
+  // 3 accepted: the state after token 9 (drafts[2]) works on; the one after
+  // token 8 ends a block (interval 1) and is cached as its checkpoint; the
+  // one after 7 and the old working slot are freed.
+  const std::uint64_t checkpoints = with_state.hit_counters().state_checkpoints;
+  t.commit(3);
+  EXPECT_EQ(*t.state_slot(0), drafts[2]);
+  EXPECT_EQ(t.draft_state_slots(0).size(), 1u);
+  EXPECT_EQ(with_state.hit_counters().state_checkpoints, checkpoints + 1);
+  EXPECT_TRUE(with_state.prefix_cache(0).is_cached(drafts[1]));
+  t.truncate(9);
+  EXPECT_TRUE(t.draft_state_slots(0).empty());
+  expect_ok(t);
+  // Only the working slot is in use: the checkpoint at 8 is cached, evictable.
+  EXPECT_EQ(with_state.blocks_in_use(0), 1u);
+  // A new request for the same 8 tokens hits them with the checkpoint's state.
+  std::vector<TokenId> prompt = tokens(6, 1);
+  for (TokenId x : tokens(2, 100))
+    prompt.push_back(x);
+  prompt.push_back(5);
+  HybridBlockTable again(with_state);
+  EXPECT_EQ(again.reuse_cached_prefix(prompt, stream), 8u);
+  EXPECT_EQ(read_state(with_state, 0, *again.state_slot(0), stream), 11);  // drafts[1]'s bytes
+  expect_ok(again);
+  const InvariantReport r = with_state.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
+}
+
+TEST_F(SpeculativeTest, DraftStateSlotsAreCountedAndGivenBack) {
+  HybridKvCache with_state(state_model(), std::vector<std::size_t>{4, 16}, *backend);
+  HybridBlockTable t(with_state);
+  t.append_tokens(tokens(2, 1), stream);  // the working slot; no checkpoint yet
+  EXPECT_EQ(with_state.blocks_in_use(0), 1u);
+  EXPECT_TRUE(t.can_append_draft(3));
+  EXPECT_FALSE(t.can_append_draft(4));  // 4 slots in all
+  EXPECT_TRUE(t.can_append(4));         // committed tokens take no extra slot
+  try {
+    t.append_draft(tokens(4, 50), stream);
+    ADD_FAILURE() << "4 drafts got 3 free state slots";
+  } catch (const CacheExhausted& e) {
+    EXPECT_THAT(e.what(), HasSubstr("group 0"));
+  }
+  EXPECT_EQ(t.num_tokens(), 2u);
+  t.append_draft(tokens(3, 50), stream);
+  EXPECT_EQ(with_state.blocks_in_use(0), 4u);
+  t.truncate(2);  // all rejected
+  EXPECT_EQ(with_state.blocks_in_use(0), 1u);
+  t.append_draft(tokens(2, 60), stream);
+  t.release();
+  EXPECT_EQ(with_state.blocks_in_use(0), 0u);
+  const InvariantReport r = with_state.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
 }
 
 TEST_F(SpeculativeTest, ReleaseAndMoveCarryTheDrafts) {

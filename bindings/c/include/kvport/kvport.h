@@ -997,14 +997,26 @@ KVPORT_API kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_b
 
 /** Appends draft tokens after every token the table holds, allocating as
  *  kvport_hybrid_block_table_append_tokens (all or nothing:
- *  KVPORT_ERR_CACHE_EXHAUSTED names the group). KVPORT_ERR_INVALID_ARGUMENT
- *  for a cache with a state group. */
+ *  KVPORT_ERR_CACHE_EXHAUSTED names the group); a state group gets one slot
+ *  per draft token for the state after it (..._draft_state_slots). */
 KVPORT_API kvport_status kvport_hybrid_block_table_append_draft(kvport_hybrid_block_table* table,
                                                                 const uint32_t* tokens,
                                                                 size_t num_tokens,
                                                                 kvport_stream* stream);
+/** Whether appending `num_tokens` draft tokens would find every block and
+ *  state slot it needs. */
+KVPORT_API kvport_status kvport_hybrid_block_table_can_append_draft(
+    const kvport_hybrid_block_table* table, size_t num_tokens, bool* out);
+/** State group g's slots for the state after each draft token (the verifier
+ *  writes them), copied into `out` (room for `capacity`; *out_count gets the
+ *  count, 0 for other groups); KVPORT_ERR_OUT_OF_RANGE for a group out of
+ *  range, KVPORT_ERR_INVALID_ARGUMENT when `out` is too small. */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_draft_state_slots(const kvport_hybrid_block_table* table, size_t group,
+                                            uint32_t* out, size_t capacity, size_t* out_count);
 /** Commits the first `num_tokens` draft tokens (accepted): their full blocks
- *  are registered in every group's prefix cache and announced.
+ *  are registered in every group's prefix cache and announced; a state
+ *  group's state after the last of them becomes the working state.
  *  KVPORT_ERR_INVALID_ARGUMENT when it exceeds the draft tokens held. */
 KVPORT_API kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_table* table,
                                                           size_t num_tokens);
@@ -1013,6 +1025,9 @@ KVPORT_API kvport_status kvport_hybrid_block_table_commit(kvport_hybrid_block_ta
  *  committed tokens (never taken back) or above every token held. */
 KVPORT_API kvport_status kvport_hybrid_block_table_truncate(kvport_hybrid_block_table* table,
                                                             size_t num_tokens);
+/** Draft tokens held (appended, not committed or truncated). */
+KVPORT_API kvport_status
+kvport_hybrid_block_table_num_draft_tokens(const kvport_hybrid_block_table* table, size_t* out);
 /** Committed tokens; kvport_hybrid_block_table_num_tokens counts the draft
  *  tokens too. */
 KVPORT_API kvport_status

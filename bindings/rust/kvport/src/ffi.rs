@@ -782,6 +782,22 @@ extern "C" {
         num_tokens: usize,
         stream: *mut kvport_stream,
     ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_num_draft_tokens(
+        table: *const kvport_hybrid_block_table,
+        out: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_can_append_draft(
+        table: *const kvport_hybrid_block_table,
+        num_tokens: usize,
+        out: *mut bool,
+    ) -> kvport_status;
+    pub fn kvport_hybrid_block_table_draft_state_slots(
+        table: *const kvport_hybrid_block_table,
+        group: usize,
+        out: *mut u32,
+        capacity: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
     pub fn kvport_hybrid_block_table_commit(table: *mut kvport_hybrid_block_table, num_tokens: usize) -> kvport_status;
     pub fn kvport_hybrid_block_table_truncate(table: *mut kvport_hybrid_block_table, num_tokens: usize) -> kvport_status;
     pub fn kvport_hybrid_block_table_num_committed(

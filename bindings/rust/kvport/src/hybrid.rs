@@ -645,15 +645,48 @@ impl<'c> HybridBlockTable<'c> {
         })
     }
 
-    /// Speculative decoding: appends draft tokens, which get KV slots but are
-    /// never hashed, registered or announced until committed (the freeing
-    /// rules see the committed length only). All or nothing:
-    /// `CacheExhausted` naming the group; `InvalidArgument` for a cache with
-    /// a state group.
+    /// Speculative decoding: appends draft tokens, which get KV slots (and a
+    /// state slot each in a state group) but are never hashed, registered or
+    /// announced until committed (the freeing rules see the committed length
+    /// only). All or nothing: `CacheExhausted` naming the group.
     pub fn append_draft(&mut self, tokens: &[u32], stream: u64) -> Result<(), KvError> {
         check(unsafe {
             ffi::kvport_hybrid_block_table_append_draft(self.raw, tokens.as_ptr(), tokens.len(), stream_ptr(stream))
         })
+    }
+
+    /// Whether appending `num_tokens` draft tokens would find every block and
+    /// state slot it needs.
+    pub fn can_append_draft(&self, num_tokens: usize) -> bool {
+        let mut ok = false;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_can_append_draft(self.raw, num_tokens, &mut ok) },
+            "kvport_hybrid_block_table_can_append_draft",
+        );
+        ok
+    }
+
+    /// State group g's slots for the state after each draft token (the
+    /// verifier writes them); empty for other groups. `OutOfRange` for group
+    /// >= num_groups.
+    pub fn draft_state_slots(&self, group: usize) -> Result<Vec<u32>, KvError> {
+        let mut out = vec![0u32; self.num_draft_tokens()];
+        let mut n = 0usize;
+        check(unsafe {
+            ffi::kvport_hybrid_block_table_draft_state_slots(self.raw, group, out.as_mut_ptr(), out.len(), &mut n)
+        })?;
+        out.truncate(n);
+        Ok(out)
+    }
+
+    /// Draft tokens held (appended, not committed or truncated).
+    pub fn num_draft_tokens(&self) -> usize {
+        let mut n = 0usize;
+        expect_ok(
+            unsafe { ffi::kvport_hybrid_block_table_num_draft_tokens(self.raw, &mut n) },
+            "kvport_hybrid_block_table_num_draft_tokens",
+        );
+        n
     }
 
     /// Commits the first `num_tokens` draft tokens (accepted): their full

@@ -272,13 +272,22 @@ fn speculative_drafts_are_hit_only_once_committed() {
     t.append_tokens(&[99], DEFAULT_STREAM).unwrap();
     assert!(cache.check_invariants().unwrap().ok);
 
+    // A state group (group 1): a slot per draft; the accepted one's works on.
     let with_state = HybridKvCache::new(&mamba_layers(), BS, 1, &[8, 4, 8], &gpu).unwrap();
     let mut s = HybridBlockTable::new(&with_state, 0).unwrap();
-    s.append_tokens(&tokens(4, 1), DEFAULT_STREAM).unwrap();
-    match s.append_draft(&[1, 2], DEFAULT_STREAM) {
-        Err(KvError::InvalidArgument(m)) => assert!(m.contains("state slots"), "{}", m),
-        other => panic!("a state group took drafts: {:?}", other),
-    }
+    s.append_tokens(&tokens(2, 1), DEFAULT_STREAM).unwrap();
+    assert!(s.can_append_draft(3) && !s.can_append_draft(4));
+    s.append_draft(&[5, 6], DEFAULT_STREAM).unwrap();
+    assert_eq!(s.num_draft_tokens(), 2);
+    let slots = s.draft_state_slots(1).unwrap();
+    assert_eq!(slots.len(), 2);
+    assert!(s.draft_state_slots(0).unwrap().is_empty());
+    assert!(matches!(s.draft_state_slots(9), Err(KvError::OutOfRange(_))));
+    s.commit(1).unwrap();
+    assert_eq!(s.state_slot(1).unwrap(), Some(slots[0]));
+    s.truncate(3).unwrap();
+    assert!(s.draft_state_slots(1).unwrap().is_empty());
+    assert!(s.check_invariants().unwrap().ok);
 }
 
 #[test]

@@ -170,16 +170,24 @@ class HybridBlockTable {
   /// Appends `tokens` as draft tokens after every token the table holds:
   /// their blocks are allocated (a shared last block copied first) as
   /// append_tokens allocates, all or nothing (CacheExhausted names the
-  /// group; can_append counts drafts the same way), but nothing is hashed,
+  /// group; can_append_draft counts the same), but nothing is hashed,
   /// registered or announced, and the freeing rules see the committed
-  /// length only. Several calls add up. InvalidArgument for a cache with a
-  /// state group (speculation there needs 1 + k state slots per request,
-  /// which the table does not keep yet).
+  /// length only. A state group gets one slot per draft token
+  /// (draft_state_slots: the verifier writes the state after each draft
+  /// there) beside the working state, which stays the state after the
+  /// committed tokens. Several calls add up.
   void append_draft(std::span<const TokenId> tokens, StreamView stream);
+  /// Whether append_draft(num_tokens tokens) would find every block and
+  /// state slot it needs (can_append counts no state slots for drafts).
+  bool can_append_draft(std::size_t num_tokens) const;
   /// Commits the first `n` draft tokens (those the verifier accepted): their
   /// full blocks are hashed and registered in every group's prefix cache
-  /// (announced), as append_tokens registers. InvalidArgument when `n`
-  /// exceeds num_draft_tokens(); std::bad_alloc leaves the table as it was.
+  /// (announced), as append_tokens registers. In a state group the state
+  /// after the n-th draft becomes the working state (its slot: no copy) and
+  /// the working slot before it is given back; the state after a draft that
+  /// ends a checkpoint interval is kept as that checkpoint (cached, no copy).
+  /// InvalidArgument when `n` exceeds num_draft_tokens(); std::bad_alloc
+  /// leaves the table as it was.
   void commit(std::size_t n);
   /// Keeps the first `n` tokens: the draft tokens past `n` are dropped
   /// (rejected) and the blocks wholly past token n, which only they used, are
@@ -193,6 +201,10 @@ class HybridBlockTable {
   std::size_t num_draft_tokens() const noexcept { return draft_.size(); }
   /// The draft tokens, after tokens().
   std::span<const TokenId> draft_tokens() const noexcept { return draft_; }
+  /// State group g's slots for the state after each draft token (the i-th
+  /// holds the state after draft_tokens()[i], written by the verifier);
+  /// empty for other groups. OutOfRange out of range.
+  std::span<const BlockId> draft_state_slots(std::size_t g) const;
 
   /// Keeps, until release(), the blocks every sliding-window group needs for
   /// a later request to hit at the table's last full block (the end of the
@@ -254,11 +266,12 @@ class HybridBlockTable {
  private:
   friend class BlockTable;  // the one-group case: group_blocks(0) on its hot path
   struct Group {
-    std::vector<BlockId> blocks;    // block groups; kNullBlock where released
-    std::size_t live_begin = 0;     // entries before it are all null
-    std::vector<BlockId> kept_end;  // keep_hit_point()'s references
-    std::vector<BlockId> kept_hit;  // the window before the lookup's hit
-    std::optional<BlockId> state;   // state groups: the working slot
+    std::vector<BlockId> blocks;        // block groups; kNullBlock where released
+    std::size_t live_begin = 0;         // entries before it are all null
+    std::vector<BlockId> kept_end;      // keep_hit_point()'s references
+    std::vector<BlockId> kept_hit;      // the window before the lookup's hit
+    std::optional<BlockId> state;       // state groups: the working slot
+    std::vector<BlockId> draft_states;  // state groups: the state after each draft token
   };
   struct Plan;
 
@@ -270,7 +283,7 @@ class HybridBlockTable {
     std::size_t releasable = 0;
   };
 
-  Plan plan_append(std::size_t num_tokens) const;
+  Plan plan_append(std::size_t num_tokens, bool draft = false) const;
   // append_tokens (committed) and append_draft (`draft`).
   void append(std::span<const TokenId> tokens, StreamView stream, bool draft);
   // Replaces `into` (group g's kept references) with one more reference on
@@ -304,13 +317,17 @@ class HybridBlockTable {
   PoolNeed shared_need(const Plan& plan) const;
   // The first group whose pool lacks blocks for `plan` (num_groups: none).
   std::size_t short_group(const Plan& plan, const PoolNeed& shared) const;
-  bool fits_in_place(std::size_t num_tokens) const;
+  bool fits_in_place(std::size_t num_tokens, bool draft = false) const;
   // A state checkpoint is due at the current token count (a multiple of the
   // interval in blocks, not taken yet).
   bool checkpoint_due() const noexcept;
   void remember_prompt(std::span<const TokenId> prompt);
   void forget_prompt() noexcept;
   void register_full_blocks() noexcept;
+  // commit's state groups: the state after the last of the `n` drafts
+  // committed after `before` tokens becomes the working state; those at a
+  // checkpoint's position are cached as checkpoints; the rest are freed.
+  void commit_states(std::size_t before, std::size_t n) noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
   // PrefixCache::release (release_demoted with `demoted`; free_block over a
   // plain cache) that never throws.

@@ -61,8 +61,8 @@ enum class HybridOpKind : std::uint8_t {
   release,  ///< sequence a ends
   evict,    ///< group a evicts b % 4 + 1 cached blocks
   /// Sequence a takes a speculative step: b % 4 + 1 draft tokens
-  /// (append_draft), (b / 4) % (drafts + 1) of them committed, the rest
-  /// truncated; with a state group the drafts must be refused.
+  /// (append_draft; a state group's slot for each written as the verifier
+  /// would), (b / 4) % (drafts + 1) of them committed, the rest truncated.
   speculate,
   // With a HybridHostTier only (else nothing); kNumPlainHybridOps leaves them out.
   offload,      ///< group a's tier offloads b % 5 blocks
@@ -308,6 +308,22 @@ class HybridDriver {
     }
   }
 
+  // The verifier's pass over `t`'s drafts: the state after each, as
+  // compute() writes the working state (the bytes of the last full block).
+  void write_draft_states(const HybridBlockTable& t, std::size_t committed) {
+    const std::size_t bs = cache_.block_size();
+    std::vector<TokenId> all(t.tokens().begin(), t.tokens().end());
+    all.insert(all.end(), t.draft_tokens().begin(), t.draft_tokens().end());
+    const std::vector<BlockHash> h = hash_full_blocks(all, bs);
+    for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
+      const std::span<const BlockId> slots = t.draft_state_slots(g);
+      for (std::size_t i = 0; i < slots.size(); ++i) {
+        const std::size_t full = (committed + i + 1) / bs;
+        if (full > 0) write(g, slots[i], h[full - 1]);
+      }
+    }
+  }
+
   // A hit of `got` tokens of `prompt` holds what was computed for it.
   std::string check_hit_bytes(const HybridBlockTable& t, std::span<const TokenId> prompt,
                               std::size_t got) {
@@ -467,22 +483,15 @@ class HybridDriver {
   std::string speculate(HybridBlockTable& t, std::uint32_t b) {
     const std::size_t k = b % 4 + 1;
     const std::size_t accept = (b / 4) % (k + 1);
+    // Half the steps draft from the prompts' 3-token vocabulary, so that
+    // later prompts can hit what they committed (and a state checkpoint a
+    // commit kept); the others draft tokens no prompt has.
     std::vector<TokenId> drafts(k);
-    for (TokenId& d : drafts)
-      d = static_cast<TokenId>(1000 + next_unique_++);
+    for (std::size_t i = 0; i < k; ++i)
+      drafts[i] = (b & 0x100) != 0 ? static_cast<TokenId>((b >> (9 + i)) % 3)
+                                   : static_cast<TokenId>(1000 + next_unique_++);
     const std::size_t committed = t.num_committed();
-    bool state = false;
-    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
-      state = state || cache_.group(g).spec.has_state();
-    if (state) {
-      try {
-        t.append_draft(drafts, stream_);
-      } catch (const InvalidArgument&) {
-        return t.num_tokens() == committed ? "" : "a refused append_draft changed the table";
-      }
-      return "append_draft took drafts over a state group";
-    }
-    const bool can = t.can_append(k);
+    const bool can = t.can_append_draft(k);
     std::vector<std::size_t> in_use;
     for (std::size_t g = 0; g < cache_.num_groups(); ++g)
       in_use.push_back(cache_.blocks_in_use(g));
@@ -509,6 +518,9 @@ class HybridDriver {
     if (t.num_draft_tokens() != k) return "append_draft holds the wrong number of drafts";
     if (const InvariantReport r = t.check_invariants(); !r.ok)
       return "with draft tokens pending: " + r.to_string();
+    // The verifier writes the state after each draft (with a tier, where
+    // bytes are checked): a commit may keep one as a checkpoint.
+    if (tier_ != nullptr) write_draft_states(t, committed);
     cache_call([&] { t.commit(accept); });
     cache_call([&] { t.truncate(t.num_committed()); });
     if (t.num_tokens() != committed + accept || t.num_draft_tokens() != 0)
