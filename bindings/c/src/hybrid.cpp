@@ -586,6 +586,19 @@ kvport_status kvport_hybrid_block_table_append_tokens(kvport_hybrid_block_table*
   });
 }
 
+namespace {
+
+// Copies a table's ids out (KVPORT_ERR_INVALID_ARGUMENT when `out` is short).
+void copy_ids(std::span<const BlockId> ids, uint32_t* out, size_t capacity, size_t* out_count,
+              const char* who) {
+  require(out_count, "out_count");
+  check_capacity(out, capacity, ids.size(), who);
+  std::copy(ids.begin(), ids.end(), out);
+  *out_count = ids.size();
+}
+
+}  // namespace
+
 kvport_status kvport_hybrid_block_table_append_draft(kvport_hybrid_block_table* table,
                                                      const uint32_t* tokens, size_t num_tokens,
                                                      kvport_stream* stream) {
@@ -605,12 +618,8 @@ kvport_status kvport_hybrid_block_table_draft_state_slots(const kvport_hybrid_bl
                                                           size_t group, uint32_t* out,
                                                           size_t capacity, size_t* out_count) {
   return guard([&] {
-    const HybridBlockTable& t = hybrid_table_of(table);
-    require(out_count, "out_count");
-    const std::span<const BlockId> slots = t.draft_state_slots(group);
-    check_capacity(out, capacity, slots.size(), "kvport_hybrid_block_table_draft_state_slots");
-    std::copy(slots.begin(), slots.end(), out);
-    *out_count = slots.size();
+    copy_ids(hybrid_table_of(table).draft_state_slots(group), out, capacity, out_count,
+             "kvport_hybrid_block_table_draft_state_slots");
   });
 }
 
@@ -704,14 +713,10 @@ kvport_status kvport_hybrid_block_table_num_live_blocks(const kvport_hybrid_bloc
 
 kvport_status kvport_hybrid_block_table_blocks(const kvport_hybrid_block_table* table, size_t group,
                                                uint32_t* out, size_t capacity, size_t* out_count) {
+  static_assert(kNullBlock == KVPORT_NULL_BLOCK);
   return guard([&] {
-    const HybridBlockTable& t = hybrid_table_of(table);
-    require(out_count, "out_count");
-    const std::span<const BlockId> blocks = t.blocks(group);
-    check_capacity(out, capacity, blocks.size(), "kvport_hybrid_block_table_blocks");
-    static_assert(kNullBlock == KVPORT_NULL_BLOCK);
-    std::copy(blocks.begin(), blocks.end(), out);
-    *out_count = blocks.size();
+    copy_ids(hybrid_table_of(table).blocks(group), out, capacity, out_count,
+             "kvport_hybrid_block_table_blocks");
   });
 }
 

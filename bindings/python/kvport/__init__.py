@@ -42,6 +42,9 @@ from ._kvport import (  # noqa: F401
     PrefixMatch,
     StateTensor,
     block_region_layout,
+    build_block_table_rows,
+    build_flashinfer_pages,
+    build_slot_mapping,
     compiled_backends,
     dtypes,
     __version__,
@@ -49,6 +52,7 @@ from ._kvport import (  # noqa: F401
     log_level,
     plan_kv_cache,
     set_log_level,
+    vllm_row_width,
     stream_handle,
 )
 
@@ -82,11 +86,15 @@ __all__ = [
     "PrefixMatch",
     "StateTensor",
     "block_region_layout",
+    "build_block_table_rows",
+    "build_flashinfer_pages",
+    "build_slot_mapping",
     "compiled_backends",
     "dtypes",
     "group_layers",
     "log_level",
     "plan_kv_cache",
     "set_log_level",
+    "vllm_row_width",
     "stream_handle",
 ]

@@ -11,7 +11,8 @@
 // BlockTable), bind_events.cpp (KV events: the methods in events.hpp, on
 // PrefixCache and HybridKvCache), bind_layer_spec.cpp (layer specs, groups),
 // bind_plan.cpp (the planner), bind_hybrid_cache.cpp and
-// bind_hybrid_table.cpp (hybrid caches and tables), instances.cpp (no
+// bind_hybrid_table.cpp (hybrid caches and tables), bind_batch_view.cpp
+// (batch metadata for attention kernels), instances.cpp (no
 // object made by __new__ alone), fork_guard.cpp (objects made before a
 // fork); convert.hpp holds the conversions they share, state.hpp and
 // hybrid_state.hpp the owned state and lifetimes. The DLPack deleter drops a shared_ptr and needs
@@ -38,5 +39,6 @@ PYBIND11_MODULE(_kvport, m) {
   kvport::python::bind_plan(m);
   kvport::python::bind_hybrid_cache(m);
   kvport::python::bind_hybrid_table(m);
+  kvport::python::bind_batch_view(m);
   kvport::python::guard_construction(m);
 }

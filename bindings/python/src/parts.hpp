@@ -44,6 +44,8 @@ void bind_plan(py::module_& m);
 void bind_hybrid_cache(py::module_& m);
 /// GroupNeed, HybridBlockTable (bind_hybrid_table.cpp).
 void bind_hybrid_table(py::module_& m);
+// Batch metadata for attention kernels (bind_batch_view.cpp).
+void bind_batch_view(py::module_& m);
 
 /// Makes `Class.__new__(Class)` without `Class(...)` a TypeError for every
 /// class registered in `m` so far (instances.cpp); called last.

@@ -1,0 +1,183 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "kvport/core/batch_view.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <iterator>
+#include <limits>
+
+#include "kvport/platform/div_ceil.hpp"
+#include "kvport/platform/error.hpp"
+
+namespace kvport {
+
+namespace {
+
+// What every builder checks first: the group's block lists and the kernel's
+// geometry. `k`: kernel blocks per cache block.
+struct Geometry {
+  std::size_t block_size = 0;
+  std::size_t kernel_block_size = 0;
+  std::size_t k = 1;
+};
+
+Geometry check_batch(std::span<const BatchSequence> batch, std::size_t group,
+                     const KernelBlocks& kernel, const char* who) {
+  if (batch.empty()) throw InvalidArgument(fmt::format("{}: the batch is empty", who));
+  const HybridKvCache* cache = nullptr;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const BatchSequence& s = batch[i];
+    if (s.table == nullptr)
+      throw InvalidArgument(fmt::format("{}: sequence {} has no table", who, i));
+    if (cache == nullptr) cache = &s.table->cache();
+    if (&s.table->cache() != cache) {
+      throw InvalidArgument(
+          fmt::format("{}: sequence {} is a table of another cache than sequence 0's", who, i));
+    }
+    if (s.num_new_tokens == 0 || s.num_new_tokens > s.table->num_tokens()) {
+      throw InvalidArgument(
+          fmt::format("{}: sequence {} computes {} new tokens of the {} it holds (1 to {})", who, i,
+                      s.num_new_tokens, s.table->num_tokens(), s.table->num_tokens()));
+    }
+  }
+  const KvCacheGroup& g = cache->group(group);  // OutOfRange
+  if (g.spec.has_state()) {
+    throw InvalidArgument(
+        fmt::format("{}: group {} ({}) keeps a state, not blocks", who, group, g.spec.describe()));
+  }
+  Geometry geo;
+  geo.block_size = cache->block_size();
+  geo.kernel_block_size = kernel.kernel_block_size == 0 ? geo.block_size : kernel.kernel_block_size;
+  if (geo.block_size % geo.kernel_block_size != 0) {
+    throw InvalidArgument(
+        fmt::format("{}: a kernel block of {} tokens does not divide the cache's blocks of {}", who,
+                    geo.kernel_block_size, geo.block_size));
+  }
+  geo.k = geo.block_size / geo.kernel_block_size;
+  const std::size_t max_kernel_id =
+      (cache->group_cache(group).num_blocks()) * geo.k;  // one past the largest
+  if (max_kernel_id > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    throw InvalidArgument(
+        fmt::format("{}: group {}'s {} blocks of {} kernel blocks each do not fit int32 ids", who,
+                    group, cache->group_cache(group).num_blocks(), geo.k));
+  }
+  return geo;
+}
+
+// Kernel blocks of `table` in `group`.
+std::size_t kernel_blocks_of(const HybridBlockTable& table, const Geometry& geo) {
+  return div_ceil(table.num_tokens(), geo.kernel_block_size);
+}
+
+// Writes `table`'s kernel block ids in `group` (position order) to `out`.
+template <class Out>
+void expand(const HybridBlockTable& table, std::size_t group, const Geometry& geo,
+            std::int32_t null_block, Out out) {
+  const std::span<const BlockId> blocks = table.blocks(group);
+  const std::size_t n = kernel_blocks_of(table, geo);
+  for (std::size_t j = 0; j < n; ++j) {
+    const BlockId b = blocks[j / geo.k];
+    *out++ = b == kNullBlock ? null_block
+                             : static_cast<std::int32_t>(std::size_t{b} * geo.k + j % geo.k);
+  }
+}
+
+}  // namespace
+
+std::size_t vllm_row_width(std::size_t max_model_len, std::size_t kernel_block_size) {
+  if (max_model_len == 0 || kernel_block_size == 0) {
+    throw InvalidArgument(fmt::format(
+        "vllm_row_width: max_model_len ({}) and kernel_block_size ({}) must be positive",
+        max_model_len, kernel_block_size));
+  }
+  const std::size_t align = std::max<std::size_t>(1, 128 / kernel_block_size);
+  return div_ceil(div_ceil(max_model_len, kernel_block_size), align) * align;
+}
+
+void build_block_table_rows(std::span<const BatchSequence> batch, std::size_t group,
+                            const KernelBlocks& kernel, std::size_t row_width,
+                            std::span<std::int32_t> rows) {
+  constexpr const char* kWho = "build_block_table_rows";
+  const Geometry geo = check_batch(batch, group, kernel, kWho);
+  if (row_width == 0 || rows.size() % row_width != 0 || rows.size() / row_width < batch.size()) {
+    throw InvalidArgument(fmt::format("{}: {} entries are not rows of width {} for {} sequences",
+                                      kWho, rows.size(), row_width, batch.size()));
+  }
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const std::size_t n = kernel_blocks_of(*batch[i].table, geo);
+    if (n > row_width) {
+      throw InvalidArgument(
+          fmt::format("{}: sequence {} holds {} kernel blocks ({} tokens), more than a row of {}",
+                      kWho, i, n, batch[i].table->num_tokens(), row_width));
+    }
+  }
+  std::fill(rows.begin(), rows.end(), kernel.null_block);
+  for (std::size_t i = 0; i < batch.size(); ++i)
+    expand(*batch[i].table, group, geo, kernel.null_block, rows.begin() + i * row_width);
+}
+
+std::size_t build_slot_mapping(std::span<const BatchSequence> batch, std::size_t group,
+                               const KernelBlocks& kernel, std::span<std::int64_t> slots) {
+  constexpr const char* kWho = "build_slot_mapping";
+  const Geometry geo = check_batch(batch, group, kernel, kWho);
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const HybridBlockTable& t = *batch[i].table;
+    const std::span<const BlockId> blocks = t.blocks(group);
+    for (std::size_t pos = t.num_tokens() - batch[i].num_new_tokens; pos < t.num_tokens(); ++pos) {
+      if (blocks[pos / geo.block_size] == kNullBlock) {
+        throw InvalidArgument(fmt::format(
+            "{}: sequence {}'s new token at position {} is in a block its group released", kWho, i,
+            pos));
+      }
+    }
+    total += batch[i].num_new_tokens;
+  }
+  if (slots.size() < total) {
+    throw InvalidArgument(fmt::format("{}: {} slots for {} new tokens", kWho, slots.size(), total));
+  }
+  std::size_t at = 0;
+  for (const BatchSequence& s : batch) {
+    const std::span<const BlockId> blocks = s.table->blocks(group);
+    for (std::size_t pos = s.table->num_tokens() - s.num_new_tokens; pos < s.table->num_tokens();
+         ++pos) {
+      const std::size_t kernel_block = std::size_t{blocks[pos / geo.block_size]} * geo.k +
+                                       (pos % geo.block_size) / geo.kernel_block_size;
+      slots[at++] = static_cast<std::int64_t>(kernel_block * geo.kernel_block_size +
+                                              pos % geo.kernel_block_size);
+    }
+  }
+  std::fill(slots.begin() + static_cast<std::ptrdiff_t>(at), slots.end(), std::int64_t{-1});
+  return total;
+}
+
+FlashInferPages build_flashinfer_pages(std::span<const BatchSequence> batch, std::size_t group,
+                                       const KernelBlocks& kernel) {
+  const Geometry geo = check_batch(batch, group, kernel, "build_flashinfer_pages");
+  FlashInferPages out;
+  out.page_size = geo.kernel_block_size;
+  std::size_t pages = 0;
+  for (const BatchSequence& s : batch)
+    pages += kernel_blocks_of(*s.table, geo);
+  if (pages > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    throw InvalidArgument(
+        fmt::format("build_flashinfer_pages: {} pages do not fit int32 indptr", pages));
+  }
+  out.indptr.reserve(batch.size() + 1);
+  out.indices.reserve(pages);
+  out.last_page_len.reserve(batch.size());
+  out.kv_len.reserve(batch.size());
+  out.indptr.push_back(0);
+  for (const BatchSequence& s : batch) {
+    const std::size_t n = s.table->num_tokens();
+    expand(*s.table, group, geo, kernel.null_block, std::back_inserter(out.indices));
+    out.indptr.push_back(static_cast<std::int32_t>(out.indices.size()));
+    out.last_page_len.push_back(static_cast<std::int32_t>(
+        n - (div_ceil(n, geo.kernel_block_size) - 1) * geo.kernel_block_size));
+    out.kv_len.push_back(static_cast<std::int32_t>(n));
+  }
+  return out;
+}
+
+}  // namespace kvport
