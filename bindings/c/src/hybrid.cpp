@@ -11,6 +11,7 @@
 
 #include "arguments.hpp"
 #include "handles.hpp"
+#include "kvport/core/batch_view.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/core/kv_cache_plan.hpp"
@@ -736,6 +737,77 @@ kvport_status kvport_hybrid_block_table_state_slot(const kvport_hybrid_block_tab
 kvport_status kvport_hybrid_block_table_copy_on_writes(const kvport_hybrid_block_table* table,
                                                        uint64_t* out) {
   return guard([&] { put(out, hybrid_table_of(table).copy_on_writes(), "out"); });
+}
+
+// ---- batch metadata ---------------------------------------------------------------------
+
+}  // extern "C"
+
+namespace {
+
+std::vector<kvport::BatchSequence> batch_of(const kvport_batch* batch) {
+  require(batch, "batch");
+  const auto tables = span_of(batch->tables, batch->num_sequences, "batch->tables");
+  const auto counts = span_of(batch->num_new_tokens, batch->num_sequences, "batch->num_new_tokens");
+  std::vector<kvport::BatchSequence> out;
+  out.reserve(tables.size());
+  for (std::size_t i = 0; i < tables.size(); ++i)
+    out.push_back(kvport::BatchSequence{&hybrid_table_of(tables[i]), counts[i]});
+  return out;
+}
+
+kvport::KernelBlocks kernel_of(const kvport_batch* batch) {
+  return kvport::KernelBlocks{batch->kernel_block_size, batch->null_block};
+}
+
+}  // namespace
+
+extern "C" {
+
+kvport_status kvport_vllm_row_width(size_t max_model_len, size_t kernel_block_size, size_t* out) {
+  return guard([&] { put(out, kvport::vllm_row_width(max_model_len, kernel_block_size), "out"); });
+}
+
+kvport_status kvport_build_block_table_rows(const kvport_batch* batch, size_t row_width,
+                                            int32_t* rows, size_t num_rows) {
+  return guard([&] {
+    const std::vector<kvport::BatchSequence> b = batch_of(batch);
+    if (num_rows > 0) require(rows, "rows");
+    kvport::build_block_table_rows(b, batch->group, kernel_of(batch), row_width,
+                                   {rows, num_rows * row_width});
+  });
+}
+
+kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots, size_t num_slots,
+                                        size_t* out_count) {
+  return guard([&] {
+    const std::vector<kvport::BatchSequence> b = batch_of(batch);
+    require(out_count, "out_count");
+    if (num_slots > 0) require(slots, "slots");
+    *out_count = kvport::build_slot_mapping(b, batch->group, kernel_of(batch),
+                                            {slots, num_slots});
+  });
+}
+
+kvport_status kvport_build_flashinfer_pages(const kvport_batch* batch, int32_t* indptr,
+                                            int32_t* indices, size_t indices_capacity,
+                                            int32_t* last_page_len, int32_t* kv_len,
+                                            size_t* out_num_indices) {
+  return guard([&] {
+    const std::vector<kvport::BatchSequence> b = batch_of(batch);
+    require(out_num_indices, "out_num_indices");
+    const kvport::FlashInferPages p =
+        kvport::build_flashinfer_pages(b, batch->group, kernel_of(batch));
+    *out_num_indices = p.indices.size();
+    if (indices == nullptr && indices_capacity == 0) return;  // the count only
+    check_capacity(indices, indices_capacity, p.indices.size(), "kvport_build_flashinfer_pages");
+    require(indptr, "indptr");
+    std::copy(p.indptr.begin(), p.indptr.end(), indptr);
+    std::copy(p.indices.begin(), p.indices.end(), indices);
+    if (last_page_len != nullptr)
+      std::copy(p.last_page_len.begin(), p.last_page_len.end(), last_page_len);
+    if (kv_len != nullptr) std::copy(p.kv_len.begin(), p.kv_len.end(), kv_len);
+  });
 }
 
 }  // extern "C"

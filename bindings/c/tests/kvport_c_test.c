@@ -1229,6 +1229,86 @@ static void test_hybrid_speculative(kvport_backend* backend) {
   OK(kvport_hybrid_cache_destroy(cache));
 }
 
+/* Batch metadata: vLLM rows and slot mapping, FlashInfer pages, against the
+ * tables' blocks. */
+static void test_batch_metadata(kvport_backend* backend) {
+  kvport_layer_spec layers[2];
+  size_t counts[2] = {16, 16};
+  kvport_hybrid_cache* cache = NULL;
+  kvport_hybrid_block_table *a = NULL, *b = NULL;
+  const kvport_hybrid_block_table* tables[2];
+  size_t new_tokens[2] = {1, 3};
+  kvport_batch batch;
+  kvport_stream* stream = NULL;
+  uint32_t tokens[16], ids[8];
+  int32_t rows[3 * 8], indptr[3], indices[16], last[2], kv_len[2];
+  int64_t slots[6];
+  size_t n = 0, width = 0, i;
+
+  layers[0] = attention_spec(KVPORT_LAYER_SLIDING_WINDOW, 4);
+  layers[1] = attention_spec(KVPORT_LAYER_FULL_ATTENTION, 0);
+  fill_tokens(tokens, 16, 1);
+  OK(kvport_hybrid_cache_create(backend, layers, 2, 4, 1, counts, 2, &cache));
+  OK(kvport_stream_create(backend, &stream));
+  OK(kvport_hybrid_block_table_create(cache, 0, &a));
+  OK(kvport_hybrid_block_table_create(cache, 0, &b));
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens, 9, stream));
+  OK(kvport_hybrid_block_table_append_tokens(a, tokens + 9, 1, stream)); /* 10 tokens */
+  OK(kvport_hybrid_block_table_append_tokens(b, tokens, 3, stream));
+  tables[0] = a;
+  tables[1] = b;
+  batch.tables = tables;
+  batch.num_new_tokens = new_tokens;
+  batch.num_sequences = 2;
+  batch.group = 1;
+  batch.kernel_block_size = 0;
+  batch.null_block = 0;
+
+  OK(kvport_vllm_row_width(32, 4, &width));
+  CHECK(width == 32); /* 8 blocks, a multiple of 128 / 4 = 32 */
+  OK(kvport_build_block_table_rows(&batch, 8, rows, 3));
+  OK(kvport_hybrid_block_table_blocks(a, 1, ids, 8, &n));
+  CHECK(n == 3);
+  for (i = 0; i < 8; ++i)
+    CHECK(rows[i] == (i < 3 ? (int32_t)ids[i] : 0));
+  for (i = 0; i < 8; ++i)
+    CHECK(rows[16 + i] == 0); /* a padding row */
+  OK(kvport_build_slot_mapping(&batch, slots, 6, &n));
+  CHECK(n == 4);
+  CHECK(slots[0] == (int64_t)ids[2] * 4 + 1); /* a's token 9 */
+  OK(kvport_hybrid_block_table_blocks(b, 1, ids, 8, &n));
+  CHECK(slots[1] == (int64_t)ids[0] * 4 && slots[3] == (int64_t)ids[0] * 4 + 2);
+  CHECK(slots[4] == -1 && slots[5] == -1);
+  OK(kvport_build_flashinfer_pages(&batch, NULL, NULL, 0, NULL, NULL, &n));
+  CHECK(n == 4);
+  OK(kvport_build_flashinfer_pages(&batch, indptr, indices, 16, last, kv_len, &n));
+  CHECK(indptr[0] == 0 && indptr[1] == 3 && indptr[2] == 4);
+  CHECK(last[0] == 2 && last[1] == 3 && kv_len[0] == 10 && kv_len[1] == 3);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT,
+         kvport_build_flashinfer_pages(&batch, indptr, indices, 3, last, kv_len, &n));
+  /* Kernel blocks of 2 tokens: a's first block is kernel blocks 2b, 2b + 1. */
+  batch.kernel_block_size = 2;
+  OK(kvport_build_block_table_rows(&batch, 8, rows, 2));
+  OK(kvport_hybrid_block_table_blocks(a, 1, ids, 8, &n));
+  CHECK(rows[0] == (int32_t)ids[0] * 2 && rows[1] == (int32_t)ids[0] * 2 + 1);
+  /* Errors: a kernel block that does not divide, too few rows, a state-less
+   * group out of range, a null batch. */
+  batch.kernel_block_size = 3;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_build_block_table_rows(&batch, 8, rows, 2));
+  CHECK(contains(kvport_last_error(), "does not divide"));
+  batch.kernel_block_size = 0;
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_build_block_table_rows(&batch, 8, rows, 1));
+  batch.group = 5;
+  EXPECT(KVPORT_ERR_OUT_OF_RANGE, kvport_build_slot_mapping(&batch, slots, 6, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_build_slot_mapping(NULL, slots, 6, &n));
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_vllm_row_width(0, 4, &width));
+
+  OK(kvport_hybrid_block_table_destroy(a));
+  OK(kvport_hybrid_block_table_destroy(b));
+  OK(kvport_stream_destroy(stream));
+  OK(kvport_hybrid_cache_destroy(cache));
+}
+
 static void test_hybrid_window_tables(kvport_backend* backend) {
   kvport_layer_spec layers[3];
   size_t counts[2] = {16, 16};
@@ -2152,6 +2232,7 @@ int main(void) {
   test_hybrid_cache(backend);
   test_hybrid_window_tables(backend);
   test_hybrid_speculative(backend);
+  test_batch_metadata(backend);
   test_hybrid_state_tables(backend);
   test_events(backend);
   test_hybrid_shared_pool(backend);

@@ -1040,6 +1040,48 @@ KVPORT_API kvport_status kvport_hybrid_block_table_check_invariants(
     const kvport_hybrid_block_table* table, kvport_invariant_report* report, char* text,
     size_t text_size, size_t* text_needed);
 
+/* ---- batch metadata for attention kernels (docs/batch-metadata.md) ---- */
+
+/** One step's batch: `tables[i]` computes its last `num_new_tokens[i]` tokens;
+ *  group `group`; kernel blocks of `kernel_block_size` tokens (0: the
+ *  cache's block size; it must divide it); `null_block` for released entries
+ *  and padding (vLLM's null block is 0). Every function below checks these
+ *  as kvport::build_block_table_rows does (KVPORT_ERR_INVALID_ARGUMENT,
+ *  KVPORT_ERR_OUT_OF_RANGE for the group) and writes nothing on an error. */
+typedef struct kvport_batch {
+  const kvport_hybrid_block_table* const* tables;
+  const size_t* num_new_tokens;
+  size_t num_sequences;
+  size_t group;
+  size_t kernel_block_size;
+  int32_t null_block;
+} kvport_batch;
+
+/** vLLM v1's row width: cdiv(max_model_len, kernel_block_size) rounded up to
+ *  a multiple of 128 / kernel_block_size. */
+KVPORT_API kvport_status kvport_vllm_row_width(size_t max_model_len, size_t kernel_block_size,
+                                               size_t* out);
+/** vLLM v1's block-table rows into `rows` (int32, row-major, `num_rows` rows
+ *  of `row_width`, num_rows >= num_sequences): kernel block ids left-aligned,
+ *  null_block elsewhere. */
+KVPORT_API kvport_status kvport_build_block_table_rows(const kvport_batch* batch,
+                                                       size_t row_width, int32_t* rows,
+                                                       size_t num_rows);
+/** Each new token's slot (int64, kernel block * kernel_block_size + offset)
+ *  into `slots`, -1 past them; *out_count gets the new tokens. */
+KVPORT_API kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots,
+                                                   size_t num_slots, size_t* out_count);
+/** FlashInfer's pages (all int32): `indptr` [num_sequences + 1], `indices`
+ *  (room for `indices_capacity`; *out_num_indices gets the count, which a
+ *  call with indices_capacity 0 and indices NULL only reports),
+ *  `last_page_len` and `kv_len` [num_sequences] (either may be NULL: not
+ *  written). */
+KVPORT_API kvport_status kvport_build_flashinfer_pages(const kvport_batch* batch,
+                                                       int32_t* indptr, int32_t* indices,
+                                                       size_t indices_capacity,
+                                                       int32_t* last_page_len, int32_t* kv_len,
+                                                       size_t* out_num_indices);
+
 /** Whether appending `num_tokens` would find every block it needs in every
  *  group (free or evictable, counting what the freeing rules release). */
 KVPORT_API kvport_status kvport_hybrid_block_table_can_append(

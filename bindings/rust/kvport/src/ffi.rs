@@ -251,6 +251,17 @@ pub struct kvport_hybrid_hit_counters {
 }
 
 #[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvport_batch {
+    pub tables: *const *const kvport_hybrid_block_table,
+    pub num_new_tokens: *const usize,
+    pub num_sequences: usize,
+    pub group: usize,
+    pub kernel_block_size: usize,
+    pub null_block: i32,
+}
+
+#[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct kvport_group_need {
     pub fresh: usize,
@@ -781,6 +792,28 @@ extern "C" {
         tokens: *const u32,
         num_tokens: usize,
         stream: *mut kvport_stream,
+    ) -> kvport_status;
+    pub fn kvport_vllm_row_width(max_model_len: usize, kernel_block_size: usize, out: *mut usize) -> kvport_status;
+    pub fn kvport_build_block_table_rows(
+        batch: *const kvport_batch,
+        row_width: usize,
+        rows: *mut i32,
+        num_rows: usize,
+    ) -> kvport_status;
+    pub fn kvport_build_slot_mapping(
+        batch: *const kvport_batch,
+        slots: *mut i64,
+        num_slots: usize,
+        out_count: *mut usize,
+    ) -> kvport_status;
+    pub fn kvport_build_flashinfer_pages(
+        batch: *const kvport_batch,
+        indptr: *mut i32,
+        indices: *mut i32,
+        indices_capacity: usize,
+        last_page_len: *mut i32,
+        kv_len: *mut i32,
+        out_num_indices: *mut usize,
     ) -> kvport_status;
     pub fn kvport_hybrid_block_table_num_draft_tokens(
         table: *const kvport_hybrid_block_table,

@@ -799,3 +799,116 @@ impl<'c> HybridBlockTable<'c> {
         n
     }
 }
+
+// ---- batch metadata for attention kernels (docs/batch-metadata.md) ----
+
+/// One step's batch over group `group`: `tables[i]` computes its last
+/// `num_new_tokens[i]` tokens; kernel blocks of `kernel_block_size` tokens (0:
+/// the cache's; it must divide it); `null_block` for released entries and
+/// padding (vLLM's 0).
+pub struct Batch<'a, 'c> {
+    pub tables: &'a [&'a HybridBlockTable<'c>],
+    pub num_new_tokens: &'a [usize],
+    pub group: usize,
+    pub kernel_block_size: usize,
+    pub null_block: i32,
+}
+
+/// FlashInfer's paged-KV description of a batch (all int32).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FlashInferPages {
+    /// [B + 1], from 0, non-decreasing.
+    pub indptr: Vec<i32>,
+    /// Every sequence's pages in position order.
+    pub indices: Vec<i32>,
+    /// [B], each in [1, page size].
+    pub last_page_len: Vec<i32>,
+    /// [B]: tokens each sequence holds (MLA's kv_len).
+    pub kv_len: Vec<i32>,
+}
+
+impl<'a, 'c> Batch<'a, 'c> {
+    fn with_raw<T>(&self, f: impl FnOnce(&ffi::kvport_batch) -> T) -> T {
+        let raws: Vec<*const ffi::kvport_hybrid_block_table> = self.tables.iter().map(|t| t.raw as *const _).collect();
+        let raw = ffi::kvport_batch {
+            tables: raws.as_ptr(),
+            num_new_tokens: self.num_new_tokens.as_ptr(),
+            num_sequences: self.tables.len().min(self.num_new_tokens.len()),
+            group: self.group,
+            kernel_block_size: self.kernel_block_size,
+            null_block: self.null_block,
+        };
+        f(&raw)
+    }
+
+    fn check_lengths(&self) -> Result<(), KvError> {
+        if self.tables.len() != self.num_new_tokens.len() {
+            return Err(KvError::InvalidArgument(format!(
+                "batch metadata: {} tables but {} new-token counts",
+                self.tables.len(),
+                self.num_new_tokens.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// vLLM v1's block-table rows (int32, row-major `num_rows` x
+    /// `row_width`): kernel block ids left-aligned, `null_block` elsewhere.
+    pub fn block_table_rows(&self, row_width: usize, num_rows: usize) -> Result<Vec<i32>, KvError> {
+        self.check_lengths()?;
+        let mut rows = vec![0i32; row_width * num_rows];
+        self.with_raw(|b| check(unsafe { ffi::kvport_build_block_table_rows(b, row_width, rows.as_mut_ptr(), num_rows) }))?;
+        Ok(rows)
+    }
+
+    /// Each new token's slot (kernel block * kernel_block_size + offset),
+    /// -1 padding up to `num_slots`.
+    pub fn slot_mapping(&self, num_slots: usize) -> Result<Vec<i64>, KvError> {
+        self.check_lengths()?;
+        let mut slots = vec![0i64; num_slots];
+        let mut n = 0usize;
+        self.with_raw(|b| check(unsafe { ffi::kvport_build_slot_mapping(b, slots.as_mut_ptr(), slots.len(), &mut n) }))?;
+        Ok(slots)
+    }
+
+    /// FlashInfer's pages.
+    pub fn flashinfer_pages(&self) -> Result<FlashInferPages, KvError> {
+        self.check_lengths()?;
+        let mut n = 0usize;
+        self.with_raw(|b| {
+            check(unsafe {
+                ffi::kvport_build_flashinfer_pages(b, ptr::null_mut(), ptr::null_mut(), 0, ptr::null_mut(), ptr::null_mut(), &mut n)
+            })
+        })?;
+        let seqs = self.tables.len();
+        let mut out = FlashInferPages {
+            indptr: vec![0; seqs + 1],
+            indices: vec![0; n],
+            last_page_len: vec![0; seqs],
+            kv_len: vec![0; seqs],
+        };
+        self.with_raw(|b| {
+            check(unsafe {
+                ffi::kvport_build_flashinfer_pages(
+                    b,
+                    out.indptr.as_mut_ptr(),
+                    out.indices.as_mut_ptr(),
+                    out.indices.len(),
+                    out.last_page_len.as_mut_ptr(),
+                    out.kv_len.as_mut_ptr(),
+                    &mut n,
+                )
+            })
+        })?;
+        Ok(out)
+    }
+}
+
+/// vLLM v1's row width: cdiv(max_model_len, kernel_block_size) rounded up to
+/// a multiple of 128 / kernel_block_size. `InvalidArgument` for 0 sizes.
+pub fn vllm_row_width(max_model_len: usize, kernel_block_size: usize) -> Result<usize, KvError> {
+    let mut n = 0usize;
+    check(unsafe { ffi::kvport_vllm_row_width(max_model_len, kernel_block_size, &mut n) })?;
+    Ok(n)
+}
+

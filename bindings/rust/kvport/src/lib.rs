@@ -59,7 +59,7 @@ pub use config::{KvCacheConfig, KvCacheDtype, KvCacheLayout, RegionLayout};
 pub use error::KvError;
 pub use events::{EventForm, EventsOptions, EventsStats};
 pub use hybrid::{
-    plan_kv_cache, GroupNeed, GroupPlan, GroupPool, GroupsView, HybridBlockTable, HybridHitCounters, HybridKvCache, KvCachePlan,
+    plan_kv_cache, vllm_row_width, Batch, FlashInferPages, GroupNeed, GroupPlan, GroupPool, GroupsView, HybridBlockTable, HybridHitCounters, HybridKvCache, KvCachePlan,
     LayerLocation, PlanRequest, NULL_BLOCK,
 };
 pub use layer_spec::{LayerKind, LayerSpec, MlaFormat, StateDtype, StateTensor};

@@ -4,7 +4,7 @@
 //! pool, all-or-nothing appends, fork, and the errors.
 
 use kvport::{
-    plan_kv_cache, Backend, BlockTable, HybridBlockTable, HybridKvCache, KvCacheConfig, KvCacheDtype, KvError,
+    plan_kv_cache, vllm_row_width, Backend, Batch, BlockTable, HybridBlockTable, HybridKvCache, KvCacheConfig, KvCacheDtype, KvError,
     LayerKind, LayerLocation, LayerSpec, MlaFormat, PagedKvCache, PlanRequest, PrefixCache, PrefixHitMode,
     StateDtype, StateTensor, DEFAULT_STREAM, NULL_BLOCK,
 };
@@ -288,6 +288,40 @@ fn speculative_drafts_are_hit_only_once_committed() {
     s.truncate(3).unwrap();
     assert!(s.draft_state_slots(1).unwrap().is_empty());
     assert!(s.check_invariants().unwrap().ok);
+}
+
+#[test]
+fn batch_metadata_follows_the_kernels_rules() {
+    let gpu = Backend::host().unwrap();
+    let layers = vec![window(4), full()];
+    let cache = HybridKvCache::new(&layers, BS, 1, &[16, 16], &gpu).unwrap();
+    let mut a = HybridBlockTable::new(&cache, 0).unwrap();
+    a.append_tokens(&tokens(10, 1), DEFAULT_STREAM).unwrap();
+    let mut b = HybridBlockTable::new(&cache, 0).unwrap();
+    b.append_tokens(&tokens(3, 50), DEFAULT_STREAM).unwrap();
+    let (fa, fb) = (a.blocks(1).unwrap(), b.blocks(1).unwrap());
+    let tables = [&a, &b];
+    let batch = Batch { tables: &tables, num_new_tokens: &[1, 3], group: 1, kernel_block_size: 0, null_block: 0 };
+    assert_eq!(vllm_row_width(32, 4).unwrap(), 32);
+    assert!(matches!(vllm_row_width(0, 4), Err(KvError::InvalidArgument(_))));
+    let rows = batch.block_table_rows(8, 3).unwrap();
+    assert_eq!(&rows[..4], &[fa[0] as i32, fa[1] as i32, fa[2] as i32, 0]);
+    assert_eq!(&rows[8..10], &[fb[0] as i32, 0]);
+    assert!(rows[16..].iter().all(|&x| x == 0));
+    let slots = batch.slot_mapping(6).unwrap();
+    assert_eq!(slots[0], fa[2] as i64 * 4 + 1);
+    assert_eq!(&slots[1..4], &[fb[0] as i64 * 4, fb[0] as i64 * 4 + 1, fb[0] as i64 * 4 + 2]);
+    assert_eq!(&slots[4..], &[-1, -1]);
+    let p = batch.flashinfer_pages().unwrap();
+    assert_eq!(p.indptr, vec![0, 3, 4]);
+    assert_eq!(p.last_page_len, vec![2, 3]);
+    assert_eq!(p.kv_len, vec![10, 3]);
+    let halves = Batch { kernel_block_size: 2, ..Batch { tables: &tables, num_new_tokens: &[1, 3], group: 1, kernel_block_size: 0, null_block: 0 } };
+    assert_eq!(&halves.block_table_rows(8, 2).unwrap()[..2], &[fa[0] as i32 * 2, fa[0] as i32 * 2 + 1]);
+    let bad = Batch { tables: &tables, num_new_tokens: &[1], group: 1, kernel_block_size: 0, null_block: 0 };
+    assert!(matches!(bad.slot_mapping(4), Err(KvError::InvalidArgument(_))));
+    let odd = Batch { tables: &tables, num_new_tokens: &[1, 3], group: 1, kernel_block_size: 3, null_block: 0 };
+    assert!(matches!(odd.flashinfer_pages(), Err(KvError::InvalidArgument(_))));
 }
 
 #[test]
