@@ -22,14 +22,22 @@
 //    rest dropped (truncate), then the verifier's token (append_tokens): ns
 //    per token a step adds against today's decode (one append_tokens per
 //    token) on the same groups. Target (issue 32): x_decode <= 2.
+//  - BM_BatchRowsRebuild/seqs:N: the host builders of batch_view.hpp for a
+//    decode step of N sequences of 32k tokens (one full-attention group,
+//    16-token blocks): vLLM rows (N x 2048 int32) and slot mapping rebuilt
+//    whole, against a memcpy of the same bytes (the floor of any
+//    whole-row approach) in the same run. The baseline for issue 32's
+//    device-resident rows updated by diffs.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <vector>
 
 #include "kvport/backends/host_backend.hpp"
+#include "kvport/core/batch_view.hpp"
 #include "kvport/core/block_table.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
@@ -238,6 +246,53 @@ void BM_SpeculativeStep(benchmark::State& state) {
   state.counters["x_decode"] = s / d;
 }
 BENCHMARK(BM_SpeculativeStep)->ArgName("accept")->Arg(0)->Arg(50)->Arg(100);
+
+void BM_BatchRowsRebuild(benchmark::State& state) {
+  const auto seqs = static_cast<std::size_t>(state.range(0));
+  constexpr std::size_t kTokens = 32768;
+  const std::size_t blocks_per_seq = kTokens / kBlockTokens;
+  HybridKvCacheConfig c;
+  c.block_size = kBlockTokens;
+  c.layers = {LayerSpec::full_attention(1, 8, 8)};
+  std::unique_ptr<Backend> backend = make_host_backend();
+  HybridKvCache cache(c, std::vector<std::size_t>{seqs * blocks_per_seq + 1}, *backend);
+  Stream stream = backend->create_stream();
+  std::vector<HybridBlockTable> tables;
+  tables.reserve(seqs);
+  std::vector<TokenId> t(kTokens - 1);
+  for (std::size_t i = 0; i < seqs; ++i) {
+    std::iota(t.begin(), t.end(), static_cast<TokenId>(i * kTokens));
+    tables.emplace_back(cache);
+    tables.back().append_tokens(t, stream);
+  }
+  std::vector<BatchSequence> batch;
+  for (const HybridBlockTable& x : tables)
+    batch.push_back({&x, 1});
+  const std::size_t width = vllm_row_width(kTokens, kBlockTokens);
+  std::vector<std::int32_t> rows(seqs * width);
+  std::vector<std::int32_t> copy(rows.size());
+  std::vector<std::int64_t> slots(seqs);
+  Clock::duration tb{}, tc{};
+  for (auto _ : state) {
+    auto start = Clock::now();
+    build_block_table_rows(batch, 0, KernelBlocks{}, width, rows);
+    (void)build_slot_mapping(batch, 0, KernelBlocks{}, slots);
+    tb += Clock::now() - start;
+    benchmark::DoNotOptimize(rows.data());
+    start = Clock::now();
+    std::memcpy(copy.data(), rows.data(), rows.size() * sizeof(std::int32_t));
+    tc += Clock::now() - start;
+    benchmark::DoNotOptimize(copy.data());
+  }
+  const double n = static_cast<double>(state.iterations());
+  const double build_us = std::chrono::duration<double, std::micro>(tb).count() / n;
+  const double copy_us = std::chrono::duration<double, std::micro>(tc).count() / n;
+  state.counters["rebuild_us_per_step"] = build_us;
+  state.counters["memcpy_us"] = copy_us;
+  state.counters["x_memcpy"] = build_us / copy_us;
+  state.counters["row_bytes"] = static_cast<double>(rows.size() * sizeof(std::int32_t));
+}
+BENCHMARK(BM_BatchRowsRebuild)->ArgName("seqs")->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvport::bench

@@ -76,10 +76,19 @@ void expand(const HybridBlockTable& table, std::size_t group, const Geometry& ge
             std::int32_t null_block, Out out) {
   const std::span<const BlockId> blocks = table.blocks(group);
   const std::size_t n = kernel_blocks_of(table, geo);
-  for (std::size_t j = 0; j < n; ++j) {
+  if (geo.k == 1) {  // the common case: one kernel block per block, a select the
+                     // compiler vectorizes
+    std::transform(blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(n), out,
+                   [null_block](BlockId b) {
+                     return b == kNullBlock ? null_block : static_cast<std::int32_t>(b);
+                   });
+    return;
+  }
+  for (std::size_t j = 0; j < n;) {
     const BlockId b = blocks[j / geo.k];
-    *out++ = b == kNullBlock ? null_block
-                             : static_cast<std::int32_t>(std::size_t{b} * geo.k + j % geo.k);
+    const std::size_t first = std::size_t{b} * geo.k;
+    for (std::size_t part = j % geo.k; part < geo.k && j < n; ++part, ++j)
+      *out++ = b == kNullBlock ? null_block : static_cast<std::int32_t>(first + part);
   }
 }
 
@@ -112,9 +121,17 @@ void build_block_table_rows(std::span<const BatchSequence> batch, std::size_t gr
                       kWho, i, n, batch[i].table->num_tokens(), row_width));
     }
   }
-  std::fill(rows.begin(), rows.end(), kernel.null_block);
-  for (std::size_t i = 0; i < batch.size(); ++i)
-    expand(*batch[i].table, group, geo, kernel.null_block, rows.begin() + i * row_width);
+  // Each row written once: its ids, then null_block to its end; then the
+  // rows past the batch.
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const auto row = rows.begin() + static_cast<std::ptrdiff_t>(i * row_width);
+    const std::size_t n = kernel_blocks_of(*batch[i].table, geo);
+    expand(*batch[i].table, group, geo, kernel.null_block, row);
+    std::fill(row + static_cast<std::ptrdiff_t>(n), row + static_cast<std::ptrdiff_t>(row_width),
+              kernel.null_block);
+  }
+  std::fill(rows.begin() + static_cast<std::ptrdiff_t>(batch.size() * row_width), rows.end(),
+            kernel.null_block);
 }
 
 std::size_t build_slot_mapping(std::span<const BatchSequence> batch, std::size_t group,
