@@ -784,8 +784,7 @@ kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slot
     const std::vector<kvport::BatchSequence> b = batch_of(batch);
     require(out_count, "out_count");
     if (num_slots > 0) require(slots, "slots");
-    *out_count = kvport::build_slot_mapping(b, batch->group, kernel_of(batch),
-                                            {slots, num_slots});
+    *out_count = kvport::build_slot_mapping(b, batch->group, kernel_of(batch), {slots, num_slots});
   });
 }
 

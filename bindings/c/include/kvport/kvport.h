@@ -1064,9 +1064,8 @@ KVPORT_API kvport_status kvport_vllm_row_width(size_t max_model_len, size_t kern
 /** vLLM v1's block-table rows into `rows` (int32, row-major, `num_rows` rows
  *  of `row_width`, num_rows >= num_sequences): kernel block ids left-aligned,
  *  null_block elsewhere. */
-KVPORT_API kvport_status kvport_build_block_table_rows(const kvport_batch* batch,
-                                                       size_t row_width, int32_t* rows,
-                                                       size_t num_rows);
+KVPORT_API kvport_status kvport_build_block_table_rows(const kvport_batch* batch, size_t row_width,
+                                                       int32_t* rows, size_t num_rows);
 /** Each new token's slot (int64, kernel block * kernel_block_size + offset)
  *  into `slots`, -1 past them; *out_count gets the new tokens. */
 KVPORT_API kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots,
@@ -1076,9 +1075,8 @@ KVPORT_API kvport_status kvport_build_slot_mapping(const kvport_batch* batch, in
  *  call with indices_capacity 0 and indices NULL only reports),
  *  `last_page_len` and `kv_len` [num_sequences] (either may be NULL: not
  *  written). */
-KVPORT_API kvport_status kvport_build_flashinfer_pages(const kvport_batch* batch,
-                                                       int32_t* indptr, int32_t* indices,
-                                                       size_t indices_capacity,
+KVPORT_API kvport_status kvport_build_flashinfer_pages(const kvport_batch* batch, int32_t* indptr,
+                                                       int32_t* indices, size_t indices_capacity,
                                                        int32_t* last_page_len, int32_t* kv_len,
                                                        size_t* out_num_indices);
 
