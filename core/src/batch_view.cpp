@@ -92,6 +92,12 @@ void expand(const HybridBlockTable& table, std::size_t group, const Geometry& ge
   }
 }
 
+// Token slots of `group`'s pool (blocks * block size).
+std::size_t cache_slots(std::span<const BatchSequence> batch, std::size_t group,
+                        const Geometry& geo) {
+  return batch.front().table->cache().group_cache(group).num_blocks() * geo.block_size;
+}
+
 }  // namespace
 
 std::size_t vllm_row_width(std::size_t max_model_len, std::size_t kernel_block_size) {
@@ -167,6 +173,42 @@ std::size_t build_slot_mapping(std::span<const BatchSequence> batch, std::size_t
   }
   std::fill(slots.begin() + static_cast<std::ptrdiff_t>(at), slots.end(), std::int64_t{-1});
   return total;
+}
+
+void build_token_locations(std::span<const BatchSequence> batch, std::size_t group,
+                           const KernelBlocks& kernel, std::size_t row_width,
+                           std::span<std::int32_t> locations) {
+  constexpr const char* kWho = "build_token_locations";
+  const Geometry geo = check_batch(batch, group, kernel, kWho);
+  if (row_width == 0 || locations.size() % row_width != 0 ||
+      locations.size() / row_width < batch.size()) {
+    throw InvalidArgument(fmt::format("{}: {} entries are not rows of width {} for {} sequences",
+                                      kWho, locations.size(), row_width, batch.size()));
+  }
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    if (batch[i].table->num_tokens() > row_width) {
+      throw InvalidArgument(fmt::format("{}: sequence {} holds {} tokens, more than a row of {}",
+                                        kWho, i, batch[i].table->num_tokens(), row_width));
+    }
+  }
+  const std::size_t max_slot = cache_slots(batch, group, geo);
+  if (max_slot > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    throw InvalidArgument(
+        fmt::format("{}: group {}'s {} token slots do not fit int32", kWho, group, max_slot));
+  }
+  std::fill(locations.begin(), locations.end(), kernel.null_block);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    const HybridBlockTable& t = *batch[i].table;
+    const std::span<const BlockId> blocks = t.blocks(group);
+    const auto row = locations.begin() + static_cast<std::ptrdiff_t>(i * row_width);
+    for (std::size_t pos = 0; pos < t.num_tokens(); ++pos) {
+      const BlockId b = blocks[pos / geo.block_size];
+      if (b == kNullBlock) continue;
+      // The same token slot whatever the kernel block size.
+      row[static_cast<std::ptrdiff_t>(pos)] =
+          static_cast<std::int32_t>(std::size_t{b} * geo.block_size + pos % geo.block_size);
+    }
+  }
 }
 
 FlashInferPages build_flashinfer_pages(std::span<const BatchSequence> batch, std::size_t group,

@@ -778,6 +778,16 @@ kvport_status kvport_build_block_table_rows(const kvport_batch* batch, size_t ro
   });
 }
 
+kvport_status kvport_build_token_locations(const kvport_batch* batch, size_t row_width,
+                                           int32_t* locations, size_t num_rows) {
+  return guard([&] {
+    const std::vector<kvport::BatchSequence> b = batch_of(batch);
+    if (num_rows > 0) require(locations, "locations");
+    kvport::build_token_locations(b, batch->group, kernel_of(batch), row_width,
+                                  {locations, num_rows * row_width});
+  });
+}
+
 kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots, size_t num_slots,
                                         size_t* out_count) {
   return guard([&] {

@@ -1241,7 +1241,7 @@ static void test_batch_metadata(kvport_backend* backend) {
   kvport_batch batch;
   kvport_stream* stream = NULL;
   uint32_t tokens[16], ids[8];
-  int32_t rows[3 * 8], indptr[3], indices[16], last[2], kv_len[2];
+  int32_t rows[3 * 8], indptr[3], indices[16], last[2], kv_len[2], locations[2 * 12];
   int64_t slots[6];
   size_t n = 0, width = 0, i;
 
@@ -1273,6 +1273,11 @@ static void test_batch_metadata(kvport_backend* backend) {
     CHECK(rows[i] == (i < 3 ? (int32_t)ids[i] : 0));
   for (i = 0; i < 8; ++i)
     CHECK(rows[16 + i] == 0); /* a padding row */
+  OK(kvport_build_token_locations(&batch, 12, locations, 2));
+  for (i = 0; i < 10; ++i)
+    CHECK(locations[i] == (int32_t)(ids[i / 4] * 4 + i % 4));
+  CHECK(locations[10] == 0 && locations[11] == 0);
+  EXPECT(KVPORT_ERR_INVALID_ARGUMENT, kvport_build_token_locations(&batch, 8, locations, 2));
   OK(kvport_build_slot_mapping(&batch, slots, 6, &n));
   CHECK(n == 4);
   CHECK(slots[0] == (int64_t)ids[2] * 4 + 1); /* a's token 9 */

@@ -67,6 +67,25 @@ void bind_batch_view(py::module_& m) {
       "Group g's block-table rows (int32 [num_rows, row_width], vLLM v1): each sequence's kernel "
       "block ids left-aligned, null_block for released entries, padding and rows past the batch.");
   m.def(
+      "build_token_locations",
+      [](const std::vector<const PyHybridTable*>& tables,
+         const std::vector<std::size_t>& new_tokens, std::size_t group, std::size_t row_width,
+         std::optional<std::size_t> num_rows, std::size_t kernel_block_size,
+         std::int32_t null_block) {
+        const std::vector<BatchSequence> batch = batch_of(tables, new_tokens);
+        const std::size_t rows = num_rows.value_or(batch.size());
+        py::array_t<std::int32_t> out(
+            {static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_width)});
+        build_token_locations(batch, group, KernelBlocks{kernel_block_size, null_block}, row_width,
+                              {out.mutable_data(), rows * row_width});
+        return out;
+      },
+      py::arg("tables"), py::arg("num_new_tokens"), py::arg("group"), py::kw_only(),
+      py::arg("row_width"), py::arg("num_rows") = py::none(), py::arg("kernel_block_size") = 0,
+      py::arg("null_block") = 0,
+      "SGLang's req_to_token (int32 [num_rows, row_width]): every position's KV slot, null_block "
+      "for released positions, past each sequence and in rows past the batch.");
+  m.def(
       "build_slot_mapping",
       [](const std::vector<const PyHybridTable*>& tables,
          const std::vector<std::size_t>& new_tokens, std::size_t group,

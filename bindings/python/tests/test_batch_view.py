@@ -5,7 +5,8 @@ each consumer's rules as written in the engines: vLLM v1's block-table rows
 width a multiple of 128 // kernel block) and slot mapping (int64, block *
 block_size + offset per new token, -1 padding); FlashInfer's CSR pages
 (int32; indptr from 0, non-decreasing; last_page_len in [1, page_size];
-seq_len = page_size * (pages - 1) + last_page_len); a kernel block smaller
+seq_len = page_size * (pages - 1) + last_page_len); SGLang's token locations
+(one slot per position); a kernel block smaller
 than the cache's (block b is kernel blocks b*k .. b*k+k-1). Random batches
 with window release, forks, speculative truncation."""
 
@@ -54,6 +55,15 @@ def check_batch(tables, new, bs, kbs, max_model_len):
                 assert blocks[pos // bs] != NULL
                 assert slots[at] == blocks[pos // bs] * bs + pos % bs  # the same token slot
                 at += 1
+        locations = kvport.build_token_locations(tables, new, group, row_width=max_model_len,
+                                                 num_rows=len(tables) + 1, kernel_block_size=kbs)
+        assert locations.dtype == np.int32 and (locations[len(tables)] == 0).all()
+        for i, t in enumerate(tables):
+            blocks = t.blocks(group)
+            want = [0 if blocks[p // bs] == NULL else blocks[p // bs] * bs + p % bs
+                    for p in range(t.num_tokens)]
+            assert list(locations[i, :t.num_tokens]) == want
+            assert (locations[i, t.num_tokens:] == 0).all()
         pages = kvport.build_flashinfer_pages(tables, new, group, kernel_block_size=kbs)
         indptr, indices = pages["indptr"], pages["indices"]
         last, kv_len = pages["last_page_len"], pages["kv_len"]

@@ -118,6 +118,38 @@ TEST_F(BatchViewTest, SlotMappingIsBlockTimesSizePlusOffsetWhateverTheKernelBloc
   EXPECT_EQ(slots[0], static_cast<std::int64_t>(a.blocks(0)[3]) * 4);
 }
 
+TEST_F(BatchViewTest, TokenLocationsAreOneSlotPerToken) {
+  const std::size_t width = 16;
+  std::vector<std::int32_t> loc(3 * width, 55);
+  build_token_locations(batch(), 0, KernelBlocks{0, -1}, width, loc);  // the window group
+  const std::span<const BlockId> w = a.blocks(0);
+  for (std::size_t pos = 0; pos < width; ++pos) {
+    const std::int32_t want = pos >= 13 || w[pos / kBs] == kNullBlock
+                                  ? -1
+                                  : static_cast<std::int32_t>(w[pos / kBs] * kBs + pos % kBs);
+    EXPECT_EQ(loc[pos], want) << pos;
+  }
+  EXPECT_EQ(loc[0], -1);  // released by the window
+  for (std::size_t pos = 0; pos < width; ++pos)
+    EXPECT_EQ(loc[2 * width + pos], -1);  // a padding row
+  // A new token's location is its slot in the slot mapping, whatever the
+  // kernel block size.
+  std::vector<std::int64_t> slots(4);
+  (void)build_slot_mapping(batch(), 1, KernelBlocks{}, slots);
+  for (std::size_t kbs : {4u, 2u}) {
+    build_token_locations(batch(), 1, KernelBlocks{kbs, 0}, width, loc);
+    EXPECT_EQ(loc[12], slots[0]);
+    EXPECT_EQ(loc[width + 0], slots[1]);
+    EXPECT_EQ(loc[width + 2], slots[3]);
+  }
+  std::vector<std::int32_t> narrow(2 * 8);
+  test::expect_invalid_argument(
+      [&] { build_token_locations(batch(), 1, KernelBlocks{}, 8, narrow); },
+      "sequence 0 holds 13 tokens, more than a row of 8");
+  test::expect_invalid_argument(
+      [&] { build_token_locations(batch(), 1, KernelBlocks{}, 16, narrow); }, "not rows of width");
+}
+
 TEST_F(BatchViewTest, FlashInferPagesFollowItsRules) {
   for (std::size_t kbs : {4u, 2u, 1u}) {
     const FlashInferPages p = build_flashinfer_pages(batch(), 1, KernelBlocks{kbs, 0});

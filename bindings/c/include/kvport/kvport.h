@@ -1066,6 +1066,11 @@ KVPORT_API kvport_status kvport_vllm_row_width(size_t max_model_len, size_t kern
  *  null_block elsewhere. */
 KVPORT_API kvport_status kvport_build_block_table_rows(const kvport_batch* batch, size_t row_width,
                                                        int32_t* rows, size_t num_rows);
+/** SGLang's req_to_token into `locations` (int32, row-major, `num_rows` rows
+ *  of `row_width`): every position's KV slot, null_block for released
+ *  positions, past each sequence and in rows past the batch. */
+KVPORT_API kvport_status kvport_build_token_locations(const kvport_batch* batch, size_t row_width,
+                                                      int32_t* locations, size_t num_rows);
 /** Each new token's slot (int64, kernel block * kernel_block_size + offset)
  *  into `slots`, -1 past them; *out_count gets the new tokens. */
 KVPORT_API kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots,

@@ -800,6 +800,12 @@ extern "C" {
         rows: *mut i32,
         num_rows: usize,
     ) -> kvport_status;
+    pub fn kvport_build_token_locations(
+        batch: *const kvport_batch,
+        row_width: usize,
+        locations: *mut i32,
+        num_rows: usize,
+    ) -> kvport_status;
     pub fn kvport_build_slot_mapping(
         batch: *const kvport_batch,
         slots: *mut i64,

@@ -861,6 +861,16 @@ impl<'a, 'c> Batch<'a, 'c> {
         Ok(rows)
     }
 
+    /// SGLang's req_to_token (int32, row-major `num_rows` x `row_width`):
+    /// every position's KV slot, `null_block` for released positions, past
+    /// each sequence and in rows past the batch.
+    pub fn token_locations(&self, row_width: usize, num_rows: usize) -> Result<Vec<i32>, KvError> {
+        self.check_lengths()?;
+        let mut out = vec![0i32; row_width * num_rows];
+        self.with_raw(|b| check(unsafe { ffi::kvport_build_token_locations(b, row_width, out.as_mut_ptr(), num_rows) }))?;
+        Ok(out)
+    }
+
     /// Each new token's slot (kernel block * kernel_block_size + offset),
     /// -1 padding up to `num_slots`.
     pub fn slot_mapping(&self, num_slots: usize) -> Result<Vec<i64>, KvError> {

@@ -308,6 +308,10 @@ fn batch_metadata_follows_the_kernels_rules() {
     assert_eq!(&rows[..4], &[fa[0] as i32, fa[1] as i32, fa[2] as i32, 0]);
     assert_eq!(&rows[8..10], &[fb[0] as i32, 0]);
     assert!(rows[16..].iter().all(|&x| x == 0));
+    let loc = batch.token_locations(12, 2).unwrap();
+    assert_eq!(loc[9], fa[2] as i32 * 4 + 1);
+    assert_eq!(loc[12], fb[0] as i32 * 4);
+    assert_eq!(loc[15], 0);
     let slots = batch.slot_mapping(6).unwrap();
     assert_eq!(slots[0], fa[2] as i64 * 4 + 1);
     assert_eq!(&slots[1..4], &[fb[0] as i64 * 4, fb[0] as i64 * 4 + 1, fb[0] as i64 * 4 + 2]);

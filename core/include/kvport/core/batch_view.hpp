@@ -6,7 +6,8 @@
 //  - vLLM v1's block-table rows (int32 [rows, row_width], left-aligned) and
 //    slot mapping (int64, one per new token, -1 padding);
 //  - FlashInfer's CSR page table (int32 indptr [B + 1], indices,
-//    last_page_len [B] in [1, page_size]; kv_len [B] for MLA).
+//    last_page_len [B] in [1, page_size]; kv_len [B] for MLA);
+//  - SGLang's token locations (req_to_token: int32, one KV slot per token).
 // These are host builders (the rows rebuilt each step); keeping the rows on
 // the device and shipping only the changes is the next step of issue 32.
 #pragma once
@@ -69,6 +70,17 @@ void build_block_table_rows(std::span<const BatchSequence> batch, std::size_t gr
 /// and InvalidArgument when `slots` is shorter than the new tokens.
 std::size_t build_slot_mapping(std::span<const BatchSequence> batch, std::size_t group,
                                const KernelBlocks& kernel, std::span<std::int64_t> slots);
+
+/// SGLang's token-granular form (req_to_token): writes each sequence's KV
+/// location for every position it holds (kernel block id * kernel_block_size
+/// + offset: the slot build_slot_mapping gives a new token) into row i of
+/// `locations` (row-major int32 [locations.size() / row_width, row_width]),
+/// null_block for positions a window or chunk released, past the sequence's
+/// end and in rows past the batch. Errors as build_block_table_rows (a
+/// sequence longer than row_width tokens, named).
+void build_token_locations(std::span<const BatchSequence> batch, std::size_t group,
+                           const KernelBlocks& kernel, std::size_t row_width,
+                           std::span<std::int32_t> locations);
 
 /// FlashInfer's paged-KV description of a batch (BatchDecode/BatchPrefill
 /// with paged KV; BatchMLAPagedAttention reads kv_len instead of
