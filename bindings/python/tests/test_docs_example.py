@@ -27,3 +27,13 @@ def test_docs_hybrid_example_runs(capsys):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, str(DOC), "exec"), {})
     assert "KvCacheGroup(state(" in capsys.readouterr().out
+
+
+def test_docs_engine_step_runs(capsys):
+    if not DOC.exists():
+        pytest.skip(f"{DOC} not found")
+    section = DOC.read_text().split("## An engine's step", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, str(DOC), "exec"), {})
+    assert "hit 80 tokens; attention exact for 93 and 84 tokens" in capsys.readouterr().out
+
