@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The end-to-end statement: the KV kvport serves gives the right attention.
-// A decode loop over a full-attention group and a sliding-window group (the
+// A decode loop over full-attention, sliding-window, chunked and MLA groups (the
 // reference model of kvport/testing/paged_attention.hpp) serves many
 // requests through HybridBlockTables: shared prefixes hitting the cache,
 // forks with copy-on-write, preemption and recompute, speculative steps
@@ -26,12 +26,16 @@ using testing::PagedAttentionModel;
 
 constexpr std::size_t kBs = 4;
 
+// Window W = 8, full attention, chunked local C = 8, and (with a pool per
+// group) MLA: its pages (a 16-value latent, no V) differ from the others',
+// so a shared pool holds the first three.
 HybridKvCacheConfig model(bool shared) {
-  (void)shared;
   HybridKvCacheConfig c;
   c.block_size = kBs;
-  c.layers = {LayerSpec::sliding_window(8, 1, PagedAttentionModel::kDim, PagedAttentionModel::kDim),
-              LayerSpec::full_attention(1, PagedAttentionModel::kDim, PagedAttentionModel::kDim)};
+  constexpr std::size_t d = PagedAttentionModel::kDim;
+  c.layers = {LayerSpec::sliding_window(8, 1, d, d), LayerSpec::full_attention(1, d, d),
+              LayerSpec::chunked_local(8, 1, d, d)};
+  if (!shared) c.layers.push_back(LayerSpec::mla(8, 8));
   return c;
 }
 
@@ -151,9 +155,9 @@ TEST(AttentionExactness, EveryStepEqualsTheDenseRecomputation) {
     HybridPoolSizes sizes;
     if (shared) {
       sizes.shared_blocks = 64;
-      sizes.group_blocks = {0, 0};
+      sizes.group_blocks = {0, 0, 0};
     } else {
-      sizes.group_blocks = {48, 48};
+      sizes.group_blocks = {48, 48, 48, 48};
     }
     HybridKvCache cache(model(shared), sizes, *backend);
     Counts counts;
@@ -174,7 +178,7 @@ TEST(AttentionExactness, EveryStepEqualsTheDenseRecomputation) {
 TEST(AttentionExactness, AStaleSlotIsFound) {
   std::unique_ptr<Backend> backend = test::host_backend();
   Stream stream = backend->create_stream();
-  HybridKvCache cache(model(false), std::vector<std::size_t>{16, 16}, *backend);
+  HybridKvCache cache(model(false), std::vector<std::size_t>{16, 16, 16, 16}, *backend);
   PagedAttentionModel m(cache, stream);
   HybridBlockTable t(cache);
   const std::vector<TokenId> p = test::tokens(6, 1);

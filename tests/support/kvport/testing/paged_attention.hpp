@@ -33,7 +33,7 @@ namespace kvport::testing {
 
 class PagedAttentionModel {
  public:
-  static constexpr std::size_t kDim = 8;
+  static constexpr std::size_t kDim = 8;     // head dim of the attention groups
   static constexpr std::int32_t kNull = -1;  // the rows' null block: never read
 
   explicit PagedAttentionModel(HybridKvCache& cache, StreamView stream)
@@ -52,7 +52,7 @@ class PagedAttentionModel {
       (void)build_slot_mapping({&seq, 1}, g, KernelBlocks{}, slots);
       for (std::size_t i = 0; i < n; ++i) {
         const std::size_t pos = all.size() - n + i;
-        write_token(g, slots[i], kv(g, h[pos], false), kv(g, h[pos], true));
+        write_token(g, slots[i], kv(g, h[pos], false), kv(g, h[pos], true));  // V empty for MLA
       }
     }
   }
@@ -81,9 +81,9 @@ class PagedAttentionModel {
         block = cache_.group_cache(g).read_block(0, static_cast<BlockId>(b), stream_);
         read = b;
       }
-      keys.push_back(token_of(block, pos % bs));
+      keys.push_back(token_of(g, block, pos % bs));
     }
-    return attend(query(prefix_hashes(all).back()), keys);
+    return attend(query(g, prefix_hashes(all).back()), keys, value_dim(g));
   }
 
   /// The same from the tokens alone.
@@ -93,7 +93,7 @@ class PagedAttentionModel {
     std::vector<Kv> keys;
     for (std::size_t pos = first_key(g, all.size()); pos < all.size(); ++pos)
       keys.push_back(Kv{kv(g, h[pos], false), kv(g, h[pos], true)});
-    return attend(query(h.back()), keys);
+    return attend(query(g, h.back()), keys, value_dim(g));
   }
 
  private:
@@ -137,57 +137,81 @@ class PagedAttentionModel {
     std::memcpy(&f, &bits, 4);
     return f;
   }
-  static Vec kv(std::size_t g, std::uint64_t prefix, bool v) {
-    Vec out(kDim);
-    for (std::size_t d = 0; d < kDim; ++d)
+  // Elements of a key (one head, bf16: the K region of one token) and of a
+  // stored value (0 for MLA, which stores none).
+  std::size_t key_dim(std::size_t g) const {
+    return cache_.group_cache(g).k_block_bytes(0) / (cache_.block_size() * 2);
+  }
+  std::size_t stored_value_dim(std::size_t g) const {
+    return cache_.group_cache(g).v_block_bytes(0) / (cache_.block_size() * 2);
+  }
+  // What attention takes as the value: the stored V, or MLA's latent.
+  std::size_t value_dim(std::size_t g) const {
+    const LayerSpec& spec = cache_.group(g).spec;
+    return spec.kind == LayerKind::mla ? spec.kv_lora_rank : stored_value_dim(g);
+  }
+  Vec kv(std::size_t g, std::uint64_t prefix, bool v) const {
+    Vec out(v ? stored_value_dim(g) : key_dim(g));
+    for (std::size_t d = 0; d < out.size(); ++d)
       out[d] = bf16_of(mix(prefix ^ mix((g + 1) * 131 + d * 7 + (v ? 1000 : 0))));
     return out;
   }
-  static Vec query(std::uint64_t prefix) { return kv(99, prefix, false); }
+  Vec query(std::size_t g, std::uint64_t prefix) const {
+    Vec out(key_dim(g));
+    for (std::size_t d = 0; d < out.size(); ++d)
+      out[d] = bf16_of(mix(prefix ^ mix(99 * 131 + d * 7)));
+    return out;
+  }
 
   // The first key position a query at position n - 1 attends.
   std::size_t first_key(std::size_t g, std::size_t n) const {
     const LayerSpec& spec = cache_.group(g).spec;
     if (spec.kind == LayerKind::sliding_window && n > spec.window) return n - spec.window;
+    if (spec.kind == LayerKind::chunked_local) return (n - 1) / spec.chunk * spec.chunk;
     return 0;
   }
 
-  static std::vector<float> attend(const Vec& q, const std::vector<Kv>& keys) {
+  // softmax(q . k / sqrt(dim)) over the keys, times each key's value: its
+  // stored V, or (no V stored: MLA) the first `vdim` values of its key.
+  static std::vector<float> attend(const Vec& q, const std::vector<Kv>& keys, std::size_t vdim) {
     std::vector<float> scores(keys.size());
     float top = -INFINITY;
     for (std::size_t i = 0; i < keys.size(); ++i) {
       float s = 0;
-      for (std::size_t d = 0; d < kDim; ++d)
+      for (std::size_t d = 0; d < q.size(); ++d)
         s += float_of(q[d]) * float_of(keys[i].k[d]);
-      scores[i] = s / std::sqrt(static_cast<float>(kDim));
+      scores[i] = s / std::sqrt(static_cast<float>(q.size()));
       top = std::max(top, scores[i]);
     }
     float sum = 0;
     for (float& s : scores)
       sum += (s = std::exp(s - top));
-    std::vector<float> out(kDim, 0.0f);
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      for (std::size_t d = 0; d < kDim; ++d)
-        out[d] += scores[i] / sum * float_of(keys[i].v[d]);
+    std::vector<float> out(vdim, 0.0f);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      const Vec& value = keys[i].v.empty() ? keys[i].k : keys[i].v;
+      for (std::size_t d = 0; d < vdim; ++d)
+        out[d] += scores[i] / sum * float_of(value[d]);
+    }
     return out;
   }
 
   // One token's K and V in group g's single layer (block layout:
-  // [block_size][1 head][kDim] bf16, K and V regions apart).
+  // [block_size][1 head][dim] bf16, K and V regions apart; no V for MLA).
   void write_token(std::size_t g, std::int64_t slot, const Vec& k, const Vec& v) {
     PagedKvCache& pool = cache_.group_cache(g);
     const std::size_t bs = cache_.block_size();
     const auto block = static_cast<BlockId>(static_cast<std::size_t>(slot) / bs);
-    const std::size_t at = static_cast<std::size_t>(slot) % bs * kDim * 2;
+    const std::size_t offset = static_cast<std::size_t>(slot) % bs;
     PagedKvCache::HostBlock hb = pool.read_block(0, block, stream_);
-    std::memcpy(hb.k.data() + at, k.data(), kDim * 2);
-    std::memcpy(hb.v.data() + at, v.data(), kDim * 2);
+    std::memcpy(hb.k.data() + offset * k.size() * 2, k.data(), k.size() * 2);
+    if (!v.empty()) std::memcpy(hb.v.data() + offset * v.size() * 2, v.data(), v.size() * 2);
     pool.write_block(0, block, hb.k, hb.v, stream_);
   }
-  static Kv token_of(const PagedKvCache::HostBlock& hb, std::size_t offset) {
-    Kv out{Vec(kDim), Vec(kDim)};
-    std::memcpy(out.k.data(), hb.k.data() + offset * kDim * 2, kDim * 2);
-    std::memcpy(out.v.data(), hb.v.data() + offset * kDim * 2, kDim * 2);
+  Kv token_of(std::size_t g, const PagedKvCache::HostBlock& hb, std::size_t offset) const {
+    Kv out{Vec(key_dim(g)), Vec(stored_value_dim(g))};
+    std::memcpy(out.k.data(), hb.k.data() + offset * out.k.size() * 2, out.k.size() * 2);
+    if (!out.v.empty())
+      std::memcpy(out.v.data(), hb.v.data() + offset * out.v.size() * 2, out.v.size() * 2);
     return out;
   }
 
