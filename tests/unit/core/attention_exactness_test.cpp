@@ -15,7 +15,9 @@
 #include <vector>
 
 #include "core_test_util.hpp"
+#include "kvport/core/host_tier.hpp"
 #include "kvport/core/hybrid_block_table.hpp"
+#include "kvport/core/hybrid_host_tier.hpp"
 #include "kvport/core/hybrid_kv_cache.hpp"
 #include "kvport/testing/paged_attention.hpp"
 
@@ -48,10 +50,11 @@ struct Counts {
   std::size_t checked = 0;
 };
 
-// Runs `steps` random engine steps over `cache`; returns "" or the first
-// difference.
+// Runs `steps` random engine steps over `cache` (with `tier` under its
+// groups: offloads and polls too, so blocks go to the host and come back);
+// returns "" or the first difference.
 std::string run_loop(HybridKvCache& cache, StreamView stream, std::uint32_t seed, std::size_t steps,
-                     Counts& counts) {
+                     Counts& counts, HybridHostTier* tier = nullptr) {
   PagedAttentionModel m(cache, stream);
   std::mt19937 rng(seed);
   std::vector<std::unique_ptr<HybridBlockTable>> live;
@@ -124,6 +127,10 @@ std::string run_loop(HybridKvCache& cache, StreamView stream, std::uint32_t seed
       ++counts.preemptions;
     } else if (op < 7) {  // finish
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(rng() % live.size()));
+    } else if (op == 9 && tier != nullptr) {  // write cached blocks back to the host
+      for (std::size_t g = 0; g < tier->num_groups(); ++g)
+        if (HostTier* t = tier->group_tier(g)) (void)t->offload(rng() % 4);
+      tier->poll();
     } else {  // decode one token in every request that fits
       for (auto& t : live) {
         if (t->num_tokens() > 60 || !t->can_append(1)) continue;
@@ -131,6 +138,7 @@ std::string run_loop(HybridKvCache& cache, StreamView stream, std::uint32_t seed
         t->append_tokens({&tok, 1}, stream);
         m.write_new(*t, 1);
       }
+      if (tier != nullptr) tier->poll();
     }
     for (const auto& t : live) {
       for (std::size_t g = 0; g < cache.num_groups(); ++g) {
@@ -172,6 +180,28 @@ TEST(AttentionExactness, EveryStepEqualsTheDenseRecomputation) {
     const InvariantReport r = cache.check_invariants();
     EXPECT_TRUE(r.ok) << r.to_string();
   }
+}
+
+// The same loop with a host tier under every group and small device pools:
+// blocks are written back to the host, evicted on the device, and hits bring
+// them back (onloads) before attention reads them.
+TEST(AttentionExactness, BlocksBackFromTheHostTierAttendExactly) {
+  std::unique_ptr<Backend> backend = test::host_backend();
+  Stream stream = backend->create_stream();
+  HybridKvCache cache(model(false), std::vector<std::size_t>{24, 24, 24, 24}, *backend);
+  HybridHostTierOptions o;
+  o.slots_per_group = {32, 32, 32, 32};
+  o.offload_batch = 4;
+  HybridHostTier tier(cache, o, stream);
+  Counts counts;
+  const std::string diff = run_loop(cache, stream, 11u, 300, counts, &tier);
+  ASSERT_EQ(diff, "");
+  EXPECT_GT(counts.hits, 10u);
+  EXPECT_GT(cache.hit_counters().lower_tier_blocks, 0u) << "some hits must come from the host";
+  EXPECT_GT(tier.total_counters().offloads, 0u);
+  EXPECT_GT(counts.checked, 500u);
+  const InvariantReport r = tier.check_invariants();
+  EXPECT_TRUE(r.ok) << r.to_string();
 }
 
 // The check can fail: a KV slot written for the wrong position is found.
