@@ -34,6 +34,23 @@ std::vector<BatchSequence> batch_of(const std::vector<const PyHybridTable*>& tab
   return batch;
 }
 
+// The int32 [num_rows, row_width] array a row builder (block-table rows or
+// token locations) writes.
+using RowBuilder = void (*)(std::span<const BatchSequence>, std::size_t, const KernelBlocks&,
+                            std::size_t, std::span<std::int32_t>);
+py::array_t<std::int32_t> rows_of(RowBuilder build, const std::vector<const PyHybridTable*>& tables,
+                                  const std::vector<std::size_t>& new_tokens, std::size_t group,
+                                  std::size_t row_width, std::optional<std::size_t> num_rows,
+                                  std::size_t kernel_block_size, std::int32_t null_block) {
+  const std::vector<BatchSequence> batch = batch_of(tables, new_tokens);
+  const std::size_t rows = num_rows.value_or(batch.size());
+  py::array_t<std::int32_t> out(
+      {static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_width)});
+  build(batch, group, KernelBlocks{kernel_block_size, null_block}, row_width,
+        {out.mutable_data(), rows * row_width});
+  return out;
+}
+
 template <class T>
 py::array_t<T> int_array(const std::vector<T>& v) {
   py::array_t<T> out(static_cast<py::ssize_t>(v.size()));
@@ -53,13 +70,8 @@ void bind_batch_view(py::module_& m) {
          const std::vector<std::size_t>& new_tokens, std::size_t group, std::size_t row_width,
          std::optional<std::size_t> num_rows, std::size_t kernel_block_size,
          std::int32_t null_block) {
-        const std::vector<BatchSequence> batch = batch_of(tables, new_tokens);
-        const std::size_t rows = num_rows.value_or(batch.size());
-        py::array_t<std::int32_t> out(
-            {static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_width)});
-        build_block_table_rows(batch, group, KernelBlocks{kernel_block_size, null_block}, row_width,
-                               {out.mutable_data(), rows * row_width});
-        return out;
+        return rows_of(&build_block_table_rows, tables, new_tokens, group, row_width, num_rows,
+                       kernel_block_size, null_block);
       },
       py::arg("tables"), py::arg("num_new_tokens"), py::arg("group"), py::kw_only(),
       py::arg("row_width"), py::arg("num_rows") = py::none(), py::arg("kernel_block_size") = 0,
@@ -72,13 +84,8 @@ void bind_batch_view(py::module_& m) {
          const std::vector<std::size_t>& new_tokens, std::size_t group, std::size_t row_width,
          std::optional<std::size_t> num_rows, std::size_t kernel_block_size,
          std::int32_t null_block) {
-        const std::vector<BatchSequence> batch = batch_of(tables, new_tokens);
-        const std::size_t rows = num_rows.value_or(batch.size());
-        py::array_t<std::int32_t> out(
-            {static_cast<py::ssize_t>(rows), static_cast<py::ssize_t>(row_width)});
-        build_token_locations(batch, group, KernelBlocks{kernel_block_size, null_block}, row_width,
-                              {out.mutable_data(), rows * row_width});
-        return out;
+        return rows_of(&build_token_locations, tables, new_tokens, group, row_width, num_rows,
+                       kernel_block_size, null_block);
       },
       py::arg("tables"), py::arg("num_new_tokens"), py::arg("group"), py::kw_only(),
       py::arg("row_width"), py::arg("num_rows") = py::none(), py::arg("kernel_block_size") = 0,
