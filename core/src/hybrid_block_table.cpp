@@ -275,14 +275,17 @@ std::size_t HybridBlockTable::short_group(const Plan& plan, const PoolNeed& shar
   return plan.groups.size();
 }
 
-bool HybridBlockTable::can_append(std::size_t num_tokens) const {
-  const Plan plan = plan_append(num_tokens);
+bool HybridBlockTable::plan_fits(std::size_t num_tokens, bool draft) const {
+  const Plan plan = plan_append(num_tokens, draft);
   return short_group(plan, shared_need(plan)) == plan.groups.size();
 }
 
+bool HybridBlockTable::can_append(std::size_t num_tokens) const {
+  return plan_fits(num_tokens, /*draft=*/false);
+}
+
 bool HybridBlockTable::can_append_draft(std::size_t num_tokens) const {
-  const Plan plan = plan_append(num_tokens, /*draft=*/true);
-  return short_group(plan, shared_need(plan)) == plan.groups.size();
+  return plan_fits(num_tokens, /*draft=*/true);
 }
 
 bool HybridBlockTable::checkpoint_due() const noexcept {
@@ -316,13 +319,16 @@ bool HybridBlockTable::fits_in_place(std::size_t num_tokens, bool draft) const {
 }
 
 void HybridBlockTable::append_tokens(std::span<const TokenId> tokens, StreamView stream) {
+  require_no_drafts("append_tokens");
+  append(tokens, stream, /*draft=*/false);
+}
+
+void HybridBlockTable::require_no_drafts(const char* call) const {
   if (!draft_.empty()) {
     throw InvalidArgument(fmt::format(
-        "HybridBlockTable::append_tokens: the table holds {} draft tokens; commit or truncate "
-        "them first",
-        draft_.size()));
+        "HybridBlockTable::{}: the table holds {} draft tokens; commit or truncate them first",
+        call, draft_.size()));
   }
-  append(tokens, stream, /*draft=*/false);
 }
 
 void HybridBlockTable::append_draft(std::span<const TokenId> tokens, StreamView stream) {
@@ -448,20 +454,7 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
       if (!grp.state && next != fresh[g].end()) grp.state = *next++;
       grp.draft_states.insert(grp.draft_states.end(), next, fresh[g].end());  // reserved
       if (checkpoint[g]) {
-        PrefixCache& prefix = cache_->prefix_cache(g);
-        // The checkpoint is the state after block k: announced as block k
-        // (its hash, parent and tokens), as vLLM announces a mamba group's
-        // cached blocks.
-        const std::size_t k = n / block_size_ - 1;
-        BlockOrigin origin;
-        if (k > 0) origin.parent = hashes_[k - 1];
-        origin.tokens = std::span<const TokenId>(tokens_).subspan(k * block_size_, block_size_);
-        origin.extra_key = extra_key_;
-        try {
-          (void)prefix.insert(hashes_[k], *checkpoint[g], origin);
-          ++cache_->hit_counters().state_checkpoints;
-        } catch (...) {  // out of memory for the index: no checkpoint
-        }
+        (void)cache_checkpoint(g, n / block_size_ - 1, *checkpoint[g]);
         release_block(g, *checkpoint[g]);  // cached: evictable; else freed
       }
       continue;
@@ -489,6 +482,23 @@ void HybridBlockTable::append(std::span<const TokenId> tokens, StreamView stream
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   register_full_blocks();
   keep_shared_point();
+}
+
+bool HybridBlockTable::cache_checkpoint(std::size_t g, std::size_t k, BlockId slot) noexcept {
+  // The checkpoint is the state after block k: announced as block k (its
+  // hash, parent and tokens), as vLLM announces a mamba group's cached
+  // blocks.
+  BlockOrigin origin;
+  if (k > 0) origin.parent = hashes_[k - 1];
+  origin.tokens = std::span<const TokenId>(tokens_).subspan(k * block_size_, block_size_);
+  origin.extra_key = extra_key_;
+  try {
+    (void)cache_->prefix_cache(g).insert(hashes_[k], slot, origin);
+    ++cache_->hit_counters().state_checkpoints;
+    return true;
+  } catch (...) {  // out of memory for the index: no checkpoint
+    return false;
+  }
 }
 
 void HybridBlockTable::commit(std::size_t n) {
@@ -523,21 +533,10 @@ void HybridBlockTable::commit_states(std::size_t before, std::size_t n) noexcept
       const std::size_t at = before + i + 1;  // tokens the state is after
       // A checkpoint's position: the slot is the checkpoint, cached under
       // the hash of the block it ends (as append_tokens caches a copy).
-      if (interval > 0 && at % interval == 0 && cache_->caches_prefixes()) {
-        const std::size_t k = at / block_size_ - 1;
-        PrefixCache& prefix = cache_->prefix_cache(g);
-        if (!prefix.find(hashes_[k])) {
-          BlockOrigin origin;
-          if (k > 0) origin.parent = hashes_[k - 1];
-          origin.tokens = std::span<const TokenId>(tokens_).subspan(k * block_size_, block_size_);
-          origin.extra_key = extra_key_;
-          try {
-            (void)prefix.insert(hashes_[k], slot, origin);
-            ++cache_->hit_counters().state_checkpoints;
-            checkpointed_at_ = at;
-          } catch (...) {  // out of memory for the index: no checkpoint
-          }
-        }
+      if (interval > 0 && at % interval == 0 && cache_->caches_prefixes() &&
+          !cache_->prefix_cache(g).find(hashes_[at / block_size_ - 1]) &&
+          cache_checkpoint(g, at / block_size_ - 1, slot)) {
+        checkpointed_at_ = at;
       }
       release_block(g, slot);  // cached: evictable; else freed
     }
@@ -1146,12 +1145,7 @@ void HybridBlockTable::keep_hit_point() noexcept {
 }
 
 HybridBlockTable HybridBlockTable::fork(StreamView stream) const {
-  if (!draft_.empty()) {
-    throw InvalidArgument(
-        fmt::format("HybridBlockTable::fork: the table holds {} draft tokens; commit or truncate "
-                    "them first",
-                    draft_.size()));
-  }
+  require_no_drafts("fork");
   HybridBlockTable child(*cache_, extra_key_);
   child.hit_mode_ = hit_mode_;
   child.keep_shared_ = keep_shared_;

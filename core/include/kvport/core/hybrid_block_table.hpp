@@ -286,6 +286,10 @@ class HybridBlockTable {
   Plan plan_append(std::size_t num_tokens, bool draft = false) const;
   // append_tokens (committed) and append_draft (`draft`).
   void append(std::span<const TokenId> tokens, StreamView stream, bool draft);
+  // Whether plan_append(num_tokens, draft) finds every block it needs.
+  bool plan_fits(std::size_t num_tokens, bool draft) const;
+  // InvalidArgument naming `call` while the table holds draft tokens.
+  void require_no_drafts(const char* call) const;
   // Replaces `into` (group g's kept references) with one more reference on
   // each live block g needs for a hit ending at block `end_block`; none for
   // full attention, MLA and state. Keeps nothing when that fails.
@@ -328,6 +332,10 @@ class HybridBlockTable {
   // committed after `before` tokens becomes the working state; those at a
   // checkpoint's position are cached as checkpoints; the rest are freed.
   void commit_states(std::size_t before, std::size_t n) noexcept;
+  // Caches state slot `slot` of group g as the checkpoint after block k
+  // (under hashes_[k], announced with its origin); false when the index had
+  // no room (no checkpoint).
+  bool cache_checkpoint(std::size_t g, std::size_t k, BlockId slot) noexcept;
   void release_before(std::size_t g, std::size_t first) noexcept;
   // PrefixCache::release (release_demoted with `demoted`; free_block over a
   // plain cache) that never throws.
