@@ -14,12 +14,16 @@ namespace kvport {
 
 namespace {
 
+constexpr std::size_t kInt32Max =
+    static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max());
+
 // What every builder checks first: the group's block lists and the kernel's
 // geometry. `k`: kernel blocks per cache block.
 struct Geometry {
   std::size_t block_size = 0;
   std::size_t kernel_block_size = 0;
   std::size_t k = 1;
+  std::size_t num_blocks = 0;  // the group's pool
 };
 
 Geometry check_batch(std::span<const BatchSequence> batch, std::size_t group,
@@ -55,12 +59,11 @@ Geometry check_batch(std::span<const BatchSequence> batch, std::size_t group,
                     geo.kernel_block_size, geo.block_size));
   }
   geo.k = geo.block_size / geo.kernel_block_size;
-  const std::size_t max_kernel_id =
-      (cache->group_cache(group).num_blocks()) * geo.k;  // one past the largest
-  if (max_kernel_id > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+  geo.num_blocks = cache->group_cache(group).num_blocks();
+  if (geo.num_blocks * geo.k > kInt32Max) {  // one past the largest kernel block id
     throw InvalidArgument(
         fmt::format("{}: group {}'s {} blocks of {} kernel blocks each do not fit int32 ids", who,
-                    group, cache->group_cache(group).num_blocks(), geo.k));
+                    group, geo.num_blocks, geo.k));
   }
   return geo;
 }
@@ -92,10 +95,20 @@ void expand(const HybridBlockTable& table, std::size_t group, const Geometry& ge
   }
 }
 
-// Token slots of `group`'s pool (blocks * block size).
-std::size_t cache_slots(std::span<const BatchSequence> batch, std::size_t group,
-                        const Geometry& geo) {
-  return batch.front().table->cache().group_cache(group).num_blocks() * geo.block_size;
+// The KV slot of position `pos` in `block`: block * block_size + offset,
+// which is kernel block * kernel_block_size + offset in the kernel's blocks.
+std::size_t token_slot(BlockId block, std::size_t pos, const Geometry& geo) {
+  return std::size_t{block} * geo.block_size + pos % geo.block_size;
+}
+
+// `size` entries are rows of `row_width`, one for each of `sequences` at
+// least.
+void check_row_shape(std::size_t sequences, std::size_t row_width, std::size_t size,
+                     const char* who) {
+  if (row_width == 0 || size % row_width != 0 || size / row_width < sequences) {
+    throw InvalidArgument(fmt::format("{}: {} entries are not rows of width {} for {} sequences",
+                                      who, size, row_width, sequences));
+  }
 }
 
 }  // namespace
@@ -115,10 +128,7 @@ void build_block_table_rows(std::span<const BatchSequence> batch, std::size_t gr
                             std::span<std::int32_t> rows) {
   constexpr const char* kWho = "build_block_table_rows";
   const Geometry geo = check_batch(batch, group, kernel, kWho);
-  if (row_width == 0 || rows.size() % row_width != 0 || rows.size() / row_width < batch.size()) {
-    throw InvalidArgument(fmt::format("{}: {} entries are not rows of width {} for {} sequences",
-                                      kWho, rows.size(), row_width, batch.size()));
-  }
+  check_row_shape(batch.size(), row_width, rows.size(), kWho);
   for (std::size_t i = 0; i < batch.size(); ++i) {
     const std::size_t n = kernel_blocks_of(*batch[i].table, geo);
     if (n > row_width) {
@@ -165,10 +175,7 @@ std::size_t build_slot_mapping(std::span<const BatchSequence> batch, std::size_t
     const std::span<const BlockId> blocks = s.table->blocks(group);
     for (std::size_t pos = s.table->num_tokens() - s.num_new_tokens; pos < s.table->num_tokens();
          ++pos) {
-      const std::size_t kernel_block = std::size_t{blocks[pos / geo.block_size]} * geo.k +
-                                       (pos % geo.block_size) / geo.kernel_block_size;
-      slots[at++] = static_cast<std::int64_t>(kernel_block * geo.kernel_block_size +
-                                              pos % geo.kernel_block_size);
+      slots[at++] = static_cast<std::int64_t>(token_slot(blocks[pos / geo.block_size], pos, geo));
     }
   }
   std::fill(slots.begin() + static_cast<std::ptrdiff_t>(at), slots.end(), std::int64_t{-1});
@@ -180,21 +187,16 @@ void build_token_locations(std::span<const BatchSequence> batch, std::size_t gro
                            std::span<std::int32_t> locations) {
   constexpr const char* kWho = "build_token_locations";
   const Geometry geo = check_batch(batch, group, kernel, kWho);
-  if (row_width == 0 || locations.size() % row_width != 0 ||
-      locations.size() / row_width < batch.size()) {
-    throw InvalidArgument(fmt::format("{}: {} entries are not rows of width {} for {} sequences",
-                                      kWho, locations.size(), row_width, batch.size()));
-  }
+  check_row_shape(batch.size(), row_width, locations.size(), kWho);
   for (std::size_t i = 0; i < batch.size(); ++i) {
     if (batch[i].table->num_tokens() > row_width) {
       throw InvalidArgument(fmt::format("{}: sequence {} holds {} tokens, more than a row of {}",
                                         kWho, i, batch[i].table->num_tokens(), row_width));
     }
   }
-  const std::size_t max_slot = cache_slots(batch, group, geo);
-  if (max_slot > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
-    throw InvalidArgument(
-        fmt::format("{}: group {}'s {} token slots do not fit int32", kWho, group, max_slot));
+  if (geo.num_blocks * geo.block_size > kInt32Max) {
+    throw InvalidArgument(fmt::format("{}: group {}'s {} token slots do not fit int32", kWho, group,
+                                      geo.num_blocks * geo.block_size));
   }
   std::fill(locations.begin(), locations.end(), kernel.null_block);
   for (std::size_t i = 0; i < batch.size(); ++i) {
@@ -204,9 +206,7 @@ void build_token_locations(std::span<const BatchSequence> batch, std::size_t gro
     for (std::size_t pos = 0; pos < t.num_tokens(); ++pos) {
       const BlockId b = blocks[pos / geo.block_size];
       if (b == kNullBlock) continue;
-      // The same token slot whatever the kernel block size.
-      row[static_cast<std::ptrdiff_t>(pos)] =
-          static_cast<std::int32_t>(std::size_t{b} * geo.block_size + pos % geo.block_size);
+      row[static_cast<std::ptrdiff_t>(pos)] = static_cast<std::int32_t>(token_slot(b, pos, geo));
     }
   }
 }
@@ -219,7 +219,7 @@ FlashInferPages build_flashinfer_pages(std::span<const BatchSequence> batch, std
   std::size_t pages = 0;
   for (const BatchSequence& s : batch)
     pages += kernel_blocks_of(*s.table, geo);
-  if (pages > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+  if (pages > kInt32Max) {
     throw InvalidArgument(
         fmt::format("build_flashinfer_pages: {} pages do not fit int32 indptr", pages));
   }
