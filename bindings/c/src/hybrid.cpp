@@ -760,6 +760,17 @@ kvport::KernelBlocks kernel_of(const kvport_batch* batch) {
   return kvport::KernelBlocks{batch->kernel_block_size, batch->null_block};
 }
 
+// A row builder (block-table rows or token locations) writing `num_rows`
+// rows of `row_width` int32 at `out`.
+kvport_status build_rows(kvport::BatchRowBuilder build, const kvport_batch* batch, size_t row_width,
+                         int32_t* out, size_t num_rows, const char* what) {
+  return guard([&] {
+    const std::vector<kvport::BatchSequence> b = batch_of(batch);
+    if (num_rows > 0) require(out, what);
+    build(b, batch->group, kernel_of(batch), row_width, {out, num_rows * row_width});
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -770,22 +781,13 @@ kvport_status kvport_vllm_row_width(size_t max_model_len, size_t kernel_block_si
 
 kvport_status kvport_build_block_table_rows(const kvport_batch* batch, size_t row_width,
                                             int32_t* rows, size_t num_rows) {
-  return guard([&] {
-    const std::vector<kvport::BatchSequence> b = batch_of(batch);
-    if (num_rows > 0) require(rows, "rows");
-    kvport::build_block_table_rows(b, batch->group, kernel_of(batch), row_width,
-                                   {rows, num_rows * row_width});
-  });
+  return build_rows(&kvport::build_block_table_rows, batch, row_width, rows, num_rows, "rows");
 }
 
 kvport_status kvport_build_token_locations(const kvport_batch* batch, size_t row_width,
                                            int32_t* locations, size_t num_rows) {
-  return guard([&] {
-    const std::vector<kvport::BatchSequence> b = batch_of(batch);
-    if (num_rows > 0) require(locations, "locations");
-    kvport::build_token_locations(b, batch->group, kernel_of(batch), row_width,
-                                  {locations, num_rows * row_width});
-  });
+  return build_rows(&kvport::build_token_locations, batch, row_width, locations, num_rows,
+                    "locations");
 }
 
 kvport_status kvport_build_slot_mapping(const kvport_batch* batch, int64_t* slots, size_t num_slots,

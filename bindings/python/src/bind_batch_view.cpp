@@ -36,9 +36,8 @@ std::vector<BatchSequence> batch_of(const std::vector<const PyHybridTable*>& tab
 
 // The int32 [num_rows, row_width] array a row builder (block-table rows or
 // token locations) writes.
-using RowBuilder = void (*)(std::span<const BatchSequence>, std::size_t, const KernelBlocks&,
-                            std::size_t, std::span<std::int32_t>);
-py::array_t<std::int32_t> rows_of(RowBuilder build, const std::vector<const PyHybridTable*>& tables,
+py::array_t<std::int32_t> rows_of(BatchRowBuilder build,
+                                  const std::vector<const PyHybridTable*>& tables,
                                   const std::vector<std::size_t>& new_tokens, std::size_t group,
                                   std::size_t row_width, std::optional<std::size_t> num_rows,
                                   std::size_t kernel_block_size, std::int32_t null_block) {

@@ -62,6 +62,11 @@ void build_block_table_rows(std::span<const BatchSequence> batch, std::size_t gr
                             const KernelBlocks& kernel, std::size_t row_width,
                             std::span<std::int32_t> rows);
 
+/// The signature build_block_table_rows and build_token_locations share (the
+/// bindings pass either).
+using BatchRowBuilder = void (*)(std::span<const BatchSequence>, std::size_t, const KernelBlocks&,
+                                 std::size_t, std::span<std::int32_t>);
+
 /// Writes the slot of every new token of `batch`, sequence by sequence,
 /// into `slots` (int64: kernel block id * kernel_block_size + offset in it)
 /// and -1 past them; returns the number of new tokens. A new token whose
