@@ -148,13 +148,7 @@ struct HostTier::State {
 
   void announce(CacheEventSink& to, SlotId s) const noexcept {
     const BlockOrigin origin = host.origin_of(s);
-    BlockStoredView view;
-    view.hashes = {&host.hashes[s], 1};
-    view.parent = origin.parent;
-    view.tokens = origin.tokens;
-    view.block_size = static_cast<std::uint32_t>(host.block_size);
-    view.extra_key = origin.extra_key;
-    to.stored(source, view);
+    to.stored(source, stored_view({&host.hashes[s], 1}, event_block_size(), &origin));
   }
 
   // Frees a filling, ready or quarantined slot (HostSlots::free). A ready

@@ -14,12 +14,8 @@ void LowerTierStore::set_event_sink(CacheEventSink* sink, EventSource source,
 
 void LowerTierStore::snapshot(CacheEventSink& sink) const {
   const std::vector<BlockHash> hashes = stored_hashes();  // may throw: nothing announced
-  BlockStoredView view;
-  view.block_size = block_size_;
-  for (const BlockHash& h : hashes) {
-    view.hashes = {&h, 1};
-    sink.stored(source_, view);
-  }
+  for (const BlockHash& h : hashes)
+    sink.stored(source_, stored_view({&h, 1}, block_size_));
 }
 
 void LowerTierStore::announce_stored(std::span<const BlockHash> hashes,
@@ -31,16 +27,8 @@ void LowerTierStore::announce_stored(std::span<const BlockHash> hashes,
   for (const BlockHash& h : visible) {
     while (i < hashes.size() && hashes[i] != h)
       ++i;
-    BlockStoredView view;
-    view.hashes = {&h, 1};
-    view.block_size = block_size_;
-    if (with_origins && i < hashes.size()) {
-      const BlockOrigin& o = origins[i];
-      view.parent = o.parent;
-      view.tokens = o.tokens;
-      view.extra_key = o.extra_key;
-    }
-    sink_->stored(source_, view);
+    const BlockOrigin* origin = with_origins && i < hashes.size() ? &origins[i] : nullptr;
+    sink_->stored(source_, stored_view({&h, 1}, block_size_, origin));
     if (i < hashes.size()) ++i;
   }
 }

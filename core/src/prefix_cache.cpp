@@ -760,15 +760,8 @@ void PrefixCache::snapshot(CacheEventSink& sink) const {
   std::vector<BlockId> chain;
   auto announce = [&](BlockId b) {
     const Entry& e = s.entries[b];
-    BlockStoredView view;
-    view.hashes = {&e.hash, 1};
-    view.block_size = bs;
-    if (const std::optional<BlockOrigin> o = block_origin(b)) {
-      view.parent = o->parent;
-      view.tokens = o->tokens;
-      view.extra_key = o->extra_key;
-    }
-    sink.stored(s.source, view);
+    const std::optional<BlockOrigin> o = block_origin(b);
+    sink.stored(s.source, stored_view({&e.hash, 1}, bs, o ? &*o : nullptr));
   };
   for (BlockId b : s.index) {
     if (seen[b]) continue;

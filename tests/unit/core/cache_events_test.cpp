@@ -226,6 +226,26 @@ struct Device {
   PrefixCache pc;
 };
 
+TEST(CacheEvents, StoredViewCarriesTheOriginOrNothing) {
+  const BlockHash h{1, 2};
+  const BlockHash parent{3, 4};
+  const std::vector<TokenId> toks{5, 6};
+  BlockOrigin o;
+  o.parent = parent;
+  o.tokens = toks;
+  o.extra_key = 9;
+  const BlockStoredView with = stored_view({&h, 1}, 2, &o);
+  EXPECT_EQ(with.hashes.size(), 1u);
+  EXPECT_EQ(with.block_size, 2u);
+  EXPECT_EQ(with.parent, std::optional<BlockHash>(parent));
+  EXPECT_EQ(with.tokens.size(), 2u);
+  EXPECT_EQ(with.extra_key, 9u);
+  const BlockStoredView bare = stored_view({&h, 1}, 2);
+  EXPECT_FALSE(bare.parent.has_value());
+  EXPECT_TRUE(bare.tokens.empty());
+  EXPECT_EQ(bare.extra_key, 0u);
+}
+
 TEST(PrefixCacheEvents, NoSinkNoCallsAndNoOriginMemory) {
   Device d;
   EXPECT_EQ(d.pc.event_sink(), nullptr);

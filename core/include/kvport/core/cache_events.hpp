@@ -82,6 +82,22 @@ struct BlockOrigin {
   std::uint64_t extra_key = 0;
 };
 
+/// The view of blocks `hashes` (of `block_size` tokens each) registered
+/// with `origin`; nullptr: announced bare, without parent, tokens or extra
+/// key.
+inline BlockStoredView stored_view(std::span<const BlockHash> hashes, std::uint32_t block_size,
+                                   const BlockOrigin* origin = nullptr) noexcept {
+  BlockStoredView view;
+  view.hashes = hashes;
+  view.block_size = block_size;
+  if (origin != nullptr) {
+    view.parent = origin->parent;
+    view.tokens = origin->tokens;
+    view.extra_key = origin->extra_key;
+  }
+  return view;
+}
+
 /// Receives a cache's events. Called on the cache's thread, inside its
 /// operations: must not throw and must not block (a publisher copies into a
 /// bounded buffer and drops, counted, when it is full).
