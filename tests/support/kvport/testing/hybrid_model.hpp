@@ -491,30 +491,9 @@ class HybridDriver {
       drafts[i] = (b & 0x100) != 0 ? static_cast<TokenId>((b >> (9 + i)) % 3)
                                    : static_cast<TokenId>(1000 + next_unique_++);
     const std::size_t committed = t.num_committed();
-    const bool can = t.can_append_draft(k);
-    std::vector<std::size_t> in_use;
-    for (std::size_t g = 0; g < cache_.num_groups(); ++g)
-      in_use.push_back(cache_.blocks_in_use(g));
-    try {
-      cache_call([&] { t.append_draft(drafts, stream_); });
-      if (!can) return "can_append said no, append_draft succeeded";
-      if (compute_stream_failed()) return "";
-    } catch (const BackendError& e) {
-      if (!faulted_) throw;
-      ++faults_thrown_;
-      if (t.num_tokens() != committed)
-        return std::string("a failed append_draft changed the table: ") + e.what();
-      return "";
-    } catch (const CacheExhausted&) {
-      if (can) return "can_append said yes, append_draft threw CacheExhausted";
-      ++refused_;
-      if (t.num_tokens() != committed) return "a refused append_draft changed the table";
-      for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
-        if (cache_.blocks_in_use(g) != in_use[g])
-          return "a refused append_draft changed group " + std::to_string(g) + "'s blocks";
-      }
-      return "";
-    }
+    if (std::string d = append_checked(t, drafts, /*draft=*/true); !d.empty()) return d;
+    // Refused, failed, or the compute stream stopped: no speculative step.
+    if (t.num_draft_tokens() == 0 || stopped_) return "";
     if (t.num_draft_tokens() != k) return "append_draft holds the wrong number of drafts";
     if (const InvariantReport r = t.check_invariants(); !r.ok)
       return "with draft tokens pending: " + r.to_string();
@@ -532,32 +511,46 @@ class HybridDriver {
     return "";
   }
 
-  // Appends; a refusal must leave the table and the groups as they were.
-  std::string append_checked(HybridBlockTable& t, std::span<const TokenId> tokens) {
-    const bool can = t.can_append(tokens.size());
+  // Appends (append_tokens, or append_draft with `draft`); a refusal or a
+  // failed copy must leave the table (and for a refusal the groups) as they
+  // were.
+  std::string append_checked(HybridBlockTable& t, std::span<const TokenId> tokens,
+                             bool draft = false) {
+    const char* call = draft ? "append_draft" : "append_tokens";
+    const bool can = draft ? t.can_append_draft(tokens.size()) : t.can_append(tokens.size());
     const std::vector<TokenId> before(t.tokens().begin(), t.tokens().end());
+    const std::size_t held = t.num_tokens();
+    auto unchanged = [&] {
+      return t.num_tokens() == held &&
+             std::equal(before.begin(), before.end(), t.tokens().begin(), t.tokens().end());
+    };
     std::vector<std::size_t> in_use;
     for (std::size_t g = 0; g < cache_.num_groups(); ++g)
       in_use.push_back(cache_.blocks_in_use(g));
     try {
-      cache_call([&] { t.append_tokens(tokens, stream_); });
-      if (!can) return "can_append said no, append_tokens succeeded";
+      cache_call([&] {
+        if (draft) {
+          t.append_draft(tokens, stream_);
+        } else {
+          t.append_tokens(tokens, stream_);
+        }
+      });
+      if (!can) return std::string("can_append said no, ") + call + " succeeded";
       if (compute_stream_failed()) return "";
-      if (tier_ != nullptr) compute(t, before.size());
+      if (tier_ != nullptr && !draft) compute(t, before.size());
     } catch (const BackendError& e) {
       // A copy of the table's own failed at the call: the table as it was.
       if (!faulted_) throw;
       ++faults_thrown_;
-      if (!std::equal(before.begin(), before.end(), t.tokens().begin(), t.tokens().end()))
-        return std::string("a failed append changed the tokens: ") + e.what();
+      if (!unchanged()) return std::string("a failed ") + call + " changed the tokens: " + e.what();
     } catch (const CacheExhausted&) {
-      if (can) return "can_append said yes, append_tokens threw CacheExhausted";
+      if (can) return std::string("can_append said yes, ") + call + " threw CacheExhausted";
       ++refused_;
-      if (!std::equal(before.begin(), before.end(), t.tokens().begin(), t.tokens().end()))
-        return "a refused append changed the tokens";
+      if (!unchanged()) return std::string("a refused ") + call + " changed the tokens";
       for (std::size_t g = 0; g < cache_.num_groups(); ++g) {
         if (cache_.blocks_in_use(g) != in_use[g])
-          return "a refused append changed group " + std::to_string(g) + "'s blocks";
+          return std::string("a refused ") + call + " changed group " + std::to_string(g) +
+                 "'s blocks";
       }
     }
     return "";
